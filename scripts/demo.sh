@@ -1,0 +1,6 @@
+#!/usr/bin/env bash
+# Set up (if needed) and run the demo: train across 2 processes, save, reshard, resume.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+exec .venv/bin/python examples/demo.py "$@"

@@ -1,0 +1,89 @@
+"""The storage backend interface.
+
+A backend is bound to one checkpoint root (a directory or URL prefix) and is addressed with
+relative POSIX paths such as ``manifest.json`` or ``data/0a1b/0-0.safetensors``.
+
+Call order during a save (every rank holds its own backend object for the same root):
+    1. each rank calls :meth:`Storage.write_file` for the data files it owns;
+    2. after every rank's files are durable, rank 0 alone calls :meth:`Storage.write_atomic`
+       for ``manifest.json``: that call is the commit point;
+    3. rank 0 may then :meth:`Storage.delete` files no committed manifest refers to.
+During a load every rank calls :meth:`Storage.read_file` (manifest) and
+:meth:`Storage.read_into` (byte ranges), from several threads at once.
+
+Methods must be thread-safe. Errors are raised as :class:`tessera.errors.StorageError`
+(or ``FileNotFoundError`` for a missing path) after the backend's own retries.
+"""
+
+from __future__ import annotations
+
+import posixpath
+from collections.abc import Iterable
+from typing import Protocol, runtime_checkable
+
+from ..errors import ManifestError
+
+Buffer = bytes | bytearray | memoryview
+
+
+@runtime_checkable
+class Storage(Protocol):
+    """A place checkpoints live in: local files, host memory, an object store."""
+
+    url: str
+    """The root this backend is bound to, as the user gave it."""
+
+    def write_file(self, path: str, chunks: Iterable[Buffer]) -> None:
+        """Create (or replace) ``path`` with the concatenation of ``chunks``.
+
+        The chunks are consumed in order and may be large views of staging memory; a backend
+        must not keep references to them after returning. On return the file is durable to
+        the backend's guarantee (fsync on local disks, a completed upload on object stores).
+        """
+        ...
+
+    def write_atomic(self, path: str, data: bytes) -> None:
+        """Publish small ``data`` at ``path`` all-or-nothing: readers see the old or the new file."""
+        ...
+
+    def read_file(self, path: str) -> bytes:
+        """The whole content of ``path``."""
+        ...
+
+    def read_into(self, path: str, offset: int, out: memoryview) -> None:
+        """Fill ``out`` with the bytes of ``path`` at ``[offset, offset + len(out))``.
+
+        Raises:
+            StorageError: if the file is shorter than the requested range.
+        """
+        ...
+
+    def size(self, path: str) -> int:
+        """Size of ``path`` in bytes."""
+        ...
+
+    def exists(self, path: str) -> bool:
+        """Whether ``path`` exists."""
+        ...
+
+    def list(self, prefix: str = "") -> list[str]:
+        """Relative paths of all files under ``prefix`` (recursively), sorted."""
+        ...
+
+    def delete(self, paths: Iterable[str]) -> None:
+        """Remove ``paths``; paths that do not exist are ignored."""
+        ...
+
+
+def check_relpath(path: str) -> str:
+    """Return ``path`` normalised, refusing anything that escapes the checkpoint root.
+
+    Raises:
+        ManifestError: for absolute paths, ``..`` components, backslashes or NUL bytes.
+    """
+    if not isinstance(path, str) or not path or "\x00" in path or "\\" in path:
+        raise ManifestError(f"invalid file reference {path!r} in checkpoint")
+    norm = posixpath.normpath(path)
+    if norm.startswith("/") or norm == ".." or norm.startswith("../") or norm == "." or ":" in norm.split("/")[0]:
+        raise ManifestError(f"file reference {path!r} points outside the checkpoint directory; refusing it")
+    return norm

@@ -1,0 +1,173 @@
+"""Local or shared POSIX filesystem backend.
+
+Data files are written with large sequential ``os.write`` calls and fsync'ed; the manifest
+is committed by writing a temporary file, fsync, ``os.replace`` and an fsync of the
+directory, so a crash leaves either the old or the new manifest. Range reads use ``pread``
+on a per-thread cache of open descriptors.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import uuid
+from collections.abc import Iterable
+from urllib.parse import urlparse
+
+from ..errors import StorageError
+from .base import Buffer, check_relpath
+
+
+def local_root(url: str) -> str:
+    """The filesystem path of a plain path or ``file://`` URL."""
+    if url.startswith("file://"):
+        return urlparse(url).path
+    return url
+
+
+class FileStorage:
+    """Checkpoint storage on a local or shared filesystem.
+
+    Args:
+        url: a directory path or ``file://`` URL (created on first write).
+        durable: fsync data files, the manifest and directories before a save returns.
+            Turning it off is faster and still atomic against process crashes, but not
+            against power loss or a kernel crash.
+    """
+
+    def __init__(self, url: str, *, durable: bool = True) -> None:
+        self.url = url
+        self.root = os.path.abspath(local_root(url))
+        self.durable = durable
+        self._fds = threading.local()
+
+    def _abs(self, path: str) -> str:
+        return os.path.join(self.root, check_relpath(path))
+
+    def _fsync_dir(self, path: str) -> None:
+        if not self.durable:
+            return
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def _makedirs(self, directory: str) -> None:
+        if os.path.isdir(directory):
+            return
+        os.makedirs(directory, exist_ok=True)
+        # Make the new directory entries themselves durable, up to the root's parent.
+        d = directory
+        while self.durable and d.startswith(self.root) and d != os.path.dirname(self.root):
+            self._fsync_dir(os.path.dirname(d))
+            if d == self.root:
+                break
+            d = os.path.dirname(d)
+
+    def write_file(self, path: str, chunks: Iterable[Buffer]) -> None:
+        full = self._abs(path)
+        self._makedirs(os.path.dirname(full))
+        try:
+            fd = os.open(full, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        except OSError as e:
+            raise StorageError(f"cannot create {full}: {e}") from e
+        try:
+            for chunk in chunks:
+                view = memoryview(chunk).cast("B")
+                while len(view):
+                    n = os.write(fd, view)
+                    view = view[n:]
+            if self.durable:
+                os.fsync(fd)
+        except OSError as e:
+            raise StorageError(f"writing {full} failed: {e}") from e
+        finally:
+            os.close(fd)
+
+    def write_atomic(self, path: str, data: bytes) -> None:
+        full = self._abs(path)
+        directory = os.path.dirname(full)
+        self._makedirs(directory)
+        tmp = f"{full}.tmp-{uuid.uuid4().hex}"
+        try:
+            self.write_file(os.path.relpath(tmp, self.root), [data])
+            os.replace(tmp, full)
+            self._fsync_dir(directory)
+        except OSError as e:
+            raise StorageError(f"committing {full} failed: {e}") from e
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+
+    def read_file(self, path: str) -> bytes:
+        with open(self._abs(path), "rb") as f:
+            return f.read()
+
+    def _fd(self, full: str) -> int:
+        cache: dict[str, int] | None = getattr(self._fds, "cache", None)
+        if cache is None:
+            cache = self._fds.cache = {}
+        fd = cache.get(full)
+        if fd is None:
+            if len(cache) > 64:
+                for old in cache.values():
+                    os.close(old)
+                cache.clear()
+            fd = cache[full] = os.open(full, os.O_RDONLY)
+        return fd
+
+    def read_into(self, path: str, offset: int, out: memoryview) -> None:
+        full = self._abs(path)
+        fd = self._fd(full)
+        view = out.cast("B") if out.format != "B" else out
+        got = 0
+        while got < len(view):
+            n = os.preadv(fd, [view[got:]], offset + got)
+            if n == 0:
+                raise StorageError(
+                    f"{full} is truncated: wanted bytes [{offset}, {offset + len(view)}), file ends at {offset + got}"
+                )
+            got += n
+
+    def close(self) -> None:
+        """Close cached read descriptors of the calling thread."""
+        cache: dict[str, int] | None = getattr(self._fds, "cache", None)
+        for fd in (cache or {}).values():
+            os.close(fd)
+        if cache:
+            cache.clear()
+
+    def size(self, path: str) -> int:
+        return os.path.getsize(self._abs(path))
+
+    def exists(self, path: str) -> bool:
+        return os.path.exists(self._abs(path))
+
+    def list(self, prefix: str = "") -> list[str]:
+        base = self._abs(prefix) if prefix else self.root
+        if os.path.isfile(base):
+            return [check_relpath(prefix)]
+        found = []
+        for dirpath, _, files in os.walk(base):
+            for name in files:
+                found.append(os.path.relpath(os.path.join(dirpath, name), self.root).replace(os.sep, "/"))
+        return sorted(found)
+
+    def delete(self, paths: Iterable[str]) -> None:
+        dirs = set()
+        for p in paths:
+            full = self._abs(p)
+            try:
+                os.unlink(full)
+                dirs.add(os.path.dirname(full))
+            except FileNotFoundError:
+                pass
+        # Remove directories left empty (e.g. an old save generation), deepest first.
+        for d in sorted(dirs, key=len, reverse=True):
+            while d.startswith(self.root) and d != self.root:
+                try:
+                    os.rmdir(d)
+                except OSError:
+                    break
+                d = os.path.dirname(d)
