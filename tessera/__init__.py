@@ -1,0 +1,54 @@
+"""tessera: parallelism-agnostic distributed checkpointing for PyTorch.
+
+Save training state from any parallel layout, load it into any other::
+
+    import tessera
+    tessera.save("/ckpt/step100", {"model": model.state_dict(), "step": 100})
+    tessera.load("/ckpt/step100", {"model": model.state_dict(), "step": 0})
+"""
+
+from .api import LoadResult, PendingSave, SaveResult, async_save, load, read_manifest, save
+from .errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    CollectiveTimeoutError,
+    CorruptCheckpointError,
+    CoverageError,
+    DistributedError,
+    ManifestError,
+    MissingKeysError,
+    PickleNotAllowedError,
+    StateMismatchError,
+    StorageError,
+)
+from .options import LoadOptions, SaveOptions
+from .shards import FlatShard, OnResize, ShardedTensor, per_rank
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CheckpointError",
+    "CheckpointNotFoundError",
+    "CollectiveTimeoutError",
+    "CorruptCheckpointError",
+    "CoverageError",
+    "DistributedError",
+    "FlatShard",
+    "LoadOptions",
+    "LoadResult",
+    "ManifestError",
+    "MissingKeysError",
+    "OnResize",
+    "PendingSave",
+    "PickleNotAllowedError",
+    "SaveOptions",
+    "SaveResult",
+    "ShardedTensor",
+    "StateMismatchError",
+    "StorageError",
+    "async_save",
+    "load",
+    "per_rank",
+    "read_manifest",
+    "save",
+]

@@ -1,0 +1,39 @@
+"""Environment knobs, all prefixed ``TESSERA_`` and read here only.
+
+Knobs are for operators tuning a deployment without code changes; code should prefer the
+option dataclasses in :mod:`tessera.options`.
+"""
+
+from __future__ import annotations
+
+import os
+
+
+def _int(name: str, default: int) -> int:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={raw!r} must be an integer") from None
+
+
+def collective_timeout_s() -> float:
+    """Seconds a collective phase may wait for other ranks (``TESSERA_TIMEOUT_S``, default 600)."""
+    return float(_int("TESSERA_TIMEOUT_S", 600))
+
+
+def io_threads() -> int:
+    """Threads per rank for reading and writing data files (``TESSERA_IO_THREADS``, default 4)."""
+    return max(1, _int("TESSERA_IO_THREADS", 4))
+
+
+def chunk_bytes() -> int:
+    """Checksum granularity in bytes (``TESSERA_CHUNK_BYTES``, default 4 MiB)."""
+    return max(4096, _int("TESSERA_CHUNK_BYTES", 4 << 20))
+
+
+def verify_checksums() -> bool:
+    """Whether loads verify checksums (``TESSERA_VERIFY=0`` turns it off; default on)."""
+    return os.environ.get("TESSERA_VERIFY", "1") not in ("0", "false", "no")

@@ -1,0 +1,86 @@
+"""The one place tessera touches private torch APIs, each with the reason.
+
+Keeping them here means a torch upgrade breaks at most this file, and each use has a
+public fallback or a clear error.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+from .geometry import Box
+
+
+def dtensor_local_box(dt: DTensor, name: str) -> Box:
+    """The box of the global tensor held by this rank's local shard of ``dt``.
+
+    torch has no public API for a shard's global offset; DCP uses the private
+    ``compute_local_shape_and_global_offset``, which also knows torch's uneven-shard and
+    nested-sharding rules (several mesh dims sharding one tensor dim). We call it when it
+    exists and otherwise compute the offset for plain ``Shard``/``Replicate`` placements.
+
+    Raises:
+        ValueError: for ``Partial`` placements (the shard is not a box of the tensor).
+    """
+    placements = dt.placements
+    for p in placements:
+        if isinstance(p, Partial):
+            raise ValueError(
+                f"tensor '{name}' is a DTensor with a Partial placement ({placements}); "
+                "reduce it (e.g. .redistribute(placements=[Replicate()])) before saving"
+            )
+        if not isinstance(p, (Shard, Replicate)):
+            # _StridedShard (FSDP2 over TP on one dim) is not a box; adapters handle it.
+            raise ValueError(
+                f"tensor '{name}': DTensor placement {p!r} does not describe a box of the global tensor; "
+                "tessera.ModelState handles FSDP2+TP models"
+            )
+    local = dt.to_local()
+    shape = tuple(dt.shape)
+    try:
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    except ImportError:  # pragma: no cover - torch without the helper
+        compute_local_shape_and_global_offset = None
+    if compute_local_shape_and_global_offset is not None:
+        lshape, offset = compute_local_shape_and_global_offset(shape, dt.device_mesh, placements)
+        lshape, offset = tuple(int(s) for s in lshape), tuple(int(o) for o in offset)
+    else:  # pragma: no cover
+        lshape, offset = _box_from_placements(dt)
+    if tuple(local.shape) != lshape:
+        raise ValueError(
+            f"tensor '{name}': DTensor local shard has shape {tuple(local.shape)} but its placements "
+            f"{placements} imply {lshape}"
+        )
+    # torch reports offset == global size along a sharded dim for empty shards; clamp so the
+    # (empty) box still lies inside the tensor.
+    offset = tuple(min(o, s) for o, s in zip(offset, shape))
+    return Box(offset, lshape)
+
+
+def _box_from_placements(dt: DTensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Fallback: torch.chunk semantics, applied mesh dim by mesh dim."""
+    mesh = dt.device_mesh
+    coord = mesh.get_coordinate()
+    shape = list(dt.shape)
+    offset = [0] * len(shape)
+    for mesh_dim, p in enumerate(dt.placements):
+        if isinstance(p, Shard):
+            d = p.dim if p.dim >= 0 else p.dim + len(shape)
+            n = mesh.size(mesh_dim)
+            chunk = -(-shape[d] // n) if shape[d] else 0
+            i = coord[mesh_dim]
+            lo = min(i * chunk, shape[d])
+            hi = min(lo + chunk, shape[d])
+            offset[d] += lo
+            shape[d] = hi - lo
+    return tuple(shape), tuple(offset)
+
+
+def is_dtensor(value: object) -> bool:
+    return isinstance(value, DTensor)
+
+
+def local_tensor(dt: DTensor) -> torch.Tensor:
+    """The rank's local shard, sharing storage with ``dt`` (writes go into the DTensor)."""
+    return dt._local_tensor if hasattr(dt, "_local_tensor") else dt.to_local()

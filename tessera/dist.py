@@ -1,0 +1,159 @@
+"""All communication tessera does, over a dedicated CPU (gloo) process group.
+
+Checkpointing uses its own gloo group, created once per training group: it works when the
+training group is NCCL, and a background commit never shares a group with the training
+loop's collectives. Without ``torch.distributed`` initialised everything degrades to a
+single process with no communication.
+
+Every helper here is collective over the group: all ranks must call it in the same order.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from . import _knobs
+from .errors import CollectiveTimeoutError, DistributedError
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+_GROUPS: dict[object, Any] = {}
+_GROUPS_LOCK = threading.Lock()
+
+
+@dataclass(frozen=True)
+class World:
+    """This process's place among the ranks taking part in a save or load."""
+
+    rank: int
+    size: int
+    group: Any = None
+    """The gloo group used for coordination; None when running as a single process."""
+
+    @property
+    def is_coordinator(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.group is not None and self.size > 1
+
+
+def world_for(process_group: Any = None) -> World:
+    """The world of ``process_group`` (default: the whole job), with its coordination group.
+
+    The first call for a group is collective over the default group (it creates the
+    dedicated gloo group); later calls are local.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        if process_group is not None:
+            raise ValueError("process_group was given but torch.distributed is not initialised")
+        return World(0, 1, None)
+    key = process_group if process_group is not None else "default"
+    with _GROUPS_LOCK:
+        group = _GROUPS.get(key)
+        if group is None:
+            ranks = dist.get_process_group_ranks(process_group) if process_group is not None else None
+            timeout = datetime.timedelta(seconds=_knobs.collective_timeout_s())
+            group = dist.new_group(ranks=ranks, backend="gloo", timeout=timeout)
+            _GROUPS[key] = group
+    return World(dist.get_rank(group), dist.get_world_size(group), group)
+
+
+def _run(world: World, phase: str, fn: Callable[[], T]) -> T:
+    try:
+        return fn()
+    except RuntimeError as e:  # gloo reports dead peers and timeouts as RuntimeError
+        text = str(e)
+        if "imeout" in text or "Connection" in text or "closed" in text or "reset" in text.lower():
+            raise CollectiveTimeoutError(
+                f"rank {world.rank}: {phase} did not complete; another rank died or hangs "
+                f"(timeout {_knobs.collective_timeout_s():.0f}s, TESSERA_TIMEOUT_S): {e}"
+            ) from e
+        raise
+
+
+def _global(world: World, group_rank: int) -> int:
+    return dist.get_global_rank(world.group, group_rank)
+
+
+def gather(world: World, obj: T, phase: str) -> list[T] | None:
+    """Objects of all ranks on rank 0 (None elsewhere)."""
+    if not world.distributed:
+        return [obj]
+    out: list[Any] | None = [None] * world.size if world.rank == 0 else None
+    _run(world, phase, lambda: dist.gather_object(obj, out, dst=_global(world, 0), group=world.group))
+    return out
+
+
+def broadcast(world: World, obj: T, phase: str) -> T:
+    """Rank 0's object on every rank."""
+    if not world.distributed:
+        return obj
+    box = [obj]
+    _run(world, phase, lambda: dist.broadcast_object_list(box, src=_global(world, 0), group=world.group))
+    return box[0]
+
+
+def scatter(world: World, objs: list[T] | None, phase: str) -> T:
+    """``objs[r]`` from rank 0 on each rank ``r``."""
+    if not world.distributed:
+        assert objs is not None
+        return objs[0]
+    out: list[Any] = [None]
+    _run(world, phase, lambda: dist.scatter_object_list(out, objs, src=_global(world, 0), group=world.group))
+    return out[0]
+
+
+def all_gather(world: World, obj: T, phase: str) -> list[T]:
+    """Every rank's object on every rank."""
+    if not world.distributed:
+        return [obj]
+    out: list[Any] = [None] * world.size
+    _run(world, phase, lambda: dist.all_gather_object(out, obj, group=world.group))
+    return out
+
+
+def all_true(world: World, flag: bool, phase: str) -> bool:
+    """Whether ``flag`` holds on every rank (one tiny all-reduce)."""
+    if not world.distributed:
+        return flag
+    t = torch.tensor([1 if flag else 0], dtype=torch.int32)
+    _run(world, phase, lambda: dist.all_reduce(t, op=dist.ReduceOp.MIN, group=world.group))
+    return bool(t.item())
+
+
+def error_text(rank: int, e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}"
+
+
+def raise_failures(world: World, failures: dict[int, str], what: str) -> None:
+    """Raise one error carrying every rank's failure, identically on all ranks."""
+    if failures:
+        raise DistributedError(f"{what} failed on {len(failures)} of {world.size} rank(s) (seen on rank {world.rank}):", failures)
+
+
+def check_all(world: World, error: BaseException | None, what: str) -> None:
+    """Collective: if any rank passes an error, every rank raises with all causes.
+
+    A single-process caller gets its own exception back unchanged.
+    """
+    if not world.distributed:
+        if error is not None:
+            raise error
+        return
+    texts = all_gather(world, None if error is None else error_text(world.rank, error), what)
+    failures = {r: t for r, t in enumerate(texts) if t is not None}
+    if failures:
+        if error is not None and len(failures) == 1:
+            raise error
+        raise_failures(world, failures, what)

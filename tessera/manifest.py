@@ -1,0 +1,259 @@
+"""The on-disk manifest (format version 1): frozen dataclasses, encoder and a strict decoder.
+
+``manifest.json`` is written last and atomically; its presence commits a checkpoint. The
+decoder treats the file as hostile: size limit, strict types, dtype whitelist, file
+references confined to the checkpoint, tiles inside their tensor. See ``docs/format.md``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from .dtypes import dtype_from_name, itemsize
+from .errors import ManifestError
+from .storage.base import check_relpath
+
+FORMAT = "tessera"
+VERSION = 1
+MANIFEST_NAME = "manifest.json"
+CHECKSUM_ALGORITHM = "xxh3_64"
+MAX_MANIFEST_BYTES = 1 << 30
+
+
+@dataclass(frozen=True)
+class Tile:
+    """One stored box of a tensor: where its bytes are and how to check them.
+
+    Attributes:
+        file: data file (relative to the checkpoint) holding the bytes.
+        offsets, lengths: the box within the global tensor.
+        byte_offset: where the box's row-major bytes start in ``file``.
+        nbytes: how many bytes (``prod(lengths) * itemsize``).
+        checksums: xxh3-64 of each ``chunk_bytes`` chunk of those bytes, in order.
+    """
+
+    file: str
+    offsets: tuple[int, ...]
+    lengths: tuple[int, ...]
+    byte_offset: int
+    nbytes: int
+    checksums: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """A global tensor: dtype name, global shape and the tiles that cover it exactly once."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    tiles: tuple[Tile, ...]
+
+
+@dataclass(frozen=True)
+class PerRankEntry:
+    """A rank-local plain value: one encoded value per saving rank (``None`` if absent)."""
+
+    on_resize: str
+    values: tuple[Any, ...]
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    """A data file: the rank that wrote it and its size."""
+
+    path: str
+    rank: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """A committed checkpoint's table of contents."""
+
+    save_id: str
+    world_size: int
+    chunk_bytes: int
+    tensors: dict[str, TensorEntry]
+    values: dict[str, Any] = field(default_factory=dict)
+    """Plain values, in the tagged-JSON encoding of :mod:`tessera.values`."""
+    per_rank: dict[str, PerRankEntry] = field(default_factory=dict)
+    files: tuple[FileEntry, ...] = ()
+    layout: dict[str, Any] = field(default_factory=dict)
+    """How the saving job was laid out; informational only, loading never depends on it."""
+    timings: dict[str, Any] = field(default_factory=dict)
+    """Per-rank, per-phase durations (seconds) and bytes of the save."""
+    metadata: dict[str, Any] = field(default_factory=dict)
+    """Versions, creation time and user metadata."""
+    version: int = VERSION
+
+    def keys(self) -> set[str]:
+        return set(self.tensors) | set(self.values) | set(self.per_rank)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(t.nbytes for e in self.tensors.values() for t in e.tiles)
+
+
+def encode(m: Manifest) -> bytes:
+    """Serialize a manifest to the bytes of ``manifest.json``."""
+    file_index = {f.path: i for i, f in enumerate(m.files)}
+    tensors = {}
+    for name, e in m.tensors.items():
+        tensors[name] = {
+            "dtype": e.dtype,
+            "shape": list(e.shape),
+            "tiles": [
+                [file_index[t.file], list(t.offsets), list(t.lengths), t.byte_offset, [f"{c:016x}" for c in t.checksums]]
+                for t in e.tiles
+            ],
+        }
+    doc = {
+        "format": FORMAT,
+        "version": m.version,
+        "save_id": m.save_id,
+        "world_size": m.world_size,
+        "checksum": {"algorithm": CHECKSUM_ALGORITHM, "chunk_bytes": m.chunk_bytes},
+        "files": [{"path": f.path, "rank": f.rank, "bytes": f.nbytes} for f in m.files],
+        "tensors": tensors,
+        "values": m.values,
+        "per_rank": {k: {"on_resize": v.on_resize, "values": list(v.values)} for k, v in m.per_rank.items()},
+        "layout": m.layout,
+        "timings": m.timings,
+        "metadata": m.metadata,
+    }
+    return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode("utf-8")
+
+
+def _fail(what: str) -> ManifestError:
+    return ManifestError(f"invalid manifest: {what}")
+
+
+def _int(x: Any, what: str, lo: int = 0) -> int:
+    if type(x) is not int or x < lo:
+        raise _fail(f"{what} must be an integer >= {lo}, got {x!r:.80}")
+    return x
+
+
+def _ints(x: Any, what: str) -> tuple[int, ...]:
+    if not isinstance(x, list):
+        raise _fail(f"{what} must be a list of integers")
+    return tuple(_int(v, what) for v in x)
+
+
+def _dict(x: Any, what: str) -> dict:
+    if not isinstance(x, dict):
+        raise _fail(f"{what} must be an object")
+    return x
+
+
+def decode(data: bytes, *, source: str = MANIFEST_NAME) -> Manifest:
+    """Parse and validate ``manifest.json`` bytes.
+
+    Raises:
+        ManifestError: naming ``source`` and the first problem found.
+    """
+    try:
+        return _decode(data)
+    except ManifestError as e:
+        raise ManifestError(f"{source}: {e}") from None
+    except RecursionError:
+        raise ManifestError(f"{source}: invalid manifest: nested too deeply") from None
+
+
+def _decode(data: bytes) -> Manifest:
+    if len(data) > MAX_MANIFEST_BYTES:
+        raise _fail(f"{len(data)} bytes is over the {MAX_MANIFEST_BYTES}-byte limit")
+    try:
+        doc = json.loads(data)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise _fail(f"not valid JSON ({e}); the file is truncated or not a tessera manifest") from None
+    doc = _dict(doc, "the top level")
+    if doc.get("format") != FORMAT:
+        raise _fail(f"format is {doc.get('format')!r:.40}, expected {FORMAT!r}")
+    version = _int(doc.get("version"), "version", 1)
+    if version > VERSION:
+        raise _fail(f"format version {version} is newer than this tessera reads ({VERSION}); upgrade tessera")
+    save_id = doc.get("save_id")
+    if not isinstance(save_id, str):
+        raise _fail("save_id must be a string")
+    world_size = _int(doc.get("world_size"), "world_size", 1)
+    checksum = _dict(doc.get("checksum"), "checksum")
+    if checksum.get("algorithm") != CHECKSUM_ALGORITHM:
+        raise _fail(f"unknown checksum algorithm {checksum.get('algorithm')!r:.40}")
+    chunk_bytes = _int(checksum.get("chunk_bytes"), "checksum.chunk_bytes", 1)
+
+    raw_files = doc.get("files")
+    if not isinstance(raw_files, list):
+        raise _fail("files must be a list")
+    files = []
+    for i, f in enumerate(raw_files):
+        f = _dict(f, f"files[{i}]")
+        files.append(
+            FileEntry(check_relpath(f.get("path")), _int(f.get("rank"), "file rank"), _int(f.get("bytes"), "file bytes"))
+        )
+
+    tensors: dict[str, TensorEntry] = {}
+    for name, e in _dict(doc.get("tensors"), "tensors").items():
+        e = _dict(e, f"tensor '{name}'")
+        try:
+            dt = dtype_from_name(e.get("dtype"))
+        except ValueError as err:
+            raise _fail(f"tensor '{name}': {err}") from None
+        shape = _ints(e.get("shape"), f"tensor '{name}' shape")
+        size = itemsize(dt)
+        raw_tiles = e.get("tiles")
+        if not isinstance(raw_tiles, list):
+            raise _fail(f"tensor '{name}': tiles must be a list")
+        tiles = []
+        for t in raw_tiles:
+            if not isinstance(t, list) or len(t) != 5:
+                raise _fail(f"tensor '{name}': a tile must be [file, offsets, lengths, byte_offset, checksums]")
+            fi = _int(t[0], f"tensor '{name}' tile file index")
+            if fi >= len(files):
+                raise _fail(f"tensor '{name}': tile refers to file #{fi} but only {len(files)} files are listed")
+            offsets = _ints(t[1], f"tensor '{name}' tile offsets")
+            lengths = _ints(t[2], f"tensor '{name}' tile lengths")
+            if len(offsets) != len(shape) or len(lengths) != len(shape):
+                raise _fail(f"tensor '{name}': tile rank does not match shape {shape}")
+            if any(o + n > s for o, n, s in zip(offsets, lengths, shape)):
+                raise _fail(f"tensor '{name}': tile at {offsets} x {lengths} lies outside shape {shape}")
+            nbytes = math.prod(lengths) * size
+            byte_offset = _int(t[3], f"tensor '{name}' tile byte offset")
+            if byte_offset + nbytes > files[fi].nbytes:
+                raise _fail(f"tensor '{name}': tile bytes [{byte_offset}, {byte_offset + nbytes}) exceed file {files[fi].path}")
+            sums = t[4]
+            if not isinstance(sums, list) or len(sums) != -(-nbytes // chunk_bytes):
+                raise _fail(f"tensor '{name}': expected {-(-nbytes // chunk_bytes)} chunk checksums")
+            try:
+                checks = tuple(int(c, 16) for c in sums if isinstance(c, str) and len(c) == 16)
+            except ValueError:
+                raise _fail(f"tensor '{name}': checksums must be 16 hex digits") from None
+            if len(checks) != len(sums):
+                raise _fail(f"tensor '{name}': checksums must be 16 hex digits")
+            tiles.append(Tile(files[fi].path, offsets, lengths, byte_offset, nbytes, checks))
+        tensors[name] = TensorEntry(e["dtype"], shape, tuple(tiles))
+
+    per_rank = {}
+    for name, v in _dict(doc.get("per_rank", {}), "per_rank").items():
+        v = _dict(v, f"per_rank '{name}'")
+        vals = v.get("values")
+        if v.get("on_resize") not in ("error", "keep", "modulo") or not isinstance(vals, list) or len(vals) != world_size:
+            raise _fail(f"per_rank '{name}' must have on_resize and one value per saving rank")
+        per_rank[name] = PerRankEntry(v["on_resize"], tuple(vals))
+
+    return Manifest(
+        save_id=save_id,
+        world_size=world_size,
+        chunk_bytes=chunk_bytes,
+        tensors=tensors,
+        values=_dict(doc.get("values", {}), "values"),
+        per_rank=per_rank,
+        files=tuple(files),
+        layout=_dict(doc.get("layout", {}), "layout"),
+        timings=_dict(doc.get("timings", {}), "timings"),
+        metadata=_dict(doc.get("metadata", {}), "metadata"),
+        version=version,
+    )

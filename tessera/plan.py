@@ -1,0 +1,326 @@
+"""Save planning: what each rank holds (local plan) -> who writes what (global plan).
+
+Pure functions, no I/O and no communication. A local plan is a compact numpy table of the
+boxes a rank holds; the coordinator merges all of them, de-duplicates replicas, checks
+that every tensor is covered exactly once, splits large replicated boxes so that writing
+is balanced across their holders, and hands each rank a table of the boxes it writes and
+which of its files each goes to. Tables stay numpy so that thousands of ranks times
+thousands of tensors plan in seconds.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from .dtypes import dtype_from_name, dtype_name, itemsize
+from .errors import CoverageError
+from .geometry import Box, check_box_coverage, check_flat_coverage
+from .state import FlatState
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    """What every rank must agree on about a global tensor."""
+
+    fqn: str
+    dtype: str
+    shape: tuple[int, ...]
+    per_rank: str | None = None
+    """The resize policy of a :func:`tessera.per_rank` tensor, else None."""
+
+
+@dataclass(frozen=True)
+class LocalPlan:
+    """The boxes one rank holds, as a numpy table.
+
+    Attributes:
+        rank: the rank.
+        metas: tensors the rank holds, indexed by the first column of ``boxes``.
+        boxes: ``(n, 1 + 2 * ndim)`` int64 rows ``[meta index, offsets..., lengths...]``;
+            tensors of lower rank are padded with offset 0 and length 1.
+        flats: ``(m, 3)`` rows ``[meta index, start, stop]`` of FlatShard ranges.
+        fingerprint: a hash of the above; equal fingerprints mean an unchanged structure.
+    """
+
+    rank: int
+    metas: tuple[TensorMeta, ...]
+    boxes: np.ndarray
+    flats: np.ndarray
+    fingerprint: str
+
+
+@dataclass(frozen=True)
+class RankPlan:
+    """What one rank writes: rows ``[meta index, offsets..., lengths..., file]`` into ``metas``."""
+
+    metas: tuple[TensorMeta, ...]
+    rows: np.ndarray
+    ndim: int
+    num_files: int
+
+    def items(self) -> list[tuple[str, Box, int]]:
+        """``(fqn, box, file index)`` of every box this rank writes, in file order."""
+        out = []
+        for row in self.rows.tolist():
+            meta = self.metas[row[0]]
+            nd = len(meta.shape)
+            box = Box(tuple(row[1 : 1 + nd]), tuple(row[1 + self.ndim : 1 + self.ndim + nd]))
+            out.append((meta.fqn, box, row[-1]))
+        return out
+
+
+@dataclass(frozen=True)
+class GlobalPlan:
+    """The coordinator's plan: the tensor table and every rank's :class:`RankPlan`."""
+
+    metas: tuple[TensorMeta, ...]
+    rank_plans: tuple[RankPlan, ...]
+    fingerprints: tuple[str, ...]
+
+    @property
+    def bytes_per_rank(self) -> list[int]:
+        out = []
+        for rp in self.rank_plans:
+            total = 0
+            for row in rp.rows.tolist():
+                m = rp.metas[row[0]]
+                total += math.prod(row[1 + rp.ndim : 1 + rp.ndim + len(m.shape)]) * itemsize(dtype_from_name(m.dtype))
+            out.append(total)
+        return out
+
+
+@dataclass(frozen=True)
+class PlanOptions:
+    """Knobs of the global planner."""
+
+    split_bytes: int = 4 << 20
+    """Replicated boxes larger than this are split so that several holders share the writing."""
+    files_per_rank: int = 4
+    """At most this many data files per rank, so that a rank's writes run in parallel."""
+    min_file_bytes: int = 64 << 20
+    """A rank opens another file only when each would still hold at least this much."""
+
+
+def build_local_plan(flat: FlatState, rank: int) -> LocalPlan:
+    """Describe what this rank holds (tensor pieces only; plain values travel at commit).
+
+    Raises:
+        ValueError: if two pieces of one tensor disagree on dtype or shape on this rank.
+    """
+    index: dict[str, int] = {}
+    metas: list[TensorMeta] = []
+    for p in flat.tensors:
+        meta = TensorMeta(p.fqn, dtype_name(p.dtype), tuple(p.shape), p.per_rank.value if p.per_rank else None)
+        i = index.get(p.fqn)
+        if i is None:
+            index[p.fqn] = len(metas)
+            metas.append(meta)
+        elif metas[i] != meta:
+            raise ValueError(f"tensor '{p.fqn}' appears twice on rank {rank} with different dtype/shape")
+    nd = max((len(m.shape) for m in metas), default=0)
+    boxes = np.zeros((len(flat.tensors), 1 + 2 * nd), dtype=np.int64)
+    boxes[:, 1 + nd :] = 1
+    flats = []
+    for row, p in enumerate(flat.tensors):
+        i = index[p.fqn]
+        boxes[row, 0] = i
+        k = p.box.ndim
+        boxes[row, 1 : 1 + k] = p.box.offsets
+        boxes[row, 1 + nd : 1 + nd + k] = p.box.lengths
+        if p.flat is not None:
+            flats.append((i, *p.flat))
+    flat_arr = np.array(sorted(set(flats)), dtype=np.int64).reshape(-1, 3)
+    h = hashlib.blake2b(digest_size=16)
+    h.update(repr(metas).encode())
+    h.update(boxes.tobytes())
+    h.update(flat_arr.tobytes())
+    return LocalPlan(rank, tuple(metas), boxes, flat_arr, h.hexdigest())
+
+
+def build_global_plan(local_plans: list[LocalPlan], options: PlanOptions | None = None) -> GlobalPlan:
+    """Merge every rank's local plan into who-writes-what.
+
+    Raises:
+        CoverageError: a tensor is not covered exactly once, or ranks disagree on a
+            tensor's dtype or shape (the message names the tensor and the ranks).
+    """
+    options = options or PlanOptions()
+    world = len(local_plans)
+    metas, remap = _unify_metas(local_plans)
+    nd = max((len(m.shape) for m in metas), default=0)
+
+    # One table of every held box: [tensor, rank, offsets(nd), lengths(nd)].
+    parts = []
+    for lp in local_plans:
+        b = lp.boxes
+        if not len(b):
+            continue
+        lnd = (b.shape[1] - 1) // 2
+        rows = np.zeros((len(b), 2 + 2 * nd), dtype=np.int64)
+        rows[:, 2 + nd :] = 1
+        rows[:, 0] = remap[lp.rank][b[:, 0]]
+        rows[:, 1] = lp.rank
+        rows[:, 2 : 2 + lnd] = b[:, 1 : 1 + lnd]
+        rows[:, 2 + nd : 2 + nd + lnd] = b[:, 1 + lnd :]
+        parts.append(rows)
+    table = np.concatenate(parts) if parts else np.zeros((0, 2 + 2 * nd), dtype=np.int64)
+    if nd:
+        table = table[table[:, 2 + nd :].prod(axis=1) > 0]  # empty boxes hold nothing to write
+
+    # Group identical boxes (replicas): sort by [tensor, offsets, lengths], then by rank.
+    keys = np.concatenate([table[:, :1], table[:, 2:]], axis=1)
+    order = np.lexsort((table[:, 1],) + tuple(keys[:, c] for c in range(keys.shape[1] - 1, -1, -1)))
+    table, keys = table[order], keys[order]
+    new_group = np.ones(len(table), dtype=bool)
+    if len(table) > 1:
+        new_group[1:] = (keys[1:] != keys[:-1]).any(axis=1)
+    starts = np.flatnonzero(new_group)
+    uniq = keys[starts]  # [tensor, offsets, lengths]
+    counts = np.diff(np.append(starts, len(table)))
+
+    _check_coverage(metas, uniq, nd, local_plans, remap)
+
+    sizes = np.array([itemsize(dtype_from_name(m.dtype)) for m in metas], dtype=np.int64)
+    nbytes = uniq[:, 1 + nd :].prod(axis=1) * sizes[uniq[:, 0]] if len(uniq) else np.zeros(0, dtype=np.int64)
+
+    load = np.zeros(world, dtype=np.int64)
+    single = counts == 1
+    writers_single = table[starts[single], 1]
+    np.add.at(load, writers_single, nbytes[single])
+    out_rows = [np.concatenate([uniq[single], writers_single[:, None]], axis=1)]
+
+    # Replicated boxes: split large ones, then greedily give each piece to its least loaded holder.
+    pieces: list[tuple[int, np.ndarray, np.ndarray]] = []  # (bytes, row, holders)
+    for g in np.flatnonzero(~single):
+        holders = table[starts[g] : starts[g] + counts[g], 1]
+        for row in _split_replicated(uniq[g], nd, int(nbytes[g]), len(holders), options.split_bytes):
+            pieces.append((int(row[1 + nd :].prod() * sizes[row[0]]), row, holders))
+    pieces.sort(key=lambda p: -p[0])
+    rep_rows = np.zeros((len(pieces), 2 + 2 * nd), dtype=np.int64)
+    for i, (b, row, holders) in enumerate(pieces):
+        w = holders[np.argmin(load[holders])]
+        load[w] += b
+        rep_rows[i, :-1] = row
+        rep_rows[i, -1] = w
+    out_rows.append(rep_rows)
+    assigned = np.concatenate(out_rows)  # [tensor, offsets, lengths, writer]
+
+    rank_plans = _split_by_rank(assigned, metas, sizes, nd, world, local_plans, remap, options)
+    return GlobalPlan(tuple(metas), tuple(rank_plans), tuple(lp.fingerprint for lp in local_plans))
+
+
+def _unify_metas(local_plans: list[LocalPlan]) -> tuple[list[TensorMeta], dict[int, np.ndarray]]:
+    """The global tensor table and, per rank, local meta index -> global index."""
+    index: dict[str, int] = {}
+    metas: list[TensorMeta] = []
+    owner: list[int] = []
+    remap: dict[int, np.ndarray] = {}
+    cache: dict[tuple[TensorMeta, ...], np.ndarray] = {}
+    for lp in local_plans:
+        hit = cache.get(lp.metas)
+        if hit is not None:
+            remap[lp.rank] = hit
+            continue
+        ids = np.empty(len(lp.metas), dtype=np.int64)
+        for j, m in enumerate(lp.metas):
+            i = index.get(m.fqn)
+            if i is None:
+                i = index[m.fqn] = len(metas)
+                metas.append(m)
+                owner.append(lp.rank)
+            elif metas[i] != m:
+                o = metas[i]
+                raise CoverageError(
+                    f"tensor '{m.fqn}': rank {owner[i]} has dtype {o.dtype} shape {list(o.shape)} but rank {lp.rank} "
+                    f"has dtype {m.dtype} shape {list(m.shape)}; every rank must agree on the global tensor"
+                )
+            ids[j] = i
+        cache[lp.metas] = ids
+        remap[lp.rank] = ids
+    return metas, remap
+
+
+def _check_coverage(
+    metas: list[TensorMeta], uniq: np.ndarray, nd: int, local_plans: list[LocalPlan], remap: dict[int, np.ndarray]
+) -> None:
+    flat_parts = [np.column_stack([remap[lp.rank][lp.flats[:, 0]], lp.flats[:, 1:]]) for lp in local_plans if len(lp.flats)]
+    flats = np.concatenate(flat_parts) if flat_parts else np.zeros((0, 3), dtype=np.int64)
+    flat_tensors = set(np.unique(flats[:, 0]).tolist())
+    bounds = np.searchsorted(uniq[:, 0], np.arange(len(metas) + 1)) if len(uniq) else np.zeros(len(metas) + 1, dtype=np.int64)
+    for t, m in enumerate(metas):
+        k = len(m.shape)
+        rows = uniq[bounds[t] : bounds[t + 1]]
+        if t in flat_tensors:
+            # Ranges are checked as ranges; their boxes are disjoint by construction. A tensor
+            # held both as flat ranges and as boxes is checked as boxes below.
+            fr = np.unique(flats[flats[:, 0] == t][:, 1:], axis=0)
+            covered = int((fr[:, 1] - fr[:, 0]).sum())
+            box_volume = int(rows[:, 1 + nd : 1 + nd + k].prod(axis=1).sum()) if len(rows) else 0
+            if covered == box_volume:
+                check_flat_coverage(m.fqn, math.prod(m.shape), fr)
+                continue
+        check_box_coverage(m.fqn, m.shape, rows[:, 1 : 1 + k], rows[:, 1 + nd : 1 + nd + k])
+
+
+def _split_replicated(row: np.ndarray, nd: int, nbytes: int, holders: int, split_bytes: int) -> list[np.ndarray]:
+    """Cut a replicated box into up to ``holders`` slabs along its first splittable dim."""
+    if nbytes <= split_bytes or holders < 2:
+        return [row]
+    lengths = row[1 + nd :]
+    dims = [d for d in range(nd) if lengths[d] > 1]
+    if not dims:
+        return [row]
+    d = dims[0]
+    n = int(lengths[d])
+    parts = min(holders, n, max(2, nbytes // split_bytes))
+    out = []
+    for i in range(parts):
+        lo, hi = n * i // parts, n * (i + 1) // parts
+        piece = row.copy()
+        piece[1 + d] += lo
+        piece[1 + nd + d] = hi - lo
+        out.append(piece)
+    return out
+
+
+def _split_by_rank(
+    assigned: np.ndarray,
+    metas: list[TensorMeta],
+    sizes: np.ndarray,
+    nd: int,
+    world: int,
+    local_plans: list[LocalPlan],
+    remap: dict[int, np.ndarray],
+    options: PlanOptions,
+) -> list[RankPlan]:
+    """Each rank's rows (in its own meta indices), in tensor order, with a file per row."""
+    order = np.lexsort((assigned[:, 1] if nd else np.zeros(len(assigned)), assigned[:, 0], assigned[:, -1]))
+    assigned = assigned[order]
+    bounds = np.searchsorted(assigned[:, -1], np.arange(world + 1))
+    inverse_cache: dict[int, np.ndarray] = {}
+    plans = []
+    for lp in local_plans:
+        r = lp.rank
+        rows = assigned[bounds[r] : bounds[r + 1]]
+        ids = remap[r]
+        inv = inverse_cache.get(id(ids))
+        if inv is None:
+            inv = np.full(len(metas), -1, dtype=np.int64)
+            inv[ids] = np.arange(len(ids))
+            inverse_cache[id(ids)] = inv
+        lnd = (lp.boxes.shape[1] - 1) // 2
+        out = np.empty((len(rows), 2 + 2 * lnd), dtype=np.int64)
+        out[:, 0] = inv[rows[:, 0]]
+        out[:, 1 : 1 + lnd] = rows[:, 1 : 1 + lnd]
+        out[:, 1 + lnd : 1 + 2 * lnd] = rows[:, 1 + nd : 1 + nd + lnd]
+        nb = rows[:, 1 + nd : 1 + 2 * nd].prod(axis=1) * sizes[rows[:, 0]] if len(rows) else np.zeros(0, dtype=np.int64)
+        total = int(nb.sum())
+        files = max(1, min(options.files_per_rank, total // max(1, options.min_file_bytes)))
+        # Consecutive rows fill files in turn, so each file holds about total / files bytes.
+        out[:, -1] = np.minimum(files - 1, (np.cumsum(nb) - nb) * files // max(1, total)) if len(rows) else 0
+        plans.append(RankPlan(lp.metas, out, lnd, files))
+    return plans

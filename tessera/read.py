@@ -1,0 +1,300 @@
+"""Load planning and reading: overlap target boxes with saved tiles, read only those bytes.
+
+For every box a rank wants, the saved tiles of the same tensor that overlap it are found
+(vectorised per tensor); each overlap needs a set of the tile's checksum chunks. Needed
+chunks of one file are coalesced into range reads of bounded size, read by a thread pool,
+verified, and copied straight into the caller's tensors. When an overlap is a whole tile
+and the target memory is contiguous, the bytes are read directly into the target.
+
+Memory: each I/O thread owns one reusable buffer of at most ``max_read_bytes``, so extra
+host memory stays bounded however large the checkpoint is.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import xxhash
+
+from .dtypes import dtype_from_name, itemsize
+from .errors import CorruptCheckpointError, StorageError
+from .geometry import Box, row_major_strides, runs
+from .manifest import Manifest, Tile
+from .stage import as_bytes
+from .storage.base import Storage
+
+logger = logging.getLogger(__name__)
+
+_ALIGN = 64
+
+
+@dataclass(frozen=True)
+class ReadTarget:
+    """A box of a saved tensor to fill, and the caller's memory for it."""
+
+    fqn: str
+    box: Box
+    data: torch.Tensor
+
+
+@dataclass
+class _Copy:
+    fqn: str
+    tile: Tile
+    rel: Box  # the overlap, relative to the tile
+    target: torch.Tensor  # caller memory shaped like rel.lengths
+    dtype: torch.dtype
+    span: tuple[int, int]  # chunk-aligned absolute byte range of the file this copy needs
+
+
+@dataclass
+class ReadRequest:
+    """One range read of a file and the copies it feeds."""
+
+    file: str
+    start: int
+    stop: int
+    copies: list[_Copy] = field(default_factory=list)
+    direct: bool = False
+
+    @property
+    def nbytes(self) -> int:
+        return self.stop - self.start
+
+
+@dataclass(frozen=True)
+class ReadStats:
+    bytes_read: int
+    requests: int
+    seconds: float
+
+
+class _TileIndex:
+    """Per-tensor numpy arrays of tile boxes, built lazily from a manifest."""
+
+    def __init__(self, manifest: Manifest) -> None:
+        self.manifest = manifest
+        self._cache: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+
+    def arrays(self, fqn: str) -> tuple[np.ndarray, np.ndarray]:
+        hit = self._cache.get(fqn)
+        if hit is None:
+            entry = self.manifest.tensors[fqn]
+            nd = len(entry.shape)
+            offs = np.array([t.offsets for t in entry.tiles], dtype=np.int64).reshape(len(entry.tiles), nd)
+            lens = np.array([t.lengths for t in entry.tiles], dtype=np.int64).reshape(len(entry.tiles), nd)
+            hit = self._cache[fqn] = (offs, lens)
+        return hit
+
+
+def _split_for_reads(rel: Box, tile_lengths: tuple[int, ...], size: int, max_bytes: int) -> list[Box]:
+    """Cut a tile-relative box into pieces whose byte span in the tile is at most ``max_bytes``."""
+    strides = row_major_strides(tile_lengths)
+
+    def span(b: Box) -> int:
+        if b.is_empty():
+            return 0
+        first = sum(o * s for o, s in zip(b.offsets, strides))
+        last = sum((o + n - 1) * s for o, n, s in zip(b.offsets, b.lengths, strides))
+        return (last - first + 1) * size
+
+    out: list[Box] = []
+    stack = [rel]
+    while stack:
+        b = stack.pop()
+        if span(b) <= max_bytes or b.numel <= 1:
+            out.append(b)
+            continue
+        d = next((d for d in range(b.ndim) if b.lengths[d] > 1), None)
+        if d is None:
+            out.append(b)
+            continue
+        n = b.lengths[d]
+        per = max(1, n * max_bytes // max(1, span(b)))
+        pieces = []
+        for lo in range(0, n, per):
+            hi = min(n, lo + per)
+            pieces.append(
+                Box(b.offsets[:d] + (b.offsets[d] + lo,) + b.offsets[d + 1 :], b.lengths[:d] + (hi - lo,) + b.lengths[d + 1 :])
+            )
+        stack.extend(reversed(pieces))
+    return out
+
+
+def plan_reads(
+    manifest: Manifest,
+    targets: Sequence[ReadTarget],
+    *,
+    max_read_bytes: int = 32 << 20,
+) -> list[ReadRequest]:
+    """Range reads that fill every target, grouped and coalesced per file."""
+    index = _TileIndex(manifest)
+    chunk = manifest.chunk_bytes
+    by_file: dict[str, list[_Copy]] = {}
+    direct: list[ReadRequest] = []
+    for t in targets:
+        if t.box.is_empty():
+            continue
+        entry = manifest.tensors[t.fqn]
+        dtype = dtype_from_name(entry.dtype)
+        size = itemsize(dtype)
+        offs, lens = index.arrays(t.fqn)
+        lo = np.maximum(offs, np.asarray(t.box.offsets, dtype=np.int64))
+        hi = np.minimum(offs + lens, np.asarray(t.box.stops, dtype=np.int64))
+        hits = np.flatnonzero((hi > lo).all(axis=1)) if offs.shape[1] else np.arange(len(offs))
+        for i in hits.tolist():
+            tile = entry.tiles[i]
+            inter = Box(tuple(lo[i].tolist()), tuple((hi[i] - lo[i]).tolist()))
+            tile_box = Box(tile.offsets, tile.lengths)
+            rel_target = inter.relative_to(t.box)
+            view = t.data[rel_target.slices()] if t.data.dim() else t.data
+            rel = inter.relative_to(tile_box)
+            whole = inter == tile_box
+            if (
+                whole
+                and view.device.type == "cpu"
+                and view.dtype == dtype
+                and view.is_contiguous()
+                and tile.nbytes <= 4 * max_read_bytes
+            ):
+                span = (tile.byte_offset, tile.byte_offset + tile.nbytes)
+                direct.append(ReadRequest(tile.file, *span, [_Copy(t.fqn, tile, rel, view, dtype, span)], direct=True))
+                continue
+            for piece in _split_for_reads(rel, tile.lengths, size, max_read_bytes):
+                first, last = _byte_span(piece, tile.lengths, size)
+                a = first // chunk * chunk
+                b = min(tile.nbytes, -(-last // chunk) * chunk)
+                target = view[piece.relative_to(rel).slices()] if view.dim() else view
+                by_file.setdefault(tile.file, []).append(
+                    _Copy(t.fqn, tile, piece, target, dtype, (tile.byte_offset + a, tile.byte_offset + b))
+                )
+    requests = direct
+    for file, copies in by_file.items():
+        copies.sort(key=lambda c: c.span)
+        cur: ReadRequest | None = None
+        for c in copies:
+            if cur is not None and c.span[0] <= cur.stop and max(cur.stop, c.span[1]) - cur.start <= max_read_bytes:
+                cur.stop = max(cur.stop, c.span[1])
+                cur.copies.append(c)
+            else:
+                cur = ReadRequest(file, c.span[0], c.span[1], [c])
+                requests.append(cur)
+    return requests
+
+
+def _byte_span(rel: Box, tile_lengths: tuple[int, ...], size: int) -> tuple[int, int]:
+    """``[first, last)`` bytes of the tile that ``rel`` touches (exact runs, merged)."""
+    rs = list(runs(rel, tile_lengths))
+    return rs[0][0] * size, (rs[-1][0] + rs[-1][1]) * size
+
+
+class _Buffers(threading.local):
+    buf: torch.Tensor | None = None
+
+    def get(self, nbytes: int) -> torch.Tensor:
+        if self.buf is None or self.buf.numel() < nbytes + _ALIGN:
+            self.buf = None
+            # A multiple of _ALIGN bytes, so the buffer can be viewed as any dtype.
+            self.buf = torch.empty(-(-(nbytes + _ALIGN) // _ALIGN) * _ALIGN, dtype=torch.uint8)
+        return self.buf
+
+
+class Reader:
+    """Executes read requests against one storage, verifying checksums.
+
+    Thread-safe; each call of :meth:`run` uses its own pool.
+    """
+
+    def __init__(self, storage: Storage, manifest: Manifest, *, rank: int, verify: bool = True, threads: int = 4) -> None:
+        self.storage = storage
+        self.manifest = manifest
+        self.rank = rank
+        self.verify = verify
+        self.threads = threads
+        self._buffers = _Buffers()
+
+    def run(self, requests: Sequence[ReadRequest]) -> ReadStats:
+        t0 = time.monotonic()
+        total = sum(r.nbytes for r in requests)
+        if len(requests) <= 1 or self.threads == 1:
+            for r in requests:
+                self._execute(r)
+        else:
+            # Largest first keeps the pool busy to the end.
+            ordered = sorted(requests, key=lambda r: -r.nbytes)
+            with ThreadPoolExecutor(max_workers=min(self.threads, len(requests)), thread_name_prefix="tessera-read") as pool:
+                for f in [pool.submit(self._execute, r) for r in ordered]:
+                    f.result()
+        return ReadStats(total, len(requests), time.monotonic() - t0)
+
+    def _execute(self, req: ReadRequest) -> None:
+        if req.direct:
+            copy = req.copies[0]
+            dest = as_bytes(copy.target)
+            self._read(req, memoryview(dest.numpy()))
+            self._verify(req, dest, req.start)
+            return
+        buf = self._buffers.get(req.nbytes)
+        # Place file offset ``start`` at an address congruent to it modulo _ALIGN, so every
+        # tile (aligned to its item size in the file) is aligned in memory too.
+        base = (req.start - buf.data_ptr()) % _ALIGN
+        region = buf[base : base + req.nbytes]
+        self._read(req, memoryview(region.numpy()))
+        self._verify(req, region, req.start)
+        for c in req.copies:
+            size = itemsize(c.dtype)
+            elem0 = (c.tile.byte_offset - req.start + base) // size
+            strides = row_major_strides(c.tile.lengths)
+            offset = elem0 + sum(o * s for o, s in zip(c.rel.offsets, strides))
+            src = torch.as_strided(buf.view(c.dtype), c.rel.lengths, strides, offset)
+            with torch.no_grad():
+                c.target.copy_(src)
+
+    def _read(self, req: ReadRequest, out: memoryview) -> None:
+        try:
+            self.storage.read_into(req.file, req.start, out)
+        except FileNotFoundError as e:
+            raise CorruptCheckpointError(
+                f"rank {self.rank}: data file '{req.file}' of tensor(s) {_names(req)} is missing from the checkpoint"
+            ) from e
+        except StorageError as e:
+            raise CorruptCheckpointError(f"rank {self.rank}: reading '{req.file}' for tensor(s) {_names(req)}: {e}") from e
+
+    def _verify(self, req: ReadRequest, data: torch.Tensor, start: int) -> None:
+        if not self.verify:
+            return
+        chunk = self.manifest.chunk_bytes
+        seen: set[tuple[int, int]] = set()
+        arr = data.numpy()
+        for c in req.copies:
+            t = c.tile
+            first = max(0, (req.start - t.byte_offset + chunk - 1) // chunk)
+            for k in range(first, len(t.checksums)):
+                a = t.byte_offset + k * chunk
+                b = min(a + chunk, t.byte_offset + t.nbytes)
+                if b > req.stop:
+                    break
+                if (a, b) in seen:
+                    continue
+                seen.add((a, b))
+                if xxhash.xxh3_64_intdigest(arr[a - start : b - start]) != t.checksums[k]:
+                    raise CorruptCheckpointError(
+                        f"rank {self.rank}: checksum mismatch in '{t.file}' bytes [{a}, {b}) of tensor "
+                        f"'{c.fqn}' tile at {list(t.offsets)}: the data is corrupted"
+                    )
+
+
+def _names(req: ReadRequest) -> str:
+    return ", ".join(sorted({f"'{c.fqn}'" for c in req.copies}))
+
+
+def total_nbytes(targets: Sequence[ReadTarget]) -> int:
+    return sum(math.prod(t.box.lengths) * t.data.element_size() for t in targets)

@@ -1,0 +1,239 @@
+"""Flatten a user's state into named pieces of global tensors and plain values, and back.
+
+This is the only module that understands the shapes of user state: nested dicts, lists and
+tuples, tensors, DTensors, :class:`ShardedTensor`, :class:`FlatShard`, :func:`per_rank`
+values and objects with ``state_dict()``/``load_state_dict()``. Everything downstream
+(planning, I/O, the manifest) sees only :class:`TensorPiece` and plain values by FQN.
+
+FQNs join keys with dots: ``{"model": {"layers.0.w": t}}`` is ``model.layers.0.w``. A
+container that holds no tensor anywhere inside is one plain value under its own FQN.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from . import _torch_private
+from .dtypes import dtype_name
+from .geometry import Box
+from .shards import FlatShard, OnResize, PerRank, ShardedTensor
+from .values import encode_value
+
+
+@dataclass(frozen=True, eq=False)
+class TensorPiece:
+    """A box of a named global tensor that this rank holds, with its local data.
+
+    Attributes:
+        fqn: the tensor's fully qualified name.
+        shape: the global shape.
+        dtype: the element type.
+        box: which part of the global tensor ``data`` is.
+        data: the rank's elements, shaped like ``box.lengths`` (any strides).
+        flat: for pieces of a :class:`FlatShard`, the flat range the piece was cut from.
+        per_rank: for tensors inside :func:`per_rank`, the resize policy; the global tensor
+            then has a leading dimension of one entry per rank.
+    """
+
+    fqn: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    box: Box
+    data: torch.Tensor
+    flat: tuple[int, int] | None = None
+    per_rank: OnResize | None = None
+
+
+@dataclass
+class FlatState:
+    """A rank's state as tensor pieces and plain values keyed by FQN."""
+
+    tensors: list[TensorPiece] = field(default_factory=list)
+    values: dict[str, Any] = field(default_factory=dict)
+    """Plain values (raw Python objects), treated as identical on every rank."""
+    per_rank_values: dict[str, tuple[Any, OnResize]] = field(default_factory=dict)
+    """Rank-local plain values with their resize policy."""
+    statefuls: list[tuple[object, dict[str, Any]]] = field(default_factory=list)
+    """(object, the state dict taken from it), innermost first, for ``load_state_dict``."""
+
+    def tensor_fqns(self) -> set[str]:
+        return {p.fqn for p in self.tensors}
+
+    def keys(self) -> set[str]:
+        return self.tensor_fqns() | set(self.values) | set(self.per_rank_values)
+
+
+def is_stateful(value: object) -> bool:
+    """Whether ``value`` offers ``state_dict()`` and ``load_state_dict()``."""
+    return callable(getattr(value, "state_dict", None)) and callable(getattr(value, "load_state_dict", None))
+
+
+def _contains_tensor(value: object) -> bool:
+    if isinstance(value, (torch.Tensor, ShardedTensor, FlatShard, PerRank)) or is_stateful(value):
+        return True
+    if isinstance(value, dict):
+        return any(_contains_tensor(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return any(_contains_tensor(v) for v in value)
+    return False
+
+
+def join(prefix: str, key: object) -> str:
+    key = str(key)
+    return f"{prefix}.{key}" if prefix else key
+
+
+class _Flattener:
+    def __init__(self, rank: int, world_size: int, *, for_load: bool, allow_pickle: bool) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self.for_load = for_load
+        self.allow_pickle = allow_pickle
+        self.out = FlatState()
+
+    def visit(self, value: object, fqn: str, per_rank: OnResize | None) -> None:
+        if isinstance(value, PerRank):
+            if per_rank is not None:
+                raise TypeError(f"'{fqn}': per_rank() values cannot be nested")
+            self.visit(value.value, fqn, value.on_resize)
+        elif isinstance(value, torch.Tensor):
+            self.tensor(value, fqn, per_rank)
+        elif isinstance(value, (ShardedTensor, FlatShard)):
+            if per_rank is not None:
+                raise TypeError(f"'{fqn}': a {type(value).__name__} cannot be per_rank(); it already names its box")
+            self.shard(value, fqn)
+        elif is_stateful(value) and not isinstance(value, type):
+            sd = value.state_dict()
+            if not isinstance(sd, dict):
+                raise TypeError(f"'{fqn}': {type(value).__name__}.state_dict() returned {type(sd).__name__}, not a dict")
+            self.visit(sd, fqn, per_rank)
+            self.out.statefuls.append((value, sd))
+        elif isinstance(value, (dict, list, tuple)) and _contains_tensor(value):
+            items = value.items() if isinstance(value, dict) else enumerate(value)
+            seen: set[str] = set()
+            for k, v in items:
+                if not isinstance(k, (str, int)):
+                    raise TypeError(f"'{fqn}': key {k!r} must be a str or int to form a tensor name")
+                name = join(fqn, k)
+                if name in seen:
+                    raise ValueError(f"two keys of '{fqn}' map to the same name '{name}'")
+                seen.add(name)
+                self.visit(v, name, per_rank)
+        else:
+            self.plain(value, fqn, per_rank)
+
+    def plain(self, value: object, fqn: str, per_rank: OnResize | None) -> None:
+        if not fqn:
+            raise TypeError("the state must be a dict (or an object with state_dict()), not a plain value")
+        if not self.for_load:
+            encode_value(value, fqn, allow_pickle=self.allow_pickle)  # validate before any I/O
+        if per_rank is not None:
+            self.out.per_rank_values[fqn] = (value, per_rank)
+        else:
+            self.out.values[fqn] = value
+
+    def tensor(self, t: torch.Tensor, fqn: str, per_rank: OnResize | None) -> None:
+        if t.is_meta:
+            raise ValueError(f"tensor '{fqn}' is on the meta device and has no data; materialize it first")
+        if t.is_sparse or t.layout != torch.strided and not _torch_private.is_dtensor(t):
+            raise TypeError(f"tensor '{fqn}' has layout {t.layout}; only dense (strided) tensors can be stored")
+        if t.is_quantized:
+            raise TypeError(f"tensor '{fqn}' is quantized; dequantize it before saving")
+        dtype_name(t.dtype)
+        if _torch_private.is_dtensor(t):
+            if per_rank is not None:
+                raise TypeError(f"'{fqn}': a DTensor cannot be per_rank()")
+            box = _torch_private.dtensor_local_box(t, fqn)
+            local = _torch_private.local_tensor(t)
+            self.add(TensorPiece(fqn, tuple(t.shape), t.dtype, box, local))
+            return
+        data = t.detach()
+        if per_rank is not None:
+            shape = (self.world_size, *t.shape)
+            box = Box((self.rank,) + (0,) * t.dim(), (1, *t.shape))
+            self.add(TensorPiece(fqn, shape, t.dtype, box, data.unsqueeze(0), per_rank=per_rank))
+            return
+        self.add(TensorPiece(fqn, tuple(t.shape), t.dtype, Box.whole(t.shape), data))
+
+    def shard(self, s: ShardedTensor | FlatShard, fqn: str) -> None:
+        local = s.local if isinstance(s, ShardedTensor) else s.local_1d
+        dtype_name(local.dtype)
+        if isinstance(s, ShardedTensor):
+            self.add(TensorPiece(fqn, s.global_shape, local.dtype, s.box, local.detach()))
+            return
+        flat = (s.flat_start, s.flat_stop)
+        pieces = s.pieces()
+        if not pieces:  # an empty range still declares the tensor on this rank
+            empty = Box((0,) * len(s.global_shape), (0,) * len(s.global_shape))
+            pieces = [(empty, local.detach()[:0].view(empty.lengths))] if s.global_shape else []
+        for box, view in pieces:
+            self.add(TensorPiece(fqn, s.global_shape, local.dtype, box, view.detach(), flat=flat))
+
+    def add(self, piece: TensorPiece) -> None:
+        self.out.tensors.append(piece)
+
+
+def flatten(
+    state: object,
+    *,
+    rank: int = 0,
+    world_size: int = 1,
+    for_load: bool = False,
+    allow_pickle: bool = False,
+) -> FlatState:
+    """Flatten ``state`` into tensor pieces and plain values keyed by FQN.
+
+    For a save, plain values are validated (pickle opt-in) here, before any rank writes.
+    For a load, Stateful objects' ``state_dict()`` results are kept so that
+    :func:`restore_values` can fill them and hand them back.
+
+    Raises:
+        TypeError, ValueError: for values tessera cannot store, naming the FQN.
+    """
+    f = _Flattener(rank, world_size, for_load=for_load, allow_pickle=allow_pickle)
+    if not isinstance(state, dict) and not is_stateful(state):
+        raise TypeError(f"state must be a dict or an object with state_dict()/load_state_dict(), got {type(state).__name__}")
+    f.visit(state, "", None)
+    return f.out
+
+
+def restore_values(state: object, flat: FlatState, lookup: Callable[[str], tuple[bool, Any]]) -> None:
+    """Put loaded plain values back into ``state`` and hand Stateful objects their state.
+
+    ``lookup(fqn)`` returns ``(found, value)``. Dicts and lists are updated in place, tuples
+    are rebuilt in their parent; then every Stateful gets ``load_state_dict`` with the state
+    dict it produced during :func:`flatten` (now filled), innermost first.
+    """
+    stateful_sds = {id(obj): sd for obj, sd in flat.statefuls}
+
+    def rebuild(value: object, fqn: str) -> object:
+        if isinstance(value, PerRank):
+            return PerRank(rebuild(value.value, fqn), value.on_resize)
+        if isinstance(value, (torch.Tensor, ShardedTensor, FlatShard)):
+            return value
+        if is_stateful(value) and not isinstance(value, type):
+            sd = stateful_sds.get(id(value))
+            if sd is not None:
+                rebuild(sd, fqn)
+            return value
+        if isinstance(value, (dict, list, tuple)) and _contains_tensor(value):
+            if isinstance(value, dict):
+                for k in list(value):
+                    value[k] = rebuild(value[k], join(fqn, k))
+                return value
+            if isinstance(value, list):
+                for i in range(len(value)):
+                    value[i] = rebuild(value[i], join(fqn, i))
+                return value
+            items = [rebuild(v, join(fqn, i)) for i, v in enumerate(value)]
+            return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
+        found, loaded = lookup(fqn)
+        return loaded if found else value
+
+    rebuild(state, "")
+    for obj, sd in flat.statefuls:
+        obj.load_state_dict(sd)

@@ -1,0 +1,78 @@
+"""Layout of a data file: a standard safetensors file holding a rank's tiles.
+
+A data file is ``[8-byte little-endian header size][JSON header][tile bytes...]``, exactly
+the safetensors format, so any safetensors reader can open it. Each tile is stored under the
+key ``"<fqn>[<start>:<stop>,...]"``. Dtypes safetensors lacks are stored as raw bytes (U8
+with a trailing item-size dimension); the manifest keeps the true dtype.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .dtypes import itemsize, safetensors_code
+from .geometry import Box
+
+HEADER_ALIGN = 64
+"""Tile data starts at a multiple of this, and tiles are ordered by decreasing item size,
+so every tile is aligned to its item size in the file (and in read buffers)."""
+
+
+def tile_key(fqn: str, box: Box) -> str:
+    """The safetensors key of a tile: the tensor name and the box it covers."""
+    return fqn + "[" + ",".join(f"{o}:{o + n}" for o, n in zip(box.offsets, box.lengths)) + "]"
+
+
+@dataclass(frozen=True)
+class TileSlot:
+    """Where one tile goes in a data file."""
+
+    fqn: str
+    box: Box
+    dtype: torch.dtype
+    byte_offset: int
+    """Absolute offset of the tile's first byte in the file."""
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class FileLayout:
+    """A data file's header bytes and the position of every tile in it."""
+
+    name: str
+    header: bytes
+    slots: tuple[TileSlot, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.header) + sum(s.nbytes for s in self.slots)
+
+
+def layout_file(name: str, tiles: Sequence[tuple[str, Box, torch.dtype]], metadata: dict[str, str] | None = None) -> FileLayout:
+    """Lay out ``tiles`` (``(fqn, box, dtype)``) in one safetensors file, largest item size first."""
+    entries: dict[str, object] = {"__metadata__": {"format": "pt", "producer": "tessera", **(metadata or {})}}
+    tiles = sorted(tiles, key=lambda t: -itemsize(t[2]))  # stable: keeps order within a size
+    pos = 0
+    sizes = []
+    for fqn, box, dtype in tiles:
+        size = itemsize(dtype)
+        n = box.numel * size
+        code, raw = safetensors_code(dtype)
+        shape = list(box.lengths) + ([size] if raw else [])
+        entries[tile_key(fqn, box)] = {"dtype": code, "shape": shape, "data_offsets": [pos, pos + n]}
+        sizes.append(n)
+        pos += n
+    body = json.dumps(entries, separators=(",", ":")).encode("utf-8")
+    body += b" " * (-(len(body) + 8) % HEADER_ALIGN)
+    header = struct.pack("<Q", len(body)) + body
+    slots = []
+    pos = len(header)
+    for (fqn, box, dtype), n in zip(tiles, sizes):
+        slots.append(TileSlot(fqn, box, dtype, pos, n))
+        pos += n
+    return FileLayout(name, header, tuple(slots))
