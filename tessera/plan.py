@@ -44,6 +44,8 @@ class LocalPlan:
             tensors of lower rank are padded with offset 0 and length 1.
         flats: ``(m, 3)`` rows ``[meta index, start, stop]`` of FlatShard ranges.
         fingerprint: a hash of the above; equal fingerprints mean an unchanged structure.
+        metas_digest: a hash of ``metas`` alone, so the coordinator unifies identical
+            tensor tables (the common case) once instead of once per rank.
     """
 
     rank: int
@@ -51,6 +53,7 @@ class LocalPlan:
     boxes: np.ndarray
     flats: np.ndarray
     fingerprint: str
+    metas_digest: str = ""
 
 
 @dataclass(frozen=True)
@@ -97,8 +100,9 @@ class GlobalPlan:
 class PlanOptions:
     """Knobs of the global planner."""
 
-    split_bytes: int = 4 << 20
-    """Replicated boxes larger than this are split so that several holders share the writing."""
+    min_split_bytes: int = 1 << 20
+    """Replicated boxes are split into pieces of about (total bytes / world size), but never
+    smaller than this, so that several holders share the writing without creating tiny tiles."""
     files_per_rank: int = 4
     """At most this many data files per rank, so that a rank's writes run in parallel."""
     min_file_bytes: int = 64 << 20
@@ -134,11 +138,12 @@ def build_local_plan(flat: FlatState, rank: int) -> LocalPlan:
         if p.flat is not None:
             flats.append((i, *p.flat))
     flat_arr = np.array(sorted(set(flats)), dtype=np.int64).reshape(-1, 3)
+    metas_digest = hashlib.blake2b(repr(metas).encode(), digest_size=16).hexdigest()
     h = hashlib.blake2b(digest_size=16)
-    h.update(repr(metas).encode())
+    h.update(metas_digest.encode())
     h.update(boxes.tobytes())
     h.update(flat_arr.tobytes())
-    return LocalPlan(rank, tuple(metas), boxes, flat_arr, h.hexdigest())
+    return LocalPlan(rank, tuple(metas), boxes, flat_arr, h.hexdigest(), metas_digest)
 
 
 def build_global_plan(local_plans: list[LocalPlan], options: PlanOptions | None = None) -> GlobalPlan:
@@ -194,10 +199,11 @@ def build_global_plan(local_plans: list[LocalPlan], options: PlanOptions | None 
     out_rows = [np.concatenate([uniq[single], writers_single[:, None]], axis=1)]
 
     # Replicated boxes: split large ones, then greedily give each piece to its least loaded holder.
+    piece_bytes = max(options.min_split_bytes, int(nbytes.sum()) // max(1, world))
     pieces: list[tuple[int, np.ndarray, np.ndarray]] = []  # (bytes, row, holders)
     for g in np.flatnonzero(~single):
         holders = table[starts[g] : starts[g] + counts[g], 1]
-        for row in _split_replicated(uniq[g], nd, int(nbytes[g]), len(holders), options.split_bytes):
+        for row in _split_replicated(uniq[g], nd, int(nbytes[g]), len(holders), piece_bytes):
             pieces.append((int(row[1 + nd :].prod() * sizes[row[0]]), row, holders))
     pieces.sort(key=lambda p: -p[0])
     rep_rows = np.zeros((len(pieces), 2 + 2 * nd), dtype=np.int64)
@@ -219,9 +225,10 @@ def _unify_metas(local_plans: list[LocalPlan]) -> tuple[list[TensorMeta], dict[i
     metas: list[TensorMeta] = []
     owner: list[int] = []
     remap: dict[int, np.ndarray] = {}
-    cache: dict[tuple[TensorMeta, ...], np.ndarray] = {}
+    cache: dict[object, np.ndarray] = {}
     for lp in local_plans:
-        hit = cache.get(lp.metas)
+        key = lp.metas_digest or lp.metas
+        hit = cache.get(key)
         if hit is not None:
             remap[lp.rank] = hit
             continue
@@ -239,7 +246,7 @@ def _unify_metas(local_plans: list[LocalPlan]) -> tuple[list[TensorMeta], dict[i
                     f"has dtype {m.dtype} shape {list(m.shape)}; every rank must agree on the global tensor"
                 )
             ids[j] = i
-        cache[lp.metas] = ids
+        cache[key] = ids
         remap[lp.rank] = ids
     return metas, remap
 
@@ -266,9 +273,9 @@ def _check_coverage(
         check_box_coverage(m.fqn, m.shape, rows[:, 1 : 1 + k], rows[:, 1 + nd : 1 + nd + k])
 
 
-def _split_replicated(row: np.ndarray, nd: int, nbytes: int, holders: int, split_bytes: int) -> list[np.ndarray]:
-    """Cut a replicated box into up to ``holders`` slabs along its first splittable dim."""
-    if nbytes <= split_bytes or holders < 2:
+def _split_replicated(row: np.ndarray, nd: int, nbytes: int, holders: int, piece_bytes: int) -> list[np.ndarray]:
+    """Cut a replicated box into slabs of about ``piece_bytes`` (at most one per holder)."""
+    if nbytes <= piece_bytes or holders < 2:
         return [row]
     lengths = row[1 + nd :]
     dims = [d for d in range(nd) if lengths[d] > 1]
@@ -276,7 +283,7 @@ def _split_replicated(row: np.ndarray, nd: int, nbytes: int, holders: int, split
         return [row]
     d = dims[0]
     n = int(lengths[d])
-    parts = min(holders, n, max(2, nbytes // split_bytes))
+    parts = min(holders, n, -(-nbytes // piece_bytes))
     out = []
     for i in range(parts):
         lo, hi = n * i // parts, n * (i + 1) // parts
