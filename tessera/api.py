@@ -17,6 +17,7 @@ import time
 import uuid
 from collections.abc import Callable
 from concurrent.futures import Future
+from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,6 +31,7 @@ from .errors import (
     CheckpointNotFoundError,
     MissingKeysError,
     StateMismatchError,
+    StorageError,
 )
 from .geometry import Box
 from .manifest import MANIFEST_NAME, FileEntry, Manifest, PerRankEntry, TensorEntry, Tile, decode, encode
@@ -170,10 +172,8 @@ def _wait_previous(ctx: _SaveContext) -> None:
     pending = ctx.pending
     if pending is not None:
         ctx.pending = None
-        try:
-            pending._future.result()
-        finally:
-            pending._raise_unobserved()
+        wait_futures([pending._future])
+        pending._raise_unobserved()
 
 
 def wait_pending(process_group: Any = None) -> None:
@@ -427,8 +427,11 @@ def _write_and_commit(
             chunk_bytes=opts.chunk_bytes,
             threads=opts.io_threads,
         )
-    except Exception as e:
+    except CheckpointError as e:
         error = e
+    except Exception as e:
+        error = StorageError(f"rank {world.rank}: writing data files of {path} failed: {type(e).__name__}: {e}")
+        error.__cause__ = e
     timer.mark("write")
     my_bytes = sum(w.nbytes for w in written)
     report = {

@@ -100,9 +100,10 @@ class GlobalPlan:
 class PlanOptions:
     """Knobs of the global planner."""
 
-    min_split_bytes: int = 1 << 20
-    """Replicated boxes are split into pieces of about (total bytes / world size), but never
-    smaller than this, so that several holders share the writing without creating tiny tiles."""
+    min_split_bytes: int = 256 << 10
+    """Replicated boxes are split into pieces of about a quarter of each rank's fair share
+    (total bytes / world size), but never smaller than this, so that several holders share
+    the writing evenly without creating tiny tiles."""
     files_per_rank: int = 4
     """At most this many data files per rank, so that a rank's writes run in parallel."""
     min_file_bytes: int = 64 << 20
@@ -199,7 +200,7 @@ def build_global_plan(local_plans: list[LocalPlan], options: PlanOptions | None 
     out_rows = [np.concatenate([uniq[single], writers_single[:, None]], axis=1)]
 
     # Replicated boxes: split large ones, then greedily give each piece to its least loaded holder.
-    piece_bytes = max(options.min_split_bytes, int(nbytes.sum()) // max(1, world))
+    piece_bytes = max(options.min_split_bytes, int(nbytes.sum()) // max(1, 4 * world))
     pieces: list[tuple[int, np.ndarray, np.ndarray]] = []  # (bytes, row, holders)
     for g in np.flatnonzero(~single):
         holders = table[starts[g] : starts[g] + counts[g], 1]

@@ -112,7 +112,7 @@ class _Flattener:
                 raise TypeError(f"'{fqn}': {type(value).__name__}.state_dict() returned {type(sd).__name__}, not a dict")
             self.visit(sd, fqn, per_rank)
             self.out.statefuls.append((value, sd))
-        elif isinstance(value, (dict, list, tuple)) and _contains_tensor(value):
+        elif isinstance(value, (dict, list, tuple)) and (_contains_tensor(value) or not fqn):
             items = value.items() if isinstance(value, dict) else enumerate(value)
             seen: set[str] = set()
             for k, v in items:
@@ -209,6 +209,7 @@ def restore_values(state: object, flat: FlatState, lookup: Callable[[str], tuple
     dict it produced during :func:`flatten` (now filled), innermost first.
     """
     stateful_sds = {id(obj): sd for obj, sd in flat.statefuls}
+    filled: dict[int, object] = {}
 
     def rebuild(value: object, fqn: str) -> object:
         if isinstance(value, PerRank):
@@ -218,9 +219,9 @@ def restore_values(state: object, flat: FlatState, lookup: Callable[[str], tuple
         if is_stateful(value) and not isinstance(value, type):
             sd = stateful_sds.get(id(value))
             if sd is not None:
-                rebuild(sd, fqn)
+                filled[id(value)] = rebuild(sd, fqn)
             return value
-        if isinstance(value, (dict, list, tuple)) and _contains_tensor(value):
+        if isinstance(value, (dict, list, tuple)) and (_contains_tensor(value) or not fqn):
             if isinstance(value, dict):
                 for k in list(value):
                     value[k] = rebuild(value[k], join(fqn, k))
@@ -236,4 +237,4 @@ def restore_values(state: object, flat: FlatState, lookup: Callable[[str], tuple
 
     rebuild(state, "")
     for obj, sd in flat.statefuls:
-        obj.load_state_dict(sd)
+        obj.load_state_dict(filled.get(id(obj), sd))

@@ -1,0 +1,106 @@
+"""Plain-value encoding and the manifest format (round trip, golden bytes, strictness)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from tessera.errors import ManifestError, PickleNotAllowedError
+from tessera.manifest import FileEntry, Manifest, PerRankEntry, TensorEntry, Tile, decode, encode
+from tessera.values import decode_value, encode_value
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        None, True, 3, -2**70, 1.5, "s", [1, "a", None], (1, (2, 3)), {"a": (1, 2)}, {1: "int key", (1, 2): "tuple"},
+        b"\x00bytes", {"__tuple__": "a key that looks like a tag"}, torch.bfloat16, torch.Size([2, 3]), [],
+    ],
+)
+def test_plain_values_round_trip(value: object) -> None:
+    enc = encode_value(value, "v")
+    dec = decode_value(json.loads(json.dumps(enc)), "v")
+    want = tuple(value) if isinstance(value, torch.Size) else value
+    assert dec == want and type(dec) is type(want)
+
+
+def test_non_finite_floats() -> None:
+    for f in (math.inf, -math.inf):
+        assert decode_value(json.loads(json.dumps(encode_value(f, "v"), allow_nan=False)), "v") == f
+    assert math.isnan(decode_value(encode_value(math.nan, "v"), "v"))
+
+
+class Opaque:
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Opaque)
+
+
+def test_pickle_needs_opt_in_at_save_and_load() -> None:
+    with pytest.raises(PickleNotAllowedError, match="'v'.*Opaque.*allow_pickle"):
+        encode_value(Opaque(), "v")
+    enc = encode_value(Opaque(), "v", allow_pickle=True)
+    with pytest.raises(PickleNotAllowedError, match="'v'"):
+        decode_value(enc, "v")
+    assert decode_value(enc, "v", allow_pickle=True) == Opaque()
+
+
+def _manifest() -> Manifest:
+    f = "data/abc/0-0.safetensors"
+    return Manifest(
+        save_id="abc",
+        world_size=2,
+        chunk_bytes=4096,
+        tensors={
+            "w": TensorEntry("float32", (4, 2), (Tile(f, (0, 0), (4, 2), 128, 32, (0x0123456789ABCDEF,)),)),
+            "s": TensorEntry("bfloat16", (), (Tile(f, (), (), 160, 2, (1,)),)),
+        },
+        values={"step": 3},
+        per_rank={"rng": PerRankEntry("error", (1, 2))},
+        files=(FileEntry(f, 0, 162),),
+        layout={"world_size": 2},
+    )
+
+
+GOLDEN = (
+    b'{"format":"tessera","version":1,"save_id":"abc","world_size":2,"checksum":{"algorithm":"xxh3_64","chunk_bytes":4096},'
+    b'"files":[{"path":"data/abc/0-0.safetensors","rank":0,"bytes":162}],"tensors":{"w":{"dtype":"float32","shape":[4,2],'
+    b'"tiles":[[0,[0,0],[4,2],128,["0123456789abcdef"]]]},"s":{"dtype":"bfloat16","shape":[],"tiles":[[0,[],[],160,'
+    b'["0000000000000001"]]]}},"values":{"step":3},"per_rank":{"rng":{"on_resize":"error","values":[1,2]}},'
+    b'"layout":{"world_size":2},"timings":{},"metadata":{}}'
+)
+
+
+def test_manifest_golden_bytes_and_round_trip() -> None:
+    m = _manifest()
+    assert encode(m) == GOLDEN
+    assert decode(GOLDEN) == m
+
+
+@pytest.mark.parametrize(
+    "mutate, match",
+    [
+        (lambda d: d.update(version=99), "newer"),
+        (lambda d: d.update(format="dcp"), "format"),
+        (lambda d: d["files"][0].update(path="../../etc/passwd"), "outside"),
+        (lambda d: d["files"][0].update(path="/etc/passwd"), "outside"),
+        (lambda d: d["tensors"]["w"].update(dtype="object"), "dtype"),
+        (lambda d: d["tensors"]["w"]["tiles"][0].__setitem__(2, [5, 2]), "outside shape"),
+        (lambda d: d["tensors"]["w"]["tiles"][0].__setitem__(3, 150), "exceed"),
+        (lambda d: d["tensors"]["w"]["tiles"][0].__setitem__(4, []), "checksums"),
+        (lambda d: d["tensors"]["w"]["tiles"][0].__setitem__(0, 7), "file #7"),
+        (lambda d: d["tensors"]["w"].update(shape=[4, True]), "integer"),
+    ],
+)
+def test_manifest_decoder_rejects_bad_input(mutate, match: str) -> None:
+    doc = json.loads(GOLDEN)
+    mutate(doc)
+    with pytest.raises(ManifestError, match=match):
+        decode(json.dumps(doc).encode())
+
+
+def test_manifest_decoder_rejects_truncation() -> None:
+    with pytest.raises(ManifestError, match="truncated|JSON"):
+        decode(GOLDEN[:-10])
