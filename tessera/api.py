@@ -11,6 +11,7 @@ load first waits for the previous save to finish (and raises its error, if any).
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
@@ -49,6 +50,9 @@ from .write import WrittenFile, write_files
 logger = logging.getLogger(__name__)
 
 __version__ = "0.1.0"
+
+LOAD_TIMINGS_DIR = "timings"
+"""Directory (inside a checkpoint) where each load's per-rank timings are kept."""
 
 
 # --------------------------------------------------------------------------------------
@@ -476,6 +480,7 @@ def _commit(
     try:
         stale = [p for p in store.list("data") if p not in keep]
         stale += [p for p in store.list("") if p.startswith(MANIFEST_NAME + ".tmp")]
+        stale += store.list(LOAD_TIMINGS_DIR)  # timings of loads of the checkpoint just replaced
         store.delete(stale)
     except Exception as e:  # the new checkpoint is committed; garbage is harmless
         logger.warning("could not remove files of older saves under %s: %s", path, e)
@@ -664,10 +669,37 @@ def load(
         timer.mark("values")
     except Exception as e:
         err = e
-    dist.check_all(world, err, f"loading {path}")
+    timings = {**timer.total(), "bytes": bytes_read}
+    reports = dist.all_gather(world, (None if err is None else dist.error_text(world.rank, err), timings), f"loading {path}")
+    failures = {r: e for r, (e, _) in enumerate(reports) if e is not None}
+    if failures:
+        if err is not None and set(failures) == {world.rank}:
+            raise err
+        dist.raise_failures(world, failures, f"loading {path}")
     if world.is_coordinator:
-        logger.info("loaded %s (%d bytes on rank 0) in %.3fs", path, bytes_read, timer.total()["total"])
+        logger.info("loaded %s (%d bytes on rank 0) in %.3fs", path, bytes_read, timings["total"])
+        if opts.record_timings:
+            _record_load_timings(store, manifest, [t for _, t in reports])
     return LoadResult(sorted(missing), sorted(unexpected), bytes_read, timer.total(), manifest.save_id)
+
+
+def _record_load_timings(store: Storage, manifest: Manifest, ranks: list[dict[str, float]]) -> None:
+    """Rank 0: keep this load's per-rank timings beside the checkpoint, for ``tessera trace``.
+
+    Best effort: a read-only checkpoint location must not make loading fail.
+    """
+    doc = {
+        "kind": "load",
+        "save_id": manifest.save_id,
+        "world_size": len(ranks),
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "ranks": {str(r): t for r, t in enumerate(ranks)},
+    }
+    name = f"{LOAD_TIMINGS_DIR}/load-{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}-{uuid.uuid4().hex[:8]}.json"
+    try:
+        store.write_atomic(name, json.dumps(doc, separators=(",", ":")).encode())
+    except Exception as e:  # noqa: BLE001
+        logger.debug("could not record load timings at %s: %s", name, e)
 
 
 def _saved_rank(manifest: Manifest, fqn: str, policy: str, world: World) -> int | None:

@@ -42,6 +42,9 @@ class LoadOptions:
     """Largest single range read; with ``io_threads`` this bounds extra host memory."""
     verify: bool = field(default_factory=_knobs.verify_checksums)
     """Verify every chunk read against its checksum."""
+    record_timings: bool = True
+    """Rank 0 writes the load's per-rank timings to ``timings/load-*.json`` in the checkpoint
+    (best effort; skipped silently where the location is read-only)."""
 
     def __post_init__(self) -> None:
         if self.io_threads < 1:
