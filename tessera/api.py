@@ -26,6 +26,7 @@ import torch
 
 from . import dist
 from .dist import World
+from .broadcast import Broadcast, run_broadcasts, split_replicated
 from .dtypes import dtype_from_name
 from .errors import (
     CheckpointError,
@@ -656,6 +657,9 @@ def load(
     except Exception as e:
         err = e
     dist.check_all(world, err, f"validating the load of {path}")
+    broadcasts: list[Broadcast] = []
+    if opts.broadcast_replicated:
+        targets, broadcasts = split_replicated(world, targets)
     requests = plan_reads(manifest, targets, max_read_bytes=opts.max_read_bytes)
     timer.mark("plan")
 
@@ -665,10 +669,17 @@ def load(
         stats = reader.run(requests)
         bytes_read = stats.bytes_read
         timer.mark("read")
-        restore_values(state, flat, lambda k: _lookup_value(manifest, k, world, allow_pickle))
-        timer.mark("values")
     except Exception as e:
         err = e
+    if broadcasts and dist.all_true(world, err is None, "checking reads before broadcasting"):
+        run_broadcasts(world, broadcasts)
+        timer.mark("broadcast")
+    if err is None:
+        try:
+            restore_values(state, flat, lambda k: _lookup_value(manifest, k, world, allow_pickle))
+            timer.mark("values")
+        except Exception as e:
+            err = e
     timings = {**timer.total(), "bytes": bytes_read}
     reports = dist.all_gather(world, (None if err is None else dist.error_text(world.rank, err), timings), f"loading {path}")
     failures = {r: e for r, (e, _) in enumerate(reports) if e is not None}

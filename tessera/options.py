@@ -42,6 +42,9 @@ class LoadOptions:
     """Largest single range read; with ``io_threads`` this bounds extra host memory."""
     verify: bool = field(default_factory=_knobs.verify_checksums)
     """Verify every chunk read against its checksum."""
+    broadcast_replicated: bool = False
+    """Read tensors that every rank wants identically (e.g. a DDP model) once, split across
+    ranks, and broadcast them; saves storage bandwidth at the cost of network traffic."""
     record_timings: bool = True
     """Rank 0 writes the load's per-rank timings to ``timings/load-*.json`` in the checkpoint
     (best effort; skipped silently where the location is read-only)."""

@@ -100,3 +100,24 @@ def _gap(rank: int, world: int, path: str) -> str:
     except tessera.CheckpointError as e:
         return str(e)
     return "no error"
+
+
+def _broadcast_load(rank: int, world: int, path: str) -> tuple[int, int]:
+    g = torch.Generator().manual_seed(1)
+    state = {"w": torch.randn(1024, 1024, generator=g), "b": torch.randn(7, generator=g), "own": torch.full((4,), float(rank))}
+    state["own"] = tessera.ShardedTensor(state["own"], (4 * world,), (4 * rank,))
+    tessera.save(path, state)
+    plain = {"w": torch.zeros(1024, 1024), "b": torch.zeros(7)}
+    full = tessera.load(path, plain).bytes_read
+    target = {"w": torch.zeros(1024, 1024), "b": torch.zeros(7), "own": tessera.ShardedTensor(torch.zeros(4), (4 * world,), (4 * rank,))}
+    res = tessera.load(path, target, options=tessera.LoadOptions(broadcast_replicated=True))
+    assert torch.equal(target["w"], state["w"]) and torch.equal(target["b"], state["b"])
+    assert torch.equal(target["own"].local, torch.full((4,), float(rank)))
+    return full, res.bytes_read
+
+
+def test_broadcast_replicated_reads_each_byte_once(tmp_path) -> None:
+    out = run_distributed(_broadcast_load, 3, str(tmp_path / "c"))
+    full = out[0][0]
+    shared = [b for _, b in out]
+    assert sum(shared) < 1.2 * full, out  # together the ranks read about one copy
