@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import json
 import math
+from itertools import chain
 from dataclasses import dataclass, field
 from typing import Any
+
+import numpy as np
 
 from .dtypes import dtype_from_name, itemsize
 from .errors import ManifestError
@@ -204,37 +207,10 @@ def _decode(data: bytes) -> Manifest:
             raise _fail(f"tensor '{name}': {err}") from None
         shape = _ints(e.get("shape"), f"tensor '{name}' shape")
         size = itemsize(dt)
-        raw_tiles = e.get("tiles")
-        if not isinstance(raw_tiles, list):
-            raise _fail(f"tensor '{name}': tiles must be a list")
-        tiles = []
-        for t in raw_tiles:
-            if not isinstance(t, list) or len(t) != 5:
-                raise _fail(f"tensor '{name}': a tile must be [file, offsets, lengths, byte_offset, checksums]")
-            fi = _int(t[0], f"tensor '{name}' tile file index")
-            if fi >= len(files):
-                raise _fail(f"tensor '{name}': tile refers to file #{fi} but only {len(files)} files are listed")
-            offsets = _ints(t[1], f"tensor '{name}' tile offsets")
-            lengths = _ints(t[2], f"tensor '{name}' tile lengths")
-            if len(offsets) != len(shape) or len(lengths) != len(shape):
-                raise _fail(f"tensor '{name}': tile rank does not match shape {shape}")
-            if any(o + n > s for o, n, s in zip(offsets, lengths, shape)):
-                raise _fail(f"tensor '{name}': tile at {offsets} x {lengths} lies outside shape {shape}")
-            nbytes = math.prod(lengths) * size
-            byte_offset = _int(t[3], f"tensor '{name}' tile byte offset")
-            if byte_offset + nbytes > files[fi].nbytes:
-                raise _fail(f"tensor '{name}': tile bytes [{byte_offset}, {byte_offset + nbytes}) exceed file {files[fi].path}")
-            sums = t[4]
-            if not isinstance(sums, list) or len(sums) != -(-nbytes // chunk_bytes):
-                raise _fail(f"tensor '{name}': expected {-(-nbytes // chunk_bytes)} chunk checksums")
-            try:
-                checks = tuple(int(c, 16) for c in sums if isinstance(c, str) and len(c) == 16)
-            except ValueError:
-                raise _fail(f"tensor '{name}': checksums must be 16 hex digits") from None
-            if len(checks) != len(sums):
-                raise _fail(f"tensor '{name}': checksums must be 16 hex digits")
-            tiles.append(Tile(files[fi].path, offsets, lengths, byte_offset, nbytes, checks))
-        tensors[name] = TensorEntry(e["dtype"], shape, tuple(tiles))
+        if math.prod(shape) * size >= 1 << 62:
+            raise _fail(f"tensor '{name}': shape {list(shape)} is implausibly large")
+        tiles = _decode_tiles(name, e.get("tiles"), shape, size, files, chunk_bytes)
+        tensors[name] = TensorEntry(e["dtype"], shape, tiles)
 
     per_rank = {}
     for name, v in _dict(doc.get("per_rank", {}), "per_rank").items():
@@ -257,3 +233,83 @@ def _decode(data: bytes) -> Manifest:
         metadata=_dict(doc.get("metadata", {}), "metadata"),
         version=version,
     )
+
+
+def _int_array(values: Any, what: str, ndim: int) -> np.ndarray:
+    """A strict int64 array from JSON lists (no floats, strings, bools or ragged rows)."""
+    try:
+        arr = np.array(values)
+    except (ValueError, TypeError, OverflowError):
+        raise _fail(f"{what} must be integers of equal length") from None
+    if arr.size == 0:
+        return np.zeros(arr.shape, dtype=np.int64)
+    if arr.dtype.kind not in "iu" or arr.ndim != ndim:
+        raise _fail(f"{what} must be non-negative integers")
+    if (arr < 0).any() or arr.dtype.kind == "u" and arr.max() >= 1 << 62:
+        raise _fail(f"{what} must be non-negative integers")
+    return arr.astype(np.int64)
+
+
+def _decode_tiles(
+    name: str, raw: Any, shape: tuple[int, ...], size: int, files: list[FileEntry], chunk_bytes: int
+) -> tuple[Tile, ...]:
+    """Validate a tensor's tile table column by column (numpy), then build the Tiles."""
+    what = f"tensor '{name}'"
+    if not isinstance(raw, list):
+        raise _fail(f"{what}: tiles must be a list")
+    if not raw:
+        return ()
+    try:
+        ok = set(map(len, raw)) == {5} and all(isinstance(t, list) for t in raw)
+    except TypeError:
+        ok = False
+    if not ok:
+        raise _fail(f"{what}: a tile must be [file, offsets, lengths, byte_offset, checksums]")
+    fcol, ocol, lcol, bcol, scol = zip(*raw)
+    n, nd = len(raw), len(shape)
+    fidx = _int_array(fcol, f"{what} tile file indices", 1)
+    if nd:
+        offs = _int_array(ocol, f"{what} tile offsets", 2)
+        lens = _int_array(lcol, f"{what} tile lengths", 2)
+        if offs.shape != (n, nd) or lens.shape != (n, nd):
+            raise _fail(f"{what}: tile rank does not match shape {list(shape)}")
+    else:
+        if any(o != [] for o in ocol) or any(x != [] for x in lcol):
+            raise _fail(f"{what}: tile rank does not match shape []")
+        offs = lens = np.zeros((n, 0), dtype=np.int64)
+    byte_offsets = _int_array(bcol, f"{what} tile byte offsets", 1)
+    if (fidx >= len(files)).any():
+        raise _fail(f"{what}: a tile refers to file #{int(fidx.max())} but only {len(files)} files are listed")
+    if nd and (offs + lens > np.asarray(shape, dtype=np.int64)).any():
+        i = int(np.flatnonzero((offs + lens > np.asarray(shape)).any(axis=1))[0])
+        raise _fail(f"{what}: tile at {offs[i].tolist()} x {lens[i].tolist()} lies outside shape {list(shape)}")
+    nbytes = (lens.prod(axis=1) if nd else np.ones(n, dtype=np.int64)) * size
+    file_sizes = np.array([f.nbytes for f in files], dtype=np.int64)
+    over = np.flatnonzero(byte_offsets + nbytes > file_sizes[fidx])
+    if len(over):
+        i = int(over[0])
+        raise _fail(
+            f"{what}: tile bytes [{int(byte_offsets[i])}, {int(byte_offsets[i] + nbytes[i])}) exceed file {files[int(fidx[i])].path}"
+        )
+    expected = -(-nbytes // chunk_bytes)
+    try:
+        counts = np.fromiter(map(len, scol), dtype=np.int64, count=n)
+        joined = "".join(chain.from_iterable(scol))
+        digests = bytes.fromhex(joined)
+    except (TypeError, ValueError):
+        raise _fail(f"{what}: checksums must be lists of 16 hex digits") from None
+    total = int(expected.sum())
+    if not np.array_equal(counts, expected):
+        raise _fail(f"{what}: expected {expected.tolist()[:5]} chunk checksums per tile, found {counts.tolist()[:5]}")
+    if len(joined) != 16 * total or len(digests) != 8 * total:
+        raise _fail(f"{what}: checksums must be lists of 16 hex digits")
+    sums = np.frombuffer(digests, dtype=">u8").tolist()
+    paths = [f.path for f in files]
+    out = []
+    pos = 0
+    for fi, o, ln, bo, nb, k in zip(
+        fidx.tolist(), offs.tolist(), lens.tolist(), byte_offsets.tolist(), nbytes.tolist(), counts.tolist()
+    ):
+        out.append(Tile(paths[fi], tuple(o), tuple(ln), bo, nb, tuple(sums[pos : pos + k])))
+        pos += k
+    return tuple(out)
