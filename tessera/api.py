@@ -660,11 +660,10 @@ def load(
     broadcasts: list[Broadcast] = []
     if opts.broadcast_replicated:
         targets, broadcasts = split_replicated(world, targets)
-    requests = plan_reads(manifest, targets, max_read_bytes=opts.max_read_bytes)
-    timer.mark("plan")
-
     bytes_read = 0
     try:
+        requests = plan_reads(manifest, targets, max_read_bytes=opts.max_read_bytes, rank=world.rank)
+        timer.mark("plan")
         reader = Reader(store, manifest, rank=world.rank, verify=opts.verify, threads=opts.io_threads)
         stats = reader.run(requests)
         bytes_read = stats.bytes_read

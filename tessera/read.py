@@ -134,8 +134,14 @@ def plan_reads(
     targets: Sequence[ReadTarget],
     *,
     max_read_bytes: int = 32 << 20,
+    rank: int = 0,
 ) -> list[ReadRequest]:
-    """Range reads that fill every target, grouped and coalesced per file."""
+    """Range reads that fill every target, grouped and coalesced per file.
+
+    Raises:
+        CorruptCheckpointError: if the saved tiles do not cover a target exactly once
+            by volume (a gap or overlap in a damaged or hostile manifest).
+    """
     index = _TileIndex(manifest)
     chunk = manifest.chunk_bytes
     by_file: dict[str, list[_Copy]] = {}
@@ -150,6 +156,12 @@ def plan_reads(
         lo = np.maximum(offs, np.asarray(t.box.offsets, dtype=np.int64))
         hi = np.minimum(offs + lens, np.asarray(t.box.stops, dtype=np.int64))
         hits = np.flatnonzero((hi > lo).all(axis=1)) if offs.shape[1] else np.arange(len(offs))
+        covered = int((hi[hits] - lo[hits]).prod(axis=1).sum()) if offs.shape[1] else len(hits)
+        if covered != t.box.numel:
+            raise CorruptCheckpointError(
+                f"tensor '{t.fqn}': the checkpoint's tiles cover {covered} of the {t.box.numel} elements of box "
+                f"{t.box} that rank {rank} loads; the manifest is inconsistent (run `tessera verify`)"
+            )
         for i in hits.tolist():
             tile = entry.tiles[i]
             inter = Box(tuple(lo[i].tolist()), tuple((hi[i] - lo[i]).tolist()))
