@@ -51,8 +51,10 @@ class World:
 def world_for(process_group: Any = None) -> World:
     """The world of ``process_group`` (default: the whole job), with its coordination group.
 
-    The first call for a group is collective over the default group (it creates the
-    dedicated gloo group); later calls are local.
+    For the default group and for non-gloo groups (NCCL), the first call creates a
+    dedicated gloo group, which is collective over the *whole job*; later calls are local.
+    A gloo ``process_group`` is used directly, so subgroups (say one pipeline stage) can
+    save on their own.
     """
     if not (dist.is_available() and dist.is_initialized()):
         if process_group is not None:
@@ -62,9 +64,14 @@ def world_for(process_group: Any = None) -> World:
     with _GROUPS_LOCK:
         group = _GROUPS.get(key)
         if group is None:
-            ranks = dist.get_process_group_ranks(process_group) if process_group is not None else None
-            timeout = datetime.timedelta(seconds=_knobs.collective_timeout_s())
-            group = dist.new_group(ranks=ranks, backend="gloo", timeout=timeout)
+            if process_group is not None and dist.get_backend(process_group) == "gloo":
+                # A gloo subgroup is used as is: creating a new group would be collective
+                # over the whole job, and only the subgroup's ranks are calling us.
+                group = process_group
+            else:
+                ranks = dist.get_process_group_ranks(process_group) if process_group is not None else None
+                timeout = datetime.timedelta(seconds=_knobs.collective_timeout_s())
+                group = dist.new_group(ranks=ranks, backend="gloo", timeout=timeout)
             _GROUPS[key] = group
     return World(dist.get_rank(group), dist.get_world_size(group), group)
 

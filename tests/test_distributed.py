@@ -121,3 +121,22 @@ def test_broadcast_replicated_reads_each_byte_once(tmp_path) -> None:
     full = out[0][0]
     shared = [b for _, b in out]
     assert sum(shared) < 1.2 * full, out  # together the ranks read about one copy
+
+
+def _subgroups(rank: int, world: int, root: str) -> None:
+    import torch.distributed as dist
+
+    # Two "pipeline stages" of 2 ranks each save their own checkpoints independently.
+    groups = [dist.new_group([0, 1], backend="gloo"), dist.new_group([2, 3], backend="gloo")]
+    stage = rank // 2
+    group = groups[stage]
+    local = torch.full((3,), float(rank))
+    path = os.path.join(root, f"stage{stage}")
+    tessera.save(path, {"w": tessera.ShardedTensor(local, (6,), (3 * (rank % 2),))}, process_group=group)
+    target = {"w": torch.zeros(6)}
+    tessera.load(path, target, process_group=group)
+    assert torch.equal(target["w"], torch.tensor([2.0 * stage] * 3 + [2.0 * stage + 1] * 3))
+
+
+def test_gloo_subgroups_save_independently(tmp_path) -> None:
+    run_distributed(_subgroups, 4, str(tmp_path))
