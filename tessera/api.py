@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import threading
 import time
 import uuid
@@ -27,7 +28,7 @@ import torch
 from . import dist
 from .dist import World
 from .broadcast import Broadcast, run_broadcasts, split_replicated
-from .dtypes import dtype_from_name
+from .dtypes import dtype_from_name, itemsize
 from .errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -345,10 +346,8 @@ def _plan_save(
     replies = dist.all_gather(world, hello, "starting the save")
     failures = {r: h[0] for r, h in enumerate(replies) if h[0] is not None}
     if failures:
-        if error is not None and len(failures) == 1 and not world.distributed:
-            raise error
-        if error is not None and len(failures) == 1 and failures.keys() == {world.rank}:
-            raise error
+        if error is not None and failures.keys() == {world.rank}:
+            raise error  # only this rank failed: its own exception says it best
         dist.raise_failures(world, failures, "preparing the save")
     save_id = replies[0][2]
     plan_ids = {h[1] for h in replies}
@@ -497,22 +496,18 @@ def _delete_quietly(store: Storage, paths: list[str]) -> None:
 
 def _build_manifest(world: World, entry: _CachedPlan, reports: list[dict], save_id: str, opts: SaveOptions) -> Manifest:
     assert entry.metas is not None
+    sizes = {m.fqn: itemsize(dtype_from_name(m.dtype)) for m in entry.metas}
     tiles: dict[str, list[Tile]] = {m.fqn: [] for m in entry.metas}
     files = []
     for rank, rep in enumerate(reports):
         for fpath, nbytes, ftiles in rep["files"]:
             files.append(FileEntry(fpath, rank, nbytes))
             for fqn, offsets, lengths, byte_offset, sums in ftiles:
-                n = byte_offset  # placeholder to keep names short below
-                tiles[fqn].append(Tile(fpath, tuple(offsets), tuple(lengths), n, 0, tuple(sums)))
-    tensors = {}
-    for m in entry.metas:
-        size = torch.empty((), dtype=dtype_from_name(m.dtype)).element_size()
-        ts = sorted(
-            (Tile(t.file, t.offsets, t.lengths, t.byte_offset, _prod(t.lengths) * size, t.checksums) for t in tiles[m.fqn]),
-            key=lambda t: t.offsets,
-        )
-        tensors[m.fqn] = TensorEntry(m.dtype, m.shape, tuple(ts))
+                n = math.prod(lengths) * sizes[fqn]
+                tiles[fqn].append(Tile(fpath, tuple(offsets), tuple(lengths), byte_offset, n, tuple(sums)))
+    tensors = {
+        m.fqn: TensorEntry(m.dtype, m.shape, tuple(sorted(tiles[m.fqn], key=lambda t: t.offsets))) for m in entry.metas
+    }
     values: dict[str, Any] = {}
     per_rank: dict[str, list[Any]] = {}
     policies: dict[str, str] = {}
@@ -543,13 +538,6 @@ def _build_manifest(world: World, entry: _CachedPlan, reports: list[dict], save_
             **opts.metadata,
         },
     )
-
-
-def _prod(xs: tuple[int, ...]) -> int:
-    out = 1
-    for x in xs:
-        out *= x
-    return out
 
 
 # --------------------------------------------------------------------------------------
