@@ -1,0 +1,421 @@
+"""The S3 side of :class:`~tessera.storage.FsspecStorage`: requests straight to the S3 API.
+
+s3fs supplies the configured aiobotocore client and its event loop; the requests themselves
+are made here, so that uploads are multipart with bounded memory, the commit is one PUT,
+reads are ranged GETs streamed into the caller's buffer, and every request goes through one
+retry policy (:mod:`tessera.storage._retry`) instead of three stacked ones.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import errno
+import hashlib
+import logging
+import os
+import threading
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from typing import TYPE_CHECKING, TypeVar
+
+from ..errors import StorageError
+from ._retry import RetryOptions, Truncated, acall_with_retry, describe, error_code
+from .base import Buffer
+
+if TYPE_CHECKING:
+    from fsspec import AbstractFileSystem
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+MiB = 1 << 20
+S3_MIN_PART_SIZE = 5 * MiB
+"""S3's smallest allowed multipart part (every part but the last)."""
+S3_MAX_PARTS = 10_000
+"""S3's largest part number."""
+_PARTS_PER_SIZE = 2_000  # the part size doubles every this many parts: 62,000 x part_size max
+_DELETE_BATCH = 1_000  # DeleteObjects' limit
+_STREAM_READ = 4 * MiB
+_NOT_FOUND_CODES = frozenset({"NoSuchKey", "NotFound", "404"})
+
+_FS_CACHE: dict[tuple[int, str], AbstractFileSystem] = {}
+_FS_CACHE_LOCK = threading.Lock()
+
+
+def s3_filesystem(options: Mapping[str, object]) -> AbstractFileSystem:
+    """A cached, private ``S3FileSystem`` whose botocore client does not retry on its own.
+
+    Private (``skip_instance_cache``) so that turning off botocore's retries does not change
+    the instance other code in the process gets from ``fsspec.filesystem("s3")``. Keyed by
+    process id too: a forked child must not reuse its parent's connections.
+
+    Raises:
+        ImportError: if s3fs is not installed.
+    """
+    try:
+        import s3fs
+    except ImportError as e:  # pragma: no cover - depends on the environment
+        raise ImportError("s3:// checkpoints need s3fs: pip install 'tessera[s3]'") from e
+    opts = dict(options)
+    config = dict(opts.get("config_kwargs") or {})  # type: ignore[call-overload]
+    # botocore would otherwise retry too (legacy mode: 5 attempts) under our own retries.
+    config.setdefault("retries", {"total_max_attempts": 1, "mode": "standard"})
+    opts["config_kwargs"] = config
+    key = (os.getpid(), repr(sorted(opts.items(), key=lambda kv: kv[0])))
+    with _FS_CACHE_LOCK:
+        fs = _FS_CACHE.get(key)
+        if fs is None:
+            fs = _FS_CACHE[key] = s3fs.S3FileSystem(skip_instance_cache=True, **opts)
+    return fs
+
+
+def _multipart_etag(parts: list[dict[str, object]]) -> str | None:
+    """The ETag S3 gives the object made of ``parts``: MD5 of the parts' MD5s, "-", count.
+
+    ``None`` where part ETags are not MD5s (e.g. SSE-KMS), so no match is ever claimed.
+    """
+    try:
+        ordered = sorted(parts, key=lambda p: p["PartNumber"])  # type: ignore[arg-type,return-value]
+        digests = b"".join(bytes.fromhex(str(p["ETag"]).strip('"')) for p in ordered)
+    except ValueError:
+        return None
+    return f'"{hashlib.md5(digests, usedforsecurity=False).hexdigest()}-{len(parts)}"'
+
+
+class S3Objects:
+    """Objects under ``s3://<bucket>/<prefix>/``, addressed by checked relative paths.
+
+    Args:
+        url: the checkpoint root as the user gave it (for messages).
+        fs: an ``S3FileSystem`` from :func:`s3_filesystem`.
+        bucket: the bucket.
+        prefix: the key prefix of the root, without slashes at either end ("" for the bucket).
+        part_size: bytes per multipart part and per ranged GET.
+        max_concurrency: parts (or ranges) of one file in flight at once.
+        retry: the retry policy.
+        endpoint: the endpoint URL, for messages.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        fs: AbstractFileSystem,
+        bucket: str,
+        prefix: str,
+        *,
+        part_size: int,
+        max_concurrency: int,
+        retry: RetryOptions,
+        endpoint: str | None,
+    ) -> None:
+        if part_size < S3_MIN_PART_SIZE:
+            raise ValueError(f"part_size={part_size} is below S3's minimum part size of {S3_MIN_PART_SIZE} bytes")
+        self.url = url
+        self.fs = fs
+        self.bucket = bucket
+        self.prefix = prefix
+        self.part_size = part_size
+        self.max_concurrency = max_concurrency
+        self.retry = retry
+        self.endpoint = endpoint
+
+    # -- plumbing --------------------------------------------------------------------------------
+
+    def _key(self, rel: str) -> str:
+        return f"{self.prefix}/{rel}" if self.prefix else rel
+
+    def url_of(self, rel: str) -> str:
+        return f"{self.url.rstrip('/')}/{rel}" if rel else self.url
+
+    def _run(self, coro_fn: Callable[..., Awaitable[T]], *args: object) -> T:
+        """Run a coroutine on fsspec's I/O loop and wait for it in this thread."""
+        from fsspec.asyn import sync
+
+        return sync(self.fs.loop, coro_fn, *args)
+
+    async def _retrying(self, what: str, rel: str, fn: Callable[[], Awaitable[T]]) -> T:
+        return await acall_with_retry(
+            self.retry, what, self.url_of(rel), fn, endpoint=self.endpoint, bucket=self.bucket
+        )
+
+    async def _call(self, method: str, **kwargs: object) -> dict:
+        """One S3 request. s3fs's ``_call_s3`` is not used: its own retry loop sleeps even on
+        the last attempt and would stack under ours.
+
+        A missing key becomes ``FileNotFoundError`` (chained to the ``ClientError``); any
+        other error is raised as the client raised it, for the retry policy to judge.
+        """
+        await self.fs.set_session()
+        client = await self.fs.get_s3(self.bucket)
+        fn = getattr(client, method)
+        kwargs["Bucket"] = self.bucket
+        try:
+            # Adds the user's s3_additional_kwargs (SSE, RequestPayer...) that ``method`` accepts.
+            kwargs = self.fs._get_s3_method_kwargs(fn, **kwargs)
+        except AttributeError:  # pragma: no cover - an s3fs without the helper
+            pass
+        try:
+            return await fn(**kwargs)
+        except Exception as e:
+            code, status = error_code(e)
+            if code in _NOT_FOUND_CODES or (code is None and status == 404):
+                raise FileNotFoundError(errno.ENOENT, describe(e)) from e
+            raise
+
+    def _request(self, what: str, rel: str, method: str, **kwargs: object) -> dict:
+        """A retried request, from a calling thread."""
+        return self._run(self._retrying, what, rel, lambda: self._call(method, **kwargs))
+
+    # -- operations --------------------------------------------------------------------------------
+
+    def write_file(self, rel: str, chunks: Iterable[Buffer]) -> None:
+        """Stream ``chunks`` into one object: a PUT if under one part, else a multipart upload.
+
+        The chunks are copied into part buffers (at most ``max_concurrency + 1`` of them), so
+        no reference to them outlives the call. A failed upload is aborted, never completed.
+        """
+        key = self._key(rel)
+        free: list[bytearray] = []
+        inflight: deque[tuple[int, concurrent.futures.Future[dict], bytearray]] = deque()
+        parts: list[dict[str, object]] = []
+        upload_id: str | None = None
+        part_number = 0
+        buf: bytearray | None = None
+        filled = 0
+        total = 0
+
+        def part_size(number: int) -> int:
+            # Doubling every 2,000 parts keeps files of up to 62,000 x part_size under S3's
+            # 10,000-part limit without asking users to size parts for their largest file.
+            return self.part_size << ((number - 1) // _PARTS_PER_SIZE)
+
+        def take_buffer() -> bytearray:
+            size = part_size(part_number + 1)
+            while free:
+                b = free.pop()
+                if len(b) == size:
+                    return b
+            return bytearray(size)
+
+        def reap_oldest() -> None:
+            number, fut, used = inflight.popleft()
+            resp = fut.result()  # the part's final outcome, after its retries
+            entry: dict[str, object] = {"PartNumber": number, "ETag": resp["ETag"]}
+            if "ChecksumSHA256" in resp:
+                entry["ChecksumSHA256"] = resp["ChecksumSHA256"]
+            parts.append(entry)
+            free.append(used)
+
+        def submit(full: bytearray, length: int) -> None:
+            nonlocal upload_id, part_number
+            if upload_id is None:
+                upload_id = self._request("starting upload of", rel, "create_multipart_upload", Key=key)["UploadId"]
+            part_number += 1
+            if part_number > S3_MAX_PARTS:
+                raise StorageError(
+                    f"writing {self.url_of(rel)}: the file needs more than {S3_MAX_PARTS} parts; raise part_size"
+                )
+            body = full if length == len(full) else bytes(memoryview(full)[:length])
+            number, uid = part_number, upload_id
+
+            async def upload() -> dict:
+                return await self._retrying(
+                    f"uploading part {number} of",
+                    rel,
+                    lambda: self._call("upload_part", Key=key, UploadId=uid, PartNumber=number, Body=body),
+                )
+
+            while len(inflight) >= self.max_concurrency:
+                reap_oldest()
+            inflight.append((number, asyncio.run_coroutine_threadsafe(upload(), self.fs.loop), full))
+
+        t0 = time.monotonic()
+        try:
+            for chunk in chunks:
+                view = memoryview(chunk).cast("B")
+                pos = 0
+                while pos < len(view):
+                    if buf is None:
+                        buf, filled = take_buffer(), 0
+                    k = min(len(view) - pos, len(buf) - filled)
+                    buf[filled : filled + k] = view[pos : pos + k]
+                    filled += k
+                    pos += k
+                    if filled == len(buf):
+                        submit(buf, filled)
+                        buf = None
+                total += len(view)
+            if upload_id is None:
+                # Smaller than one part: one PUT, one request instead of three.
+                body = bytes(memoryview(buf)[:filled]) if buf is not None else b""
+                self._request("writing", rel, "put_object", Key=key, Body=body)
+            else:
+                if buf is not None and filled:
+                    submit(buf, filled)
+                    buf = None
+                while inflight:
+                    reap_oldest()
+                self._complete(rel, key, upload_id, parts, total)
+        except BaseException:
+            for _, fut, _ in inflight:
+                fut.cancel()
+            concurrent.futures.wait([fut for _, fut, _ in inflight], timeout=60)
+            if upload_id is not None:
+                self._abort(rel, key, upload_id)
+            raise
+        logger.debug(
+            "wrote %s: %d bytes, %d part(s), %.3fs", self.url_of(rel), total, max(part_number, 1), time.monotonic() - t0
+        )
+
+    def _complete(self, rel: str, key: str, upload_id: str, parts: list[dict[str, object]], total: int) -> None:
+        done = {"Parts": sorted(parts, key=lambda p: p["PartNumber"])}  # type: ignore[arg-type,return-value]
+        try:
+            self._request(
+                "completing upload of",
+                rel,
+                "complete_multipart_upload",
+                Key=key,
+                UploadId=upload_id,
+                MultipartUpload=done,
+            )
+        except StorageError as e:
+            # A retried Complete whose first try succeeded (the answer was lost) finds the
+            # upload gone. If the object now carries this upload's ETag, that is success.
+            if error_code(e)[0] != "NoSuchUpload":
+                raise
+            try:
+                head = self._request("checking", rel, "head_object", Key=key)
+            except (FileNotFoundError, StorageError):
+                raise e from None
+            if int(head["ContentLength"]) != total or head.get("ETag") != _multipart_etag(parts):
+                raise
+            logger.info("upload of %s completed by an earlier attempt whose answer was lost", self.url_of(rel))
+
+    def _abort(self, rel: str, key: str, upload_id: str) -> None:
+        try:
+            self._request("aborting upload of", rel, "abort_multipart_upload", Key=key, UploadId=upload_id)
+        except Exception as e:
+            # The bucket's lifecycle rules clean up abandoned uploads; the write failed anyway.
+            logger.warning("could not abort the multipart upload of %s: %s", self.url_of(rel), e)
+
+    def put(self, rel: str, data: bytes) -> None:
+        """One PUT of ``data``: readers see the old object or the new one."""
+        self._request("committing", rel, "put_object", Key=self._key(rel), Body=data)
+
+    def read_file(self, rel: str) -> bytes:
+        key = self._key(rel)
+
+        async def get() -> bytes:
+            resp = await self._call("get_object", Key=key)
+            body = resp["Body"]
+            try:
+                return await body.read()
+            finally:
+                body.close()
+
+        return self._run(self._retrying, "reading", rel, get)
+
+    def read_into(self, rel: str, offset: int, view: memoryview) -> None:
+        """Ranged GETs of ``part_size`` bytes, ``max_concurrency`` at a time, into ``view``.
+
+        Raises:
+            Truncated: if the object ends before the range does.
+        """
+        self._run(self._read_into, rel, offset, view)
+
+    async def _read_into(self, rel: str, offset: int, view: memoryview) -> None:
+        key = self._key(rel)
+        sem = asyncio.Semaphore(self.max_concurrency)
+
+        async def fetch(start: int, piece: memoryview) -> None:
+            lo, hi = offset + start, offset + start + len(piece) - 1
+
+            async def once() -> None:
+                try:
+                    resp = await self._call("get_object", Key=key, Range=f"bytes={lo}-{hi}")
+                except Exception as e:
+                    if error_code(e)[0] == "InvalidRange":  # the range starts at or past the end
+                        head = await self._call("head_object", Key=key)
+                        raise Truncated(int(head["ContentLength"])) from e
+                    raise
+                body = resp["Body"]
+                got = 0
+                try:
+                    while got < len(piece):
+                        data = await body.read(min(len(piece) - got, _STREAM_READ))
+                        if not data:
+                            break
+                        piece[got : got + len(data)] = data
+                        got += len(data)
+                finally:
+                    body.close()
+                if got < len(piece):
+                    raise Truncated(lo + got)
+
+            async with sem:
+                await self._retrying("reading", rel, once)
+
+        pieces = [(s, view[s : s + self.part_size]) for s in range(0, len(view), self.part_size)]
+        # Wait for every range (no write into ``view`` may outlive the call), then report.
+        results = await asyncio.gather(*(fetch(s, p) for s, p in pieces), return_exceptions=True)
+        for r in results:
+            if isinstance(r, BaseException):
+                raise r
+
+    def size(self, rel: str) -> int:
+        return int(self._request("stat of", rel, "head_object", Key=self._key(rel))["ContentLength"])
+
+    def exists(self, rel: str) -> bool:
+        key = self._key(rel)
+
+        async def probe() -> bool:
+            try:
+                await self._call("head_object", Key=key)
+                return True
+            except FileNotFoundError:
+                pass  # not an object; maybe a "directory" (a missing bucket fails the listing)
+            resp = await self._call("list_objects_v2", Prefix=key + "/", MaxKeys=1)
+            return bool(resp.get("KeyCount") or resp.get("Contents"))
+
+        return self._run(self._retrying, "checking", rel, probe)
+
+    def list(self, rel_prefix: str) -> list[str]:
+        return self._run(self._list, rel_prefix)
+
+    async def _list(self, rel_prefix: str) -> list[str]:
+        base = self._key(rel_prefix) if rel_prefix else self.prefix
+        list_prefix = base if rel_prefix else (f"{base}/" if base else "")
+        strip = f"{self.prefix}/" if self.prefix else ""
+        out: list[str] = []
+        token: str | None = None
+        while True:
+            kwargs: dict[str, object] = {"Prefix": list_prefix}
+            if token:
+                kwargs["ContinuationToken"] = token
+            resp = await self._retrying("listing", rel_prefix, lambda kw=kwargs: self._call("list_objects_v2", **kw))
+            for obj in resp.get("Contents", []):
+                name = obj["Key"]
+                if name.endswith("/"):
+                    continue  # "directory" placeholder objects made by some tools
+                if rel_prefix and not (name == base or name.startswith(base + "/")):
+                    continue  # "data2/x" is not under "data"
+                out.append(name[len(strip) :])
+            if not resp.get("IsTruncated"):
+                return sorted(out)
+            token = resp.get("NextContinuationToken")
+
+    def delete(self, rels: list[str]) -> None:
+        for i in range(0, len(rels), _DELETE_BATCH):
+            batch = rels[i : i + _DELETE_BATCH]
+            objects = [{"Key": self._key(r)} for r in batch]
+            resp = self._request("deleting", batch[0], "delete_objects", Delete={"Objects": objects, "Quiet": True})
+            errors = [e for e in resp.get("Errors", []) if e.get("Code") != "NoSuchKey"]
+            if errors:
+                detail = "; ".join(f"{e.get('Key')}: {e.get('Code')} {e.get('Message', '')}" for e in errors[:5])
+                raise StorageError(
+                    f"deleting {len(errors)} of {len(batch)} objects under {self.url} failed: {detail}"
+                    f"{' ...' if len(errors) > 5 else ''}; check that the bucket policy allows s3:DeleteObject"
+                )

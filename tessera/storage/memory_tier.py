@@ -1,0 +1,595 @@
+"""Host-memory tier: commit a checkpoint to RAM first, persist it to durable storage in the background.
+
+A save through :class:`MemoryTierStorage` finishes at host-memory speed, and a restart on the
+same node loads at host-memory speed, while the durable store (S3, a shared filesystem...)
+still receives every checkpoint and stays the source of truth.
+
+Usage::
+
+    tessera.save("tier::s3://bucket/run/step-100", state)          # through storage_for
+    # or, with options:
+    tier = MemoryTierStorage("s3://bucket/run/step-100", storage_options={...})
+    tessera.save(tier.url, state, storage=tier)
+    tier.wait_persisted()                                          # optional: block until durable
+
+How it works:
+
+* **Layout.** The memory copy lives in a plain directory (a :class:`FileStorage` without
+  fsync) laid out exactly like the durable checkpoint, by default
+  ``/dev/shm/tessera/<store>/<path of the durable URL>`` (:func:`default_memory_root`). Every
+  rank on a node that saves to the same durable URL uses the same directory, and the memory
+  copies nest like the checkpoints: a tier opened on a run's root sees (and its deletes
+  reach) the memory copies of the run's step checkpoints.
+* **Save.** ``write_file`` writes to memory only. ``write_atomic("manifest.json")`` commits in
+  memory, then (``auto_persist=True``) schedules the persistence: every file under the memory
+  directory except manifests is copied to the durable backend, several at a time, and the
+  manifest bytes committed in memory are published there last with ``write_atomic``. The
+  durable store therefore goes from the old complete checkpoint to the new complete one, with
+  the same commit point as a direct save. ``write_atomic`` of any other file (a "latest"
+  pointer, timings) writes through to both copies at once.
+* **Backpressure.** A commit waits for the process's previous persistence to finish (one
+  background thread runs them in order), so at most one checkpoint is being persisted and
+  one more being saved at any time, whatever their URLs.
+* **Deletes.** ``delete`` removes files from memory at once, but from the durable store only
+  once the durable manifest is the one committed in memory (after the pending persistence);
+  before that the durable manifest may still refer to them.
+* **Load.** The durable manifest decides what is committed: ``read_file``, ``exists``,
+  ``size`` and ``list`` see a ``manifest.json`` (at any depth) only in the durable store, or
+  while this process is persisting its own commit of it. If the memory directory holds a
+  byte-identical ``manifest.json``, data files are read from memory (any file missing there,
+  e.g. one written by another node, from the durable store); otherwise from the durable
+  store, or from memory for a file not persisted yet. ``list`` and ``exists`` see both
+  copies. ``read_file("manifest.json")`` first waits for the pending persistence of the
+  memory directory in this process (whichever tier object started it), so a process always
+  loads its own last save; nothing else waits, so a save's cleanup right after its commit
+  does not block on the durable copy.
+* **Crashes.** A crash before the durable commit leaves the durable store at its previous
+  checkpoint; the newer memory-only commit is ignored by loads (it can be pushed out with
+  :meth:`MemoryTierStorage.persist` by a process restarted on the same node). Files left in
+  memory by a crash are copied by the next persistence and then removed by the save's usual
+  cleanup. The memory directory does not survive a reboot; ``/dev/shm`` counts against RAM.
+  At interpreter exit, pending persistence is completed before the process ends.
+
+Multi-node jobs: each node has its own ``/dev/shm``, so no single rank sees every file and
+``auto_persist`` is refused when ``WORLD_SIZE != LOCAL_WORLD_SIZE``. Construct the tier with
+``auto_persist=False`` and drive the persistence from the save: every rank calls
+``persist(files=<the files it wrote>, commit=False).result()``, then a barrier, then rank 0
+calls ``persist(files=[], commit=True)``.
+
+Assumption shared with the save pipeline: a file referenced by a committed manifest is never
+rewritten in place (a new save writes new file names, then commits, then deletes old files).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import hashlib
+import logging
+import os
+import posixpath
+import re
+import tempfile
+import threading
+import time
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+
+from ..errors import StorageError
+from .base import Buffer, Storage, check_relpath
+from .local import FileStorage
+
+logger = logging.getLogger(__name__)
+
+TIER_PREFIX = "tier::"
+"""URL prefix that selects the memory tier in :func:`tessera.storage.storage_for`."""
+MANIFEST = "manifest.json"
+_COPY_CHUNK = 16 << 20
+_TMP_RE = re.compile(r"\.tmp-[0-9a-f]{32}$")  # FileStorage.write_atomic's temporary files
+
+
+def default_memory_root(durable_url: str) -> str:
+    """The memory directory used for ``durable_url`` when none is given.
+
+    ``/dev/shm/tessera/<store>/<path of the URL>``, where ``<store>`` is ``local`` for paths
+    and ``file://`` URLs, and ``<scheme>-<host or bucket>-<hash>`` otherwise: for example
+    ``s3://ckpts/run-7/step-100`` maps to ``/dev/shm/tessera/s3-ckpts-1f0e2a9c/run-7/step-100``.
+    The path is kept (not hashed) so that the memory copies of checkpoints nest like the
+    checkpoints do: a tier opened on ``.../run-7`` (e.g. by a checkpoint manager applying
+    retention) sees and deletes the memory copies of ``.../run-7/step-*``. Where ``/dev/shm``
+    does not exist, the system temporary directory is used instead (possibly disk-backed).
+    """
+    base = "/dev/shm"
+    if not (os.path.isdir(base) and os.access(base, os.W_OK)):
+        base = tempfile.gettempdir()
+        logger.warning("no writable /dev/shm; the memory tier uses %s, which may be on disk", base)
+    scheme, sep, rest = durable_url.partition("://")
+    if not sep or scheme == "file":
+        store, path = "local", os.path.abspath(rest if sep else durable_url)
+    else:
+        authority, _, path = rest.partition("/")
+        digest = hashlib.sha256(f"{scheme}://{authority}".encode()).hexdigest()[:8]
+        store = f"{re.sub(r'[^A-Za-z0-9._-]', '_', scheme)}-{re.sub(r'[^A-Za-z0-9._-]', '_', authority)}-{digest}"
+    # normpath of an absolute path cannot climb above "/": no ".." escapes the tier root.
+    rel = posixpath.normpath("/" + path).lstrip("/")
+    return os.path.join(base, "tessera", store, rel)
+
+
+def _is_manifest(rel: str) -> bool:
+    return rel == MANIFEST or rel.endswith("/" + MANIFEST)
+
+
+@dataclass
+class _TierState:
+    """Persistence state of one memory directory, shared by every tier object on it in a process.
+
+    Shared because ``save`` and ``load`` each open their own backend for a URL: a load must
+    still wait for the persistence a save's object started, deferred deletes must wait for
+    it, and a commit must wait for the previous one whichever object made it.
+    """
+
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    pending: concurrent.futures.Future[None] | None = None
+    """The last persistence submitted (jobs run one at a time, in order)."""
+    pending_commit: bool = False
+    """Whether ``pending`` publishes a manifest."""
+    deferred_deletes: list[str] = field(default_factory=list)
+    """Durable deletes waiting for the next durable commit."""
+    deleted: set[str] = field(default_factory=set)
+    """Files deleted from memory through a tier object (so a copy may find them gone)."""
+    failed_copies: set[str] = field(default_factory=set)
+    """Files whose copy failed and that no later copy has replaced: block commits."""
+
+
+_STATES: dict[str, _TierState] = {}
+_REGISTRY_LOCK = threading.Lock()
+_PERSISTER: concurrent.futures.ThreadPoolExecutor | None = None
+_LAST_JOB: concurrent.futures.Future[None] | None = None  # the process's last persistence job
+
+
+def _state_for(memory_root: str) -> _TierState:
+    key = os.path.realpath(memory_root)
+    with _REGISTRY_LOCK:
+        state = _STATES.get(key)
+        if state is None:
+            state = _STATES[key] = _TierState()
+        return state
+
+
+def _persister() -> concurrent.futures.ThreadPoolExecutor:
+    """The process's persistence thread: one job at a time, in submission order.
+
+    Its thread is not a daemon: at interpreter exit, queued persistence completes first.
+    """
+    global _PERSISTER
+    with _REGISTRY_LOCK:
+        if _PERSISTER is None:
+            _PERSISTER = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tessera-tier-persist")
+        return _PERSISTER
+
+
+class MemoryTierStorage:
+    """Two-stage storage: commit to a host-memory directory, persist to ``durable`` in the background.
+
+    Implements :class:`~tessera.storage.Storage`; see the module docstring for the exact
+    semantics. Thread-safe.
+
+    Args:
+        durable: the durable backend, or its URL (resolved with ``storage_for``).
+        storage_options: options for the durable backend when ``durable`` is a URL.
+        memory_root: directory of the memory copy; default :func:`default_memory_root`.
+        auto_persist: start persisting when ``manifest.json`` is committed. Needs every rank
+            of the job on this node (see the module docstring for multi-node jobs).
+        max_workers: files copied to the durable backend at once.
+
+    Raises:
+        ValueError: for ``auto_persist=True`` in a multi-node job (from torchrun's env vars).
+
+    Example:
+        >>> tier = MemoryTierStorage("/mnt/ckpt/step-100", memory_root="/dev/shm/me/step-100")  # doctest: +SKIP
+        >>> tier.write_file("data/0-0.safetensors", [payload])  # doctest: +SKIP
+        >>> tier.write_atomic("manifest.json", manifest)  # committed in RAM, persisting  # doctest: +SKIP
+        >>> tier.wait_persisted()  # now also committed in /mnt/ckpt/step-100  # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        durable: Storage | str,
+        *,
+        storage_options: Mapping[str, object] | None = None,
+        memory_root: str | None = None,
+        auto_persist: bool = True,
+        max_workers: int = 4,
+    ) -> None:
+        if isinstance(durable, str):
+            from . import storage_for  # the package imports this module; resolve lazily
+
+            durable = storage_for(durable, storage_options=storage_options)
+        elif not isinstance(durable, Storage):
+            raise TypeError(f"durable={durable!r} does not implement tessera.storage.Storage")
+        if max_workers < 1:
+            raise ValueError(f"max_workers must be >= 1, got {max_workers}")
+        world, local = os.environ.get("WORLD_SIZE"), os.environ.get("LOCAL_WORLD_SIZE")
+        if auto_persist and world and local and world != local:
+            raise ValueError(
+                f"MemoryTierStorage({durable.url!r}): auto_persist needs every rank on one node, but "
+                f"WORLD_SIZE={world} and LOCAL_WORLD_SIZE={local}; use auto_persist=False and call "
+                "persist() from every rank (see tessera.storage.memory_tier)"
+            )
+        self.durable: Storage = durable
+        self.url = TIER_PREFIX + durable.url
+        self.memory = FileStorage(memory_root or default_memory_root(durable.url), durable=False)
+        self.auto_persist = auto_persist
+        self.max_workers = max_workers
+        self._s = _state_for(self.memory.root)
+        self._memory_valid: bool | None = None
+
+    def __repr__(self) -> str:
+        return f"MemoryTierStorage({self.durable.url!r}, memory_root={self.memory.root!r})"
+
+    # -- persistence ---------------------------------------------------------------------------
+
+    def persist(self, files: Iterable[str] | None = None, *, commit: bool = True) -> concurrent.futures.Future[None]:
+        """Copy the memory copy to the durable backend in the background.
+
+        Args:
+            files: files to copy; ``None`` means every file under the memory directory except
+                ``manifest.json``, snapshotted now.
+            commit: after the files, publish the memory ``manifest.json`` (as it is now) to the
+                durable backend with ``write_atomic``, then apply deferred deletes.
+
+        Returns:
+            A future that completes when the copy (and commit) is durable, or holds the
+            :class:`StorageError` that stopped it; the durable store then still holds its
+            previous commit.
+
+        Raises:
+            StorageError: if ``commit`` and nothing is committed in memory.
+
+        Example:
+            >>> tier.persist().result()  # push a memory-only commit out after a restart  # doctest: +SKIP
+        """
+        global _LAST_JOB
+        if files is None:
+            snapshot = [p for p in self.memory.list() if not _is_manifest(p) and not _TMP_RE.search(p)]
+        else:
+            snapshot = [check_relpath(p) for p in files]
+        manifest: bytes | None = None
+        if commit:
+            try:
+                manifest = self.memory.read_file(MANIFEST)
+            except FileNotFoundError as e:
+                raise StorageError(
+                    f"nothing to persist for {self.url}: no {MANIFEST} committed in {self.memory.root}"
+                ) from e
+        with self._s.lock:
+            future = _persister().submit(self._run_persist, snapshot, manifest)
+            self._s.pending = future
+            self._s.pending_commit = manifest is not None
+        with _REGISTRY_LOCK:
+            _LAST_JOB = future
+        return future
+
+    def wait_persisted(self, timeout: float | None = None) -> None:
+        """Block until the memory directory's last persistence in this process is durable.
+
+        That is the last one started by any tier object of this process on the directory.
+
+        Raises:
+            StorageError: if it failed (the durable store holds its previous commit).
+            TimeoutError: if it is still running after ``timeout`` seconds.
+        """
+        with self._s.lock:
+            future = self._s.pending
+        if future is None:
+            return
+        try:
+            future.result(timeout)
+        except concurrent.futures.TimeoutError as e:
+            raise TimeoutError(f"persisting {self.url} still running after {timeout}s") from e
+
+    def close(self) -> None:
+        """Wait for pending persistence (see :meth:`wait_persisted`). Holds no other resource."""
+        self.wait_persisted()
+
+    def _run_persist(self, files: list[str], manifest: bytes | None) -> None:
+        t0 = time.monotonic()
+        jobs: dict[concurrent.futures.Future[int], str] = {}
+        copiers = concurrent.futures.ThreadPoolExecutor(self.max_workers, thread_name_prefix="tessera-tier-copy")
+        for p in files:
+            try:
+                jobs[copiers.submit(self._copy_file, p)] = p
+            except RuntimeError:
+                # The interpreter is exiting and refuses new pool work: copy in this thread,
+                # so that a persistence already under way still completes.
+                inline: concurrent.futures.Future[int] = concurrent.futures.Future()
+                try:
+                    inline.set_result(self._copy_file(p))
+                except BaseException as e:
+                    inline.set_exception(e)
+                jobs[inline] = p
+        copiers.shutdown(wait=False)  # its threads exit once the submitted copies are done
+        copied = 0
+        failure: tuple[str, BaseException] | None = None
+        for fut in concurrent.futures.as_completed(jobs):
+            try:
+                copied += fut.result()
+                with self._s.lock:
+                    self._s.failed_copies.discard(jobs[fut])
+            except BaseException as e:  # keep draining so no copy outlives this job
+                with self._s.lock:
+                    self._s.failed_copies.add(jobs[fut])
+                failure = failure or (jobs[fut], e)
+        if failure is not None:
+            path, e = failure
+            logger.error(
+                "persisting %s failed on %s: %s; the durable copy still holds its previous commit", self.url, path, e
+            )
+            raise StorageError(
+                f"persisting {self.url} failed copying {path}: {e}; the durable checkpoint at "
+                f"{self.durable.url} still holds its previous commit"
+            ) from e
+        if manifest is not None:
+            with self._s.lock:
+                missing = sorted(self._s.failed_copies)
+            if missing:
+                # An earlier persist(commit=False) lost these files: a manifest published now
+                # could refer to files the durable store does not have.
+                raise StorageError(
+                    f"not committing {self.url}: {len(missing)} file(s) failed to persist earlier "
+                    f"({', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}); persist them again first"
+                )
+            try:
+                self.durable.write_atomic(MANIFEST, manifest)
+            except Exception as e:
+                logger.error("committing %s to %s failed: %s", MANIFEST, self.durable.url, e)
+                raise StorageError(f"persisting {self.url} failed committing {MANIFEST}: {e}") from e
+            with self._s.lock:
+                deletes, self._s.deferred_deletes = self._s.deferred_deletes, []
+                self._memory_valid = None
+            if deletes:
+                try:
+                    self.durable.delete(deletes)
+                except Exception as e:  # garbage left behind is safe; the commit stands
+                    logger.warning("deferred delete of %d files under %s failed: %s", len(deletes), self.durable.url, e)
+        logger.info(
+            "persisted %s: %d files, %d bytes%s in %.2fs",
+            self.url, len(files), copied, ", committed" if manifest is not None else "", time.monotonic() - t0,
+        )
+
+    def _copy_file(self, path: str) -> int:
+        full = os.path.join(self.memory.root, path)
+        try:
+            f = open(full, "rb")
+        except FileNotFoundError:
+            with self._s.lock:
+                deleted = path in self._s.deleted
+            if deleted:  # removed by a delete() after the snapshot: no manifest needs it
+                return 0
+            raise StorageError(f"{full} vanished from the memory tier before it was persisted") from None
+        with f:
+            size = os.fstat(f.fileno()).st_size
+
+            def chunks() -> Iterator[bytes]:
+                left = size
+                while left > 0:
+                    data = f.read(min(_COPY_CHUNK, left))
+                    if not data:
+                        raise StorageError(f"{full} shrank while being persisted")
+                    left -= len(data)
+                    yield data
+
+            self.durable.write_file(path, chunks())
+        return size
+
+    def _wait_pending(self) -> None:
+        """Read-your-commits: let this process's pending persistence of the directory land first.
+
+        Only the manifest needs it: data files are found in either copy without waiting,
+        so the save's cleanup right after a commit (``list``, ``delete``) does not block.
+        """
+        with self._s.lock:
+            future = self._s.pending
+        if future is not None and not future.done():
+            concurrent.futures.wait([future])
+
+    def _committing(self) -> bool:
+        """Whether this process's own commit of the directory is on its way to the durable store."""
+        with self._s.lock:
+            return self._s.pending_commit and self._s.pending is not None and not self._s.pending.done()
+
+    def _use_memory(self) -> bool:
+        with self._s.lock:
+            valid = self._memory_valid
+        if valid is None:
+            try:
+                durable = self.durable.read_file(MANIFEST)
+            except FileNotFoundError:
+                durable = None
+            valid = durable is not None and self._memory_manifest() == durable
+            with self._s.lock:
+                self._memory_valid = valid
+        return valid
+
+    def _memory_manifest(self) -> bytes | None:
+        try:
+            return self.memory.read_file(MANIFEST)
+        except FileNotFoundError:
+            return None
+
+    def _read_memory(self, path: str, offset: int, view: memoryview, *, strict: bool) -> bool:
+        """Fill ``view`` from the memory copy.
+
+        Returns ``False`` if the file is missing or too short there, unless ``strict``, which
+        raises ``FileNotFoundError`` or :class:`StorageError` instead.
+        """
+        full = os.path.join(self.memory.root, path)
+        try:
+            # A fresh descriptor per call: a cached one would pin deleted files in RAM.
+            fd = os.open(full, os.O_RDONLY)
+        except FileNotFoundError:
+            if strict:
+                raise
+            return False
+        try:
+            got = 0
+            while got < len(view):
+                n = os.preadv(fd, [view[got:]], offset + got)
+                if n == 0:
+                    if strict:
+                        raise StorageError(
+                            f"{full} is truncated: wanted bytes [{offset}, {offset + len(view)}), "
+                            f"file ends at {offset + got}"
+                        )
+                    logger.warning("%s is shorter in memory than requested; reading the durable copy", full)
+                    return False
+                got += n
+            return True
+        finally:
+            os.close(fd)
+
+    # -- Storage protocol --------------------------------------------------------------------------
+
+    def write_file(self, path: str, chunks: Iterable[Buffer]) -> None:
+        """Write ``path`` to the memory copy (persisted with the next commit)."""
+        rel = check_relpath(path)
+        with self._s.lock:
+            self._memory_valid = None
+            self._s.deleted.discard(rel)
+            if rel in self._s.deferred_deletes:
+                self._s.deferred_deletes = [p for p in self._s.deferred_deletes if p != rel]
+        self.memory.write_file(rel, chunks)
+
+    def write_atomic(self, path: str, data: bytes) -> None:
+        """Publish ``path`` atomically.
+
+        ``manifest.json`` is committed in memory and, with ``auto_persist``, its persistence
+        starts; the call first waits for the process's previous persistence (backpressure;
+        a failure of that one is logged and reported by its own :meth:`wait_persisted`). Any other file (a "latest"
+        pointer, timings...) is written through to both copies at once.
+
+        Raises:
+            ValueError: for a ``manifest.json`` below the root: a tier holds one checkpoint.
+        """
+        rel = check_relpath(path)
+        if rel != MANIFEST and _is_manifest(rel):
+            raise ValueError(
+                f"{self.url}: cannot commit {rel!r} through a tier bound to another checkpoint; "
+                f"open a MemoryTierStorage on that checkpoint's own URL"
+            )
+        if rel != MANIFEST:
+            self.memory.write_atomic(rel, data)
+            self.durable.write_atomic(rel, data)
+            return
+        if self.auto_persist:
+            # Backpressure: one checkpoint in flight to durable storage per process, whatever
+            # its URL, so host memory holds at most the one persisting and the one being saved.
+            with _REGISTRY_LOCK:
+                previous = _LAST_JOB
+            if previous is not None:
+                concurrent.futures.wait([previous])
+        with self._s.lock:
+            self._memory_valid = None
+            self._s.deleted.discard(rel)
+        self.memory.write_atomic(rel, data)
+        if self.auto_persist:
+            self.persist()
+
+    def read_file(self, path: str) -> bytes:
+        """Content of ``path``; a ``manifest.json`` always comes from the durable backend."""
+        rel = check_relpath(path)
+        if rel == MANIFEST:
+            self._wait_pending()
+            data = self.durable.read_file(MANIFEST)
+            with self._s.lock:
+                self._memory_valid = self._memory_manifest() == data
+            return data
+        if _is_manifest(rel):
+            return self.durable.read_file(rel)
+        if self._use_memory():
+            try:
+                return self.memory.read_file(rel)
+            except FileNotFoundError:
+                return self.durable.read_file(rel)
+        try:
+            return self.durable.read_file(rel)
+        except FileNotFoundError:
+            return self.memory.read_file(rel)  # written here, not persisted (yet)
+
+    def read_into(self, path: str, offset: int, out: memoryview) -> None:
+        """Fill ``out`` from the memory copy when it matches the durable commit, else from durable."""
+        rel = check_relpath(path)
+        view = out.cast("B") if out.format != "B" or out.ndim != 1 else out
+        if self._use_memory():
+            if not self._read_memory(rel, offset, view, strict=False):
+                self.durable.read_into(rel, offset, view)
+            return
+        try:
+            self.durable.read_into(rel, offset, view)
+        except FileNotFoundError:
+            self._read_memory(rel, offset, view, strict=True)
+
+    def size(self, path: str) -> int:
+        rel = check_relpath(path)
+        if _is_manifest(rel):
+            if rel == MANIFEST:
+                self._wait_pending()
+            return self.durable.size(rel)
+        first, second = (self.memory, self.durable) if self._use_memory() else (self.durable, self.memory)
+        try:
+            return first.size(rel)
+        except FileNotFoundError:
+            return second.size(rel)
+
+    def exists(self, path: str) -> bool:
+        """Whether ``path`` exists.
+
+        A ``manifest.json`` counts once durable, or while this process's own commit of it is
+        being persisted (read-your-writes without waiting).
+        """
+        rel = check_relpath(path)
+        if _is_manifest(rel):
+            return (rel == MANIFEST and self._committing()) or self.durable.exists(rel)
+        return self.memory.exists(rel) or self.durable.exists(rel)
+
+    def list(self, prefix: str = "") -> list[str]:
+        """Files under ``prefix`` in either copy; a ``manifest.json`` as :meth:`exists` says."""
+        committing = self._committing()
+        durable = self.durable.list(prefix)
+        memory = [p for p in self.memory.list(prefix) if not _is_manifest(p) and not _TMP_RE.search(p)]
+        if committing and (not prefix or check_relpath(prefix) == MANIFEST):
+            memory.append(MANIFEST)
+        return sorted(set(durable) | set(memory))
+
+    def delete(self, paths: Iterable[str]) -> None:
+        """Remove ``paths`` from memory now, and from the durable backend once it is safe.
+
+        Safe means the durable manifest is the one committed in memory; until then (a
+        persistence pending, or ``auto_persist=False`` before :meth:`persist` commits) the
+        durable deletes are deferred to the next durable commit.
+        """
+        rels = [check_relpath(p) for p in paths]
+        if not rels:
+            return
+        with self._s.lock:
+            self._s.deleted.update(rels)
+            self._s.failed_copies.difference_update(rels)  # no manifest will need them
+            self._memory_valid = None
+            pending = self._s.pending is not None and not self._s.pending.done()
+            if pending:
+                self._s.deferred_deletes.extend(rels)
+        self.memory.delete(rels)
+        if pending:
+            logger.debug("deferring durable delete of %d files until %s is persisted", len(rels), self.url)
+            return
+        memory_manifest = self._memory_manifest()
+        if memory_manifest is not None:
+            try:
+                durable_manifest: bytes | None = self.durable.read_file(MANIFEST)
+            except FileNotFoundError:
+                durable_manifest = None
+            if durable_manifest != memory_manifest:
+                with self._s.lock:
+                    self._s.deferred_deletes.extend(rels)
+                logger.debug("deferring durable delete of %d files until %s is committed", len(rels), self.url)
+                return
+        self.durable.delete(rels)
