@@ -7,6 +7,7 @@ Save training state from any parallel layout, load it into any other::
     tessera.load("/ckpt/step100", {"model": model.state_dict(), "step": 0})
 """
 
+from .adapters import DataPosition, ModelState, OptimizerState, RNGState
 from .api import LoadResult, PendingSave, SaveResult, async_save, load, read_manifest, save
 from .errors import (
     CheckpointError,
@@ -32,15 +33,19 @@ __all__ = [
     "CollectiveTimeoutError",
     "CorruptCheckpointError",
     "CoverageError",
+    "DataPosition",
     "DistributedError",
     "FlatShard",
     "LoadOptions",
     "LoadResult",
     "ManifestError",
     "MissingKeysError",
+    "ModelState",
     "OnResize",
+    "OptimizerState",
     "PendingSave",
     "PickleNotAllowedError",
+    "RNGState",
     "SaveOptions",
     "SaveResult",
     "ShardedTensor",

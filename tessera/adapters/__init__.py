@@ -1,0 +1,12 @@
+"""Framework adapters: whole training states as tessera Stateful objects.
+
+``ModelState`` and ``OptimizerState`` take a model and optimizer as any framework wraps
+them (plain, DDP, FSDP1, FSDP2, tensor parallel, 2-D meshes) and key everything by clean
+parameter FQN, so a checkpoint saved under one layout loads under any other.
+"""
+
+from .misc import DataPosition, RNGState
+from .model import ModelState
+from .optimizer import OptimizerState
+
+__all__ = ["DataPosition", "ModelState", "OptimizerState", "RNGState"]

@@ -1,0 +1,371 @@
+"""Megatron-style TP x PP state dicts to global tiles and back, driven by a :class:`MegatronSpec`.
+
+A tensor- and pipeline-parallel rank holds slices of parameters under local names
+(``decoder.layers.0..k`` on every stage, fused QKV, padded vocabulary). A
+:class:`MegatronSpec` (rules from :mod:`.layout_spec` plus layer stacks) turns that local
+state dict into :class:`~tessera.ShardedTensor`\\ s keyed by global FQN (``to_global``),
+builds the empty local state of any TP x PP rank from global shapes (``empty_local``) and
+describes it for ``tessera.load`` (``global_targets``). The same pure functions serve
+offline conversion. :func:`gpt_spec` is the spec of Megatron-core's ``GPTModel``.
+
+Example:
+    >>> spec = gpt_spec(num_layers=24, vocab_size=50257, num_attention_heads=16,
+    ...                 num_query_groups=4, kv_channels=64, swiglu=True)
+    >>> state = {"model": spec.to_global(model.state_dict(), tp_rank, tp, pp_rank, pp)}
+    >>> tessera.save(path, state)
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import string
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..errors import StateMismatchError
+from ..shards import ShardedTensor
+from .layout_spec import (
+    Fused, LayerStack, PaddedVocab, PipelineStage, Replicated, Rule, Shape, Skip, Split, TilePiece,
+)
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["MegatronSpec", "global_shapes_from_manifest", "gpt_spec"]
+
+GlobalShapes = Mapping[str, tuple[Sequence[int], torch.dtype]]
+"""Global FQN -> (shape, dtype), e.g. from :func:`global_shapes_from_manifest`."""
+LocalValue = torch.Tensor | Mapping[str, object] | None
+"""A local state dict value: a tensor, a dict of per-parameter optimizer state, or (for
+:class:`~.layout_spec.Skip` entries such as TE's ``_extra_state``) anything."""
+
+
+def _template_regex(layout: Fused) -> re.Pattern[str]:
+    groups = {"module": r"(?P<module>.+?)", "leaf": r"(?P<leaf>[^.]+)", "name": r"(?P<name>.+)",
+              "part": "(?P<part>" + "|".join(re.escape(p) for p, _ in layout.parts) + ")"}
+    out = ""
+    for literal, field_name, _, _ in string.Formatter().parse(layout.name):
+        out += re.escape(literal)
+        if field_name is not None:
+            out += groups[field_name]
+    return re.compile(out)
+
+
+@dataclass(frozen=True)
+class MegatronSpec:
+    """The layout of a TP x PP model: parameter rules and pipeline layer stacks.
+
+    Every parameter must match exactly one rule (by its global name). Names under a layer
+    stack are renumbered between local (per stage) and global indices; other names live on
+    the stages their rule says.
+
+    Attributes:
+        rules: one :class:`~.layout_spec.Rule` per parameter family.
+        layers: the layer stacks numbered per pipeline stage.
+    """
+
+    rules: tuple[Rule, ...]
+    layers: tuple[LayerStack, ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "rules", tuple(self.rules))
+        object.__setattr__(self, "layers", tuple(self.layers))
+
+    # ---- names -----------------------------------------------------------------------
+
+    def rule_for(self, name: str) -> Rule:
+        """The one rule matching global ``name``.
+
+        Raises:
+            StateMismatchError: if no rule or several rules match, naming the parameter.
+        """
+        hits = [r for r in self.rules if r.matches(name)]
+        if len(hits) == 1:
+            return hits[0]
+        if not hits:
+            raise StateMismatchError(f"parameter '{name}' matches no rule of the layout spec; declare its layout")
+        raise StateMismatchError(
+            f"parameter '{name}' matches {len(hits)} rules of the layout spec "
+            f"({', '.join(repr(r.describe()) for r in hits)}); patterns must not overlap"
+        )
+
+    def global_name(self, local_name: str, pp_rank: int, pp_size: int) -> str:
+        """The global name of ``local_name`` on pipeline stage ``pp_rank``."""
+        found = [g for g in (s.to_global(local_name, pp_rank, pp_size) for s in self.layers) if g is not None]
+        if len(found) > 1:
+            raise StateMismatchError(f"parameter '{local_name}' falls under {len(found)} layer stacks")
+        return found[0] if found else local_name
+
+    def _locate(self, name: str, rule: Rule, pp_size: int) -> tuple[list[int], str]:
+        """Stages holding global ``name`` and its local name there."""
+        for stack in self.layers:
+            hit = stack.to_local(name, pp_size)
+            if hit is not None:
+                return [hit[0]], hit[1]
+        return [p for p in range(pp_size) if rule.stage.holds(p, pp_size)], name
+
+    # ---- local state -> global tiles -------------------------------------------------
+
+    def _pieces(
+        self, local_sd: Mapping[str, LocalValue], tp_rank: int, tp_size: int, pp_rank: int, pp_size: int
+    ) -> Iterator[tuple[str, str, Rule, LocalValue]]:
+        _check_ranks(tp_rank, tp_size, pp_rank, pp_size)
+        for local_name, value in local_sd.items():
+            name = self.global_name(local_name, pp_rank, pp_size)
+            rule = self.rule_for(name)
+            if isinstance(rule.layout, Skip):
+                continue
+            if not any(s.match(local_name) for s in self.layers) and not rule.stage.holds(pp_rank, pp_size):
+                raise StateMismatchError(
+                    f"parameter '{local_name}' is on pipeline stage {pp_rank} of {pp_size}, but its rule "
+                    f"{rule.describe()!r} places it on the {rule.stage.value} stage"
+                )
+            yield local_name, name, rule, value
+
+    def to_global(
+        self, local_sd: Mapping[str, LocalValue], tp_rank: int, tp_size: int, pp_rank: int, pp_size: int
+    ) -> dict[str, Any]:
+        """A rank's local state dict as global tiles (views, no copies), for ``tessera.save``.
+
+        Args:
+            local_sd: local name -> tensor, or -> dict of per-parameter optimizer state
+                (``{"exp_avg": t, "exp_avg_sq": t, "step": s}``): tensors with at least one
+                dimension follow the parameter's layout, other values (a 0-dim ``step``)
+                are copied to every global tensor the parameter holds.
+            tp_rank, tp_size: this rank's tensor-parallel position.
+            pp_rank, pp_size: this rank's pipeline stage.
+
+        Returns:
+            ``{global_name: ShardedTensor}`` (or ``{global_name: {key: ...}}`` for dict values).
+
+        Raises:
+            StateMismatchError: a parameter that matches no rule or several, whose shape does
+                not fit its rule under ``tp_size``, or that sits on the wrong stage.
+
+        Example:
+            >>> spec.to_global(model.state_dict(), tp_rank=1, tp_size=2, pp_rank=0, pp_size=2)
+        """
+        out: dict[str, Any] = {}
+        for local_name, name, rule, value in self._pieces(local_sd, tp_rank, tp_size, pp_rank, pp_size):
+            for gname, item in _convert(local_name, name, rule, value, tp_rank, tp_size).items():
+                if gname in out:
+                    raise StateMismatchError(f"two local parameters map to the global name '{gname}' (one is '{local_name}')")
+                out[gname] = item
+        return out
+
+    def global_targets(
+        self, local_sd: Mapping[str, LocalValue], tp_rank: int, tp_size: int, pp_rank: int, pp_size: int
+    ) -> dict[str, Any]:
+        """What ``tessera.load`` fills to load into ``local_sd`` in place.
+
+        The same tiles as :meth:`to_global`; in addition, vocabulary padding of the local
+        tensors is zeroed here (it is not in the checkpoint). Under PP a stage holds only
+        its own layers, so load with ``strict=False`` and check ``missing_keys`` is empty.
+
+        Example:
+            >>> local = spec.empty_local(shapes, tp_rank, 4, pp_rank, 1)
+            >>> tessera.load(path, {"model": spec.global_targets(local, tp_rank, 4, pp_rank, 1)})
+        """
+        targets = self.to_global(local_sd, tp_rank, tp_size, pp_rank, pp_size)  # validates first
+        for _, name, rule, value in self._pieces(local_sd, tp_rank, tp_size, pp_rank, pp_size):
+            values = value.values() if isinstance(value, Mapping) else [value]
+            for v in values:
+                if isinstance(v, torch.Tensor) and v.dim() > 0:
+                    for pad in rule.layout.padding(name, v, tp_rank, tp_size):
+                        pad.zero_()
+        return targets
+
+    # ---- global shapes -> empty local state ------------------------------------------
+
+    def _group(self, global_shapes: GlobalShapes) -> dict[str, tuple[Rule, dict[str, Shape], torch.dtype]]:
+        """Global tensors grouped by the (fused) parameter they belong to."""
+        fused = [(r, _template_regex(r.layout)) for r in self.rules if isinstance(r.layout, Fused)]
+        groups: dict[str, tuple[Rule, dict[str, Shape], torch.dtype]] = {}
+        for gname, (shape, dtype) in global_shapes.items():
+            owners = []
+            for rule, regex in fused:
+                m = regex.fullmatch(gname)
+                if m is None:
+                    continue
+                d = m.groupdict()
+                parent = d.get("name") or ".".join(x for x in (d.get("module"), d.get("leaf")) if x)
+                if rule.matches(parent) and rule.layout.part_name(parent, d["part"]) == gname:
+                    owners.append((parent, rule))
+            direct = [r for r in self.rules if r.matches(gname)]
+            if owners and direct or len(owners) > 1:
+                raise StateMismatchError(
+                    f"tensor '{gname}' is ambiguous: it is a fused part of {[p for p, _ in owners]} and matches "
+                    f"rules {[r.describe() for r in direct]}; make the patterns disjoint"
+                )
+            if owners:
+                parent, rule = owners[0]
+            else:
+                parent, rule = gname, self.rule_for(gname)
+                if isinstance(rule.layout, Fused):
+                    raise StateMismatchError(
+                        f"tensor '{gname}' matches the fused rule {rule.describe()!r}, but fused parameters are saved "
+                        f"as their parts ({', '.join(rule.layout.global_names(gname))})"
+                    )
+                if isinstance(rule.layout, Skip):
+                    continue
+            _, shapes, first_dtype = groups.setdefault(parent, (rule, {}, dtype))
+            if dtype != first_dtype:
+                raise StateMismatchError(f"fused parts of '{parent}' have different dtypes ({first_dtype}, {dtype})")
+            shapes[gname] = tuple(int(s) for s in shape)
+        return groups
+
+    def empty_local(
+        self,
+        global_shapes: GlobalShapes,
+        tp_rank: int,
+        tp_size: int,
+        pp_rank: int,
+        pp_size: int,
+        *,
+        device: torch.device | str | None = None,
+    ) -> dict[str, torch.Tensor]:
+        """Zero-filled local tensors of TP x PP rank ``(tp_rank, pp_rank)``, by local name.
+
+        Args:
+            global_shapes: global name -> (shape, dtype) of every parameter in the checkpoint.
+            tp_rank, tp_size, pp_rank, pp_size: the target rank.
+            device: where to allocate.
+
+        Returns:
+            The rank's local state dict (fused parameters fused, vocabulary padded).
+
+        Raises:
+            StateMismatchError: a global tensor no rule explains, a fused parameter with a
+                missing part, or shapes that do not split under ``tp_size``.
+
+        Example:
+            >>> shapes = global_shapes_from_manifest(tessera.read_manifest(path), prefix="model.")
+            >>> local = spec.empty_local(shapes, tp_rank=0, tp_size=4, pp_rank=0, pp_size=1)
+        """
+        _check_ranks(tp_rank, tp_size, pp_rank, pp_size)
+        out: dict[str, torch.Tensor] = {}
+        for parent, (rule, shapes, dtype) in self._group(global_shapes).items():
+            missing = [n for n in rule.layout.global_names(parent) if n not in shapes]
+            if missing:
+                raise StateMismatchError(f"fused parameter '{parent}' lacks its part(s) {missing} in the global shapes")
+            stages, local_name = self._locate(parent, rule, pp_size)
+            if pp_rank in stages:
+                out[local_name] = torch.zeros(rule.layout.local_shape(parent, shapes, tp_size), dtype=dtype, device=device)
+        return out
+
+
+def _check_ranks(tp_rank: int, tp_size: int, pp_rank: int, pp_size: int) -> None:
+    if not (0 <= tp_rank < tp_size and 0 <= pp_rank < pp_size):
+        raise ValueError(f"invalid rank: tp_rank={tp_rank} of tp_size={tp_size}, pp_rank={pp_rank} of pp_size={pp_size}")
+
+
+def _sharded(p: TilePiece) -> ShardedTensor:
+    return ShardedTensor(p.view, p.global_shape, p.global_offset)
+
+
+def _convert(local_name: str, name: str, rule: Rule, value: LocalValue, tp_rank: int, tp_size: int) -> dict[str, Any]:
+    if isinstance(value, torch.Tensor):
+        return {p.name: _sharded(p) for p in rule.layout.tiles(name, value, tp_rank, tp_size)}
+    if not isinstance(value, Mapping):
+        raise StateMismatchError(
+            f"parameter '{local_name}': expected a tensor or a dict of optimizer state, got {type(value).__name__}"
+        )
+    names = rule.layout.global_names(name)
+    out: dict[str, dict[str, Any]] = {g: {} for g in names}
+    for key, v in value.items():
+        if isinstance(v, torch.Tensor) and v.dim() > 0:
+            pieces = rule.layout.tiles(name, v, tp_rank, tp_size)
+            for p in pieces:
+                out[p.name][key] = _sharded(p)
+        else:
+            for g in names:
+                out[g][key] = v
+    return out
+
+
+def global_shapes_from_manifest(manifest: Any, prefix: str = "") -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """``{name: (shape, dtype)}`` of the checkpoint tensors under ``prefix`` (prefix removed).
+
+    Example:
+        >>> global_shapes_from_manifest(tessera.read_manifest(path), prefix="model.")
+    """
+    from ..dtypes import dtype_from_name
+
+    return {
+        fqn[len(prefix) :]: (tuple(entry.shape), dtype_from_name(entry.dtype))
+        for fqn, entry in manifest.tensors.items()
+        if fqn.startswith(prefix)
+    }
+
+
+def gpt_spec(
+    *,
+    num_layers: int,
+    vocab_size: int,
+    num_attention_heads: int,
+    kv_channels: int,
+    num_query_groups: int | None = None,
+    ffn_hidden_size: int | None = None,
+    swiglu: bool = False,
+    make_vocab_size_divisible_by: int = 128,
+    stage_layers: Sequence[int] | None = None,
+) -> MegatronSpec:
+    """The spec of Megatron-core's ``GPTModel`` (TE or local layer specs).
+
+    Covers ``embedding.word_embeddings`` / ``output_layer`` (padded vocabulary, first /
+    last stage), ``embedding.position_embeddings``, ``decoder.layers.{i}`` with
+    ``linear_qkv`` (fused per query group), ``linear_proj`` (row parallel), ``linear_fc1``
+    (fused gate/up with ``swiglu``), ``linear_fc2``, their TE-fused or separate layer
+    norms and QK norms, and ``decoder.final_layernorm``; ``_extra_state`` is skipped.
+    Not covered: MoE experts, virtual pipeline chunks, multi-token prediction.
+
+    Args:
+        num_layers, vocab_size, num_attention_heads, kv_channels: model sizes
+            (``kv_channels`` is the head dimension).
+        num_query_groups: GQA groups (default: one per head).
+        ffn_hidden_size: MLP width; needed with ``swiglu``.
+        swiglu: whether ``linear_fc1`` holds gate and up.
+        make_vocab_size_divisible_by: Megatron's vocabulary padding multiple.
+        stage_layers: explicit layers per pipeline stage (uneven first/last stages).
+
+    Example:
+        >>> spec = gpt_spec(num_layers=4, vocab_size=1000, num_attention_heads=8,
+        ...                 num_query_groups=2, kv_channels=16, ffn_hidden_size=256, swiglu=True)
+    """
+    groups = num_query_groups or num_attention_heads
+    if num_attention_heads % groups:
+        raise ValueError(f"num_attention_heads={num_attention_heads} is not a multiple of num_query_groups={groups}")
+    q = num_attention_heads // groups * kv_channels
+    qkv = Fused(0, (("q", q), ("k", kv_channels), ("v", kv_channels)), groups=groups)
+    vocab = PaddedVocab(vocab_size, make_vocab_size_divisible_by)
+    if swiglu:
+        if ffn_hidden_size is None:
+            raise ValueError("gpt_spec(swiglu=True) needs ffn_hidden_size")
+        fc1: Split | Fused = Fused(0, (("gate", ffn_hidden_size), ("up", ffn_hidden_size)))
+    else:
+        fc1 = Split(0)
+    layer = "decoder.layers.*."
+    norms = re.compile(
+        r"decoder\.layers\.\d+\.(input_layernorm\.(weight|bias)|pre_mlp_layernorm\.(weight|bias)"
+        r"|self_attention\.linear_qkv\.layer_norm_(weight|bias)|mlp\.linear_fc1\.layer_norm_(weight|bias)"
+        r"|self_attention\.(q|k)_layernorm\.(weight|bias)|self_attention\.linear_proj\.bias|mlp\.linear_fc2\.bias)"
+    )
+    rules = (
+        Rule("embedding.word_embeddings.weight", vocab, PipelineStage.FIRST),
+        Rule("embedding.position_embeddings.weight", Replicated(), PipelineStage.FIRST),
+        Rule(layer + "self_attention.linear_qkv.weight", qkv),
+        Rule(layer + "self_attention.linear_qkv.bias", qkv),
+        Rule(layer + "self_attention.linear_proj.weight", Split(1)),
+        Rule(layer + "mlp.linear_fc1.weight", fc1),
+        Rule(layer + "mlp.linear_fc1.bias", fc1),
+        Rule(layer + "mlp.linear_fc2.weight", Split(1)),
+        Rule(norms, Replicated()),
+        Rule(re.compile(r"decoder\.final_layernorm\.(weight|bias)"), Replicated(), PipelineStage.LAST),
+        Rule("output_layer.weight", vocab, PipelineStage.LAST),
+        Rule("*._extra_state", Skip()),
+    )
+    stack = LayerStack("decoder.layers.{i}", num_layers, tuple(stage_layers) if stage_layers is not None else None)
+    return MegatronSpec(rules, (stack,))
