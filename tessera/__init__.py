@@ -24,10 +24,10 @@ from .errors import (
 )
 from .options import LoadOptions, SaveOptions
 from .shards import FlatShard, OnResize, ShardedTensor, per_rank
-
-__version__ = "0.1.0"
+from .version import __version__
 
 __all__ = [
+    "__version__",
     "CheckpointError",
     "CheckpointNotFoundError",
     "CollectiveTimeoutError",

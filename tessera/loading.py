@@ -1,0 +1,280 @@
+"""Orchestrating a load: manifest -> flatten target -> validate -> plan reads -> read -> values.
+
+Rank 0 reads the manifest once and broadcasts it; every rank validates its target against
+it (all ranks agree before any byte is copied), reads only the bytes that overlap what it
+holds, and the ranks agree on success at the end, so an error anywhere is raised everywhere.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from typing import Any
+
+from . import dist
+from .broadcast import Broadcast, run_broadcasts, split_replicated
+from .dist import World
+from .dtypes import dtype_from_name
+from .errors import CheckpointError, CheckpointNotFoundError, MissingKeysError, StateMismatchError
+from .geometry import Box
+from .manifest import MANIFEST_NAME, Manifest, decode
+from .options import LoadOptions
+from .read import ReadTarget, Reader, plan_reads
+from .results import LoadResult
+from .saving import LOAD_TIMINGS_DIR, wait_pending
+from .shards import OnResize
+from .state import FlatState, flatten, restore_values
+from .storage import Storage, storage_for
+from .timing import PhaseTimer
+from .values import decode_value
+
+logger = logging.getLogger(__name__)
+
+
+def read_manifest(path: str, *, storage: Storage | None = None) -> Manifest:
+    """Read and validate the committed manifest at ``path`` (no communication).
+
+    Raises:
+        CheckpointNotFoundError: if nothing is committed there.
+        ManifestError: if the manifest is invalid.
+    """
+    store = storage_for(path, storage)
+    try:
+        data = store.read_file(MANIFEST_NAME)
+    except FileNotFoundError:
+        raise CheckpointNotFoundError(
+            f"no committed checkpoint at {path}: {MANIFEST_NAME} is missing (never saved, or the save did not finish)"
+        ) from None
+    return decode(data, source=f"{path}/{MANIFEST_NAME}")
+
+
+def _scope(state: object) -> list[str] | None:
+    """Top-level keys whose subtrees ``load`` checks for unexpected checkpoint keys."""
+    if isinstance(state, dict):
+        return [str(k) for k in state]
+    return None
+
+
+def _in_scope(key: str, scope: list[str] | None) -> bool:
+    return scope is None or any(key == s or key.startswith(s + ".") for s in scope)
+
+
+def load(
+    path: str,
+    state: object,
+    *,
+    strict: bool = True,
+    process_group: Any = None,
+    storage: Storage | None = None,
+    allow_pickle: bool = False,
+    cast_dtypes: bool = False,
+    options: LoadOptions | None = None,
+) -> LoadResult:
+    """Load the checkpoint at ``path`` into ``state`` in place; collective over ``process_group``.
+
+    Tensors (DTensor locals, ShardedTensor/FlatShard views included) are filled in place
+    from whatever layout the checkpoint was saved in; each rank reads only the bytes that
+    overlap what it holds. Plain values are replaced in the containers passed in, and
+    Stateful objects get ``load_state_dict``. Shapes, dtypes and keys are checked on every
+    rank before any byte is copied.
+
+    Args:
+        path: directory or URL of a committed checkpoint.
+        state: the structure to fill, as for :func:`save`.
+        strict: missing keys, and checkpoint keys under the state's top-level keys that the
+            state lacks, are errors. With ``strict=False`` they are reported in the result.
+            Loading a subset (say ``{"model": ...}`` from a full training checkpoint) is fine.
+        process_group: the ranks taking part (default: all).
+        storage: a backend instance to use instead of choosing one from ``path``.
+        allow_pickle: allow unpickling values saved with ``allow_pickle=True``.
+        cast_dtypes: convert tensors whose saved dtype differs instead of failing.
+        options: see :class:`LoadOptions`.
+
+    Returns:
+        :class:`LoadResult` with missing/unexpected keys, bytes read and timings.
+
+    Raises:
+        CheckpointNotFoundError, StateMismatchError, CorruptCheckpointError, DistributedError.
+
+    Example:
+        >>> model = build_model()
+        >>> tessera.load("/ckpt/step100", {"model": model.state_dict()})
+    """
+    opts = options or LoadOptions()
+    wait_pending(process_group)
+    timer = PhaseTimer()
+    world = dist.world_for(process_group)
+    store = storage_for(path, storage)
+
+    # Metadata: rank 0 reads the manifest once and every rank gets the same bytes.
+    data, error = None, None
+    if world.is_coordinator:
+        try:
+            data = store.read_file(MANIFEST_NAME)
+        except FileNotFoundError:
+            error = f"no committed checkpoint at {path}: {MANIFEST_NAME} is missing (never saved, or the save did not finish)"
+        except Exception as e:
+            error = f"reading {path}/{MANIFEST_NAME} failed: {dist.error_text(0, e)}"
+    data, error = dist.broadcast(world, (data, error), "reading the manifest")
+    if error is not None:
+        raise CheckpointNotFoundError(error) if "no committed checkpoint" in error else CheckpointError(error)
+    manifest = decode(data, source=f"{path}/{MANIFEST_NAME}")
+    timer.mark("metadata")
+
+    targets: list[ReadTarget] = []
+    missing: list[str] = []
+    unexpected: list[str] = []
+    flat = FlatState()
+    err: BaseException | None = None
+    try:
+        flat = flatten(state, rank=world.rank, world_size=world.size, for_load=True)
+        targets, missing, unexpected = _validate(manifest, flat, world, state, strict=strict, cast=cast_dtypes)
+    except Exception as e:
+        err = e
+    dist.check_all(world, err, f"validating the load of {path}")
+    broadcasts: list[Broadcast] = []
+    if opts.broadcast_replicated:
+        targets, broadcasts = split_replicated(world, targets)
+    bytes_read = 0
+    try:
+        requests = plan_reads(manifest, targets, max_read_bytes=opts.max_read_bytes, rank=world.rank)
+        timer.mark("plan")
+        reader = Reader(store, manifest, rank=world.rank, verify=opts.verify, threads=opts.io_threads)
+        stats = reader.run(requests)
+        bytes_read = stats.bytes_read
+        timer.mark("read")
+    except Exception as e:
+        err = e
+    if broadcasts and dist.all_true(world, err is None, "checking reads before broadcasting"):
+        run_broadcasts(world, broadcasts)
+        timer.mark("broadcast")
+    if err is None:
+        try:
+            restore_values(state, flat, lambda k: _lookup_value(manifest, k, world, allow_pickle))
+            timer.mark("values")
+        except Exception as e:
+            err = e
+    timings = {**timer.total(), "bytes": bytes_read}
+    reports = dist.all_gather(world, (None if err is None else dist.error_text(world.rank, err), timings), f"loading {path}")
+    failures = {r: e for r, (e, _) in enumerate(reports) if e is not None}
+    if failures:
+        if err is not None and set(failures) == {world.rank}:
+            raise err
+        dist.raise_failures(world, failures, f"loading {path}")
+    if world.is_coordinator:
+        logger.info("loaded %s (%d bytes on rank 0) in %.3fs", path, bytes_read, timings["total"])
+        if opts.record_timings:
+            _record_load_timings(store, manifest, [t for _, t in reports])
+    return LoadResult(sorted(missing), sorted(unexpected), bytes_read, timer.total(), manifest.save_id)
+
+
+def _record_load_timings(store: Storage, manifest: Manifest, ranks: list[dict[str, float]]) -> None:
+    """Rank 0: keep this load's per-rank timings beside the checkpoint, for ``tessera trace``.
+
+    Best effort: a read-only checkpoint location must not make loading fail.
+    """
+    doc = {
+        "kind": "load",
+        "save_id": manifest.save_id,
+        "world_size": len(ranks),
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "ranks": {str(r): t for r, t in enumerate(ranks)},
+    }
+    name = f"{LOAD_TIMINGS_DIR}/load-{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}-{uuid.uuid4().hex[:8]}.json"
+    try:
+        store.write_atomic(name, json.dumps(doc, separators=(",", ":")).encode())
+    except Exception as e:  # noqa: BLE001
+        logger.debug("could not record load timings at %s: %s", name, e)
+
+
+def _saved_rank(manifest: Manifest, fqn: str, policy: str, world: World) -> int | None:
+    """Which saved rank's copy of a per-rank value this rank takes (None: keep the caller's)."""
+    if manifest.world_size == world.size:
+        return world.rank
+    if policy == OnResize.KEEP.value:
+        return None
+    if policy == OnResize.MODULO.value:
+        return world.rank % manifest.world_size
+    raise StateMismatchError(
+        f"per-rank value '{fqn}' was saved by {manifest.world_size} ranks but is loaded by {world.size}; "
+        "there is no sensible mapping. Use per_rank(..., on_resize='keep' or 'modulo') to choose one"
+    )
+
+
+def _validate(
+    manifest: Manifest, flat: FlatState, world: World, state: object, *, strict: bool, cast: bool
+) -> tuple[list[ReadTarget], list[str], list[str]]:
+    """Check the target against the manifest; the reads to do, missing and unexpected keys."""
+    targets: list[ReadTarget] = []
+    missing: set[str] = set()
+    problems: list[str] = []
+    for p in flat.tensors:
+        entry = manifest.tensors.get(p.fqn)
+        if entry is None:
+            if p.fqn in manifest.values or p.fqn in manifest.per_rank:
+                problems.append(f"'{p.fqn}' is a tensor in the state but a plain value in the checkpoint")
+            else:
+                missing.add(p.fqn)
+            continue
+        saved_dtype = dtype_from_name(entry.dtype)
+        if saved_dtype != p.dtype and not cast:
+            problems.append(
+                f"tensor '{p.fqn}': checkpoint has dtype {entry.dtype}, the state has {str(p.dtype).removeprefix('torch.')} "
+                "(pass cast_dtypes=True to convert)"
+            )
+            continue
+        if p.per_rank is not None:
+            saved_shape = entry.shape[1:]
+            if saved_shape != p.shape[1:]:
+                problems.append(f"per-rank tensor '{p.fqn}': checkpoint shape {list(saved_shape)}, state {list(p.shape[1:])}")
+                continue
+            src = _saved_rank(manifest, p.fqn, manifest.metadata.get("tensor_policies", {}).get(p.fqn, p.per_rank.value), world)
+            if src is None:
+                continue
+            box = Box((src,) + (0,) * len(saved_shape), (1, *saved_shape))
+            targets.append(ReadTarget(p.fqn, box, p.data))
+            continue
+        if tuple(entry.shape) != tuple(p.shape):
+            problems.append(f"tensor '{p.fqn}': checkpoint has shape {list(entry.shape)}, the state has {list(p.shape)}")
+            continue
+        targets.append(ReadTarget(p.fqn, p.box, p.data))
+    for k in list(flat.values) + list(flat.per_rank_values):
+        if k in manifest.tensors:
+            problems.append(f"'{k}' is a plain value in the state but a tensor in the checkpoint")
+        elif k not in manifest.values and k not in manifest.per_rank:
+            missing.add(k)
+    scope = _scope(state)
+    wanted = flat.keys()
+    unexpected = sorted(k for k in manifest.keys() if k not in wanted and _in_scope(k, scope))
+    if problems:
+        raise StateMismatchError(
+            f"rank {world.rank}: the state does not match the checkpoint:\n  " + "\n  ".join(problems[:20])
+            + (f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else "")
+        )
+    if strict and (missing or unexpected):
+        parts = []
+        if missing:
+            parts.append(f"missing from the checkpoint: {_preview(sorted(missing))}")
+        if unexpected:
+            parts.append(f"in the checkpoint but not in the state: {_preview(unexpected)}")
+        raise MissingKeysError(f"rank {world.rank}: keys do not match (strict=True); " + "; ".join(parts))
+    return targets, sorted(missing), unexpected
+
+
+def _preview(keys: list[str], n: int = 10) -> str:
+    shown = ", ".join(f"'{k}'" for k in keys[:n])
+    return shown + (f" ... ({len(keys)} in all)" if len(keys) > n else "")
+
+
+def _lookup_value(manifest: Manifest, key: str, world: World, allow_pickle: bool) -> tuple[bool, Any]:
+    if key in manifest.values:
+        return True, decode_value(manifest.values[key], key, allow_pickle=allow_pickle)
+    entry = manifest.per_rank.get(key)
+    if entry is not None:
+        src = _saved_rank(manifest, key, entry.on_resize, world)
+        if src is None:
+            return False, None
+        return True, decode_value(entry.values[src], key, allow_pickle=allow_pickle)
+    return False, None

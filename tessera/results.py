@@ -1,0 +1,80 @@
+"""What save and load hand back: results and the handle of a save in flight."""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class SaveResult:
+    """What a save did, as seen from this rank.
+
+    Attributes:
+        path: the checkpoint's path or URL.
+        save_id: unique id of this save (also in the manifest).
+        bytes_written: bytes this rank wrote (headers included).
+        total_bytes: bytes all ranks wrote together.
+        timings: this rank's phase durations in seconds (plan, stage, write, commit, total).
+        plan_cached: whether the cached global plan was reused (no plan exchange).
+        rank_timings: every rank's timings (rank 0 only; empty elsewhere).
+    """
+
+    path: str
+    save_id: str
+    bytes_written: int
+    total_bytes: int
+    timings: dict[str, float]
+    plan_cached: bool
+    rank_timings: dict[int, dict[str, float]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class LoadResult:
+    """What a load did on this rank.
+
+    Attributes:
+        missing_keys: keys the state asked for that the checkpoint lacks.
+        unexpected_keys: checkpoint keys under the state's top-level keys that the state lacks.
+        bytes_read: bytes this rank read from storage.
+        timings: phase durations in seconds (metadata, plan, read, values, total).
+        save_id: the id of the checkpoint that was loaded.
+    """
+
+    missing_keys: list[str]
+    unexpected_keys: list[str]
+    bytes_read: int
+    timings: dict[str, float]
+    save_id: str
+
+
+class PendingSave:
+    """A save whose bytes are staged and being written in the background.
+
+    ``wait()`` blocks until the checkpoint is committed (or raises what went wrong);
+    ``done()`` says whether that has happened. Thread-safe.
+    """
+
+    def __init__(self, future: Future[SaveResult], stall_s: float) -> None:
+        self._future = future
+        self.stall_s = stall_s
+        """Seconds the caller was blocked by ``async_save``."""
+        self._observed = False
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def wait(self, timeout: float | None = None) -> SaveResult:
+        """The committed save's result.
+
+        Raises:
+            CheckpointError: whatever failed in the background, on every rank.
+        """
+        self._observed = True
+        return self._future.result(timeout)
+
+    def _raise_unobserved(self) -> None:
+        """Re-raise a background failure nobody has seen yet (called by the next save)."""
+        if not self._observed:
+            self._observed = True
+            self._future.result()

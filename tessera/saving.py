@@ -1,0 +1,362 @@
+"""Orchestrating a save: flatten -> local plan -> global plan [cached] -> stage -> write -> commit.
+
+Per process group, a :class:`_SaveContext` keeps the cached global plans, the reused host
+staging buffer and the save in flight. Rank 0 commits: it writes the manifest only after
+every rank reported its files durable, and then removes files of older saves.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from concurrent.futures import Future
+from concurrent.futures import wait as wait_futures
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from . import dist
+from .dist import World
+from .dtypes import dtype_from_name, itemsize
+from .errors import CheckpointError, StorageError
+from .geometry import Box
+from .manifest import MANIFEST_NAME, FileEntry, Manifest, PerRankEntry, TensorEntry, Tile, encode
+from .options import SaveOptions
+from .plan import RankPlan, build_global_plan, build_local_plan
+from .results import PendingSave, SaveResult
+from .stage import StagingBuffer
+from .state import FlatState, TensorPiece, flatten
+from .storage import Storage, storage_for
+from .tilefile import FileLayout, layout_file
+from .timing import PhaseTimer
+from .values import encode_value
+from .version import __version__
+from .write import WrittenFile, write_files
+
+logger = logging.getLogger(__name__)
+
+LOAD_TIMINGS_DIR = "timings"
+"""Directory (inside a checkpoint) where each load's per-rank timings are kept."""
+
+@dataclass
+class _CachedPlan:
+    plan_id: str
+    fingerprint: str
+    rank_plan: RankPlan
+    layouts: list[FileLayout]
+    metas: tuple | None  # the global tensor table (rank 0 only)
+
+
+class _SaveContext:
+    """Per process group: cached plans, staging memory and the background writer."""
+
+    def __init__(self) -> None:
+        self.plans: dict[str, _CachedPlan] = {}
+        self.staging = StagingBuffer()
+        self.pending: PendingSave | None = None
+        self.lock = threading.Lock()
+
+    def remember(self, entry: _CachedPlan) -> None:
+        self.plans[entry.fingerprint] = entry
+        while len(self.plans) > 4:
+            self.plans.pop(next(iter(self.plans)))
+
+
+_CONTEXTS: dict[object, _SaveContext] = {}
+
+
+def _context(process_group: Any) -> _SaveContext:
+    key = process_group if process_group is not None else "default"
+    ctx = _CONTEXTS.get(key)
+    if ctx is None:
+        ctx = _CONTEXTS[key] = _SaveContext()
+    return ctx
+
+
+def _wait_previous(ctx: _SaveContext) -> None:
+    pending = ctx.pending
+    if pending is not None:
+        ctx.pending = None
+        wait_futures([pending._future])
+        pending._raise_unobserved()
+
+
+def wait_pending(process_group: Any = None) -> None:
+    """Block until this process's save in flight (if any) has committed."""
+    _wait_previous(_context(process_group))
+
+
+def start_save(
+    path: str,
+    state: object,
+    process_group: Any,
+    storage: Storage | None,
+    allow_pickle: bool,
+    options: SaveOptions | None,
+    *,
+    background: bool,
+) -> PendingSave:
+    opts = options or SaveOptions()
+    ctx = _context(process_group)
+    with ctx.lock:
+        _wait_previous(ctx)
+        timer = PhaseTimer()
+        world = dist.world_for(process_group)
+        store = storage_for(path, storage)
+        entry, save_id, cached, flat, values = _plan_save(world, ctx, state, allow_pickle, opts)
+        timer.mark("plan")
+        staged = _stage(entry, flat, ctx, world, copy=background)
+        timer.mark("stage")
+        stall = time.monotonic() - timer.t0
+
+        def finish() -> SaveResult:
+            return _write_and_commit(world, store, path, entry, staged, save_id, cached, values, opts, timer)
+
+        future: Future[SaveResult] = Future()
+        if background:
+            thread = threading.Thread(target=_run_into, args=(future, finish), name="tessera-save", daemon=True)
+            thread.start()
+        else:
+            _run_into(future, finish)
+        pending = PendingSave(future, stall)
+        if background:
+            ctx.pending = pending
+        else:
+            pending._observed = True
+        return pending
+
+
+def _run_into(future: Future[SaveResult], fn: Callable[[], SaveResult]) -> None:
+    try:
+        future.set_result(fn())
+    except BaseException as e:  # noqa: BLE001 - handed to the waiter, never lost
+        future.set_exception(e)
+
+
+def _plan_save(
+    world: World, ctx: _SaveContext, state: object, allow_pickle: bool, opts: SaveOptions
+) -> tuple[_CachedPlan, str, bool, FlatState, dict[str, Any]]:
+    error: BaseException | None = None
+    entry = None
+    flat = FlatState()
+    local = None
+    values: dict[str, Any] = {}
+    try:
+        flat = flatten(state, rank=world.rank, world_size=world.size, allow_pickle=allow_pickle)
+        local = build_local_plan(flat, world.rank)
+        entry = ctx.plans.get(local.fingerprint)
+        # Plain values are snapshotted now: the caller may change them once we return.
+        values = {
+            "values": {k: encode_value(v, k, allow_pickle=allow_pickle) for k, v in flat.values.items()},
+            "per_rank": {
+                k: (encode_value(v, k, allow_pickle=allow_pickle), policy.value)
+                for k, (v, policy) in flat.per_rank_values.items()
+            },
+        }
+    except Exception as e:  # reported on every rank below
+        error = e
+    hello = (
+        None if error is None else dist.error_text(world.rank, error),
+        entry.plan_id if entry is not None else None,
+        uuid.uuid4().hex[:16] if world.is_coordinator else None,
+    )
+    replies = dist.all_gather(world, hello, "starting the save")
+    failures = {r: h[0] for r, h in enumerate(replies) if h[0] is not None}
+    if failures:
+        if error is not None and failures.keys() == {world.rank}:
+            raise error  # only this rank failed: its own exception says it best
+        dist.raise_failures(world, failures, "preparing the save")
+    save_id = replies[0][2]
+    plan_ids = {h[1] for h in replies}
+    if entry is not None and len(plan_ids) == 1:
+        return entry, save_id, True, flat, values
+
+    assert local is not None
+    locals_ = dist.gather(world, local, "exchanging save plans")
+    payloads: list[Any] | None = None
+    if world.is_coordinator:
+        assert locals_ is not None
+        try:
+            gplan = build_global_plan(locals_, opts.plan)
+            plan_id = uuid.uuid4().hex[:16]
+            payloads = [(plan_id, rp, None) for rp in gplan.rank_plans]
+            metas: tuple | None = gplan.metas
+        except Exception as e:
+            payloads = [(None, None, dist.error_text(0, e))] * world.size
+            metas = None
+    plan_id, rank_plan, plan_error = dist.scatter(world, payloads, "distributing save plans")
+    if plan_error is not None:
+        raise CheckpointError(f"planning the save failed (on rank 0): {plan_error}")
+    layouts = _layouts(rank_plan, world.rank)
+    entry = _CachedPlan(plan_id, local.fingerprint, rank_plan, layouts, metas if world.is_coordinator else None)
+    ctx.remember(entry)
+    return entry, save_id, False, flat, values
+
+
+def _layouts(rank_plan: RankPlan, rank: int) -> list[FileLayout]:
+    files: list[list[tuple[str, Box, torch.dtype]]] = [[] for _ in range(rank_plan.num_files)]
+    dtypes = {m.fqn: dtype_from_name(m.dtype) for m in rank_plan.metas}
+    for fqn, box, k in rank_plan.items():
+        files[k].append((fqn, box, dtypes[fqn]))
+    return [layout_file(f"{rank}-{k}.safetensors", tiles) for k, tiles in enumerate(files) if tiles]
+
+
+def _source(pieces: dict[str, list[TensorPiece]], fqn: str, box: Box) -> torch.Tensor:
+    for p in pieces.get(fqn, ()):
+        if all(po <= bo and bo + bn <= po + pn for po, pn, bo, bn in zip(p.box.offsets, p.box.lengths, box.offsets, box.lengths)):
+            rel = box.relative_to(p.box)
+            return p.data[rel.slices()] if p.data.dim() else p.data
+    raise CheckpointError(f"internal error: no local piece of '{fqn}' holds box {box}")
+
+
+def _stage(entry: _CachedPlan, flat: FlatState, ctx: _SaveContext, world: World, *, copy: bool) -> list[list[torch.Tensor]]:
+    pieces: dict[str, list[TensorPiece]] = {}
+    for p in flat.tensors:
+        pieces.setdefault(p.fqn, []).append(p)
+    sources = [_source(pieces, s.fqn, s.box) for lay in entry.layouts for s in lay.slots]
+    try:
+        flat_staged = ctx.staging.stage(sources, copy=copy)
+    except Exception as e:
+        raise CheckpointError(f"rank {world.rank}: staging tensors to host memory failed: {e}") from e
+    out = []
+    i = 0
+    for lay in entry.layouts:
+        out.append(flat_staged[i : i + len(lay.slots)])
+        i += len(lay.slots)
+    return out
+
+
+def _write_and_commit(
+    world: World,
+    store: Storage,
+    path: str,
+    entry: _CachedPlan,
+    staged: list[list[torch.Tensor]],
+    save_id: str,
+    cached: bool,
+    values: dict[str, Any],
+    opts: SaveOptions,
+    timer: PhaseTimer,
+) -> SaveResult:
+    error: BaseException | None = None
+    written: list[WrittenFile] = []
+    prefix = f"data/{save_id}"
+    try:
+        written = write_files(
+            store,
+            [(f"{prefix}/{lay.name}", lay, st) for lay, st in zip(entry.layouts, staged)],
+            chunk_bytes=opts.chunk_bytes,
+            threads=opts.io_threads,
+        )
+    except CheckpointError as e:
+        error = e
+    except Exception as e:
+        error = StorageError(f"rank {world.rank}: writing data files of {path} failed: {type(e).__name__}: {e}")
+        error.__cause__ = e
+    timer.mark("write")
+    my_bytes = sum(w.nbytes for w in written)
+    report = {
+        "error": None if error is None else dist.error_text(world.rank, error),
+        "files": [(w.path, w.nbytes, [(t.fqn, t.box.offsets, t.box.lengths, t.byte_offset, t.checksums) for t in w.tiles]) for w in written],
+        "values": values,
+        "timings": {**timer.phases, "bytes": my_bytes},
+    }
+    reports = dist.gather(world, report, "committing the save")
+    outcome: dict[str, Any] = {}
+    if world.is_coordinator:
+        assert reports is not None
+        outcome = _commit(world, store, path, entry, reports, save_id, opts)
+    outcome = dist.broadcast(world, outcome, "announcing the commit")
+    timer.mark("commit")
+    if outcome.get("failures"):
+        failures = {int(r): m for r, m in outcome["failures"].items()}
+        if error is not None and set(failures) == {world.rank}:
+            raise error
+        dist.raise_failures(world, failures, f"saving checkpoint {path}")
+    rank_timings = {int(r): t for r, t in outcome.get("timings", {}).items()} if world.is_coordinator else {}
+    if world.is_coordinator:
+        logger.info("saved %s (%d bytes, %d ranks) in %.3fs", path, outcome["total_bytes"], world.size, timer.total()["total"])
+    return SaveResult(path, save_id, my_bytes, outcome["total_bytes"], timer.total(), cached, rank_timings)
+
+
+def _commit(
+    world: World, store: Storage, path: str, entry: _CachedPlan, reports: list[dict], save_id: str, opts: SaveOptions
+) -> dict[str, Any]:
+    """Rank 0: write the manifest if every rank succeeded, then drop unreferenced files."""
+    failures = {r: rep["error"] for r, rep in enumerate(reports) if rep["error"] is not None}
+    if failures:
+        _delete_quietly(store, [f for rep in reports for f, _, _ in rep["files"]])
+        return {"failures": failures}
+    try:
+        manifest = _build_manifest(world, entry, reports, save_id, opts)
+        store.write_atomic(MANIFEST_NAME, encode(manifest))
+    except Exception as e:
+        _delete_quietly(store, [f for rep in reports for f, _, _ in rep["files"]])
+        return {"failures": {0: f"committing the manifest failed: {dist.error_text(0, e)}"}}
+    keep = {f.path for f in manifest.files} | {MANIFEST_NAME}
+    try:
+        stale = [p for p in store.list("data") if p not in keep]
+        stale += [p for p in store.list("") if p.startswith(MANIFEST_NAME + ".tmp")]
+        stale += store.list(LOAD_TIMINGS_DIR)  # timings of loads of the checkpoint just replaced
+        store.delete(stale)
+    except Exception as e:  # the new checkpoint is committed; garbage is harmless
+        logger.warning("could not remove files of older saves under %s: %s", path, e)
+    return {"total_bytes": sum(f.nbytes for f in manifest.files), "timings": manifest.timings["save"]["ranks"]}
+
+
+def _delete_quietly(store: Storage, paths: list[str]) -> None:
+    try:
+        store.delete(paths)
+    except Exception as e:
+        logger.warning("could not remove files of a failed save: %s", e)
+
+
+def _build_manifest(world: World, entry: _CachedPlan, reports: list[dict], save_id: str, opts: SaveOptions) -> Manifest:
+    assert entry.metas is not None
+    sizes = {m.fqn: itemsize(dtype_from_name(m.dtype)) for m in entry.metas}
+    tiles: dict[str, list[Tile]] = {m.fqn: [] for m in entry.metas}
+    files = []
+    for rank, rep in enumerate(reports):
+        for fpath, nbytes, ftiles in rep["files"]:
+            files.append(FileEntry(fpath, rank, nbytes))
+            for fqn, offsets, lengths, byte_offset, sums in ftiles:
+                n = math.prod(lengths) * sizes[fqn]
+                tiles[fqn].append(Tile(fpath, tuple(offsets), tuple(lengths), byte_offset, n, tuple(sums)))
+    tensors = {
+        m.fqn: TensorEntry(m.dtype, m.shape, tuple(sorted(tiles[m.fqn], key=lambda t: t.offsets))) for m in entry.metas
+    }
+    values: dict[str, Any] = {}
+    per_rank: dict[str, list[Any]] = {}
+    policies: dict[str, str] = {}
+    for rank, rep in enumerate(reports):
+        for k, v in rep["values"]["values"].items():
+            values.setdefault(k, v)  # lowest rank wins; plain values are meant to be replicated
+        for k, (v, policy) in rep["values"]["per_rank"].items():
+            per_rank.setdefault(k, [None] * world.size)[rank] = v
+            policies[k] = policy
+    for m in entry.metas:
+        if m.per_rank is not None:
+            policies.setdefault(m.fqn, m.per_rank)
+    return Manifest(
+        save_id=save_id,
+        world_size=world.size,
+        chunk_bytes=opts.chunk_bytes,
+        tensors=tensors,
+        values=values,
+        per_rank={k: PerRankEntry(policies[k], tuple(v)) for k, v in per_rank.items()},
+        files=tuple(files),
+        layout={"world_size": world.size, **opts.layout},
+        timings={"save": {"ranks": {str(r): rep["timings"] for r, rep in enumerate(reports)}}},
+        metadata={
+            "tessera_version": __version__,
+            "torch_version": torch.__version__,
+            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "tensor_policies": {m.fqn: m.per_rank for m in entry.metas if m.per_rank},
+            **opts.metadata,
+        },
+    )
