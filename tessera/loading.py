@@ -25,7 +25,7 @@ from .read import ReadTarget, Reader, plan_reads
 from .results import LoadResult
 from .saving import LOAD_TIMINGS_DIR, wait_pending
 from .shards import OnResize
-from .state import FlatState, flatten, restore_values
+from .state import FlatState, dotted_parents, flatten, restore_values
 from .storage import Storage, storage_for
 from .timing import PhaseTimer
 from .values import decode_value
@@ -133,7 +133,20 @@ def load(
         targets, missing, unexpected = _validate(manifest, flat, world, state, strict=strict, cast=cast_dtypes)
     except Exception as e:
         err = e
-    dist.check_all(world, err, f"validating the load of {path}")
+    # A key is unexpected only if no rank wants it: a pipeline stage holds only its layers.
+    replies = dist.all_gather(
+        world, (None if err is None else dist.error_text(world.rank, err), unexpected), f"validating the load of {path}"
+    )
+    failures = {r: e for r, (e, _) in enumerate(replies) if e is not None}
+    if failures:
+        if err is not None and failures.keys() == {world.rank}:
+            raise err
+        dist.raise_failures(world, failures, f"validating the load of {path}")
+    unexpected = sorted(set(unexpected).intersection(*(set(u) for _, u in replies)))
+    if strict and unexpected:
+        raise MissingKeysError(
+            f"keys do not match (strict=True): in the checkpoint but wanted by no rank: {_preview(unexpected)}"
+        )
     broadcasts: list[Broadcast] = []
     if opts.broadcast_replicated:
         targets, broadcasts = split_replicated(world, targets)
@@ -240,10 +253,17 @@ def _validate(
             problems.append(f"tensor '{p.fqn}': checkpoint has shape {list(entry.shape)}, the state has {list(p.shape)}")
             continue
         targets.append(ReadTarget(p.fqn, p.box, p.data))
+    parents: set[str] | None = None
     for k in list(flat.values) + list(flat.per_rank_values):
         if k in manifest.tensors:
             problems.append(f"'{k}' is a plain value in the state but a tensor in the checkpoint")
         elif k not in manifest.values and k not in manifest.per_rank:
+            value = flat.values.get(k)
+            if isinstance(value, (dict, list, tuple)) and not value:
+                if parents is None:
+                    parents = dotted_parents(list(manifest.keys()))
+                if k in parents:  # an empty container where the checkpoint has entries: wants nothing
+                    continue
             missing.add(k)
     scope = _scope(state)
     wanted = flat.keys()
@@ -253,13 +273,10 @@ def _validate(
             f"rank {world.rank}: the state does not match the checkpoint:\n  " + "\n  ".join(problems[:20])
             + (f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else "")
         )
-    if strict and (missing or unexpected):
-        parts = []
-        if missing:
-            parts.append(f"missing from the checkpoint: {_preview(sorted(missing))}")
-        if unexpected:
-            parts.append(f"in the checkpoint but not in the state: {_preview(unexpected)}")
-        raise MissingKeysError(f"rank {world.rank}: keys do not match (strict=True); " + "; ".join(parts))
+    if strict and missing:
+        raise MissingKeysError(
+            f"rank {world.rank}: keys do not match (strict=True): missing from the checkpoint: {_preview(sorted(missing))}"
+        )
     return targets, sorted(missing), unexpected
 
 

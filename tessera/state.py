@@ -87,6 +87,17 @@ def join(prefix: str, key: object) -> str:
     return f"{prefix}.{key}" if prefix else key
 
 
+def dotted_parents(keys: list[str]) -> set[str]:
+    """Every proper dotted prefix of ``keys`` (``a.b.c`` -> ``a``, ``a.b``)."""
+    out: set[str] = set()
+    for k in keys:
+        i = k.find(".")
+        while i != -1:
+            out.add(k[:i])
+            i = k.find(".", i + 1)
+    return out
+
+
 class _Flattener:
     def __init__(self, rank: int, world_size: int, *, for_load: bool, allow_pickle: bool) -> None:
         self.rank = rank

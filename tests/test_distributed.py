@@ -140,3 +140,22 @@ def _subgroups(rank: int, world: int, root: str) -> None:
 
 def test_gloo_subgroups_save_independently(tmp_path) -> None:
     run_distributed(_subgroups, 4, str(tmp_path))
+
+
+def _pipeline_stages(rank: int, world: int, path: str) -> tuple[list[str], list[str]]:
+    # Each "stage" holds its own layers only; together they want every key.
+    full = {"model": {f"layers.{i}.w": torch.full((2,), float(i)) for i in range(4)}}
+    tessera.save(path, full if rank == 0 else {"model": {}})
+    mine = {"model": {f"layers.{i}.w": torch.zeros(2) for i in range(4) if i // 2 == rank}}
+    res = tessera.load(path, mine)  # strict: nothing is unexpected for the job as a whole
+    assert all(torch.equal(t, torch.full((2,), float(k.split(".")[1]))) for k, t in ((k, v) for k, v in mine["model"].items()))
+    only_first = {"model": {"layers.0.w": torch.zeros(2)}}
+    with pytest.raises(tessera.MissingKeysError, match="wanted by no rank.*layers.1.w"):
+        tessera.load(path, only_first)
+    lax = tessera.load(path, only_first, strict=False)
+    return res.unexpected_keys, lax.unexpected_keys
+
+
+def test_unexpected_keys_are_judged_across_all_ranks(tmp_path) -> None:
+    out = run_distributed(_pipeline_stages, 2, str(tmp_path / "c"))
+    assert out[0][0] == [] and out[0][1] == ["model.layers.1.w", "model.layers.2.w", "model.layers.3.w"]
