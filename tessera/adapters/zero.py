@@ -32,7 +32,7 @@ import bisect
 import logging
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -124,8 +124,10 @@ class FlatLayout:
 
     entries: tuple[FlatEntry, ...]
     numel: int
+    _stops: list[int] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "entries", tuple(self.entries))
         seen: set[str] = set()
         end = 0
         for e in self.entries:
