@@ -129,7 +129,7 @@ def load(
     flat = FlatState()
     err: BaseException | None = None
     try:
-        flat = flatten(state, rank=world.rank, world_size=world.size, for_load=True)
+        flat = flatten(state, rank=world.rank, world_size=world.size, for_load=True, manifest=manifest)
         targets, missing, unexpected = _validate(manifest, flat, world, state, strict=strict, cast=cast_dtypes)
     except Exception as e:
         err = e

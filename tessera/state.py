@@ -99,11 +99,12 @@ def dotted_parents(keys: list[str]) -> set[str]:
 
 
 class _Flattener:
-    def __init__(self, rank: int, world_size: int, *, for_load: bool, allow_pickle: bool) -> None:
+    def __init__(self, rank: int, world_size: int, *, for_load: bool, allow_pickle: bool, manifest: object) -> None:
         self.rank = rank
         self.world_size = world_size
         self.for_load = for_load
         self.allow_pickle = allow_pickle
+        self.manifest = manifest
         self.out = FlatState()
 
     def visit(self, value: object, fqn: str, per_rank: OnResize | None) -> None:
@@ -118,6 +119,10 @@ class _Flattener:
                 raise TypeError(f"'{fqn}': a {type(value).__name__} cannot be per_rank(); it already names its box")
             self.shard(value, fqn)
         elif is_stateful(value) and not isinstance(value, type):
+            prepare = getattr(value, "prepare_load", None)
+            if self.for_load and self.manifest is not None and callable(prepare):
+                # Lets e.g. a fresh optimizer create state of the shapes the checkpoint holds.
+                prepare(self.manifest, fqn)
             sd = value.state_dict()
             if not isinstance(sd, dict):
                 raise TypeError(f"'{fqn}': {type(value).__name__}.state_dict() returned {type(sd).__name__}, not a dict")
@@ -195,17 +200,19 @@ def flatten(
     world_size: int = 1,
     for_load: bool = False,
     allow_pickle: bool = False,
+    manifest: object = None,
 ) -> FlatState:
     """Flatten ``state`` into tensor pieces and plain values keyed by FQN.
 
     For a save, plain values are validated (pickle opt-in) here, before any rank writes.
     For a load, Stateful objects' ``state_dict()`` results are kept so that
-    :func:`restore_values` can fill them and hand them back.
+    :func:`restore_values` can fill them and hand them back; a Stateful with a
+    ``prepare_load(manifest, fqn)`` method is first shown the checkpoint's ``manifest``.
 
     Raises:
         TypeError, ValueError: for values tessera cannot store, naming the FQN.
     """
-    f = _Flattener(rank, world_size, for_load=for_load, allow_pickle=allow_pickle)
+    f = _Flattener(rank, world_size, for_load=for_load, allow_pickle=allow_pickle, manifest=manifest)
     if not isinstance(state, dict) and not is_stateful(state):
         raise TypeError(f"state must be a dict or an object with state_dict()/load_state_dict(), got {type(state).__name__}")
     f.visit(state, "", None)

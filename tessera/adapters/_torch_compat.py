@@ -95,7 +95,8 @@ def strided_local_box(dt: DTensor, name: str) -> Box:
     runs: list[list[tuple[int, int]]] = [[(0, s)] for s in shape]
     for mesh_dim, p in enumerate(dt.placements):
         if isinstance(p, Partial):
-            raise ValueError(f"tensor '{name}' has a Partial placement ({dt.placements}); reduce it before saving")
+            # ValueError like tessera._torch_private: the value, not its type, is unsupported
+            raise ValueError(f"tensor '{name}' has a Partial placement ({dt.placements}); reduce it before saving")  # noqa: TRY004
         if isinstance(p, Replicate):
             continue
         d = p.dim if p.dim >= 0 else p.dim + len(shape)

@@ -95,9 +95,9 @@ class OptimizerState:
             self._pending = {}
             if not has_state:
                 for opt in self._optimizers:
-                    needs = [p for o, _, p, e in params if o is opt and e.requires_grad]
-                    for pid, st in _stand_in_states(opt, needs).items():
-                        self._pending[pid] = (opt, next(p for p in needs if id(p) == pid), st)
+                    needs = {id(p): p for o, _, p, e in params if o is opt and e.requires_grad}
+                    for pid, st in _stand_in_states(opt, list(needs.values())).items():
+                        self._pending[pid] = (opt, needs[pid], st)
         self._prepared = False
         out: dict[str, dict[Any, object]] = {}
         self._targets = {}
