@@ -32,6 +32,7 @@ def save(
     storage: Storage | None = None,
     allow_pickle: bool = False,
     options: SaveOptions | None = None,
+    storage_options: dict[str, Any] | None = None,
 ) -> SaveResult:
     """Save ``state`` to ``path`` and commit it; collective over ``process_group``.
 
@@ -48,6 +49,8 @@ def save(
         storage: a backend instance to use instead of choosing one from ``path``.
         allow_pickle: store values that are not plain (needs the same opt-in to load).
         options: see :class:`SaveOptions`.
+        storage_options: backend options when ``storage`` is not given (e.g. S3
+            credentials or ``{"client_kwargs": {"endpoint_url": ...}}``; see docs/storage.md).
 
     Returns:
         this rank's :class:`SaveResult`.
@@ -58,7 +61,7 @@ def save(
     Example:
         >>> tessera.save("/ckpt/step100", {"model": model.state_dict(), "step": 100})
     """
-    pending = start_save(path, state, process_group, storage, allow_pickle, options, background=False)
+    pending = start_save(path, state, process_group, storage, allow_pickle, options, storage_options, background=False)
     return pending.wait()
 
 
@@ -70,6 +73,7 @@ def async_save(
     storage: Storage | None = None,
     allow_pickle: bool = False,
     options: SaveOptions | None = None,
+    storage_options: dict[str, Any] | None = None,
 ) -> PendingSave:
     """Like :func:`save`, but return once this rank's bytes are staged in host memory.
 
@@ -82,4 +86,4 @@ def async_save(
         >>> ...  # keep training
         >>> pending.wait()
     """
-    return start_save(path, state, process_group, storage, allow_pickle, options, background=True)
+    return start_save(path, state, process_group, storage, allow_pickle, options, storage_options, background=True)

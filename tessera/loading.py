@@ -33,14 +33,18 @@ from .values import decode_value
 logger = logging.getLogger(__name__)
 
 
-def read_manifest(path: str, *, storage: Storage | None = None) -> Manifest:
+def read_manifest(path: str, *, storage: Storage | None = None, storage_options: dict[str, Any] | None = None) -> Manifest:
     """Read and validate the committed manifest at ``path`` (no communication).
+
+    Example:
+        >>> m = tessera.read_manifest("/ckpt/step100")
+        >>> m.tensors["model.w"].shape
 
     Raises:
         CheckpointNotFoundError: if nothing is committed there.
         ManifestError: if the manifest is invalid.
     """
-    store = storage_for(path, storage)
+    store = storage_for(path, storage, storage_options=storage_options)
     try:
         data = store.read_file(MANIFEST_NAME)
     except FileNotFoundError:
@@ -71,6 +75,7 @@ def load(
     allow_pickle: bool = False,
     cast_dtypes: bool = False,
     options: LoadOptions | None = None,
+    storage_options: dict[str, Any] | None = None,
 ) -> LoadResult:
     """Load the checkpoint at ``path`` into ``state`` in place; collective over ``process_group``.
 
@@ -91,6 +96,7 @@ def load(
         allow_pickle: allow unpickling values saved with ``allow_pickle=True``.
         cast_dtypes: convert tensors whose saved dtype differs instead of failing.
         options: see :class:`LoadOptions`.
+        storage_options: backend options when ``storage`` is not given (see :func:`tessera.save`).
 
     Returns:
         :class:`LoadResult` with missing/unexpected keys, bytes read and timings.
@@ -106,7 +112,7 @@ def load(
     wait_pending(process_group)
     timer = PhaseTimer()
     world = dist.world_for(process_group)
-    store = storage_for(path, storage)
+    store = storage_for(path, storage, storage_options=storage_options)
 
     # Metadata: rank 0 reads the manifest once and every rank gets the same bytes.
     data, error = None, None

@@ -98,6 +98,7 @@ def start_save(
     storage: Storage | None,
     allow_pickle: bool,
     options: SaveOptions | None,
+    storage_options: dict[str, Any] | None = None,
     *,
     background: bool,
 ) -> PendingSave:
@@ -107,7 +108,7 @@ def start_save(
         _wait_previous(ctx)
         timer = PhaseTimer()
         world = dist.world_for(process_group)
-        store = storage_for(path, storage)
+        store = storage_for(path, storage, storage_options=storage_options)
         entry, save_id, cached, flat, values = _plan_save(world, ctx, state, allow_pickle, opts)
         timer.mark("plan")
         staged = _stage(entry, flat, ctx, world, copy=background)
@@ -278,6 +279,9 @@ def _write_and_commit(
         if error is not None and set(failures) == {world.rank}:
             raise error
         dist.raise_failures(world, failures, f"saving checkpoint {path}")
+    after_commit = getattr(store, "after_commit", None)
+    if after_commit is not None:  # e.g. the memory tier: start this rank's copy to durable storage
+        after_commit(rank=world.rank, world_size=world.size, save_id=save_id, files=[w.path for w in written])
     rank_timings = {int(r): t for r, t in outcome.get("timings", {}).items()} if world.is_coordinator else {}
     if world.is_coordinator:
         logger.info("saved %s (%d bytes, %d ranks) in %.3fs", path, outcome["total_bytes"], world.size, timer.total()["total"])

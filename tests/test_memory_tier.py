@@ -243,16 +243,17 @@ def test_commit_is_refused_after_a_failed_file_copy(durable: FileStorage, tmp_pa
         tier.close()
 
 
-def test_auto_persist_is_refused_across_nodes(
+def test_multi_node_selects_per_rank_persistence(
     durable: FileStorage, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("WORLD_SIZE", "16")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
-    with pytest.raises(ValueError, match="auto_persist=False"):
-        _tier(durable, tmp_path)
-    _tier(durable, tmp_path, auto_persist=False).close()
+    assert _tier(durable, tmp_path).per_rank
+    with pytest.raises(ValueError, match="per_rank=False"):
+        _tier(durable, tmp_path, per_rank=False)
+    assert not _tier(durable, tmp_path, auto_persist=False).per_rank
     monkeypatch.setenv("WORLD_SIZE", "8")
-    _tier(durable, tmp_path).close()
+    assert not _tier(durable, tmp_path).per_rank
 
 
 @pytest.mark.s3

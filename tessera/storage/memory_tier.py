@@ -50,11 +50,20 @@ How it works:
   cleanup. The memory directory does not survive a reboot; ``/dev/shm`` counts against RAM.
   At interpreter exit, pending persistence is completed before the process ends.
 
-Multi-node jobs: each node has its own ``/dev/shm``, so no single rank sees every file and
-``auto_persist`` is refused when ``WORLD_SIZE != LOCAL_WORLD_SIZE``. Construct the tier with
-``auto_persist=False`` and drive the persistence from the save: every rank calls
-``persist(files=<the files it wrote>, commit=False).result()``, then a barrier, then rank 0
-calls ``persist(files=[], commit=True)``.
+Multi-node jobs (per-rank persistence): each node has its own ``/dev/shm``, so no single
+process sees every file. When ``WORLD_SIZE != LOCAL_WORLD_SIZE`` (or with ``per_rank=True``)
+the commit in memory starts nothing; instead ``tessera.save`` calls :meth:`after_commit` on
+every rank once the save is committed, and each rank copies *its own* files in the
+background, then reports to the durable store with a small marker object
+(``.tessera-persist/<save id>/<rank>.ok``, or ``.failed`` with the cause). Rank 0 publishes
+the manifest once every rank's ``.ok`` marker is there, and removes the markers; a
+``.failed`` marker, or markers still missing after ``commit_timeout_s``, fail rank 0's
+persistence and the durable store keeps its previous commit. No collective runs in the
+background, so saves return at memory speed on every node. Each rank removes from memory
+the files it persisted for the previous save (rank 0's cleanup only reaches its own node).
+Without ``tessera.save`` (or with ``auto_persist=False``) the same protocol can be driven by
+hand: every rank ``persist(files=<its files>, commit=False).result()``, a barrier, then rank
+0 ``persist(files=[], commit=True)``.
 
 Assumption shared with the save pipeline: a file referenced by a committed manifest is never
 rewritten in place (a new save writes new file names, then commits, then deletes old files).
@@ -74,6 +83,7 @@ import time
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 
+from .. import _knobs
 from ..errors import StorageError
 from .base import Buffer, Storage, check_relpath
 from .local import FileStorage
@@ -83,7 +93,10 @@ logger = logging.getLogger(__name__)
 TIER_PREFIX = "tier::"
 """URL prefix that selects the memory tier in :func:`tessera.storage.storage_for`."""
 MANIFEST = "manifest.json"
+MARKER_DIR = ".tessera-persist"
+"""Directory (in the durable checkpoint) of the per-rank persistence markers, while a commit waits for them."""
 _COPY_CHUNK = 16 << 20
+_SAVE_ID_RE = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}")
 _TMP_RE = re.compile(r"\.tmp-[0-9a-f]{32}$")  # FileStorage.write_atomic's temporary files
 
 
@@ -138,6 +151,10 @@ class _TierState:
     """Files deleted from memory through a tier object (so a copy may find them gone)."""
     failed_copies: set[str] = field(default_factory=set)
     """Files whose copy failed and that no later copy has replaced: block commits."""
+    hooked_save: str | None = None
+    """Save id of the last :meth:`MemoryTierStorage.after_commit` (a repeated call is a no-op)."""
+    own_files: list[str] = field(default_factory=list)
+    """Per-rank mode: files this process persisted for the previous save (dropped from memory next time)."""
 
 
 _STATES: dict[str, _TierState] = {}
@@ -177,12 +194,18 @@ class MemoryTierStorage:
         durable: the durable backend, or its URL (resolved with ``storage_for``).
         storage_options: options for the durable backend when ``durable`` is a URL.
         memory_root: directory of the memory copy; default :func:`default_memory_root`.
-        auto_persist: start persisting when ``manifest.json`` is committed. Needs every rank
-            of the job on this node (see the module docstring for multi-node jobs).
+        auto_persist: persist every commit automatically. ``False``: only :meth:`persist` does.
         max_workers: files copied to the durable backend at once.
+        per_rank: with ``auto_persist``, let every rank copy its own files from
+            :meth:`after_commit` (rank 0 publishing the manifest once all ranks reported)
+            instead of the committing process copying the whole memory directory. Default:
+            on when ``WORLD_SIZE != LOCAL_WORLD_SIZE`` (torchrun's variables), the only mode
+            that works across nodes.
+        commit_timeout_s: per-rank mode: how long rank 0 waits for the other ranks' markers
+            before giving the commit up (default ``TESSERA_TIMEOUT_S``, 600 s).
 
     Raises:
-        ValueError: for ``auto_persist=True`` in a multi-node job (from torchrun's env vars).
+        ValueError: for ``per_rank=False`` with ``auto_persist`` in a multi-node job.
 
     Example:
         >>> tier = MemoryTierStorage("/mnt/ckpt/step-100", memory_root="/dev/shm/me/step-100")  # doctest: +SKIP
@@ -199,6 +222,8 @@ class MemoryTierStorage:
         memory_root: str | None = None,
         auto_persist: bool = True,
         max_workers: int = 4,
+        per_rank: bool | None = None,
+        commit_timeout_s: float | None = None,
     ) -> None:
         if isinstance(durable, str):
             from . import storage_for  # the package imports this module; resolve lazily
@@ -209,16 +234,19 @@ class MemoryTierStorage:
         if max_workers < 1:
             raise ValueError(f"max_workers must be >= 1, got {max_workers}")
         world, local = os.environ.get("WORLD_SIZE"), os.environ.get("LOCAL_WORLD_SIZE")
-        if auto_persist and world and local and world != local:
+        multi_node = bool(world and local and world != local)
+        if auto_persist and multi_node and per_rank is False:
             raise ValueError(
-                f"MemoryTierStorage({durable.url!r}): auto_persist needs every rank on one node, but "
-                f"WORLD_SIZE={world} and LOCAL_WORLD_SIZE={local}; use auto_persist=False and call "
-                "persist() from every rank (see tessera.storage.memory_tier)"
+                f"MemoryTierStorage({durable.url!r}): per_rank=False needs every rank on one node, but "
+                f"WORLD_SIZE={world} and LOCAL_WORLD_SIZE={local}; leave per_rank unset "
+                "(see tessera.storage.memory_tier)"
             )
         self.durable: Storage = durable
         self.url = TIER_PREFIX + durable.url
         self.memory = FileStorage(memory_root or default_memory_root(durable.url), durable=False)
         self.auto_persist = auto_persist
+        self.per_rank = bool(auto_persist and (multi_node if per_rank is None else per_rank))
+        self.commit_timeout_s = _knobs.collective_timeout_s() if commit_timeout_s is None else float(commit_timeout_s)
         self.max_workers = max_workers
         self._s = _state_for(self.memory.root)
         self._memory_valid: bool | None = None
@@ -269,6 +297,55 @@ class MemoryTierStorage:
             _LAST_JOB = future
         return future
 
+    def after_commit(self, *, rank: int, world_size: int, save_id: str, files: Iterable[str]) -> None:
+        """Start this rank's share of persisting the save just committed (per-rank mode).
+
+        Called by ``tessera.save`` on every rank of the saving group once rank 0 has committed
+        ``manifest.json`` through this storage and every rank knows the save succeeded. Not
+        collective: it waits only for this process's previous persistence (backpressure), then
+        returns; the copy runs on the persistence thread. This rank's files are copied to the
+        durable store and reported with a marker; rank 0 then waits for every rank's marker
+        and publishes the manifest (see the module docstring). Failures are not raised here:
+        :meth:`wait_persisted` reports them (on rank 0, every rank's). A no-op unless
+        ``per_rank`` is on, and for a ``save_id`` this process already handled.
+
+        Args:
+            rank: this process's rank in the saving group; rank 0 publishes the manifest.
+            world_size: ranks in the saving group, i.e. markers rank 0 waits for.
+            save_id: the save's unique id (names the markers).
+            files: the data files this rank wrote for the save.
+
+        Raises:
+            ValueError: for a rank outside ``[0, world_size)`` or a save id that is not a
+                plain name.
+
+        Example:
+            >>> tier.after_commit(rank=3, world_size=16, save_id="5f0c...", files=["data/5f0c.../3-0.safetensors"])  # doctest: +SKIP
+        """
+        global _LAST_JOB
+        if not self.per_rank:
+            return
+        if not 0 <= rank < world_size:
+            raise ValueError(f"{self.url}: rank {rank} is outside the saving group of {world_size}")
+        if not _SAVE_ID_RE.fullmatch(save_id):
+            raise ValueError(f"{self.url}: save id {save_id!r} must be a plain name ([A-Za-z0-9._-])")
+        mine = [check_relpath(p) for p in files]
+        with self._s.lock:
+            if self._s.hooked_save == save_id:
+                return
+            self._s.hooked_save = save_id
+        with _REGISTRY_LOCK:
+            previous = _LAST_JOB
+        if previous is not None:  # one checkpoint in flight per process, as for a one-node commit
+            concurrent.futures.wait([previous])
+        manifest = self._memory_manifest() if rank == 0 else None
+        with self._s.lock:
+            future = _persister().submit(self._run_rank_persist, mine, rank, world_size, save_id, manifest)
+            self._s.pending = future
+            self._s.pending_commit = rank == 0
+        with _REGISTRY_LOCK:
+            _LAST_JOB = future
+
     def wait_persisted(self, timeout: float | None = None) -> None:
         """Block until the memory directory's last persistence in this process is durable.
 
@@ -293,6 +370,134 @@ class MemoryTierStorage:
 
     def _run_persist(self, files: list[str], manifest: bytes | None) -> None:
         t0 = time.monotonic()
+        copied = self._copy_files(files)
+        if manifest is not None:
+            self._publish(manifest)
+        logger.info(
+            "persisted %s: %d files, %d bytes%s in %.2fs",
+            self.url, len(files), copied, ", committed" if manifest is not None else "", time.monotonic() - t0,
+        )
+
+    def _run_rank_persist(
+        self, files: list[str], rank: int, world_size: int, save_id: str, manifest: bytes | None
+    ) -> None:
+        """Per-rank mode: copy this rank's files, report them; rank 0 then commits for everyone."""
+        t0 = time.monotonic()
+        markers = f"{MARKER_DIR}/{save_id}"
+        try:
+            copied = self._copy_files(files)
+        except StorageError as e:
+            with self._s.lock:  # dropped from memory after the next successful copy
+                self._s.own_files.extend(p for p in files if p not in self._s.own_files)
+            if world_size > 1:  # tell rank 0 at once rather than let it wait for the timeout
+                self._mark(f"{markers}/{rank}.failed", str(e).encode(), rank)
+            raise
+        # This rank's files of earlier saves: the memory manifest no longer refers to them,
+        # and rank 0's cleanup does not reach this node's memory.
+        with self._s.lock:
+            previous, self._s.own_files = self._s.own_files, list(files)
+        keep = set(files)
+        self.memory.delete([p for p in previous if p not in keep])
+        if world_size > 1:
+            self._mark(f"{markers}/{rank}.ok", b"", rank)
+        if rank == 0:
+            if manifest is None:
+                raise StorageError(f"nothing to persist for {self.url}: no {MANIFEST} committed in {self.memory.root}")
+            if world_size > 1:
+                self._await_markers(markers, world_size)
+            self._publish(manifest)
+            if world_size > 1:
+                try:  # this save's markers, and any a rank wrote after an earlier commit gave up
+                    self.durable.delete(self.durable.list(MARKER_DIR))
+                except Exception as e:  # noqa: BLE001 - harmless leftovers; the next commit retries
+                    logger.warning("could not remove persistence markers under %s: %s", self.durable.url, e)
+        logger.info(
+            "persisted %s (rank %d of %d): %d files, %d bytes%s in %.2fs",
+            self.url, rank, world_size, len(files), copied, ", committed" if rank == 0 else "", time.monotonic() - t0,
+        )
+
+    def _mark(self, path: str, data: bytes, rank: int) -> None:
+        try:
+            self.durable.write_atomic(path, data)
+        except Exception as e:
+            raise StorageError(
+                f"rank {rank} could not report its persistence of {self.url} at {self.durable.url}/{path}: {e}; "
+                "rank 0 will not commit this save"
+            ) from e
+
+    def _await_markers(self, markers: str, world_size: int) -> None:
+        """Rank 0: wait until every rank's ``.ok`` marker is under ``markers``.
+
+        Raises:
+            StorageError: for a ``.failed`` marker (with the rank's cause), or ranks still
+                missing after ``commit_timeout_s``.
+        """
+        deadline = time.monotonic() + self.commit_timeout_s
+        delay = 0.02
+        while True:
+            ok: set[int] = set()
+            failed: list[int] = []
+            for p in self.durable.list(markers):
+                head, _, status = p.rpartition("/")[2].partition(".")
+                if head.isdigit() and status == "ok":
+                    ok.add(int(head))
+                elif head.isdigit() and status == "failed":
+                    failed.append(int(head))
+            if failed:
+                causes = []
+                for r in sorted(failed)[:3]:
+                    try:
+                        causes.append(f"rank {r}: {self.durable.read_file(f'{markers}/{r}.failed').decode(errors='replace')}")
+                    except Exception as e:  # noqa: BLE001 - the rank is still named
+                        causes.append(f"rank {r}: (its report could not be read: {e})")
+                raise StorageError(
+                    f"not committing {self.url}: {len(failed)} rank(s) failed to persist their files; the durable "
+                    f"checkpoint keeps its previous commit. " + "; ".join(causes)
+                )
+            if len(ok) >= world_size:
+                return
+            if time.monotonic() > deadline:
+                missing = sorted(set(range(world_size)) - ok)
+                shown = ", ".join(map(str, missing[:10])) + (" ..." if len(missing) > 10 else "")
+                raise StorageError(
+                    f"not committing {self.url}: {len(missing)} rank(s) ({shown}) did not report their files "
+                    f"persisted within {self.commit_timeout_s:g}s (a rank died, or its copy is still running); "
+                    "the durable checkpoint keeps its previous commit"
+                )
+            time.sleep(delay)
+            delay = min(1.0, delay * 1.5)
+
+    def _publish(self, manifest: bytes) -> None:
+        """Commit ``manifest`` in the durable store, then apply the deferred deletes."""
+        with self._s.lock:
+            missing = sorted(self._s.failed_copies)
+        if missing:
+            # An earlier persist(commit=False) lost these files: a manifest published now
+            # could refer to files the durable store does not have.
+            raise StorageError(
+                f"not committing {self.url}: {len(missing)} file(s) failed to persist earlier "
+                f"({', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}); persist them again first"
+            )
+        try:
+            self.durable.write_atomic(MANIFEST, manifest)
+        except Exception as e:
+            logger.error("committing %s to %s failed: %s", MANIFEST, self.durable.url, e)
+            raise StorageError(f"persisting {self.url} failed committing {MANIFEST}: {e}") from e
+        with self._s.lock:
+            deletes, self._s.deferred_deletes = self._s.deferred_deletes, []
+            self._memory_valid = None
+        if deletes:
+            try:
+                self.durable.delete(deletes)
+            except Exception as e:  # garbage left behind is safe; the commit stands
+                logger.warning("deferred delete of %d files under %s failed: %s", len(deletes), self.durable.url, e)
+
+    def _copy_files(self, files: list[str]) -> int:
+        """Copy ``files`` from memory to the durable backend, ``max_workers`` at a time; bytes copied.
+
+        Raises:
+            StorageError: naming the first file that failed (every copy has ended by then).
+        """
         jobs: dict[concurrent.futures.Future[int], str] = {}
         copiers = concurrent.futures.ThreadPoolExecutor(self.max_workers, thread_name_prefix="tessera-tier-copy")
         for p in files:
@@ -328,33 +533,7 @@ class MemoryTierStorage:
                 f"persisting {self.url} failed copying {path}: {e}; the durable checkpoint at "
                 f"{self.durable.url} still holds its previous commit"
             ) from e
-        if manifest is not None:
-            with self._s.lock:
-                missing = sorted(self._s.failed_copies)
-            if missing:
-                # An earlier persist(commit=False) lost these files: a manifest published now
-                # could refer to files the durable store does not have.
-                raise StorageError(
-                    f"not committing {self.url}: {len(missing)} file(s) failed to persist earlier "
-                    f"({', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}); persist them again first"
-                )
-            try:
-                self.durable.write_atomic(MANIFEST, manifest)
-            except Exception as e:
-                logger.error("committing %s to %s failed: %s", MANIFEST, self.durable.url, e)
-                raise StorageError(f"persisting {self.url} failed committing {MANIFEST}: {e}") from e
-            with self._s.lock:
-                deletes, self._s.deferred_deletes = self._s.deferred_deletes, []
-                self._memory_valid = None
-            if deletes:
-                try:
-                    self.durable.delete(deletes)
-                except Exception as e:  # garbage left behind is safe; the commit stands
-                    logger.warning("deferred delete of %d files under %s failed: %s", len(deletes), self.durable.url, e)
-        logger.info(
-            "persisted %s: %d files, %d bytes%s in %.2fs",
-            self.url, len(files), copied, ", committed" if manifest is not None else "", time.monotonic() - t0,
-        )
+        return copied
 
     def _copy_file(self, path: str) -> int:
         full = os.path.join(self.memory.root, path)
@@ -491,7 +670,7 @@ class MemoryTierStorage:
             self._memory_valid = None
             self._s.deleted.discard(rel)
         self.memory.write_atomic(rel, data)
-        if self.auto_persist:
+        if self.auto_persist and not self.per_rank:  # per-rank mode starts in after_commit
             self.persist()
 
     def read_file(self, path: str) -> bytes:

@@ -1,0 +1,341 @@
+"""DeepSpeed ZeRO checkpoints (stages 1, 2 and 3) -> tessera, one rank's file at a time.
+
+A ZeRO checkpoint directory (``global_step<N>/``, or its parent with a ``latest`` file) holds
+``mp_rank_00_model_states.pt`` (stage 3: ``zero_pp_rank_<r>_mp_rank_00_model_states.pt``
+per rank) with ``param_shapes``, buffers and frozen parameters, and one
+``*zero_pp_rank_<r>_mp_rank_00_optim_states.pt`` per data-parallel rank with that rank's
+flat fp32 partitions. The geometry is the one DeepSpeed's ``zero_to_fp32.py`` uses:
+
+* stage 1/2: each parameter group is one flat vector (the group's parameters in
+  ``param_shapes`` order, padded at the end); rank ``r`` holds the ``r``-th equal slice.
+* stage 3: every parameter is split on its own into ``ceil(numel / world)`` elements per
+  rank (the last rank's slice padded); a rank's flat group concatenates its slices.
+
+Each rank's slice of a parameter is a flat range of that parameter: the geometry comes from
+:mod:`tessera.adapters.zero` (``FlatLayout``), which yields one :class:`tessera.FlatShard`
+per parameter, and each goes to the checkpoint as is, with no gather:
+only one rank file is open at a time (memory-mapped). Adam-style optimizer state
+(``exp_avg``, ``exp_avg_sq``) has the same geometry and is converted the same way.
+
+Output names: ``<model_prefix><param>`` (fp32 master weights, buffers, frozen parameters),
+``<optim_prefix>state.<param>.<key>``, ``<optim_prefix>param_groups`` (with parameter
+FQNs in ``params``) and ``<optim_prefix>has_state``: exactly the state of
+``{"model": tessera.ModelState(model), "optim": tessera.OptimizerState(model, optimizer)}``
+for a plain torch model with the same parameter names, which loads it directly.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import re
+import time
+from typing import Any
+
+import torch
+
+from ..adapters.zero import FlatLayout
+from ..errors import CheckpointError, CorruptCheckpointError
+from ..shards import FlatShard
+from ..storage import Storage
+from ..values import is_plain
+from ._common import ConvertResult, Progress, ProgressFn, cast_for
+from ._sink import CheckpointWriter
+
+logger = logging.getLogger(__name__)
+
+_RANK = re.compile(r"zero_pp_rank_(\d+)_mp_rank_(\d+)_(optim|model)_states\.pt$")
+_MODEL_KEYS = {
+    "module", "buffer_names", "param_shapes", "frozen_param_shapes", "frozen_param_fragments", "shared_params",
+    "optimizer", "sparse_tensor_module_names",
+}  # fmt: skip
+"""Entries of a model-states file that are converted as tensors (or are empty); the rest
+are kept as plain values under ``deepspeed.<key>`` when they are plain."""
+
+
+def find_zero_dir(src: str, tag: str | None = None) -> str:
+    """The directory holding the ``*_states.pt`` files (following ``latest`` if present).
+
+    Raises:
+        FileNotFoundError: if no ZeRO checkpoint is found.
+
+    Example:
+        >>> find_zero_dir("/runs/gpt/checkpoints")  # ".../global_step1000" from "latest"
+    """
+    if tag is not None:
+        src = os.path.join(src, tag)
+    elif not _state_files(src, "optim") and os.path.isfile(os.path.join(src, "latest")):
+        with open(os.path.join(src, "latest")) as f:
+            src = os.path.join(src, f.read().strip())
+    if not _state_files(src, "optim"):
+        raise FileNotFoundError(f"no DeepSpeed ZeRO checkpoint in {src}: no *_optim_states.pt files")
+    return src
+
+
+def _state_files(directory: str, kind: str) -> list[tuple[int, str]]:
+    """``(dp rank, path)`` of the ``*_<kind>_states.pt`` files, by rank."""
+    if not os.path.isdir(directory):
+        return []
+    out = []
+    for name in os.listdir(directory):
+        m = _RANK.search(name)
+        if m and m.group(3) == kind:
+            if int(m.group(2)) != 0:
+                raise CheckpointError(
+                    f"{os.path.join(directory, name)}: tensor-parallel ZeRO checkpoints (mp_rank > 0) are not "
+                    "supported here; convert the Megatron layout with --from megatron"
+                )
+            out.append((int(m.group(1)), os.path.join(directory, name)))
+    return sorted(out)
+
+
+def _load(path: str, allow_pickle: bool) -> Any:
+    try:
+        return torch.load(path, map_location="cpu", mmap=True, weights_only=not allow_pickle)
+    except RuntimeError as e:
+        if "mmap" not in str(e):
+            raise
+        return torch.load(path, map_location="cpu", weights_only=not allow_pickle)  # legacy (non-zip) format
+    except Exception as e:
+        if allow_pickle:
+            raise
+        raise CheckpointError(
+            f"{path} holds objects that need unpickling ({e}); pass allow_pickle=True (--allow-pickle) "
+            "if you trust the file (DeepSpeed's own classes then need deepspeed installed)"
+        ) from e
+
+
+class _Out:
+    """Adds tensors under their name and every alias (DeepSpeed's shared parameters)."""
+
+    def __init__(self, w: CheckpointWriter, aliases: dict[str, list[str]], dtype: torch.dtype | None, prog: Progress) -> None:
+        self.w, self.aliases, self.dtype, self.prog = w, aliases, dtype, prog
+
+    def flat(self, name: str, shape: tuple[int, ...], start: int, data: torch.Tensor) -> None:
+        data = data.to(cast_for(data.dtype, self.dtype))
+        for n in [name, *self.aliases.get(name, ())]:
+            self.w.add_flat(n, shape, start, data)
+        self.prog.advance(data.numel() * data.element_size())
+
+    def whole(self, name: str, t: torch.Tensor) -> None:
+        self.flat(name, tuple(t.shape), 0, t.reshape(-1))
+
+
+def import_deepspeed(
+    src: str,
+    path: str,
+    *,
+    tag: str | None = None,
+    model_prefix: str = "model.",
+    optim_prefix: str = "optim.",
+    include_optimizer: bool = True,
+    dtype: torch.dtype | None = None,
+    storage: Storage | None = None,
+    allow_pickle: bool = False,
+    file_bytes: int = 256 << 20,
+    progress: ProgressFn | None = None,
+) -> ConvertResult:
+    """Convert a DeepSpeed ZeRO (stage 1, 2 or 3) checkpoint into a tessera checkpoint.
+
+    Args:
+        src: the ``global_step<N>`` directory, or its parent with a ``latest`` file.
+        path: where to write the tessera checkpoint (replaced atomically).
+        tag: a sub-directory of ``src`` to use instead of ``latest``.
+        model_prefix: prefix of parameter and buffer names.
+        optim_prefix: prefix of optimizer state names.
+        include_optimizer: also convert optimizer state (``exp_avg`` ...) and param groups.
+        dtype: cast floating-point tensors (the fp32 master weights too) to this dtype.
+        storage: backend of the new checkpoint.
+        allow_pickle: unpickle arbitrary objects in the files (only for files you trust).
+        file_bytes: size of the tessera data files written.
+        progress: called with ``(done_bytes, total_bytes)``.
+
+    Returns:
+        What was written; non-plain entries that were left out are listed in ``skipped``.
+
+    Raises:
+        FileNotFoundError: if ``src`` holds no ZeRO checkpoint.
+        CorruptCheckpointError: if the files disagree with each other or with ``param_shapes``.
+
+    Example:
+        >>> import_deepspeed("/runs/gpt/checkpoints", "/ckpt/gpt-step1000")
+    """
+    t0 = time.monotonic()
+    directory = find_zero_dir(src, tag)
+    optim_files = _state_files(directory, "optim")
+    model_files = _state_files(directory, "model")
+    first_model = model_files[0][1] if model_files else os.path.join(directory, "mp_rank_00_model_states.pt")
+    if not os.path.isfile(first_model):
+        raise FileNotFoundError(f"{directory} has optimizer states but no *_model_states.pt file")
+    model_sd = _load(first_model, allow_pickle)
+    for key in ("param_shapes", "buffer_names", "module"):
+        if key not in model_sd:
+            raise CorruptCheckpointError(f"{first_model} is not a DeepSpeed model-states file: '{key}' is missing")
+    groups = [{n: tuple(int(x) for x in s) for n, s in g.items()} for g in model_sd["param_shapes"]]
+    world = len(optim_files)
+    if [r for r, _ in optim_files] != list(range(world)):
+        raise CorruptCheckpointError(f"{directory}: optimizer-state files for ranks {[r for r, _ in optim_files]}, expected 0..{world - 1}")
+    aliases: dict[str, list[str]] = {}
+    for alias, target in model_sd.get("shared_params", None) or []:
+        aliases.setdefault(model_prefix + target, []).append(model_prefix + alias)
+    total = sum(math.prod(s) * 4 for g in groups for s in g.values())
+    prog = Progress(total * (3 if include_optimizer else 1), progress)
+    skipped: list[str] = []
+    with CheckpointWriter(path, storage=storage, file_bytes=file_bytes) as w:
+        out = _Out(w, aliases, dtype, prog)
+        stage = 0
+        for rank, fname in optim_files:
+            osd = _load(fname, allow_pickle).get("optimizer_state_dict")
+            if not isinstance(osd, dict) or "zero_stage" not in osd:
+                raise CorruptCheckpointError(f"{fname} is not a ZeRO optimizer-states file: 'zero_stage' is missing")
+            stage = int(osd["zero_stage"])
+            count = osd.get("partition_count")
+            count = max(count) if isinstance(count, (list, tuple)) else count
+            if count is not None and int(count) != world:
+                raise CorruptCheckpointError(f"{fname}: partition_count is {count} but {world} rank files were found in {directory}")
+            if stage in (1, 2):
+                _stage12(osd, rank, world, groups, out, model_prefix, optim_prefix, include_optimizer, fname)
+            elif stage == 3:
+                _stage3(osd, rank, world, groups, out, model_prefix, optim_prefix, include_optimizer, fname)
+            else:
+                raise CorruptCheckpointError(f"{fname}: unknown ZeRO stage {stage}")
+            if rank == 0 and include_optimizer:
+                pg = _param_groups(osd, groups)
+                if pg is not None:
+                    w.add_value(optim_prefix + "param_groups", pg)
+                w.add_value(optim_prefix + "has_state", True)
+            del osd
+        _model_extras(model_sd, model_files, stage, world, out, model_prefix, skipped, allow_pickle)
+        w.commit(
+            source=f"deepspeed:{directory}",
+            layout={"format": "deepspeed-zero", "zero_stage": stage, "dp_world_size": world},
+        )
+        counts = (w.tensors_declared, w.values_added, w.tensor_bytes, w.files_written)
+    logger.info("converted ZeRO-%d checkpoint %s (%d ranks) into %s", stage, directory, world, path)
+    return ConvertResult(src, path, *counts, time.monotonic() - t0, tuple(skipped))
+
+
+def _optim_state(osd: dict, key: str) -> dict[int, dict]:
+    """The wrapped torch optimizer's per-group state: ``{group index: {name: value}}``."""
+    base = osd.get(key)
+    if isinstance(base, list):  # elastic checkpoints: one (unpadded) state dict per group
+        return {i: s for i, s in enumerate(base) if isinstance(s, dict)}
+    if isinstance(base, dict) and isinstance(base.get("state"), dict):
+        return {int(i): s for i, s in base["state"].items()}
+    return {}
+
+
+def _add_shards(out: _Out, pattern: str, shards: dict[str, FlatShard]) -> None:
+    """Add each parameter's shard under ``pattern`` with ``{}`` replaced by the parameter's name."""
+    for name, shard in shards.items():
+        out.flat(pattern.replace("{}", name, 1), shard.global_shape, shard.flat_start, shard.local_1d)
+
+
+def _stage12(osd: dict, rank: int, world: int, groups: list[dict], out: _Out, mp: str, op: str, optim: bool, fname: str) -> None:
+    parts = osd.get("single_partition_of_fp32_groups")
+    if not isinstance(parts, (list, tuple)) or len(parts) != len(groups):
+        raise CorruptCheckpointError(f"{fname}: expected {len(groups)} fp32 partitions ('single_partition_of_fp32_groups')")
+    state = _optim_state(osd, "base_optimizer_state") if optim else {}
+    for gi, (shapes, local) in enumerate(zip(groups, parts)):
+        layout = FlatLayout.deepspeed(list(shapes.items()), dp_size=world)
+        part = layout.partition(rank, world)
+        if part.numel != local.numel():
+            raise CorruptCheckpointError(
+                f"{fname}: group {gi}'s parameters fill a flat buffer of {layout.numel} elements (padded for {world} "
+                f"ranks), but rank {rank}'s partition holds {local.numel()}; param_shapes does not match the optimizer states"
+            )
+        _add_shards(out, mp + "{}", part.shards(local, declare_all=False))
+        for key, v in state.get(gi, {}).items():
+            if isinstance(v, torch.Tensor) and v.dim() == 1 and 0 < v.numel() <= part.numel:
+                # Elastic checkpoints store state without the partition's tail padding.
+                piece = layout.slice(part.start, part.start + v.numel())
+                _add_shards(out, op + "state.{}." + key, piece.shards(v, declare_all=False))
+        if rank == 0:
+            _scalars(state.get(gi, {}), shapes, out, op)
+
+
+def _stage3(osd: dict, rank: int, world: int, groups: list[dict], out: _Out, mp: str, op: str, optim: bool, fname: str) -> None:
+    parts = osd.get("fp32_flat_groups")
+    if not isinstance(parts, (list, tuple)) or len(parts) != len(groups):
+        raise CorruptCheckpointError(f"{fname}: expected {len(groups)} fp32 flat groups ('fp32_flat_groups')")
+    state = _optim_state(osd, "optimizer_state_dict") if optim else {}
+    for gi, (shapes, local) in enumerate(zip(groups, parts)):
+        vecs: list[tuple[str, torch.Tensor]] = [(mp + "{}", local)]
+        for key, v in state.get(gi, {}).items():
+            if isinstance(v, torch.Tensor) and v.dim() == 1 and v.numel() == local.numel():
+                vecs.append((op + "state.{}." + key, v))
+        pos = 0
+        for name, shape in shapes.items():
+            # Stage 3 partitions every parameter on its own, padded to a multiple of world.
+            part = FlatLayout.pack([(name, shape)], total_alignment=world).partition(rank, world)
+            if pos + part.numel > local.numel():
+                raise CorruptCheckpointError(
+                    f"{fname}: flat group {gi} ends before parameter '{name}' ({pos + part.numel} > {local.numel()} elements); "
+                    "param_shapes does not match the optimizer states"
+                )
+            for pattern, vec in vecs:
+                _add_shards(out, pattern, part.shards(vec[pos : pos + part.numel], declare_all=False))
+            pos += part.numel
+        if pos != local.numel():
+            raise CorruptCheckpointError(
+                f"{fname}: flat group {gi} holds {local.numel()} elements but its parameters {pos}; "
+                "param_shapes does not match the optimizer states"
+            )
+        if rank == 0:
+            _scalars(state.get(gi, {}), shapes, out, op)
+
+
+def _scalars(group_state: dict, shapes: dict, out: _Out, op: str) -> None:
+    """Per-group scalar state (Adam's ``step``) becomes a scalar per parameter, as in torch."""
+    for key, v in group_state.items():
+        if isinstance(v, torch.Tensor) and v.dim() == 0 or isinstance(v, (int, float)) and not isinstance(v, bool):
+            t = v if isinstance(v, torch.Tensor) else torch.tensor(v)
+            for name in shapes:
+                out.whole(f"{op}state.{name}.{key}", t.detach().clone())
+
+
+def _param_groups(osd: dict, groups: list[dict]) -> list[dict] | None:
+    """The wrapped optimizer's param groups with parameter FQNs in ``params`` (as OptimizerState saves them)."""
+    base = osd.get("base_optimizer_state", osd.get("optimizer_state_dict"))
+    pgs = base.get("param_groups") if isinstance(base, dict) else None
+    if not isinstance(pgs, list) or len(pgs) != len(groups):
+        return None
+    out = []
+    for pg, shapes in zip(pgs, groups):
+        entry = {k: v for k, v in pg.items() if k != "params" and is_plain(v)}
+        entry["params"] = list(shapes)
+        out.append(entry)
+    return out
+
+
+def _model_extras(
+    model_sd: dict, model_files: list[tuple[int, str]], stage: int, world: int, out: _Out, mp: str, skipped: list[str], allow_pickle: bool
+) -> None:
+    """Buffers, frozen parameters and plain client state of the model-states file(s)."""
+    module = model_sd["module"] or {}
+    for name in model_sd.get("buffer_names") or []:
+        if name in module and isinstance(module[name], torch.Tensor):
+            out.whole(mp + name, module[name])
+    frozen = model_sd.get("frozen_param_shapes") or {}
+    frozen = {n: tuple(int(x) for x in s) for n, s in frozen.items()}
+    if frozen and stage == 3:
+        for rank, fname in model_files:
+            frags = (model_sd if rank == model_files[0][0] else _load(fname, allow_pickle)).get("frozen_param_fragments") or {}
+            for name, shape in frozen.items():
+                part = FlatLayout.pack([(name, shape)], total_alignment=world).partition(rank, world)
+                _add_shards(out, mp + "{}", part.shards(frags[name].reshape(-1)[: part.numel], declare_all=False))
+    else:
+        # Stage 2 stores frozen parameters whole in frozen_param_fragments; stage 1 only in the module.
+        frags = model_sd.get("frozen_param_fragments") or {}
+        for name in frozen:
+            t = frags.get(name, module.get(name))
+            if isinstance(t, torch.Tensor):
+                out.whole(mp + name, t)
+    for key, v in model_sd.items():
+        if key in _MODEL_KEYS or isinstance(v, torch.Tensor):
+            continue
+        if is_plain(v):
+            out.w.add_value(f"deepspeed.{key}", v)
+        else:
+            skipped.append(f"deepspeed.{key} (not a plain value)")

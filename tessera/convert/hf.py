@@ -1,0 +1,280 @@
+"""Hugging Face safetensors directories: export a tessera checkpoint to one, import one.
+
+Export writes what ``transformers``' ``from_pretrained`` reads: ``model.safetensors``, or
+``model-00001-of-0000N.safetensors`` shards plus ``model.safetensors.index.json`` when the
+tensors exceed ``max_shard_size``. Each shard's header is computed up front and its bytes are
+streamed tensor block by tensor block, so memory stays bounded by ``block_bytes`` whatever
+the shard size. Import reads row blocks through ``safe_open(...).get_slice`` (memory-mapped)
+and streams them into a new tessera checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import struct
+import time
+from collections.abc import Iterator
+from typing import NamedTuple
+
+import torch
+from safetensors import safe_open
+
+from ..geometry import Box
+from ..stage import as_bytes
+from ..storage import Storage, storage_for
+from ._common import (
+    DEFAULT_BLOCK_BYTES,
+    SAFETENSORS_DTYPES,
+    ConvertResult,
+    Progress,
+    ProgressFn,
+    cast_for,
+    itemsize,
+    numel,
+    parse_size,
+    safetensors_dtype_code,
+    split_box,
+    strip_prefix,
+)
+from ._sink import CheckpointWriter
+from ._source import CheckpointSource
+
+logger = logging.getLogger(__name__)
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+class _Entry(NamedTuple):
+    """A tensor to export: its Hugging Face name, tessera name, output dtype and size."""
+
+    name: str
+    fqn: str
+    dtype: torch.dtype
+    code: str
+    nbytes: int
+
+
+_MODEL_FILE = re.compile(r"^model(-\d{5}-of-\d{5})?\.safetensors$|^model\.safetensors\.index\.json$")
+
+
+def export_hf(
+    path: str,
+    out_dir: str,
+    *,
+    max_shard_size: int | str = "5GB",
+    dtype: torch.dtype | None = None,
+    prefix: str | None = None,
+    storage: Storage | None = None,
+    block_bytes: int = DEFAULT_BLOCK_BYTES,
+    progress: ProgressFn | None = None,
+) -> ConvertResult:
+    """Export the tensors of a tessera checkpoint as a Hugging Face safetensors directory.
+
+    Single process; reads only the checkpoint and writes only ``out_dir``'s model files
+    (earlier ``model*.safetensors`` files and the index there are replaced; ``config.json``
+    and tokenizer files are left alone).
+
+    Args:
+        path: the tessera checkpoint (saved by any number of ranks, any layout).
+        out_dir: the directory (or URL) to write.
+        max_shard_size: most bytes per shard (``"5GB"``, ``"500MiB"`` or an int).
+        dtype: cast floating-point tensors to this dtype (integer tensors are kept).
+        prefix: export only tensors whose name starts with ``prefix``, without it
+            (``"model."`` turns ``model.lm_head.weight`` into ``lm_head.weight``).
+        storage: backend of the checkpoint (default: chosen from ``path``).
+        block_bytes: most bytes of a tensor in memory at once.
+        progress: called with ``(done_bytes, total_bytes)``.
+
+    Returns:
+        What was written; plain values and per-rank tensors and values are listed in ``skipped``.
+
+    Raises:
+        ValueError: if no tensor matches ``prefix``.
+        TypeError: for a tensor dtype safetensors cannot hold.
+        CorruptCheckpointError: for data failing its checksum.
+
+    Example:
+        >>> export_hf("/ckpt/step100", "/export/hf", prefix="model.", dtype=torch.bfloat16)
+    """
+    t0 = time.monotonic()
+    src = CheckpointSource(path, storage=storage)
+    limit = parse_size(max_shard_size)
+    per_rank = src.per_rank_tensors()
+    names = strip_prefix([n for n in src.manifest.tensors if n not in per_rank], prefix)
+    if not names:
+        raise ValueError(f"checkpoint {path} has no tensors{f' under prefix {prefix!r}' if prefix else ''} to export")
+    specs = []
+    for hf_name, fqn in names.items():
+        out_dt = cast_for(src.dtype(fqn), dtype)
+        code = safetensors_dtype_code(out_dt, fqn)
+        specs.append(_Entry(hf_name, fqn, out_dt, code, numel(src.shape(fqn)) * itemsize(out_dt)))
+
+    # Fill shards in order, as transformers does: a tensor larger than the limit gets its own.
+    shards: list[list[_Entry]] = [[]]
+    size = 0
+    for spec in specs:
+        if shards[-1] and size + spec.nbytes > limit:
+            shards.append([])
+            size = 0
+        shards[-1].append(spec)
+        size += spec.nbytes
+    files = [SINGLE_NAME] if len(shards) == 1 else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+
+    out = storage_for(out_dir)
+    stale = [p for p in out.list("") if _MODEL_FILE.match(p)]
+    if stale:
+        logger.info("replacing %d model file(s) in %s", len(stale), out_dir)
+        out.delete(stale)
+    total = sum(s.nbytes for s in specs)
+    prog = Progress(total, progress)
+    for fname, shard in zip(files, shards):
+        shard.sort(key=lambda s: -itemsize(s.dtype))  # stable; keeps every tensor aligned to its item size
+        out.write_file(fname, _shard_chunks(src, shard, block_bytes, prog))
+    if len(files) > 1:
+        index = {
+            "metadata": {"total_size": total},
+            "weight_map": {s.name: f for f, shard in zip(files, shards) for s in shard},
+        }
+        out.write_file(INDEX_NAME, [json.dumps(index, indent=2, sort_keys=True).encode()])
+    skipped = [f"{n} (plain value)" for n in src.manifest.values] + [f"{n} (per-rank tensor)" for n in sorted(per_rank)]
+    skipped += [f"{n} (per-rank value)" for n in src.manifest.per_rank]
+    if prefix:
+        skipped = [s for s in skipped if s.startswith(prefix)]
+    logger.info("exported %d tensors (%d bytes) from %s to %s in %d file(s)", len(specs), total, path, out_dir, len(files))
+    return ConvertResult(path, out_dir, len(specs), 0, total, len(files) + (len(files) > 1), time.monotonic() - t0, tuple(skipped))
+
+
+def safetensors_header(entries: list[tuple[str, str, tuple[int, ...], int]], metadata: dict[str, str] | None = None) -> bytes:
+    """The 8-byte length and JSON header of a safetensors file holding ``(name, code, shape, nbytes)`` in order.
+
+    The tensors' bytes follow the header back to back, in the order given.
+
+    Example:
+        >>> header = safetensors_header([("w", "F32", (2, 3), 24)])
+    """
+    header: dict[str, object] = {"__metadata__": {"format": "pt", **(metadata or {})}}
+    pos = 0
+    for name, code, shape, nbytes in entries:
+        header[name] = {"dtype": code, "shape": list(shape), "data_offsets": [pos, pos + nbytes]}
+        pos += nbytes
+    body = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    body += b" " * (-len(body) % 8)  # tensor data then starts 8-byte aligned
+    return struct.pack("<Q", len(body)) + body
+
+
+def _shard_chunks(src: CheckpointSource, shard: list[_Entry], block_bytes: int, prog: Progress) -> Iterator[memoryview | bytes]:
+    """The bytes of one shard: its header, then each tensor block by block (one buffer reused)."""
+    yield safetensors_header([(s.name, s.code, src.shape(s.fqn), s.nbytes) for s in shard])
+    for s in shard:
+        for _, block in src.blocks(s.fqn, block_bytes=block_bytes, dtype=s.dtype, reuse=True):
+            data = as_bytes(block)
+            yield memoryview(data.numpy())
+            prog.advance(data.numel())
+
+
+# --------------------------------------------------------------------------------------
+# Import
+
+
+def hf_files(src: str) -> list[str]:
+    """The safetensors files of a Hugging Face directory (index, single file or all), or ``src`` itself.
+
+    Raises:
+        FileNotFoundError: if there is none.
+
+    Example:
+        >>> hf_files("/models/llama")  # [".../model-00001-of-00002.safetensors", ...]
+    """
+    if os.path.isfile(src):
+        return [src]
+    index = os.path.join(src, INDEX_NAME)
+    if os.path.isfile(index):
+        with open(index) as f:
+            weight_map = json.load(f).get("weight_map", {})
+        return [os.path.join(src, n) for n in sorted(set(weight_map.values()))]
+    single = os.path.join(src, SINGLE_NAME)
+    if os.path.isfile(single):
+        return [single]
+    found = sorted(os.path.join(src, n) for n in os.listdir(src) if n.endswith(".safetensors")) if os.path.isdir(src) else []
+    if not found:
+        raise FileNotFoundError(f"no safetensors files in {src} (expected {INDEX_NAME}, {SINGLE_NAME} or *.safetensors)")
+    return found
+
+
+def import_hf(
+    src: str,
+    path: str,
+    *,
+    prefix: str | None = None,
+    dtype: torch.dtype | None = None,
+    storage: Storage | None = None,
+    block_bytes: int = DEFAULT_BLOCK_BYTES,
+    file_bytes: int = 256 << 20,
+    progress: ProgressFn | None = None,
+) -> ConvertResult:
+    """Import a Hugging Face safetensors directory (or one file) as a tessera checkpoint.
+
+    Args:
+        src: a directory with ``model.safetensors.index.json``, ``model.safetensors`` or other
+            ``*.safetensors`` files, or one ``.safetensors`` file.
+        path: where to write the tessera checkpoint (replaced atomically).
+        prefix: prepended to every tensor name (``"model."`` to match ``{"model": sd}`` states).
+        dtype: cast floating-point tensors to this dtype.
+        storage: backend of the new checkpoint (default: chosen from ``path``).
+        block_bytes: most bytes of a tensor read at once.
+        file_bytes: size of the tessera data files written.
+        progress: called with ``(done_bytes, total_bytes)``.
+
+    Returns:
+        What was written.
+
+    Raises:
+        FileNotFoundError: if ``src`` holds no safetensors file.
+        ValueError: if two files hold the same tensor, or a dtype is unknown.
+
+    Example:
+        >>> import_hf("/models/llama", "/ckpt/llama-init", prefix="model.")
+    """
+    t0 = time.monotonic()
+    files = hf_files(src)
+    plan: list[tuple[str, str, tuple[int, ...], torch.dtype]] = []
+    seen: dict[str, str] = {}
+    for fname in files:
+        with safe_open(fname, framework="pt") as f:
+            for key in f.keys():
+                if key in seen:
+                    raise ValueError(f"tensor '{key}' is in both {seen[key]} and {fname}")
+                seen[key] = fname
+                sl = f.get_slice(key)
+                code = sl.get_dtype()
+                if code not in SAFETENSORS_DTYPES:
+                    raise ValueError(f"tensor '{key}' in {fname} has dtype {code}, which tessera does not know")
+                plan.append((fname, key, tuple(sl.get_shape()), SAFETENSORS_DTYPES[code]))
+    total = sum(itemsize(cast_for(dt, dtype)) * numel(shape) for _, _, shape, dt in plan)
+    prog = Progress(total, progress)
+    with CheckpointWriter(path, storage=storage, file_bytes=file_bytes) as w:
+        current, handle = None, None
+        for fname, key, shape, dt in plan:
+            if fname != current:
+                handle = safe_open(fname, framework="pt")
+                current = fname
+            assert handle is not None
+            name = (prefix or "") + key
+            out_dt = cast_for(dt, dtype)
+            w.declare(name, shape, out_dt)
+            if not shape:
+                w.add(name, shape, Box((), ()), handle.get_tensor(key).to(out_dt))
+                prog.advance(itemsize(out_dt))
+                continue
+            sl = handle.get_slice(key)
+            for box in split_box(Box.whole(shape), max(itemsize(dt), itemsize(out_dt)), block_bytes):
+                block = sl[box.slices()].to(out_dt)
+                w.add(name, shape, box, block)
+                prog.advance(block.numel() * block.element_size())
+        w.commit(source=f"hf:{src}", layout={"format": "huggingface-safetensors", "files": len(files)})
+        counts = (w.tensors_declared, w.values_added, w.tensor_bytes, w.files_written)
+    logger.info("imported %d tensors from %s into %s", len(plan), src, path)
+    return ConvertResult(src, path, *counts, time.monotonic() - t0)
+

@@ -1,0 +1,584 @@
+"""Checkpoints of a training run: one directory per step, a ``latest`` pointer, retention.
+
+Layout under ``root`` (any URL :func:`tessera.storage.storage_for` accepts)::
+
+    <root>/
+      step-00000100/     a checkpoint (see tessera.save): manifest.json + data/
+      step-00000200/
+      latest             one line: the directory name of the newest committed step
+
+A step directory is ``step-`` followed by the step number zero-padded to 8 digits
+(``step-00000100``); steps past 99,999,999 simply get more digits. Names that are not in
+exactly this form are ignored, so other files may live under ``root``.
+
+Crash safety: a step is committed when its ``manifest.json`` is (see :func:`tessera.save`);
+``latest`` is rewritten atomically only after that, so it never names an uncommitted step,
+though after a crash it may lag one step behind. :meth:`CheckpointManager.load` therefore
+looks at the step directories themselves and resumes from the newest one that is committed
+and intact. Retention deletes a step's ``manifest.json`` before its data, so a deletion cut
+short leaves an incomplete step (skipped by loads), never a corrupt "committed" one.
+
+Distributed contract: every rank constructs the manager with the same arguments and calls
+:meth:`~CheckpointManager.save` and :meth:`~CheckpointManager.load` together (they are
+collective, like :func:`tessera.save`); only rank 0 moves ``latest`` and deletes old steps.
+:meth:`~CheckpointManager.steps` and :meth:`~CheckpointManager.latest_step` only read
+storage and may be called by any rank alone. A manager is meant for one thread.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import re
+import threading
+import warnings
+import weakref
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future
+from concurrent.futures import wait as wait_futures
+from dataclasses import dataclass, field
+from typing import Any
+
+from . import api, dist
+from .api import LoadResult, PendingSave, SaveResult
+from .errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    CollectiveTimeoutError,
+    DistributedError,
+)
+from .manifest import MANIFEST_NAME
+from .options import LoadOptions, SaveOptions
+from .storage import Storage, storage_for
+
+logger = logging.getLogger(__name__)
+
+STEP_PREFIX = "step-"
+STEP_DIGITS = 8
+LATEST_NAME = "latest"
+_STEP_RE = re.compile(r"^step-(\d{8,})$")
+# Errors that mean "this step's checkpoint is unusable", as opposed to a problem with the
+# caller's state or the job. Compared by name because a peer's failure reaches the other
+# ranks as text inside a DistributedError.
+_SKIPPABLE = frozenset({"CorruptCheckpointError", "ManifestError", "CheckpointNotFoundError"})
+
+
+def step_dirname(step: int) -> str:
+    """The directory name of ``step``: ``step-`` and the number padded to 8 digits.
+
+    Example:
+        >>> step_dirname(100)
+        'step-00000100'
+    """
+    return f"{STEP_PREFIX}{step:0{STEP_DIGITS}d}"
+
+
+def parse_step_dirname(name: str) -> int | None:
+    """The step a directory name stands for, or None if it is not a step directory.
+
+    Only the canonical form :func:`step_dirname` produces is accepted, so no two names map
+    to one step.
+
+    Example:
+        >>> parse_step_dirname("step-00000100"), parse_step_dirname("step-100")
+        (100, None)
+    """
+    m = _STEP_RE.match(name)
+    if m is None:
+        return None
+    step = int(m.group(1))
+    return step if step_dirname(step) == name else None
+
+
+def _join(root: str, name: str) -> str:
+    return root + name if root.endswith("/") else f"{root}/{name}"
+
+
+@dataclass(frozen=True)
+class StepLoadResult:
+    """What :meth:`CheckpointManager.load` loaded.
+
+    Attributes:
+        step: the step that was loaded.
+        result: the :class:`~tessera.LoadResult` of loading it.
+        skipped: newer steps that were passed over, with the reason (incomplete or corrupt).
+    """
+
+    step: int
+    result: LoadResult
+    skipped: dict[int, str] = field(default_factory=dict)
+
+
+_OPEN: weakref.WeakSet[CheckpointManager] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_all() -> None:
+    # Daemon threads die abruptly at interpreter exit; finish pending saves first.
+    for manager in list(_OPEN):
+        try:
+            manager.close()
+        except Exception as e:  # noqa: BLE001 - nobody is left to raise to
+            logger.error("checkpoint manager for %s: a pending save failed at exit: %s", manager.root, e)
+
+
+class CheckpointManager:
+    """Save and resume a training run's checkpoints by step, with retention.
+
+    Args:
+        root: directory or URL holding one subdirectory per step.
+        keep_last: keep at most this many of the newest committed steps (None: keep all).
+        keep_every: also keep every step divisible by this (e.g. 1000), whatever ``keep_last``.
+        async_save: default of :meth:`save`: return once the state is staged in host memory
+            and write in the background.
+        process_group: the ranks taking part (default: all).
+        allow_pickle: store and load values that need pickle (see :func:`tessera.save`).
+        save_options: passed to every save.
+        load_options: passed to every load.
+        storage_options: options of the backend :func:`~tessera.storage.storage_for` builds.
+        storage_factory: builds the backend of a URL (a step directory, or ``root``); the
+            default is :func:`~tessera.storage.storage_for` with ``storage_options``.
+
+    Raises:
+        ValueError: for ``keep_last`` or ``keep_every`` below 1.
+
+    Collective contract: every rank constructs the manager alike and calls ``save``/``load``
+    in the same order; only rank 0 moves ``latest`` and deletes old steps (after a commit,
+    never the newest committed step, the one ``latest`` names, or one being saved). Close it
+    (or use it as a context manager) before tearing down ``torch.distributed``, so that a
+    pending save is finished; interpreter exit also closes it.
+
+    Example:
+        >>> with tessera.CheckpointManager("/ckpt/run1", keep_last=3, keep_every=1000, async_save=True) as mgr:
+        ...     if mgr.latest_step() is not None:
+        ...         start = mgr.load(state).step + 1
+        ...     for step in range(start, steps):
+        ...         train_step()
+        ...         if step % 100 == 0:
+        ...             mgr.save(step, state)
+    """
+
+    def __init__(
+        self,
+        root: str,
+        *,
+        keep_last: int | None = None,
+        keep_every: int | None = None,
+        async_save: bool = False,
+        process_group: Any = None,
+        allow_pickle: bool = False,
+        save_options: SaveOptions | None = None,
+        load_options: LoadOptions | None = None,
+        storage_options: Mapping[str, object] | None = None,
+        storage_factory: Callable[[str], Storage] | None = None,
+    ) -> None:
+        for name, value in (("keep_last", keep_last), ("keep_every", keep_every)):
+            if value is not None and (type(value) is not int or value < 1):
+                raise ValueError(f"CheckpointManager({root!r}): {name} must be None or an integer >= 1, got {value!r}")
+        self.root = root
+        self.keep_last = keep_last
+        self.keep_every = keep_every
+        self.async_save = async_save
+        self.process_group = process_group
+        self.allow_pickle = allow_pickle
+        self.save_options = save_options
+        self.load_options = load_options
+        self._factory = storage_factory or (lambda url: storage_for(url, storage_options=storage_options))
+        # Listing, the pointer and retention go through one backend bound to root. For a
+        # ``tier::`` root that is a memory tier too: it lists committed steps from the durable
+        # store, writes ``latest`` through to both copies and deletes both copies of a step.
+        self._root_store = self._factory(root)
+        self._pending: PendingSave | None = None
+        self._thread: threading.Thread | None = None
+        self._in_flight: set[int] = set()
+        self._lock = threading.Lock()
+        self._closed = False
+        _OPEN.add(self)
+
+    # ------------------------------------------------------------------------------------
+    # Naming and listing (local: no communication)
+
+    def step_url(self, step: int) -> str:
+        """The path or URL of ``step``'s checkpoint (it need not exist).
+
+        Example:
+            >>> CheckpointManager("/ckpt/run1").step_url(100)
+            '/ckpt/run1/step-00000100'
+        """
+        return _join(self.root, step_dirname(_check_step(step)))
+
+    def _scan(self) -> dict[int, bool]:
+        """Every step directory under root: ``{step: committed}``."""
+        found: dict[int, bool] = {}
+        for rel in self._root_store.list(""):
+            head, _, rest = rel.partition("/")
+            step = parse_step_dirname(head)
+            if step is None or not rest:
+                continue
+            found[step] = found.get(step, False) or rest == MANIFEST_NAME
+        return found
+
+    def steps(self) -> list[int]:
+        """Committed steps (those with a ``manifest.json``), oldest first.
+
+        Not collective; reads storage. A committed step may still turn out corrupt on load.
+
+        Example:
+            >>> mgr.steps()
+            [300, 400, 500]
+        """
+        return sorted(s for s, committed in self._scan().items() if committed)
+
+    def latest_step(self) -> int | None:
+        """The newest committed step, or None when there is none. Not collective.
+
+        This is where :meth:`load` starts; it does not depend on the ``latest`` pointer,
+        which may lag one step behind after a crash.
+
+        Example:
+            >>> start = 0 if mgr.latest_step() is None else mgr.load(state).step + 1
+        """
+        steps = self.steps()
+        return steps[-1] if steps else None
+
+    def pointer_step(self) -> int | None:
+        """The step the ``latest`` pointer names (None if absent or unreadable). Not collective."""
+        try:
+            text = self._root_store.read_file(LATEST_NAME)
+        except FileNotFoundError:
+            return None
+        step = parse_step_dirname(text.decode("utf-8", "replace").strip())
+        if step is None:
+            logger.warning("%s/%s does not name a step directory (%r); ignoring it", self.root, LATEST_NAME, text[:80])
+        return step
+
+    # ------------------------------------------------------------------------------------
+    # Save
+
+    def save(self, step: int, state: object, *, async_save: bool | None = None) -> SaveResult | PendingSave:
+        """Save ``state`` as ``step``; collective over the process group.
+
+        Waits for the previous save of this manager first (and raises its error if nobody
+        saw it). Once the step is committed, rank 0 points ``latest`` at it (if it is the
+        newest) and applies retention. Saving a step that exists replaces it atomically.
+
+        Args:
+            step: the training step, an integer >= 0.
+            state: what to save, as for :func:`tessera.save`.
+            async_save: override the manager's default for this call.
+
+        Returns:
+            :class:`~tessera.SaveResult` for a synchronous save; for an asynchronous one a
+            :class:`~tessera.PendingSave` whose ``wait()`` returns after the commit and,
+            on rank 0, after ``latest`` and retention are done.
+
+        Raises:
+            CheckpointError: if the save fails on any rank (the previous steps stay intact).
+            ValueError: for a bad step number or a closed manager.
+
+        Example:
+            >>> mgr.save(100, {"model": model.state_dict(), "step": 100})
+        """
+        step = _check_step(step)
+        if self._closed:
+            raise ValueError(f"CheckpointManager({self.root!r}) is closed")
+        self._wait_previous()
+        background = self.async_save if async_save is None else async_save
+        url = self.step_url(step)
+        store = self._factory(url)
+        world = dist.world_for(self.process_group)
+        with self._lock:
+            self._in_flight.add(step)
+        kwargs: dict[str, Any] = {
+            "process_group": self.process_group,
+            "storage": store,
+            "allow_pickle": self.allow_pickle,
+            "options": self.save_options,
+        }
+        if not background:
+            try:
+                result = api.save(url, state, **kwargs)
+                self._after_commit(step, store, world)
+            finally:
+                self._forget(step, store)
+            return result
+        try:
+            inner = api.async_save(url, state, **kwargs)
+        except BaseException:
+            self._forget(step, store)
+            raise
+        future: Future[SaveResult] = Future()
+        thread = threading.Thread(
+            target=self._finish, args=(future, inner, step, store, world), name="tessera-manager", daemon=True
+        )
+        self._thread = thread
+        thread.start()
+        self._pending = PendingSave(future, inner.stall_s)
+        return self._pending
+
+    def _finish(
+        self, future: Future[SaveResult], inner: PendingSave, step: int, store: Storage, world: dist.World
+    ) -> None:
+        try:
+            result = inner.wait()
+        except BaseException as e:  # noqa: BLE001 - handed to whoever waits
+            self._forget(step, store)
+            future.set_exception(e)
+            return
+        try:
+            self._after_commit(step, store, world)
+        finally:
+            self._forget(step, store)
+            future.set_result(result)
+
+    def _forget(self, step: int, store: Storage) -> None:
+        with self._lock:
+            self._in_flight.discard(step)
+        close = getattr(store, "close", None)
+        if callable(close):
+            try:
+                close()
+            except Exception as e:  # noqa: BLE001 - the save itself is settled
+                logger.warning("closing the storage of %s failed: %s", self.step_url(step), e)
+
+    def _after_commit(self, step: int, store: Storage, world: dist.World) -> None:
+        """Rank 0, after ``step`` committed: move ``latest``, then apply retention.
+
+        Failures here are logged, not raised: the step is committed whatever happens next.
+        """
+        if not world.is_coordinator:
+            return
+        try:
+            # A tiered backend commits to host memory first. Until the step is durable,
+            # neither "latest" nor retention may act on it: older steps are the safe ones.
+            wait_persisted = getattr(store, "wait_persisted", None)
+            if callable(wait_persisted):
+                wait_persisted()
+            found = self._scan()
+        except Exception as e:  # noqa: BLE001
+            logger.warning("step %d: not moving %s/%s nor applying retention: %s", step, self.root, LATEST_NAME, e)
+            return
+        try:
+            if step >= max((s for s, c in found.items() if c), default=step):
+                self._root_store.write_atomic(LATEST_NAME, (step_dirname(step) + "\n").encode())
+        except Exception as e:  # noqa: BLE001
+            logger.warning("step %d is committed but moving %s/%s failed: %s", step, self.root, LATEST_NAME, e)
+        try:
+            self._apply_retention(step, found)
+        except Exception as e:  # noqa: BLE001 - leftovers only cost space
+            logger.warning("retention under %s failed after step %d: %s", self.root, step, e)
+
+    def _apply_retention(self, committed_step: int, found: dict[int, bool]) -> None:
+        committed = sorted(s for s, c in found.items() if c)
+        keep = set(committed) if self.keep_last is None else set(committed[-self.keep_last :])
+        if self.keep_every is not None:
+            keep |= {s for s in committed if s % self.keep_every == 0}
+        with self._lock:
+            keep |= self._in_flight
+        keep.add(committed_step)
+        pointer = self.pointer_step()
+        if pointer is not None:
+            keep.add(pointer)
+        doomed = [s for s in committed if s not in keep]
+        # Leftovers of saves that never committed (a crash); newer ones are left alone,
+        # since nothing says their save is over.
+        doomed += [s for s, c in found.items() if not c and s < committed_step and s not in keep]
+        for s in sorted(doomed):
+            self._delete_step(s)
+
+    def _delete_step(self, step: int) -> None:
+        name = step_dirname(step)
+        files = self._root_store.list(name)  # relative to root: "step-.../data/..."
+        manifest = f"{name}/{MANIFEST_NAME}"
+        # Un-commit first: a deletion cut short must not leave a "committed" step without data.
+        self._root_store.delete([manifest])
+        self._root_store.delete([f for f in files if f != manifest])
+        logger.info("deleted step %d under %s (%d files)", step, self.root, len(files))
+
+    # ------------------------------------------------------------------------------------
+    # Load
+
+    def load(
+        self,
+        state: object,
+        step: int | None = None,
+        *,
+        strict: bool = True,
+        cast_dtypes: bool = False,
+    ) -> StepLoadResult:
+        """Load a step into ``state`` in place; collective over the process group.
+
+        With ``step=None``, resumes from the newest committed step that loads cleanly:
+        incomplete steps (no ``manifest.json``) and corrupt ones (invalid manifest, missing
+        or truncated data, checksum mismatch) are skipped with a warning saying why, and
+        the next older step is tried. Rank 0 lists the steps and every rank tries the same
+        ones. Errors that are not about the checkpoint (keys or shapes that do not match
+        the state, pickle not allowed, a rank failing) are raised at once.
+
+        Note: tensors filled from a step that then fails are overwritten by the older step
+        that loads; with ``strict=False``, tensors the older step lacks keep what was read.
+
+        Args:
+            state: the structure to fill, as for :func:`tessera.load`.
+            step: a specific step to load (no fallback), or None for the newest valid one.
+            strict: as for :func:`tessera.load`.
+            cast_dtypes: as for :func:`tessera.load`.
+
+        Returns:
+            :class:`StepLoadResult`: the step, its LoadResult, and the steps skipped.
+
+        Raises:
+            CheckpointNotFoundError: if no step loads (every reason is listed).
+            CheckpointError: what loading failed with, for errors that are not skipped.
+
+        Example:
+            >>> loaded = mgr.load({"model": model.state_dict(), "step": 0})
+            >>> print(f"resumed from step {loaded.step}")
+        """
+        if self._closed:
+            raise ValueError(f"CheckpointManager({self.root!r}) is closed")
+        self._wait_previous()
+        world = dist.world_for(self.process_group)
+        kwargs: dict[str, Any] = {
+            "strict": strict,
+            "process_group": self.process_group,
+            "allow_pickle": self.allow_pickle,
+            "cast_dtypes": cast_dtypes,
+            "options": self.load_options,
+        }
+        if step is not None:
+            step = _check_step(step)
+            return StepLoadResult(step, self._load_step(step, state, kwargs), {})
+
+        listing: tuple[list[tuple[int, bool]] | None, str | None] = (None, None)
+        if world.is_coordinator:
+            try:
+                listing = (sorted(self._scan().items(), reverse=True), None)
+            except Exception as e:  # noqa: BLE001 - shared with every rank below
+                listing = (None, f"listing {self.root} failed: {dist.error_text(0, e)}")
+        candidates, error = dist.broadcast(world, listing, "listing checkpoint steps")
+        if error is not None or candidates is None:
+            raise CheckpointError(error or f"listing {self.root} failed")
+        skipped: dict[int, str] = {}
+        for s, committed in candidates:
+            if not committed:
+                self._skip(world, s, skipped, "incomplete: no manifest.json (its save never finished)")
+                continue
+            try:
+                result = self._load_step(s, state, kwargs)
+            except CheckpointError as e:
+                if not _is_skippable(e):
+                    raise
+                self._skip(world, s, skipped, f"corrupt or unreadable: {e}")
+                continue
+            return StepLoadResult(s, result, skipped)
+        detail = "".join(f"\n  step {s}: {why}" for s, why in skipped.items())
+        raise CheckpointNotFoundError(
+            f"no loadable checkpoint under {self.root}" + (f":{detail}" if detail else " (no steps)")
+        )
+
+    def _load_step(self, step: int, state: object, kwargs: dict[str, Any]) -> LoadResult:
+        url = self.step_url(step)
+        store = self._factory(url)
+        try:
+            return api.load(url, state, storage=store, **kwargs)
+        finally:
+            close = getattr(store, "close", None)
+            if callable(close):
+                close()
+
+    def _skip(self, world: dist.World, step: int, skipped: dict[int, str], why: str) -> None:
+        skipped[step] = why
+        message = f"skipping checkpoint step {step} under {self.root}: {why}"
+        if world.is_coordinator:  # job-wide news: said once, by rank 0
+            warnings.warn(message, RuntimeWarning, stacklevel=3)
+        else:
+            logger.debug("%s", message)
+
+    # ------------------------------------------------------------------------------------
+    # Lifecycle
+
+    def _wait_previous(self) -> None:
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        try:
+            wait_futures([pending._future])
+            pending._raise_unobserved()  # raises only if nobody saw the failure yet
+        finally:
+            self._join()
+
+    def _join(self) -> None:
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            thread.join()
+
+    def wait(self) -> SaveResult | None:
+        """Block until the pending save (if any) is committed and retention is done.
+
+        Returns:
+            the pending save's result, or None if there was none.
+
+        Raises:
+            CheckpointError: if the pending save failed.
+
+        Example:
+            >>> mgr.save(100, state)  # async
+            >>> mgr.wait()
+        """
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return None
+        try:
+            return pending.wait()
+        finally:
+            self._join()
+
+    def close(self) -> None:
+        """Finish the pending save and stop accepting new ones. Idempotent.
+
+        Raises:
+            CheckpointError: if the pending save failed and nobody has seen that yet.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        _OPEN.discard(self)
+        self._wait_previous()
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        if exc is None:
+            self.close()
+            return
+        try:
+            self.close()
+        except Exception as e:  # noqa: BLE001 - do not hide the error already propagating
+            logger.error("closing the checkpoint manager for %s after an error: %s", self.root, e)
+
+    def __repr__(self) -> str:
+        return f"CheckpointManager({self.root!r}, keep_last={self.keep_last}, keep_every={self.keep_every})"
+
+
+def _check_step(step: int) -> int:
+    if type(step) is not int or step < 0:
+        raise ValueError(f"a checkpoint step must be an integer >= 0, got {step!r}")
+    return step
+
+
+def _is_skippable(e: BaseException) -> bool:
+    """Whether a load failed because the checkpoint is unusable, identically on every rank.
+
+    A peer's failure arrives as a DistributedError carrying ``"TypeName: message"`` texts; a
+    rank's own failure is the exception itself. Either way the decision depends only on
+    the failures every rank was told about, so all ranks skip or raise together.
+    """
+    if isinstance(e, CollectiveTimeoutError):
+        return False
+    if isinstance(e, DistributedError):
+        if not e.failures:
+            return False
+        return all(text.split(":", 1)[0] in _SKIPPABLE for text in e.failures.values())
+    return type(e).__name__ in _SKIPPABLE

@@ -1,0 +1,190 @@
+"""Where save and load time went: per-rank, per-phase timings from a manifest.
+
+Every save records, per rank, the seconds each phase took and the bytes written
+(``manifest.timings["save"]["ranks"][rank] = {"plan": s, "stage": s, "write": s, ...,
+"bytes": n}``); other operations (``"load"``, ``"convert"``) use the same shape. This
+module turns them into a table with stragglers flagged, a Chrome/Perfetto trace
+(``chrome://tracing``, https://ui.perfetto.dev) and a PNG timeline. Phases of a rank ran one
+after another, so each rank's timeline starts at 0 and lays its phases end to end.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+from dataclasses import dataclass
+from typing import Any
+
+from .manifest import Manifest
+
+logger = logging.getLogger(__name__)
+
+PHASE_ORDER = ("metadata", "plan", "stage", "read", "write", "values", "commit")
+"""Known phases, in the order they run; other phases follow in the order recorded."""
+
+
+@dataclass(frozen=True)
+class RankTiming:
+    """One rank's phases of one operation.
+
+    Attributes:
+        rank: the rank.
+        phases: ``{phase: seconds}`` in the order they ran.
+        nbytes: bytes the rank moved (written or read), if recorded.
+    """
+
+    rank: int
+    phases: dict[str, float]
+    nbytes: int = 0
+
+    @property
+    def total(self) -> float:
+        return sum(self.phases.values())
+
+
+@dataclass(frozen=True)
+class Straggler:
+    """A rank slower than the median rank by more than the chosen factor.
+
+    Attributes:
+        rank: the slow rank.
+        phase: the phase (``"total"`` for the whole operation).
+        seconds: the rank's time.
+        median: the median over ranks.
+    """
+
+    rank: int
+    phase: str
+    seconds: float
+    median: float
+
+    @property
+    def factor(self) -> float:
+        return self.seconds / self.median if self.median > 0 else float("inf")
+
+
+def operations(manifest: Manifest) -> list[str]:
+    """The operations with per-rank timings in ``manifest`` (``"save"``, ``"load"``, ...)."""
+    return [op for op, v in manifest.timings.items() if isinstance(v, dict) and isinstance(v.get("ranks"), dict)]
+
+
+def rank_timings(manifest: Manifest, op: str = "save") -> list[RankTiming]:
+    """Every rank's timings of operation ``op``, by rank.
+
+    Raises:
+        KeyError: if the manifest has no timings for ``op``.
+
+    Example:
+        >>> [t.total for t in rank_timings(tessera.read_manifest(path))]
+    """
+    ranks = manifest.timings.get(op, {}).get("ranks") if isinstance(manifest.timings.get(op), dict) else None
+    if not isinstance(ranks, dict):
+        raise KeyError(f"the manifest has no per-rank timings for '{op}' (it has: {', '.join(operations(manifest)) or 'none'})")
+    out = []
+    for r, t in ranks.items():
+        if not isinstance(t, dict):
+            continue
+        phases = {k: float(v) for k, v in t.items() if k not in ("bytes", "total") and isinstance(v, (int, float))}
+        known = [p for p in PHASE_ORDER if p in phases]
+        ordered = {p: phases[p] for p in known + [p for p in phases if p not in PHASE_ORDER]}
+        out.append(RankTiming(int(r), ordered, int(t.get("bytes", 0) or 0)))
+    return sorted(out, key=lambda t: t.rank)
+
+
+def find_stragglers(timings: list[RankTiming], factor: float = 1.5, min_seconds: float = 0.01) -> list[Straggler]:
+    """Ranks slower than ``factor`` times the median, overall and per phase.
+
+    A phase shorter than ``min_seconds`` on the slow rank is ignored (noise).
+
+    Example:
+        >>> find_stragglers(rank_timings(manifest), factor=2.0)
+    """
+    if len(timings) < 2:
+        return []
+    out = []
+    phases = ["total"] + list(dict.fromkeys(p for t in timings for p in t.phases))
+    for phase in phases:
+        values = {t.rank: (t.total if phase == "total" else t.phases.get(phase, 0.0)) for t in timings}
+        med = statistics.median(values.values())
+        for rank, v in values.items():
+            if v >= min_seconds and v > factor * med:
+                out.append(Straggler(rank, phase, v, med))
+    return out
+
+
+def chrome_trace(manifest: Manifest, ops: list[str] | None = None) -> dict[str, Any]:
+    """A Chrome/Perfetto trace: one process per operation, one thread per rank.
+
+    Returns:
+        The JSON object (``{"traceEvents": [...], ...}``); times are in microseconds.
+
+    Example:
+        >>> json.dump(chrome_trace(tessera.read_manifest(path)), open("trace.json", "w"))
+    """
+    events: list[dict[str, Any]] = []
+    for pid, op in enumerate(ops if ops is not None else operations(manifest)):
+        events.append({"name": "process_name", "ph": "M", "pid": pid, "tid": 0, "args": {"name": f"tessera {op}"}})
+        for t in rank_timings(manifest, op):
+            events.append({"name": "thread_name", "ph": "M", "pid": pid, "tid": t.rank, "args": {"name": f"rank {t.rank}"}})
+            ts = 0.0
+            for phase, seconds in t.phases.items():
+                events.append({
+                    "name": phase, "cat": op, "ph": "X", "pid": pid, "tid": t.rank,
+                    "ts": round(ts * 1e6, 3), "dur": round(seconds * 1e6, 3),
+                    "args": {"seconds": seconds, **({"bytes": t.nbytes} if phase in ("write", "read") else {})},
+                })  # fmt: skip
+                ts += seconds
+    return {
+        "traceEvents": events,
+        "displayTimeUnit": "ms",
+        "otherData": {"save_id": manifest.save_id, "world_size": manifest.world_size},
+    }
+
+
+def plot_timeline(
+    timings: list[RankTiming],
+    out_png: str,
+    *,
+    title: str = "",
+    stragglers: list[Straggler] | None = None,
+) -> None:
+    """Draw one horizontal bar per rank, split into its phases, to a PNG file.
+
+    Straggler ranks' labels are drawn in red. Needs matplotlib (``pip install tessera[plot]``).
+
+    Raises:
+        ImportError: if matplotlib is not installed.
+
+    Example:
+        >>> t = rank_timings(manifest)
+        >>> plot_timeline(t, "timeline.png", stragglers=find_stragglers(t))
+    """
+    import matplotlib
+
+    matplotlib.use("Agg", force=False)
+    import matplotlib.pyplot as plt
+
+    phases = list(dict.fromkeys(p for t in timings for p in t.phases))
+    colors = {p: plt.get_cmap("tab10")(i % 10) for i, p in enumerate(phases)}
+    slow = {s.rank for s in stragglers or []}
+    fig, ax = plt.subplots(figsize=(10, 1.2 + 0.4 * len(timings)))
+    try:
+        for row, t in enumerate(timings):
+            start = 0.0
+            for phase, seconds in t.phases.items():
+                ax.barh(row, seconds, left=start, color=colors[phase], label=phase if row == 0 else None, edgecolor="white")
+                start += seconds
+        ax.set_yticks(range(len(timings)))
+        ax.set_yticklabels([f"rank {t.rank}" for t in timings])
+        for label, t in zip(ax.get_yticklabels(), timings):
+            if t.rank in slow:
+                label.set_color("red")
+        ax.invert_yaxis()
+        ax.set_xlabel("seconds")
+        ax.set_title(title or "tessera timeline")
+        handles = [plt.Rectangle((0, 0), 1, 1, color=colors[p]) for p in phases]
+        ax.legend(handles, phases, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small", frameon=False)
+        fig.tight_layout()
+        fig.savefig(out_png, dpi=100)
+    finally:
+        plt.close(fig)

@@ -1,0 +1,449 @@
+"""Check a checkpoint end to end without loading it: files, headers, checksums, coverage.
+
+:func:`verify` reads every byte of every tile once, streaming through small per-thread
+buffers (memory stays bounded whatever the checkpoint or chunk size), and reports every
+problem it finds instead of stopping at the first. Each problem names the tensor, the data
+file and the rank that wrote the file (``FileEntry.rank``). The ``tessera verify`` command
+is built on it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import struct
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from enum import Enum
+
+import numpy as np
+import xxhash
+
+from . import _knobs
+from .errors import CorruptCheckpointError, CoverageError, ManifestError, PickleNotAllowedError
+from .geometry import Box, check_box_coverage
+from .manifest import MANIFEST_NAME, FileEntry, Manifest, Tile, decode
+from .storage import Storage, storage_for
+from .tilefile import tile_key
+from .values import decode_value
+
+logger = logging.getLogger(__name__)
+
+_BUFFER_BYTES = 8 << 20
+"""Bytes read at a time per thread; with the thread count this bounds verify's memory."""
+_MAX_HEADER_BYTES = 100 << 20
+"""Largest safetensors header accepted (the safetensors library uses the same limit)."""
+_MAX_COORD = 1 << 62
+"""Shapes beyond this cannot be checked with int64 arithmetic; no real tensor is that big."""
+
+
+class ProblemKind(str, Enum):
+    """What kind of defect a :class:`Problem` is."""
+
+    MANIFEST = "manifest"
+    """``manifest.json`` is missing (not committed), unreadable or invalid."""
+    MISSING_FILE = "missing_file"
+    """A data file the manifest refers to does not exist."""
+    FILE_SIZE = "file_size"
+    """A data file is shorter (truncated) or longer than the manifest records."""
+    HEADER = "header"
+    """A data file is not a valid safetensors file, or its header disagrees with the manifest."""
+    CHECKSUM = "checksum"
+    """A tile's bytes do not match the recorded checksums (corrupted data, or a wrong offset)."""
+    READ = "read"
+    """The storage failed while reading a file."""
+    COVERAGE = "coverage"
+    """A tensor's tiles leave a gap, overlap, or lie outside it."""
+    VALUE = "value"
+    """A plain value in the manifest is not a valid encoding."""
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One defect found by :func:`verify`.
+
+    Attributes:
+        kind: what kind of defect.
+        message: a full sentence naming the tensor, file and rank where they apply.
+        tensor: the tensor (or value) concerned, if any.
+        file: the data file concerned, relative to the checkpoint, if any.
+        rank: the rank that wrote ``file``, if known.
+    """
+
+    kind: ProblemKind
+    message: str
+    tensor: str | None = None
+    file: str | None = None
+    rank: int | None = None
+
+    def __str__(self) -> str:
+        return self.message
+
+
+@dataclass(frozen=True)
+class VerifyReport:
+    """The outcome of :func:`verify`.
+
+    Attributes:
+        path: the checkpoint checked.
+        save_id: its save id (None if the manifest could not be read).
+        problems: every defect found (empty when the checkpoint is intact).
+        tensors: tensors checked.
+        tiles: tiles checked.
+        files: data files the manifest refers to.
+        bytes_checked: tile bytes read and checksummed.
+        seconds: how long verification took.
+        unreferenced_files: files under ``data/`` no manifest entry refers to (left by an
+            unfinished save, harmless; the next successful save removes them).
+        pickled_values: values stored with pickle (they load only with ``allow_pickle=True``).
+    """
+
+    path: str
+    save_id: str | None
+    problems: tuple[Problem, ...]
+    tensors: int = 0
+    tiles: int = 0
+    files: int = 0
+    bytes_checked: int = 0
+    seconds: float = 0.0
+    unreferenced_files: tuple[str, ...] = ()
+    pickled_values: tuple[str, ...] = ()
+
+    @property
+    def ok(self) -> bool:
+        """Whether no problem was found."""
+        return not self.problems
+
+    def summary(self, limit: int = 20) -> str:
+        """A human-readable summary, listing up to ``limit`` problems."""
+        head = (
+            f"{self.path}: {'OK' if self.ok else f'{len(self.problems)} problem(s)'} "
+            f"({self.tensors} tensors, {self.tiles} tiles, {self.files} files, "
+            f"{self.bytes_checked} bytes checked in {self.seconds:.2f}s)"
+        )
+        lines = [head] + [f"  [{p.kind.value}] {p.message}" for p in self.problems[:limit]]
+        if len(self.problems) > limit:
+            lines.append(f"  ... and {len(self.problems) - limit} more")
+        return "\n".join(lines)
+
+    def raise_if_failed(self) -> None:
+        """Raise if any problem was found.
+
+        Raises:
+            CorruptCheckpointError: with :meth:`summary` as its message.
+        """
+        if self.problems:
+            raise CorruptCheckpointError(self.summary())
+
+
+@dataclass
+class _Segment:
+    """One checksum chunk of one tile: the file bytes ``[start, stop)`` and their xxh3-64."""
+
+    start: int
+    stop: int
+    expected: int
+    fqn: str
+    tile: Tile
+    index: int
+
+
+_Report = Callable[..., None]
+"""Records a problem about the file being checked: ``(kind, message, tensor=None)``."""
+
+
+@dataclass
+class _FileResult:
+    problems: list[Problem] = field(default_factory=list)
+    bytes_checked: int = 0
+
+
+def verify(path: str, *, storage: Storage | None = None, threads: int | None = None) -> VerifyReport:
+    """Verify the committed checkpoint at ``path`` without loading it.
+
+    Checks that the manifest is valid; that every data file it refers to exists with the
+    recorded size and is a safetensors file whose header agrees with the manifest; that
+    every chunk of every tile matches its checksum; that the tiles of every tensor cover
+    it exactly once; and that every plain value decodes. Reads each tile byte once, with at
+    most ``threads`` buffers of 8 MiB. Needs no process group; run it on one process.
+
+    Args:
+        path: directory or URL of the checkpoint.
+        storage: a backend instance to use instead of choosing one from ``path``.
+        threads: files checked at once (default ``TESSERA_IO_THREADS``).
+
+    Returns:
+        A :class:`VerifyReport`; ``report.ok`` is True when nothing is wrong. Problems are
+        reported, not raised (use ``report.raise_if_failed()`` to raise).
+
+    Example:
+        >>> report = tessera.verify("/ckpt/run1/step-00000100")
+        >>> if not report.ok:
+        ...     print(report.summary())
+    """
+    t0 = time.monotonic()
+    store = storage_for(path, storage)
+    try:
+        data = store.read_file(MANIFEST_NAME)
+    except FileNotFoundError:
+        msg = (
+            f"{path}: no {MANIFEST_NAME}; this is not a committed checkpoint (never saved, or the save did not finish)"
+        )
+        return VerifyReport(
+            path, None, (Problem(ProblemKind.MANIFEST, msg, file=MANIFEST_NAME),), seconds=time.monotonic() - t0
+        )
+    except Exception as e:  # noqa: BLE001 - reported
+        msg = f"{path}: reading {MANIFEST_NAME} failed: {type(e).__name__}: {e}"
+        return VerifyReport(
+            path, None, (Problem(ProblemKind.READ, msg, file=MANIFEST_NAME),), seconds=time.monotonic() - t0
+        )
+    try:
+        manifest = decode(data, source=f"{path}/{MANIFEST_NAME}")
+    except ManifestError as e:
+        return VerifyReport(
+            path, None, (Problem(ProblemKind.MANIFEST, str(e), file=MANIFEST_NAME),), seconds=time.monotonic() - t0
+        )
+
+    problems: list[Problem] = []
+    problems += _check_coverage(manifest)
+    pickled = _check_values(manifest, problems)
+    by_file = _tiles_by_file(manifest)
+    n = max(1, threads if threads is not None else _knobs.io_threads())
+    checked = 0
+    with ThreadPoolExecutor(
+        max_workers=min(n, max(1, len(manifest.files))), thread_name_prefix="tessera-verify"
+    ) as pool:
+        futures = [pool.submit(_check_file, store, manifest, f, by_file.get(f.path, [])) for f in manifest.files]
+        for fut in futures:
+            res = fut.result()
+            problems += res.problems
+            checked += res.bytes_checked
+    unreferenced = _unreferenced(store, manifest)
+    report = VerifyReport(
+        path=path,
+        save_id=manifest.save_id,
+        problems=tuple(problems),
+        tensors=len(manifest.tensors),
+        tiles=sum(len(e.tiles) for e in manifest.tensors.values()),
+        files=len(manifest.files),
+        bytes_checked=checked,
+        seconds=time.monotonic() - t0,
+        unreferenced_files=tuple(unreferenced),
+        pickled_values=tuple(pickled),
+    )
+    logger.info("verified %s: %d problem(s), %d bytes in %.2fs", path, len(problems), checked, report.seconds)
+    return report
+
+
+def _tiles_by_file(manifest: Manifest) -> dict[str, list[tuple[str, Tile]]]:
+    out: dict[str, list[tuple[str, Tile]]] = {}
+    for fqn, entry in manifest.tensors.items():
+        for tile in entry.tiles:
+            out.setdefault(tile.file, []).append((fqn, tile))
+    return out
+
+
+def _check_coverage(manifest: Manifest) -> list[Problem]:
+    problems = []
+    for fqn, entry in manifest.tensors.items():
+        shape = entry.shape
+        if any(s >= _MAX_COORD for s in shape) or math.prod(shape) >= _MAX_COORD:
+            problems.append(
+                Problem(ProblemKind.COVERAGE, f"tensor '{fqn}': shape {list(shape)} is implausibly large", tensor=fqn)
+            )
+            continue
+        # Python integers first: int64 arithmetic on hostile coordinates could wrap around.
+        outside = next((t for t in entry.tiles if any(o + n > s for o, n, s in zip(t.offsets, t.lengths, shape))), None)
+        if outside is not None:
+            problems.append(
+                Problem(
+                    ProblemKind.COVERAGE,
+                    f"tensor '{fqn}': tile {Box(outside.offsets, outside.lengths)} in '{outside.file}' lies outside "
+                    f"its shape {list(shape)}",
+                    tensor=fqn,
+                    file=outside.file,
+                )
+            )
+            continue
+        boxes = sorted({(t.offsets, t.lengths) for t in entry.tiles})  # identical boxes are replicas
+        nd = len(shape)
+        offsets = np.array([b[0] for b in boxes], dtype=np.int64).reshape(len(boxes), nd)
+        lengths = np.array([b[1] for b in boxes], dtype=np.int64).reshape(len(boxes), nd)
+        try:
+            check_box_coverage(fqn, shape, offsets, lengths)
+        except CoverageError as e:
+            files = sorted({t.file for t in entry.tiles})
+            where = (
+                f" (tiles in {', '.join(repr(f) for f in files[:4])}{' ...' if len(files) > 4 else ''})"
+                if files
+                else ""
+            )
+            problems.append(Problem(ProblemKind.COVERAGE, f"{e}{where}", tensor=fqn))
+    return problems
+
+
+def _check_values(manifest: Manifest, problems: list[Problem]) -> list[str]:
+    pickled = []
+    items = [(k, v) for k, v in manifest.values.items()]
+    items += [(k, v) for k, e in manifest.per_rank.items() for v in e.values]
+    for name, encoded in items:
+        try:
+            decode_value(encoded, name, allow_pickle=False)
+        except PickleNotAllowedError:
+            if name not in pickled:
+                pickled.append(name)
+        except (ManifestError, RecursionError) as e:
+            problems.append(Problem(ProblemKind.VALUE, f"value '{name}': {e}", tensor=name))
+    return pickled
+
+
+def _names(tiles: list[tuple[str, Tile]], limit: int = 5) -> str:
+    names = sorted({fqn for fqn, _ in tiles})
+    shown = ", ".join(f"'{n}'" for n in names[:limit])
+    return shown + (f" ... ({len(names)} tensors)" if len(names) > limit else "")
+
+
+def _check_file(store: Storage, manifest: Manifest, entry: FileEntry, tiles: list[tuple[str, Tile]]) -> _FileResult:
+    out = _FileResult()
+    where = f"file '{entry.path}' (written by rank {entry.rank})"
+
+    def problem(kind: ProblemKind, message: str, fqn: str | None = None) -> None:
+        out.problems.append(Problem(kind, message, tensor=fqn, file=entry.path, rank=entry.rank))
+
+    try:
+        size = store.size(entry.path)
+    except FileNotFoundError:
+        problem(
+            ProblemKind.MISSING_FILE,
+            f"{where} is missing; it holds tensor(s) {_names(tiles)}",
+            tiles[0][0] if tiles else None,
+        )
+        return out
+    except Exception as e:  # noqa: BLE001 - reported
+        problem(ProblemKind.READ, f"{where}: cannot stat it: {type(e).__name__}: {e}", tiles[0][0] if tiles else None)
+        return out
+    if size != entry.nbytes:
+        how = "truncated" if size < entry.nbytes else "longer than recorded"
+        problem(
+            ProblemKind.FILE_SIZE,
+            f"{where} is {how}: {size} bytes, the manifest records {entry.nbytes}; it holds tensor(s) {_names(tiles)}",
+            tiles[0][0] if tiles else None,
+        )
+    buf = bytearray(min(_BUFFER_BYTES, max(size, 1)))
+    _check_header(store, entry, size, tiles, problem)
+    _check_checksums(store, manifest, entry, size, tiles, buf, problem, out)
+    return out
+
+
+def _check_header(store: Storage, entry: FileEntry, size: int, tiles: list[tuple[str, Tile]], problem: _Report) -> None:
+    where = f"file '{entry.path}' (written by rank {entry.rank})"
+    try:
+        if size < 8:
+            raise ValueError(f"{size} bytes is too short for a safetensors header")
+        head = bytearray(8)
+        store.read_into(entry.path, 0, memoryview(head))
+        (n,) = struct.unpack("<Q", head)
+        if n > min(size - 8, _MAX_HEADER_BYTES):
+            raise ValueError(f"header length {n} exceeds the file or the {_MAX_HEADER_BYTES}-byte limit")
+        raw = bytearray(n)
+        store.read_into(entry.path, 8, memoryview(raw))
+        header = json.loads(bytes(raw))
+        if not isinstance(header, dict):
+            raise TypeError("the header is not a JSON object")
+    except Exception as e:  # noqa: BLE001 - reported
+        problem(ProblemKind.HEADER, f"{where} is not a valid safetensors file: {type(e).__name__}: {e}")
+        return
+    base = 8 + n
+    for fqn, tile in tiles:
+        key = tile_key(fqn, Box(tile.offsets, tile.lengths))
+        info = header.get(key)
+        want = [tile.byte_offset - base, tile.byte_offset - base + tile.nbytes]
+        got = info.get("data_offsets") if isinstance(info, dict) else None
+        if got != want:
+            found = "has no entry" if info is None else f"has data_offsets {got!r:.60}"
+            problem(
+                ProblemKind.HEADER,
+                f"tensor '{fqn}' tile {Box(tile.offsets, tile.lengths)} in {where}: the file's safetensors header "
+                f"{found} for key '{key}', the manifest says {want} (bytes [{tile.byte_offset}, "
+                f"{tile.byte_offset + tile.nbytes}) of the file); the manifest does not match the data",
+                fqn,
+            )
+
+
+def _segments(manifest: Manifest, tiles: list[tuple[str, Tile]]) -> Iterator[_Segment]:
+    chunk = manifest.chunk_bytes
+    for fqn, tile in tiles:
+        for k, expected in enumerate(tile.checksums):
+            a = tile.byte_offset + k * chunk
+            b = min(a + chunk, tile.byte_offset + tile.nbytes)
+            yield _Segment(a, b, expected, fqn, tile, k)
+
+
+def _check_checksums(
+    store: Storage,
+    manifest: Manifest,
+    entry: FileEntry,
+    size: int,
+    tiles: list[tuple[str, Tile]],
+    buf: bytearray,
+    problem: _Report,
+    out: _FileResult,
+) -> None:
+    where = f"file '{entry.path}' (written by rank {entry.rank})"
+    view = memoryview(buf)
+    block = (0, 0)  # file bytes currently in ``buf``
+    bad: dict[tuple[str, tuple[int, ...]], list[_Segment]] = {}
+    cut: set[tuple[str, tuple[int, ...]]] = set()
+    for seg in sorted(_segments(manifest, tiles), key=lambda s: (s.start, s.stop)):
+        key = (seg.fqn, seg.tile.offsets)
+        if key in cut:
+            continue
+        if seg.stop > size:
+            cut.add(key)
+            problem(
+                ProblemKind.FILE_SIZE,
+                f"tensor '{seg.fqn}' tile {Box(seg.tile.offsets, seg.tile.lengths)}: its bytes "
+                f"[{seg.tile.byte_offset}, {seg.tile.byte_offset + seg.tile.nbytes}) run past the end of {where} "
+                f"({size} bytes); the file is truncated",
+                seg.fqn,
+            )
+            continue
+        hasher = xxhash.xxh3_64()
+        pos = seg.start
+        try:
+            while pos < seg.stop:
+                if not block[0] <= pos < block[1]:
+                    n = min(len(buf), size - pos)
+                    store.read_into(entry.path, pos, view[:n])
+                    block = (pos, pos + n)
+                stop = min(seg.stop, block[1])
+                hasher.update(view[pos - block[0] : stop - block[0]])
+                out.bytes_checked += stop - pos
+                pos = stop
+        except Exception as e:  # noqa: BLE001 - reported, then this file is given up
+            problem(ProblemKind.READ, f"reading {where} at byte {pos} failed: {type(e).__name__}: {e}", seg.fqn)
+            return
+        if hasher.intdigest() != seg.expected:
+            bad.setdefault(key, []).append(seg)
+    for (fqn, _), segs in bad.items():
+        tile = segs[0].tile
+        first = segs[0]
+        problem(
+            ProblemKind.CHECKSUM,
+            f"tensor '{fqn}' tile {Box(tile.offsets, tile.lengths)} in {where}: checksum mismatch in "
+            f"{len(segs)} of {len(tile.checksums)} chunk(s), first at file bytes [{first.start}, {first.stop}); "
+            "the data is corrupted (or the manifest's offsets or checksums are wrong)",
+            fqn,
+        )
+
+
+def _unreferenced(store: Storage, manifest: Manifest) -> list[str]:
+    referenced = {f.path for f in manifest.files}
+    try:
+        return [p for p in store.list("data") if p not in referenced]
+    except Exception as e:  # noqa: BLE001 - informational only
+        logger.debug("listing data/ under %s failed: %s", store.url, e)
+        return []
