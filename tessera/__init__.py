@@ -22,13 +22,16 @@ from .errors import (
     StateMismatchError,
     StorageError,
 )
+from .manager import CheckpointManager
 from .options import LoadOptions, SaveOptions
 from .shards import FlatShard, OnResize, ShardedTensor, per_rank
+from .verify import VerifyReport, verify
 from .version import __version__
 
 __all__ = [
     "__version__",
     "CheckpointError",
+    "CheckpointManager",
     "CheckpointNotFoundError",
     "CollectiveTimeoutError",
     "CorruptCheckpointError",
@@ -51,9 +54,11 @@ __all__ = [
     "ShardedTensor",
     "StateMismatchError",
     "StorageError",
+    "VerifyReport",
     "async_save",
     "load",
     "per_rank",
     "read_manifest",
     "save",
+    "verify",
 ]
