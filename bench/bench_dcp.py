@@ -41,12 +41,24 @@ def rss() -> int:
         return int(f.read().split()[1]) * PAGE
 
 
+def anon() -> int:
+    """Anonymous resident memory: what the process allocated, excluding mapped page cache."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
 class PeakRSS:
-    """Samples this process's RSS every 2 ms; ``extra`` is the peak above the start level."""
+    """Samples this process's RSS every 2 ms; ``extra`` is the peak above the start level
+    (``extra_anon`` the same for anonymous memory only)."""
 
     def __enter__(self) -> PeakRSS:
         self.base = rss()
         self.peak = self.base
+        self.base_anon = anon()
+        self.peak_anon = self.base_anon
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -55,6 +67,7 @@ class PeakRSS:
     def _run(self) -> None:
         while not self._stop.is_set():
             self.peak = max(self.peak, rss())
+            self.peak_anon = max(self.peak_anon, anon())
             time.sleep(0.002)
 
     def __exit__(self, *exc: object) -> None:
@@ -65,6 +78,10 @@ class PeakRSS:
     @property
     def extra(self) -> int:
         return self.peak - self.base
+
+    @property
+    def extra_anon(self) -> int:
+        return self.peak_anon - self.base_anon
 
 
 def evict(path: str) -> None:
@@ -176,6 +193,7 @@ def worker(rank: int, world: int, store: str, args: argparse.Namespace, results:
                         secs = timed(lambda: dcp.load(target, checkpoint_id=path))
                 add(f"load_{cache}_{lib}", secs)
                 add(f"load_mem_{lib}", mem.extra)
+                add(f"load_anon_{lib}", mem.extra_anon)
                 # Check the reshard is right (against the source) once per trial.
                 if cache == "cold" and trial == 0:
                     for k in ("layers.0.weight",):
@@ -227,8 +245,9 @@ def report(ranks: list[dict[str, list[float]]], args: argparse.Namespace) -> Non
     print(f"- async stall / DCP sync save: 1/{med('save_dcp') / med('stall_tessera'):.1f}")
     print(f"- async stall / memcpy of the rank's bytes: {med('stall_tessera') / memcpy:.2f}x")
     peak = lambda k: max(max(r[k]) for r in ranks) / 1e6  # noqa: E731
-    print(f"- peak extra host memory during load (max over ranks and trials): tessera {peak('load_mem_tessera'):.0f} MB, "
-          f"DCP {peak('load_mem_dcp'):.0f} MB; bytes a rank receives: {rank_bytes / 1e6:.0f} MB")
+    print(f"- peak extra host memory during load (RSS, max over ranks and trials): tessera {peak('load_mem_tessera'):.0f} MB, "
+          f"DCP {peak('load_mem_dcp'):.0f} MB; anonymous memory only: tessera {peak('load_anon_tessera'):.0f} MB, "
+          f"DCP {peak('load_anon_dcp'):.0f} MB; bytes a rank receives: {rank_bytes / 1e6:.0f} MB")
     print(f"- peak extra host memory during async save: tessera {peak('async_mem_tessera'):.0f} MB "
           f"(one staging copy of the rank's bytes is {rank_bytes / 1e6:.0f} MB)")
 

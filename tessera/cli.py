@@ -1,6 +1,6 @@
 """The ``tessera`` command: inspect, verify, diff, convert, rename and trace checkpoints.
 
-A thin layer over the public API (:mod:`tessera.verify`, :mod:`tessera.convert`,
+A thin layer over the public API (:func:`tessera.verify`, :mod:`tessera.convert`,
 :mod:`tessera.trace`): parse arguments, call one function, render the result with ``rich``
 (or as JSON with ``--json``). Exit codes: 0 ok, 1 problems found (or the operation
 failed), 2 usage error. Every verb runs in one process and works on checkpoints saved by

@@ -16,7 +16,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -225,12 +225,16 @@ class Reader:
     Thread-safe; each call of :meth:`run` uses its own pool.
     """
 
-    def __init__(self, storage: Storage, manifest: Manifest, *, rank: int, verify: bool = True, threads: int = 4) -> None:
+    def __init__(
+        self, storage: Storage, manifest: Manifest, *, rank: int, verify: bool = True, threads: int = 4, mmap: bool = True
+    ) -> None:
         self.storage = storage
         self.manifest = manifest
         self.rank = rank
         self.verify = verify
         self.threads = threads
+        self.mmap = mmap
+        """Use the backend's ``map_range`` (local files) to skip the read buffer."""
         self._buffers = _Buffers()
 
     def run(self, requests: Sequence[ReadRequest]) -> ReadStats:
@@ -254,6 +258,10 @@ class Reader:
             self._read(req, memoryview(dest.numpy()))
             self._verify(req, dest, req.start)
             return
+        mapper = getattr(self.storage, "map_range", None) if self.mmap else None
+        if mapper is not None:
+            self._execute_mapped(req, mapper)
+            return
         buf = self._buffers.get(req.nbytes)
         # Place file offset ``start`` at an address congruent to it modulo _ALIGN, so every
         # tile (aligned to its item size in the file) is aligned in memory too.
@@ -270,6 +278,33 @@ class Reader:
             with torch.no_grad():
                 c.target.copy_(src)
 
+    def _execute_mapped(self, req: ReadRequest, mapper: Callable[[str, int, int], memoryview]) -> None:
+        """Verify and copy straight from a memory map of the file: no intermediate buffer."""
+        try:
+            view = mapper(req.file, req.start, req.nbytes)
+        except FileNotFoundError as e:
+            raise CorruptCheckpointError(
+                f"rank {self.rank}: data file '{req.file}' of tensor(s) {_names(req)} is missing from the checkpoint"
+            ) from e
+        except StorageError as e:
+            raise CorruptCheckpointError(f"rank {self.rank}: reading '{req.file}' for tensor(s) {_names(req)}: {e}") from e
+        self._verify_view(req, view)
+        for c in req.copies:
+            size = itemsize(c.dtype)
+            t = c.tile
+            lo = max(req.start, t.byte_offset)  # the tile's bytes inside this request
+            hi = min(req.stop, t.byte_offset + t.nbytes)
+            first = (lo - t.byte_offset) // size  # tile element at ``lo``
+            src_1d = torch.frombuffer(view, dtype=c.dtype, offset=lo - req.start, count=(hi - lo) // size)
+            strides = row_major_strides(t.lengths)
+            offset = sum(o * st for o, st in zip(c.rel.offsets, strides)) - first
+            src = torch.as_strided(src_1d, c.rel.lengths, strides, offset)
+            with torch.no_grad():
+                c.target.copy_(src)
+        release = getattr(self.storage, "release_range", None)
+        if release is not None:
+            release(req.file, req.start, req.nbytes)
+
     def _read(self, req: ReadRequest, out: memoryview) -> None:
         try:
             self.storage.read_into(req.file, req.start, out)
@@ -281,11 +316,15 @@ class Reader:
             raise CorruptCheckpointError(f"rank {self.rank}: reading '{req.file}' for tensor(s) {_names(req)}: {e}") from e
 
     def _verify(self, req: ReadRequest, data: torch.Tensor, start: int) -> None:
+        self._verify_view(req, memoryview(data.numpy()))
+
+    def _verify_view(self, req: ReadRequest, data: memoryview) -> None:
+        """Check every checksum chunk that lies wholly inside ``req`` (``data`` holds its bytes)."""
         if not self.verify:
             return
         chunk = self.manifest.chunk_bytes
+        start = req.start
         seen: set[tuple[int, int]] = set()
-        arr = data.numpy()
         for c in req.copies:
             t = c.tile
             first = max(0, (req.start - t.byte_offset + chunk - 1) // chunk)
@@ -297,7 +336,7 @@ class Reader:
                 if (a, b) in seen:
                     continue
                 seen.add((a, b))
-                if xxhash.xxh3_64_intdigest(arr[a - start : b - start]) != t.checksums[k]:
+                if xxhash.xxh3_64_intdigest(data[a - start : b - start]) != t.checksums[k]:
                     raise CorruptCheckpointError(
                         f"rank {self.rank}: checksum mismatch in '{t.file}' bytes [{a}, {b}) of tensor "
                         f"'{c.fqn}' tile at {list(t.offsets)}: the data is corrupted"

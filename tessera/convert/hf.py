@@ -255,24 +255,23 @@ def import_hf(
     total = sum(itemsize(cast_for(dt, dtype)) * numel(shape) for _, _, shape, dt in plan)
     prog = Progress(total, progress)
     with CheckpointWriter(path, storage=storage, file_bytes=file_bytes) as w:
-        current, handle = None, None
-        for fname, key, shape, dt in plan:
-            if fname != current:
-                handle = safe_open(fname, framework="pt")
-                current = fname
-            assert handle is not None
-            name = (prefix or "") + key
-            out_dt = cast_for(dt, dtype)
-            w.declare(name, shape, out_dt)
-            if not shape:
-                w.add(name, shape, Box((), ()), handle.get_tensor(key).to(out_dt))
-                prog.advance(itemsize(out_dt))
-                continue
-            sl = handle.get_slice(key)
-            for box in split_box(Box.whole(shape), max(itemsize(dt), itemsize(out_dt)), block_bytes):
-                block = sl[box.slices()].to(out_dt)
-                w.add(name, shape, box, block)
-                prog.advance(block.numel() * block.element_size())
+        for fname in files:
+            with safe_open(fname, framework="pt") as handle:
+                for _, key, shape, dt in (p for p in plan if p[0] == fname):
+                    name = (prefix or "") + key
+                    out_dt = cast_for(dt, dtype)
+                    w.declare(name, shape, out_dt)
+                    if not shape:
+                        w.add(name, shape, Box((), ()), handle.get_tensor(key).to(out_dt))
+                        prog.advance(itemsize(out_dt))
+                        continue
+                    sl = handle.get_slice(key)
+                    for box in split_box(Box.whole(shape), max(itemsize(dt), itemsize(out_dt)), block_bytes):
+                        block = sl[box.slices()].to(out_dt)
+                        w.add(name, shape, box, block)
+                        prog.advance(block.numel() * block.element_size())
+                # Blocks may be views of the file's mapping: write them before it is closed.
+                w.flush()
         w.commit(source=f"hf:{src}", layout={"format": "huggingface-safetensors", "files": len(files)})
         counts = (w.tensors_declared, w.values_added, w.tensor_bytes, w.files_written)
     logger.info("imported %d tensors from %s into %s", len(plan), src, path)

@@ -56,7 +56,7 @@ class RenameRule:
             ValueError: without a ``=``, with an empty ``old``, or an invalid regex.
 
         Example:
-            >>> RenameRule.parse(r"^layers\.(\d+)\.=blocks.\1.", regex=True)
+            >>> RenameRule.parse("^layers[.]([0-9]+)[.]=blocks.\\g<1>.", regex=True)
         """
         old, sep, new = text.partition("=")
         if not sep or not old:
