@@ -22,10 +22,10 @@ from .errors import (
     StateMismatchError,
     StorageError,
 )
-from .manager import CheckpointManager
+from .manager import CheckpointManager, StepLoadResult
 from .options import LoadOptions, SaveOptions
 from .shards import FlatShard, OnResize, ShardedTensor, per_rank
-from .verify import VerifyReport, verify
+from .verify import Problem, ProblemKind, VerifyReport, verify
 from .version import __version__
 
 __all__ = [
@@ -48,11 +48,14 @@ __all__ = [
     "OptimizerState",
     "PendingSave",
     "PickleNotAllowedError",
+    "Problem",
+    "ProblemKind",
     "RNGState",
     "SaveOptions",
     "SaveResult",
     "ShardedTensor",
     "StateMismatchError",
+    "StepLoadResult",
     "StorageError",
     "VerifyReport",
     "async_save",

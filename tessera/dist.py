@@ -80,8 +80,8 @@ def _run(world: World, phase: str, fn: Callable[[], T]) -> T:
     try:
         return fn()
     except RuntimeError as e:  # gloo reports dead peers and timeouts as RuntimeError
-        text = str(e)
-        if "imeout" in text or "Connection" in text or "closed" in text or "reset" in text.lower():
+        text = str(e).lower()  # gloo says "Timed out waiting ...", "Connection reset/closed ..."
+        if any(s in text for s in ("timeout", "timed out", "connection", "closed", "reset", "broken pipe")):
             raise CollectiveTimeoutError(
                 f"rank {world.rank}: {phase} did not complete; another rank died or hangs "
                 f"(timeout {_knobs.collective_timeout_s():.0f}s, TESSERA_TIMEOUT_S): {e}"

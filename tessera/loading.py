@@ -133,10 +133,14 @@ def load(
     missing: list[str] = []
     unexpected: list[str] = []
     flat = FlatState()
+    decoded: dict[str, tuple[bool, Any]] = {}
     err: BaseException | None = None
     try:
         flat = flatten(state, rank=world.rank, world_size=world.size, for_load=True, manifest=manifest)
         targets, missing, unexpected = _validate(manifest, flat, world, state, strict=strict, cast=cast_dtypes)
+        # Decode plain values now, before any tensor is touched: a refused pickle or a
+        # malformed value then leaves the caller's state exactly as it was.
+        decoded = {k: _lookup_value(manifest, k, world, allow_pickle) for k in [*flat.values, *flat.per_rank_values]}
     except Exception as e:
         err = e
     # A key is unexpected only if no rank wants it: a pipeline stage holds only its layers.
@@ -171,7 +175,7 @@ def load(
         timer.mark("broadcast")
     if err is None:
         try:
-            restore_values(state, flat, lambda k: _lookup_value(manifest, k, world, allow_pickle))
+            restore_values(state, flat, lambda k: decoded[k] if k in decoded else _lookup_value(manifest, k, world, allow_pickle))
             timer.mark("values")
         except Exception as e:
             err = e
@@ -249,7 +253,9 @@ def _validate(
             if saved_shape != p.shape[1:]:
                 problems.append(f"per-rank tensor '{p.fqn}': checkpoint shape {list(saved_shape)}, state {list(p.shape[1:])}")
                 continue
-            src = _saved_rank(manifest, p.fqn, manifest.metadata.get("tensor_policies", {}).get(p.fqn, p.per_rank.value), world)
+            policies = manifest.metadata.get("tensor_policies")  # informational metadata: untrusted
+            policy = policies.get(p.fqn, p.per_rank.value) if isinstance(policies, dict) else p.per_rank.value
+            src = _saved_rank(manifest, p.fqn, policy, world)
             if src is None:
                 continue
             box = Box((src,) + (0,) * len(saved_shape), (1, *saved_shape))

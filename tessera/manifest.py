@@ -135,8 +135,9 @@ def _fail(what: str) -> ManifestError:
 
 
 def _int(x: Any, what: str, lo: int = 0) -> int:
-    if type(x) is not int or x < lo:
-        raise _fail(f"{what} must be an integer >= {lo}, got {x!r:.80}")
+    # The upper bound keeps the int64 arithmetic of _decode_tiles free of overflow.
+    if type(x) is not int or not lo <= x < 1 << 62:
+        raise _fail(f"{what} must be an integer in [{lo}, 2**62), got {x!r:.80}")
     return x
 
 
@@ -241,12 +242,15 @@ def _int_array(values: Any, what: str, ndim: int) -> np.ndarray:
         arr = np.array(values)
     except (ValueError, TypeError, OverflowError):
         raise _fail(f"{what} must be integers of equal length") from None
+    if arr.ndim != ndim:  # before the empty shortcut: [[]] is not a list of integers
+        raise _fail(f"{what} must be non-negative integers")
     if arr.size == 0:
         return np.zeros(arr.shape, dtype=np.int64)
-    if arr.dtype.kind not in "iu" or arr.ndim != ndim:
+    if arr.dtype.kind not in "iu":
         raise _fail(f"{what} must be non-negative integers")
-    if (arr < 0).any() or arr.dtype.kind == "u" and arr.max() >= 1 << 62:
-        raise _fail(f"{what} must be non-negative integers")
+    # Below 2**62, sums like offsets + lengths and byte_offset + nbytes cannot wrap in int64.
+    if (arr < 0).any() or arr.max() >= 1 << 62:
+        raise _fail(f"{what} must be non-negative integers below 2**62")
     return arr.astype(np.int64)
 
 
@@ -291,6 +295,10 @@ def _decode_tiles(
         raise _fail(
             f"{what}: tile bytes [{int(byte_offsets[i])}, {int(byte_offsets[i] + nbytes[i])}) exceed file {files[int(fidx[i])].path}"
         )
+    misaligned = np.flatnonzero(byte_offsets % size)
+    if len(misaligned):  # the reader views buffers as the dtype: tiles must be item-aligned
+        i = int(misaligned[0])
+        raise _fail(f"{what}: tile byte offset {int(byte_offsets[i])} is not a multiple of the item size {size}")
     expected = -(-nbytes // chunk_bytes)
     try:
         counts = np.fromiter(map(len, scol), dtype=np.int64, count=n)

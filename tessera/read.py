@@ -25,8 +25,8 @@ import torch
 import xxhash
 
 from .dtypes import dtype_from_name, itemsize
-from .errors import CorruptCheckpointError, StorageError
-from .geometry import Box, row_major_strides, runs
+from .errors import CorruptCheckpointError, CoverageError, StorageError
+from .geometry import Box, check_box_coverage, row_major_strides, runs
 from .manifest import Manifest, Tile
 from .stage import as_bytes
 from .storage.base import Storage
@@ -83,6 +83,18 @@ class _TileIndex:
     def __init__(self, manifest: Manifest) -> None:
         self.manifest = manifest
         self._cache: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+        self._covered: set[str] = set()
+
+    def check_coverage(self, fqn: str, rank: int) -> None:
+        """Raise unless the tensor's tiles tile it exactly once (checked once per tensor)."""
+        if fqn in self._covered:
+            return
+        offs, lens = self.arrays(fqn)
+        try:
+            check_box_coverage(fqn, self.manifest.tensors[fqn].shape, offs, lens)
+        except CoverageError as e:
+            raise CorruptCheckpointError(f"rank {rank}: {e}; the manifest is inconsistent (run `tessera verify`)") from e
+        self._covered.add(fqn)
 
     def arrays(self, fqn: str) -> tuple[np.ndarray, np.ndarray]:
         hit = self._cache.get(fqn)
@@ -162,6 +174,9 @@ def plan_reads(
                 f"tensor '{t.fqn}': the checkpoint's tiles cover {covered} of the {t.box.numel} elements of box "
                 f"{t.box} that rank {rank} loads; the manifest is inconsistent (run `tessera verify`)"
             )
+        if len(hits) > 1:
+            # Volumes prove coverage only if the tiles are disjoint: check that once per tensor.
+            index.check_coverage(t.fqn, rank)
         for i in hits.tolist():
             tile = entry.tiles[i]
             inter = Box(tuple(lo[i].tolist()), tuple((hi[i] - lo[i]).tolist()))

@@ -111,16 +111,26 @@ def start_save(
         store = storage_for(path, storage, storage_options=storage_options)
         entry, save_id, cached, flat, values = _plan_save(world, ctx, state, allow_pickle, opts)
         timer.mark("plan")
-        staged = _stage(entry, flat, ctx, world, copy=background)
+        staged: list[list[torch.Tensor]] = []
+        stage_error: BaseException | None = None
+        try:
+            staged = _stage(entry, flat, ctx, world, copy=background)
+        except Exception as e:  # reported in the commit exchange, so that every rank hears of it
+            stage_error = e
         timer.mark("stage")
         stall = time.monotonic() - timer.t0
 
         def finish() -> SaveResult:
-            return _write_and_commit(world, store, path, entry, staged, save_id, cached, values, opts, timer)
+            return _write_and_commit(world, store, path, entry, staged, save_id, cached, values, opts, timer, stage_error)
 
         future: Future[SaveResult] = Future()
+        if stage_error is not None:
+            _run_into(future, finish)  # join the peers' commit exchange now, then raise here
+            future.result()
         if background:
-            thread = threading.Thread(target=_run_into, args=(future, finish), name="tessera-save", daemon=True)
+            # Not a daemon: at interpreter exit Python waits for the commit to finish (bounded
+            # by TESSERA_TIMEOUT_S if a peer is gone) instead of killing it half-way.
+            thread = threading.Thread(target=_run_into, args=(future, finish), name="tessera-save", daemon=False)
             thread.start()
         else:
             _run_into(future, finish)
@@ -243,11 +253,14 @@ def _write_and_commit(
     values: dict[str, Any],
     opts: SaveOptions,
     timer: PhaseTimer,
+    stage_error: BaseException | None = None,
 ) -> SaveResult:
-    error: BaseException | None = None
+    error: BaseException | None = stage_error
     written: list[WrittenFile] = []
     prefix = f"data/{save_id}"
     try:
+        if error is not None:
+            raise error
         written = write_files(
             store,
             [(f"{prefix}/{lay.name}", lay, st) for lay, st in zip(entry.layouts, staged)],

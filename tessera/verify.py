@@ -206,6 +206,11 @@ def verify(path: str, *, storage: Storage | None = None, threads: int | None = N
         return VerifyReport(
             path, None, (Problem(ProblemKind.MANIFEST, str(e), file=MANIFEST_NAME),), seconds=time.monotonic() - t0
         )
+    except Exception as e:  # noqa: BLE001 - a decoder bug must not hide the verdict: the manifest is bad
+        msg = f"{path}/{MANIFEST_NAME}: invalid manifest ({type(e).__name__} in the decoder: {e})"
+        return VerifyReport(
+            path, None, (Problem(ProblemKind.MANIFEST, msg, file=MANIFEST_NAME),), seconds=time.monotonic() - t0
+        )
 
     problems: list[Problem] = []
     problems += _check_coverage(manifest)
@@ -333,12 +338,20 @@ def _check_file(store: Storage, manifest: Manifest, entry: FileEntry, tiles: lis
             tiles[0][0] if tiles else None,
         )
     buf = bytearray(min(_BUFFER_BYTES, max(size, 1)))
-    _check_header(store, entry, size, tiles, problem)
+    _check_header(store, entry, size, tiles, problem, _saved_names(manifest))
     _check_checksums(store, manifest, entry, size, tiles, buf, problem, out)
     return out
 
 
-def _check_header(store: Storage, entry: FileEntry, size: int, tiles: list[tuple[str, Tile]], problem: _Report) -> None:
+def _saved_names(manifest: Manifest) -> dict[str, str]:
+    """Tensor name -> the name its tiles carry in data files (differs after ``tessera rename``)."""
+    names = manifest.metadata.get("tile_names")
+    return {str(k): str(v) for k, v in names.items()} if isinstance(names, dict) else {}
+
+
+def _check_header(
+    store: Storage, entry: FileEntry, size: int, tiles: list[tuple[str, Tile]], problem: _Report, saved: dict[str, str]
+) -> None:
     where = f"file '{entry.path}' (written by rank {entry.rank})"
     try:
         if size < 8:
@@ -358,7 +371,7 @@ def _check_header(store: Storage, entry: FileEntry, size: int, tiles: list[tuple
         return
     base = 8 + n
     for fqn, tile in tiles:
-        key = tile_key(fqn, Box(tile.offsets, tile.lengths))
+        key = tile_key(saved.get(fqn, fqn), Box(tile.offsets, tile.lengths))
         info = header.get(key)
         want = [tile.byte_offset - base, tile.byte_offset - base + tile.nbytes]
         got = info.get("data_offsets") if isinstance(info, dict) else None

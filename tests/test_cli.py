@@ -241,6 +241,7 @@ def test_rename_prefix_and_regex(ckpts, tmp_path, capsys) -> None:
     tessera.load(path, got, strict=False)
     assert torch.equal(got["net"]["embed"], want["model.embed"]) and torch.equal(got["net"]["proj"], want["model.proj"])
     assert m.metadata["tile_names"]["net.embed"] == "model.embed"
+    assert main(["verify", path]) == EXIT_OK  # data files keep the old names; verify knows
     # Renaming back composes: the tile names point at the original names again.
     rename_tensors(path, [RenameRule("net.", "model.")])
     assert "tile_names" in tessera.read_manifest(path).metadata

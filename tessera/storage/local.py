@@ -3,7 +3,7 @@
 Data files are written with large sequential ``os.write`` calls and fsync'ed; the manifest
 is committed by writing a temporary file, fsync, ``os.replace`` and an fsync of the
 directory, so a crash leaves either the old or the new manifest. Range reads use ``pread``
-on a per-thread cache of open descriptors.
+on cached descriptors shared by all threads, or a memory map (:meth:`FileStorage.map_range`).
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ class FileStorage:
         self.url = url
         self.root = os.path.abspath(local_root(url))
         self.durable = durable
-        self._fds = threading.local()
+        self._fds: dict[str, int] = {}
         self._maps: dict[str, mmap.mmap | None] = {}
         self._maps_lock = threading.Lock()
 
@@ -108,17 +108,19 @@ class FileStorage:
             return f.read()
 
     def _fd(self, full: str) -> int:
-        cache: dict[str, int] | None = getattr(self._fds, "cache", None)
-        if cache is None:
-            cache = self._fds.cache = {}
-        fd = cache.get(full)
-        if fd is None:
-            if len(cache) > 64:
-                for old in cache.values():
-                    os.close(old)
-                cache.clear()
-            fd = cache[full] = os.open(full, os.O_RDONLY)
-        return fd
+        # One descriptor per file, shared by all threads: pread is positional, so safe.
+        with self._maps_lock:
+            fd = self._fds.get(full)
+            if fd is None:
+                if len(self._fds) >= 256:
+                    self._close_fds()
+                fd = self._fds[full] = os.open(full, os.O_RDONLY)
+            return fd
+
+    def _close_fds(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
 
     def read_into(self, path: str, offset: int, out: memoryview) -> None:
         full = self._abs(path)
@@ -180,12 +182,22 @@ class FileStorage:
             pass
 
     def close(self) -> None:
-        """Close cached read descriptors of the calling thread."""
-        cache: dict[str, int] | None = getattr(self._fds, "cache", None)
-        for fd in (cache or {}).values():
-            os.close(fd)
-        if cache:
-            cache.clear()
+        """Close cached descriptors and memory maps (also done when the object is collected)."""
+        with self._maps_lock:
+            self._close_fds()
+            maps, self._maps = self._maps, {}
+        for m in maps.values():
+            if m is not None:
+                try:
+                    m.close()
+                except BufferError:  # a view is still alive somewhere; the GC will close it
+                    pass
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - never raise from a finalizer
+            pass
 
     def size(self, path: str) -> int:
         return os.path.getsize(self._abs(path))

@@ -1,0 +1,404 @@
+"""Helpers for tests whose processes die: crash-injecting storage, save loops, a tolerant runner.
+
+Processes come from a ``forkserver`` that has already imported torch and tessera, so a
+trial starts in milliseconds instead of the seconds a fresh interpreter needs; that is what
+lets the crash tests run dozens of trials. Nothing here replaces tessera code: faults are
+injected by a real :class:`~tessera.storage.Storage` backend that wraps :class:`FileStorage`.
+
+* :class:`CrashStorage` SIGKILLs its own process at a chosen storage call (a phase of a save).
+* :func:`save_loop` saves a deterministic state for k = 1, 2, ... and logs ``begin k`` /
+  ``done k`` to a progress file, through ``tessera.save`` or a ``CheckpointManager``.
+* :func:`run_ranks` runs ``fn(rank, world, *args)`` on N gloo ranks and, unlike
+  ``tests.dist_utils.run_distributed``, returns what happened to each rank (result, error,
+  died, hung) instead of failing on the first dead rank.
+"""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing
+import os
+import pickle
+import signal
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import tessera
+from tessera.manager import CheckpointManager
+from tessera.storage import FileStorage
+
+A_NUMEL = 512 * 1024  # 2 MiB of float32
+B_NUMEL = 96 * 1024  # 768 KiB of int64
+
+
+# --------------------------------------------------------------------------------------
+# Deterministic states: every k gives different bits everywhere, so a mix is detectable.
+
+
+def make_state(k: int) -> dict[str, Any]:
+    """The state saved at iteration ``k`` (a few MB)."""
+    a = torch.arange(A_NUMEL, dtype=torch.float32) + float(k) * 0.5
+    b = torch.arange(B_NUMEL, dtype=torch.int64) * 7 + k
+    return {"model": {"a": a, "b": b}, "k": k, "meta": {"tag": f"iteration-{k}"}}
+
+
+def make_rank_state(k: int, rank: int, world: int) -> dict[str, Any]:
+    """``make_state(k)`` as ``rank`` of ``world`` holds it: 'a' split in contiguous pieces."""
+    state = make_state(k)
+    a = state["model"]["a"]
+    n = A_NUMEL // world
+    state["model"]["a"] = tessera.ShardedTensor(a[rank * n : (rank + 1) * n].clone(), (A_NUMEL,), (rank * n,))
+    return state
+
+
+def empty_state() -> dict[str, Any]:
+    return {
+        "model": {"a": torch.zeros(A_NUMEL), "b": torch.zeros(B_NUMEL, dtype=torch.int64)},
+        "k": -1,
+        "meta": {"tag": ""},
+    }
+
+
+def check_state(state: dict[str, Any]) -> int:
+    """Assert that ``state`` is exactly ``make_state(k)`` for its own ``k``; return ``k``."""
+    k = state["k"]
+    want = make_state(k)
+    assert torch.equal(state["model"]["a"], want["model"]["a"]), f"tensor 'a' is not iteration {k}'s"
+    assert torch.equal(state["model"]["b"], want["model"]["b"]), f"tensor 'b' is not iteration {k}'s"
+    assert state["meta"] == want["meta"], f"meta {state['meta']} is not iteration {k}'s"
+    return k
+
+
+# --------------------------------------------------------------------------------------
+# Crash injection through a real storage backend
+
+
+def _die() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(60)  # not reached
+
+
+class CrashStorage:
+    """A :class:`FileStorage` that SIGKILLs this process at one chosen call.
+
+    Args:
+        url: the checkpoint directory.
+        at: ``"write_file"`` (after ``after_bytes`` bytes of the first data file),
+            ``"write_atomic"`` (before publishing ``name``), ``"after_atomic"`` (right after
+            publishing ``name``), or ``"delete"`` (before deleting a path containing ``match``).
+        name: the file ``write_atomic`` triggers on (default any).
+        after_bytes: bytes of the data file written before dying.
+        match: a substring of the path whose deletion dies (default any non-empty delete).
+    """
+
+    def __init__(
+        self, url: str, at: str, *, name: str | None = None, after_bytes: int = 1 << 20, match: str | None = None
+    ) -> None:
+        self.inner = FileStorage(url)
+        self.url = url
+        self.at = at
+        self.name = name
+        self.after_bytes = after_bytes
+        self.match = match
+
+    def write_file(self, path: str, chunks: Iterable[Any]) -> None:
+        if self.at != "write_file":
+            return self.inner.write_file(path, chunks)
+
+        def limited() -> Iterator[Any]:
+            sent = 0
+            for c in chunks:
+                view = memoryview(c).cast("B")
+                if sent + len(view) >= self.after_bytes:
+                    yield view[: self.after_bytes - sent]
+                    _die()
+                sent += len(view)
+                yield view
+
+        # Write through a descriptor we control so the partial bytes really reach the file.
+        full = self.inner._abs(path)
+        os.makedirs(os.path.dirname(full), exist_ok=True)
+        with open(full, "wb", buffering=0) as f:
+            f.writelines(limited())
+        return None
+
+    def write_atomic(self, path: str, data: bytes) -> None:
+        hit = self.name is None or path == self.name
+        if self.at == "write_atomic" and hit:
+            _die()
+        self.inner.write_atomic(path, data)
+        if self.at == "after_atomic" and hit:
+            _die()
+
+    def read_file(self, path: str) -> bytes:
+        return self.inner.read_file(path)
+
+    def read_into(self, path: str, offset: int, out: memoryview) -> None:
+        self.inner.read_into(path, offset, out)
+
+    def size(self, path: str) -> int:
+        return self.inner.size(path)
+
+    def exists(self, path: str) -> bool:
+        return self.inner.exists(path)
+
+    def list(self, prefix: str = "") -> list[str]:
+        return self.inner.list(prefix)
+
+    def delete(self, paths: Iterable[str]) -> None:
+        paths = list(paths)
+        if self.at == "delete" and paths and (self.match is None or any(self.match in p for p in paths)):
+            _die()
+        self.inner.delete(paths)
+
+
+# --------------------------------------------------------------------------------------
+# Save loops run in a child process until killed
+
+
+def _log(progress: str, line: str) -> None:
+    # O_APPEND + one write per line: survives SIGKILL (the page cache is the kernel's).
+    fd = os.open(progress, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, (line + "\n").encode())
+    finally:
+        os.close(fd)
+
+
+def read_progress(progress: str) -> tuple[int, int]:
+    """``(last begun, last done)`` iteration from a progress file (0 when none)."""
+    begun = done = 0
+    if os.path.exists(progress):
+        with open(progress) as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) == 2 and parts[0] == "begin":
+                    begun = int(parts[1])
+                elif len(parts) == 2 and parts[0] == "done":
+                    done = int(parts[1])
+    return begun, done
+
+
+def save_loop(
+    target: str,
+    progress: str,
+    mode: str,
+    crash: dict[str, Any] | None = None,
+    first: int = 1,
+    count: int = 10**6,
+    manager_kwargs: dict[str, Any] | None = None,
+    rank: int = 0,
+    world: int = 1,
+) -> None:
+    """Save ``make_state(k)`` for k = first, first+1, ... until killed (or ``count`` saves).
+
+    Args:
+        target: the checkpoint path (``mode="path"``) or manager root (``"manager"``,
+            ``"manager_async"``).
+        progress: file receiving ``ready``, ``begin k`` and ``done k`` lines.
+        mode: how to save.
+        crash: keyword arguments of a :class:`CrashStorage` to save through, or None.
+        manager_kwargs: extra CheckpointManager arguments.
+        rank, world: with ``world > 1`` (inside :func:`start_ranks`), save this rank's
+            part of the state (see :func:`make_rank_state`).
+    """
+    torch.set_num_threads(1)
+    factory: Callable[[str], Any] | None = None
+    if crash is not None:
+        factory = lambda url: CrashStorage(url, **crash)
+    mgr = None
+    if mode.startswith("manager"):
+        kwargs = {"keep_last": 2, "keep_every": 5, "async_save": mode == "manager_async"}
+        kwargs.update(manager_kwargs or {})
+        mgr = (
+            CheckpointManager(target, storage_factory=factory, **kwargs)
+            if factory
+            else CheckpointManager(target, **kwargs)
+        )
+    _log(progress, "ready")
+    for k in range(first, first + count):
+        state = make_state(k) if world == 1 else make_rank_state(k, rank, world)
+        _log(progress, f"begin {k}")
+        if mgr is None:
+            tessera.save(target, state, storage=factory(target) if factory else None)
+        else:
+            out = mgr.save(k, state)
+            if isinstance(out, tessera.PendingSave):
+                a = state["model"]["a"]
+                (a if isinstance(a, torch.Tensor) else a.local).add_(1.0)  # training goes on; the save must not see it
+                out.wait()
+        _log(progress, f"done {k}")
+    if mgr is not None:
+        mgr.close()
+
+
+def rank_save_loop(rank: int, world: int, target: str, progress_dir: str, mode: str) -> None:
+    """:func:`save_loop` as one rank of :func:`start_ranks` (progress in ``progress_dir/<rank>``)."""
+    save_loop(target, os.path.join(progress_dir, str(rank)), mode, rank=rank, world=world)
+
+
+def _forkserver() -> multiprocessing.context.BaseContext:
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "tessera", "tests.crash_worker"])
+    return ctx
+
+
+def start(fn: Callable[..., Any], *args: Any) -> multiprocessing.process.BaseProcess:
+    """Start ``fn(*args)`` in a fresh process forked from the preloaded server."""
+    p = _forkserver().Process(target=fn, args=args, daemon=True)
+    p.start()
+    return p
+
+
+def wait_for_line(progress: str, line: str, timeout: float = 60.0) -> None:
+    """Block until ``progress`` contains ``line`` (the child is ready)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if os.path.exists(progress):
+            with open(progress) as f:
+                if any(x.strip() == line for x in f):
+                    return
+        time.sleep(0.01)
+    raise TimeoutError(f"{progress} never got {line!r}")
+
+
+# --------------------------------------------------------------------------------------
+# A distributed runner that tolerates dying and hanging ranks
+
+
+@dataclass(frozen=True)
+class RankOutcome:
+    """What became of one rank.
+
+    Attributes:
+        rank: the rank.
+        status: ``"ok"``, ``"error"`` (raised), ``"died"`` (exited without a result) or
+            ``"hung"`` (killed by the runner at the deadline).
+        value: the return value (``"ok"``) or ``{"type", "mro", "message", "traceback"}``.
+        seconds: wall time from just after the process group formed to the end (None if unknown).
+        exitcode: the process exit code.
+    """
+
+    rank: int
+    status: str
+    value: Any
+    seconds: float | None
+    exitcode: int | None
+
+    def error_is(self, name: str) -> bool:
+        """Whether this rank raised an exception that is (a subclass of) class ``name``."""
+        return self.status == "error" and name in self.value["mro"]
+
+
+def _rank_main(
+    rank: int, world: int, store_path: str, result_path: str, env: dict[str, str], fn: Callable[..., Any], args: tuple
+) -> None:
+    os.environ.update(env)
+    torch.set_num_threads(1)
+    t0 = None
+    try:
+        dist.init_process_group(
+            "gloo",
+            init_method=f"file://{store_path}",
+            rank=rank,
+            world_size=world,
+            timeout=datetime.timedelta(seconds=120),
+        )
+        t0 = time.monotonic()
+        out: tuple[str, Any] = ("ok", fn(rank, world, *args))
+    except BaseException as e:  # noqa: BLE001 - reported to the parent
+        out = (
+            "error",
+            {
+                "type": type(e).__name__,
+                "mro": [c.__name__ for c in type(e).__mro__],
+                "message": str(e),
+                "traceback": traceback.format_exc(),
+            },
+        )
+    seconds = None if t0 is None else time.monotonic() - t0
+    tmp = result_path + ".tmp"
+    with open(tmp, "wb") as f:
+        pickle.dump((out, seconds), f)
+    os.replace(tmp, result_path)
+    # Skip gloo teardown: with a dead peer it can block; the parent only needs the file.
+    os._exit(0)
+
+
+class RankGroup:
+    """Ranks started by :func:`start_ranks`; :meth:`collect` waits for them and reports."""
+
+    def __init__(self, fn: Callable[..., Any], world: int, args: tuple, env: dict[str, str] | None) -> None:
+        self._tmp = tempfile.TemporaryDirectory(prefix="tessera-ranks-")
+        ctx = _forkserver()
+        store = os.path.join(self._tmp.name, "store")
+        self.procs = [
+            ctx.Process(
+                target=_rank_main,
+                args=(r, world, store, os.path.join(self._tmp.name, f"{r}.pkl"), dict(env or {}), fn, args),
+                daemon=True,
+            )
+            for r in range(world)
+        ]
+        for p in self.procs:
+            p.start()
+
+    def kill(self, rank: int) -> None:
+        """SIGKILL one rank."""
+        self.procs[rank].kill()
+
+    def collect(self, timeout: float, wait_for: Iterable[int] | None = None) -> list[RankOutcome]:
+        """Wait up to ``timeout`` seconds (for the ranks in ``wait_for``, default all), then
+        kill whatever still runs and report every rank."""
+        try:
+            deadline = time.monotonic() + timeout
+            for r in sorted(range(len(self.procs)) if wait_for is None else wait_for):
+                self.procs[r].join(max(0.0, deadline - time.monotonic()))
+            hung = set()
+            for r, p in enumerate(self.procs):
+                if p.is_alive():
+                    hung.add(r)
+                    p.kill()
+                    p.join()
+            out = []
+            for r, p in enumerate(self.procs):
+                path = os.path.join(self._tmp.name, f"{r}.pkl")
+                if os.path.exists(path):
+                    with open(path, "rb") as f:
+                        (status, value), seconds = pickle.load(f)
+                    out.append(RankOutcome(r, status, value, seconds, p.exitcode))
+                else:
+                    out.append(RankOutcome(r, "hung" if r in hung else "died", None, None, p.exitcode))
+            return out
+        finally:
+            self._tmp.cleanup()
+
+
+def start_ranks(fn: Callable[..., Any], world: int, *args: Any, env: dict[str, str] | None = None) -> RankGroup:
+    """Start ``fn(rank, world, *args)`` on ``world`` gloo ranks without waiting for them."""
+    return RankGroup(fn, world, args, env)
+
+
+def run_ranks(
+    fn: Callable[..., Any],
+    world: int,
+    *args: Any,
+    timeout: float = 60.0,
+    env: dict[str, str] | None = None,
+    wait_for: Iterable[int] | None = None,
+) -> list[RankOutcome]:
+    """Run ``fn(rank, world, *args)`` on ``world`` gloo ranks; every rank's outcome.
+
+    ``fn`` must be a module-level function. Ranks still running after ``timeout`` seconds
+    are killed and reported as ``"hung"``; so are the others once every rank in
+    ``wait_for`` has finished (for tests where a rank hangs on purpose). ``env`` is set in
+    each rank before it starts.
+    """
+    return start_ranks(fn, world, *args, env=env).collect(timeout, wait_for)

@@ -1,0 +1,256 @@
+"""Crash safety: savers are SIGKILLed at chosen phases and at random moments.
+
+After every kill the checkpoint must hold the complete old or the complete new state: the
+manifest verifies, the last committed iteration loads bit-exactly, an uncommitted one never
+loads, and the next save cleans up what the dead one left. Savers are short processes
+forked from a preloaded server (``tests.crash_worker``) that save a few MB in a loop and
+log ``begin k`` / ``done k``; a state is a pure function of ``k``, so any mix of two saves
+shows up as a mismatch.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import warnings
+
+import pytest
+
+import tessera
+from tessera.manager import CheckpointManager, parse_step_dirname
+from tessera.manifest import MANIFEST_NAME
+from tessera.verify import verify
+from tests.crash_worker import (
+    check_state,
+    empty_state,
+    make_state,
+    rank_save_loop,
+    read_progress,
+    save_loop,
+    start,
+    start_ranks,
+    wait_for_line,
+)
+
+KILLED = -signal.SIGKILL
+NO_TIMINGS = tessera.LoadOptions(record_timings=False)
+
+
+def _run_to_death(target: str, progress: str, mode: str, crash: dict, first: int, **manager_kwargs: object) -> None:
+    proc = start(save_loop, target, progress, mode, crash, first, 1, manager_kwargs)
+    proc.join(120)
+    assert proc.exitcode == KILLED, f"the saver should have been killed at {crash}, exit code {proc.exitcode}"
+
+
+def _load_path(path: str) -> int:
+    state = empty_state()
+    tessera.load(path, state, options=NO_TIMINGS)
+    return check_state(state)
+
+
+def _no_leftovers(path: str) -> None:
+    m = tessera.read_manifest(path)
+    report = verify(path)
+    assert report.ok and report.unreferenced_files == (), report.summary()
+    names = os.listdir(path)
+    assert not [n for n in names if n.startswith(MANIFEST_NAME + ".tmp")], names
+    assert sorted(os.listdir(os.path.join(path, "data"))) == [m.save_id]
+
+
+# --------------------------------------------------------------------------------------
+# tessera.save over an existing checkpoint, killed at each phase
+
+
+@pytest.mark.parametrize(
+    ("crash", "survivor"),
+    [
+        ({"at": "write_file", "after_bytes": 300_000}, 1),  # half-written data file
+        ({"at": "write_atomic", "name": MANIFEST_NAME}, 1),  # all data durable, no commit yet
+        ({"at": "after_atomic", "name": MANIFEST_NAME}, 2),  # committed, old files not yet removed
+        ({"at": "delete"}, 2),  # committed, killed while removing the old files
+    ],
+    ids=["mid-data", "before-commit", "after-commit", "mid-cleanup"],
+)
+def test_save_killed_at_each_phase(tmp_path, crash: dict, survivor: int) -> None:
+    path = str(tmp_path / "ckpt")
+    tessera.save(path, make_state(1))
+    _run_to_death(path, str(tmp_path / "progress"), "path", crash, first=2)
+    assert verify(path).ok
+    assert _load_path(path) == survivor
+    tessera.save(path, make_state(3))  # the next save removes whatever the dead one left
+    assert _load_path(path) == 3
+    _no_leftovers(path)
+
+
+def test_first_save_killed_before_commit_leaves_nothing_loadable(tmp_path) -> None:
+    path = str(tmp_path / "ckpt")
+    _run_to_death(path, str(tmp_path / "progress"), "path", {"at": "write_atomic", "name": MANIFEST_NAME}, first=1)
+    assert os.path.isdir(os.path.join(path, "data"))  # the data is all there...
+    with pytest.raises(tessera.CheckpointNotFoundError):  # ...but it was never committed
+        tessera.load(path, empty_state(), options=NO_TIMINGS)
+    assert not verify(path).ok
+
+
+# --------------------------------------------------------------------------------------
+# CheckpointManager, killed at each phase
+
+
+def _manager_check(root: str) -> tuple[int, list[int], int | None]:
+    """Every committed step verifies; resume; return (loaded step, steps, pointer)."""
+    mgr = CheckpointManager(root)
+    steps = mgr.steps()
+    for s in steps:
+        report = verify(mgr.step_url(s))
+        assert report.ok, report.summary()
+    pointer = mgr.pointer_step()
+    assert pointer is None or pointer in steps, f"latest names step {pointer}, which is not committed ({steps})"
+    state = empty_state()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        loaded = mgr.load(state)
+    assert check_state(state) == loaded.step
+    return loaded.step, steps, pointer
+
+
+@pytest.mark.parametrize(
+    ("crash", "expect"),
+    [
+        ({"at": "write_file", "after_bytes": 300_000}, (1, [1], 1)),
+        ({"at": "write_atomic", "name": MANIFEST_NAME}, (1, [1], 1)),
+        ({"at": "write_atomic", "name": "latest"}, (2, [1, 2], 1)),  # committed; the pointer lags
+        ({"at": "delete", "match": "step-00000001/data"}, (2, [2], 2)),  # retention cut short
+    ],
+    ids=["mid-data", "before-commit", "before-pointer", "mid-retention"],
+)
+def test_manager_killed_at_each_phase(tmp_path, crash: dict, expect: tuple) -> None:
+    root = str(tmp_path / "run")
+    with CheckpointManager(root, keep_last=1) as mgr:
+        mgr.save(1, make_state(1))
+    _run_to_death(root, str(tmp_path / "progress"), "manager", crash, first=2, keep_last=1)
+    assert _manager_check(root) == expect
+    if crash["at"] == "delete":
+        # Step 1 lost its manifest first: it is incomplete, never a committed step without data.
+        assert os.path.isdir(os.path.join(root, "step-00000001", "data"))
+        assert not os.path.exists(os.path.join(root, "step-00000001", MANIFEST_NAME))
+    with CheckpointManager(root, keep_last=1) as mgr:
+        mgr.save(3, make_state(3))
+    assert _manager_check(root) == (3, [3], 3)
+    leftovers = sorted(n for n in os.listdir(root) if n != "latest")
+    assert leftovers == ["step-00000003"], leftovers
+
+
+# --------------------------------------------------------------------------------------
+# Random kills
+
+
+def _check_path_after_kill(path: str, progress: str) -> str:
+    begun, done = read_progress(progress)
+    if not os.path.exists(os.path.join(path, MANIFEST_NAME)):
+        assert done == 0, f"iteration {done} was committed but no manifest is left"
+        with pytest.raises(tessera.CheckpointNotFoundError):
+            tessera.load(path, empty_state(), options=NO_TIMINGS)
+        return "nothing committed"
+    report = verify(path)
+    assert report.ok, report.summary()
+    k = _load_path(path)
+    assert done <= k <= begun, f"loaded iteration {k}, but {done} was the last committed and {begun} the last begun"
+    return "new" if k > done else "old" if begun > done else "idle"
+
+
+def _check_manager_after_kill(root: str, progress: str) -> str:
+    begun, done = read_progress(progress)
+    if not CheckpointManager(root).steps():
+        assert done == 0, f"step {done} was committed but no step is left"
+        return "nothing committed"
+    k, steps, pointer = _manager_check(root)
+    assert done <= k <= begun, f"resumed from step {k}; {done} was the last committed, {begun} the last begun"
+    if done:
+        assert pointer is not None and pointer >= done, f"latest names {pointer} after step {done} returned"
+    recent = [s for s in steps if s % 5]
+    assert len(recent) <= 3, f"retention (keep_last=2, keep_every=5) left {steps}"
+    # A fresh manager resumes and its first save clears the dead save's leftovers.
+    with CheckpointManager(root, keep_last=2, keep_every=5) as mgr:
+        mgr.save(begun + 1, make_state(begun + 1))
+    for name in os.listdir(root):
+        step = parse_step_dirname(name)
+        # Empty directories of a save killed before its first byte are invisible to the
+        # storage interface (it lists files); any step with files must be committed.
+        files = [f for _, _, fs in os.walk(os.path.join(root, name)) for f in fs]
+        if step is not None and files:
+            assert os.path.exists(os.path.join(root, name, MANIFEST_NAME)), f"{name} left incomplete: {files}"
+    return "new" if k > done else "old" if begun > done else "idle"
+
+
+def _trials(tmp_path, mode: str, n: int, seed: int, max_delay: float) -> dict[str, int]:
+    rng = random.Random(seed)
+    outcomes: dict[str, int] = {}
+    for trial in range(n):
+        target = str(tmp_path / f"{mode}-{trial}")
+        progress = str(tmp_path / f"{mode}-{trial}.progress")
+        proc = start(save_loop, target, progress, mode)
+        wait_for_line(progress, "ready")
+        proc.join(rng.uniform(0.0, max_delay))
+        proc.kill()
+        proc.join()
+        assert proc.exitcode == KILLED, f"trial {trial}: the saver ended by itself ({proc.exitcode})"
+        check = _check_path_after_kill if mode == "path" else _check_manager_after_kill
+        what = check(target, progress)
+        outcomes[what] = outcomes.get(what, 0) + 1
+    return outcomes
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("mode", "n"), [("path", 12), ("manager", 8), ("manager_async", 8)])
+def test_random_kills(tmp_path, mode: str, n: int) -> None:
+    outcomes = _trials(tmp_path, mode, n, seed=hash(mode) % 1000, max_delay=1.2)
+    print(f"{mode}: {outcomes}")
+    assert sum(outcomes.values()) == n
+
+
+def test_random_kills_quick(tmp_path) -> None:
+    path = _trials(tmp_path, "path", 3, seed=7, max_delay=0.6)
+    manager = _trials(tmp_path, "manager_async", 2, seed=8, max_delay=0.6)
+    assert sum(path.values()) == 3 and sum(manager.values()) == 2
+
+
+# --------------------------------------------------------------------------------------
+# Two ranks: one is killed mid-save
+
+
+def _two_rank_trial(tmp_path, trial: int, rng: random.Random, mode: str) -> str:
+    target = str(tmp_path / f"{mode}-{trial}")
+    progress_dir = str(tmp_path / f"{mode}-{trial}.progress")
+    os.makedirs(progress_dir)
+    timeout = 10
+    group = start_ranks(rank_save_loop, 2, target, progress_dir, mode, env={"TESSERA_TIMEOUT_S": str(timeout)})
+    for r in range(2):
+        wait_for_line(os.path.join(progress_dir, str(r)), "ready")
+    victim = rng.randrange(2)
+    group.procs[victim].join(rng.uniform(0.0, 1.5))
+    group.kill(victim)
+    out = group.collect(timeout + 20)
+    survivor = out[1 - victim]
+    assert out[victim].status == "died"
+    assert survivor.status == "error", f"rank {survivor.rank} should fail when rank {victim} dies: {survivor}"
+    assert survivor.error_is("DistributedError"), survivor.value["traceback"]
+    progress = [read_progress(os.path.join(progress_dir, str(r))) for r in range(2)]
+    begun = max(p[0] for p in progress)
+    done = max(p[1] for p in progress)
+    merged = os.path.join(progress_dir, "merged")
+    with open(merged, "w") as f:
+        f.write(f"begin {begun}\ndone {done}\n")
+    if mode == "path":
+        return _check_path_after_kill(target, merged)
+    return _check_manager_after_kill(target, merged)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["path", "manager_async"])
+def test_two_ranks_one_killed_mid_save(tmp_path, mode: str) -> None:
+    rng = random.Random(11 if mode == "path" else 12)
+    outcomes: dict[str, int] = {}
+    for trial in range(4):
+        what = _two_rank_trial(tmp_path, trial, rng, mode)
+        outcomes[what] = outcomes.get(what, 0) + 1
+    print(f"two ranks, {mode}: {outcomes}")

@@ -1,0 +1,517 @@
+"""Hostile input: fuzzed manifests, escaping file references, pickle without opt-in, bad targets.
+
+The manifest decoder must raise ManifestError or succeed (never another exception, never a
+hang, never an allocation sized by numbers in the file); whatever it accepts, ``verify``
+must report on and ``load`` must either load or raise a CheckpointError. Validation of
+keys, shapes and dtypes happens before a single byte reaches the caller's tensors.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import os
+import shutil
+import signal
+import tracemalloc
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import tessera
+from tessera.manifest import MANIFEST_NAME, Manifest, decode
+from tessera.storage import FileStorage
+from tessera.verify import ProblemKind, verify
+
+NO_TIMINGS = tessera.LoadOptions(record_timings=False)
+FUZZ = settings(
+    max_examples=250, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
+)
+
+
+@contextlib.contextmanager
+def _time_limit(seconds: int) -> Iterator[None]:
+    """Fail instead of hanging: SIGALRM raises in the main thread after ``seconds``."""
+
+    def fire(signum, frame):
+        raise TimeoutError(f"did not finish within {seconds}s")
+
+    old = signal.signal(signal.SIGALRM, fire)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+
+
+def _state() -> dict:
+    return {
+        "w": torch.arange(32, dtype=torch.float32).reshape(8, 4),
+        "h": torch.arange(6, dtype=torch.bfloat16),
+        "z": torch.tensor(7, dtype=torch.int64),
+        "step": 3,
+        "cfg": {"lr": 0.5, "betas": (0.9, 0.99), "name": "adam", "raw": b"\x00\x01"},
+        "pos": tessera.per_rank(11),
+    }
+
+
+def _blank() -> dict:
+    return {
+        "w": torch.zeros(8, 4),
+        "h": torch.zeros(6, dtype=torch.bfloat16),
+        "z": torch.tensor(0, dtype=torch.int64),
+        "step": 0,
+        "cfg": None,
+        "pos": tessera.per_rank(0),
+    }
+
+
+@pytest.fixture(scope="module")
+def valid(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict]:
+    """A real checkpoint and its manifest document."""
+    path = str(tmp_path_factory.mktemp("valid") / "ckpt")
+    tessera.save(path, _state(), options=tessera.SaveOptions(chunk_bytes=4096))
+    return path, json.loads(Path(path, MANIFEST_NAME).read_bytes())
+
+
+@pytest.fixture
+def ckpt(valid: tuple[str, dict], tmp_path) -> str:
+    path = str(tmp_path / "ckpt")
+    shutil.copytree(valid[0], path)
+    return path
+
+
+def _write_manifest(path: str, data: bytes) -> None:
+    with open(os.path.join(path, MANIFEST_NAME), "wb") as f:
+        f.write(data)
+
+
+def _decode_or_manifest_error(data: bytes) -> Manifest | None:
+    try:
+        return decode(data)
+    except tessera.ManifestError:
+        return None
+
+
+# --------------------------------------------------------------------------------------
+# Fuzzing the decoder, and what the rest of tessera does with what it accepts
+
+_STRINGS = [
+    "../../etc/passwd",
+    "/etc/passwd",
+    "data/../../x",
+    "data/../manifest.json",
+    "manifest.json",
+    "s3://b/k",
+    "float32",
+    "bfloat16",
+    "int64",
+    "complex32",
+    "bits16",
+    "float4_e2m1fn_x2",
+    "nonsense",
+    "0" * 16,
+    "f" * 16,
+    "ffffffffffffffffff",
+    "xxh3_64",
+    "tessera",
+    "error",
+    "keep",
+    "modulo",
+    "__pickle__",
+    "__tuple__",
+    "__dict__",
+    "__bytes__",
+    "__float__",
+    "__dtype__",
+    "",
+    "\x00",
+    "é",
+]
+_INTS = [0, 1, -1, 2, 3, 7, 8, 64, 4095, 4096, 2**31, 2**53 + 1, 2**62, 2**63 - 1, 2**63, 2**64, 10**30, -(2**63)]
+_leaf = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.sampled_from(_INTS),
+    st.integers(-(2**70), 2**70),
+    st.floats(allow_nan=False, allow_infinity=False),
+    st.sampled_from(_STRINGS),
+    st.text(max_size=12),
+)
+_json = st.recursive(
+    _leaf,
+    lambda inner: st.one_of(
+        st.lists(inner, max_size=5), st.dictionaries(st.sampled_from(_STRINGS) | st.text(max_size=8), inner, max_size=5)
+    ),
+    max_leaves=12,
+)
+
+
+def _paths(doc: object, prefix: tuple = ()) -> Iterator[tuple]:
+    yield prefix
+    if isinstance(doc, dict):
+        for k, v in doc.items():
+            yield from _paths(v, prefix + (k,))
+    elif isinstance(doc, list):
+        for i, v in enumerate(doc):
+            yield from _paths(v, prefix + (i,))
+
+
+def _mutate(doc: dict, data: st.DataObject) -> dict:
+    doc = copy.deepcopy(doc)
+    for _ in range(data.draw(st.integers(1, 3), label="mutations")):
+        paths = [p for p in _paths(doc) if p]
+        path = data.draw(st.sampled_from(paths), label="path")
+        parent = doc
+        for key in path[:-1]:
+            parent = parent[key]
+        key = path[-1]
+        op = data.draw(st.sampled_from(["replace", "delete", "duplicate", "nudge"]), label="op")
+        if op == "replace":
+            parent[key] = data.draw(_json, label="value")
+        elif op == "delete":
+            del parent[key]
+        elif op == "duplicate" and isinstance(parent, list):
+            parent.insert(key, copy.deepcopy(parent[key]))
+        elif op == "nudge" and type(parent[key]) is int:
+            parent[key] += data.draw(
+                st.sampled_from([-(2**63), -65, -8, -4, -1, 1, 4, 8, 64, 2**62, 2**63]), label="delta"
+            )
+    return doc
+
+
+def _exercise(path: str) -> None:
+    """verify must report and load must load or raise a CheckpointError, for any accepted manifest."""
+    report = verify(path, threads=1)
+    assert isinstance(report.ok, bool) and all(p.message for p in report.problems)
+    try:
+        tessera.load(path, _blank(), strict=False, options=NO_TIMINGS)
+    except tessera.CheckpointError:
+        pass
+
+
+@FUZZ
+@given(doc=_json)
+def test_decoder_on_random_json(doc: object) -> None:
+    with _time_limit(20):
+        _decode_or_manifest_error(json.dumps(doc).encode())
+
+
+@FUZZ
+@given(raw=st.binary(max_size=300))
+def test_decoder_on_random_bytes(raw: bytes) -> None:
+    with _time_limit(20):
+        _decode_or_manifest_error(raw)
+
+
+@FUZZ
+@given(data=st.data())
+def test_decoder_on_mutated_manifests(valid: tuple[str, dict], tmp_path_factory, data: st.DataObject) -> None:
+    path, doc = valid
+    work = str(tmp_path_factory.getbasetemp() / "mutated")
+    if not os.path.exists(work):
+        shutil.copytree(path, work)
+    raw = json.dumps(_mutate(doc, data)).encode()
+    with _time_limit(20):
+        if _decode_or_manifest_error(raw) is None:
+            return
+        _write_manifest(work, raw)
+        _exercise(work)
+
+
+@FUZZ
+@given(data=st.data())
+def test_decoder_on_damaged_manifest_bytes(valid: tuple[str, dict], data: st.DataObject) -> None:
+    raw = bytearray(Path(valid[0], MANIFEST_NAME).read_bytes())
+    for _ in range(data.draw(st.integers(1, 4))):
+        kind = data.draw(st.sampled_from(["flip", "cut", "insert"]))
+        i = data.draw(st.integers(0, len(raw) - 1))
+        if kind == "flip":
+            raw[i] ^= 1 << data.draw(st.integers(0, 7))
+        elif kind == "cut":
+            del raw[i:]
+            if not raw:
+                break
+        else:
+            raw[i:i] = data.draw(st.binary(min_size=1, max_size=8))
+    with _time_limit(20):
+        _decode_or_manifest_error(bytes(raw))
+
+
+def test_zero_dim_tile_with_a_list_as_file_index_is_a_manifest_error(valid: tuple[str, dict]) -> None:
+    doc = copy.deepcopy(valid[1])
+    doc["tensors"]["z"]["tiles"][0][0] = []  # found by test_decoder_on_mutated_manifests
+    with pytest.raises(tessera.ManifestError):
+        decode(json.dumps(doc).encode())
+
+
+@pytest.mark.parametrize("where", ["chunk_bytes", "file_bytes"])
+def test_integers_beyond_int64_are_manifest_errors(valid: tuple[str, dict], where: str) -> None:
+    doc = copy.deepcopy(valid[1])
+    if where == "chunk_bytes":
+        doc["checksum"]["chunk_bytes"] = 2**63 + 4096  # found by test_decoder_on_mutated_manifests
+    else:
+        doc["files"][0]["bytes"] = 2**64
+    with pytest.raises(tessera.ManifestError):
+        decode(json.dumps(doc).encode())
+
+
+def test_deeply_nested_manifest_is_refused_quickly() -> None:
+    with _time_limit(20):
+        for depth in (10_000, 200_000):
+            with pytest.raises(tessera.ManifestError):
+                decode(b"[" * depth + b"]" * depth)
+            with pytest.raises(tessera.ManifestError):
+                decode(b'{"format": "tessera", "version": 1, "x": ' + b"[" * depth + b"]" * depth + b"}")
+
+
+def _huge_shape_doc(doc: dict) -> dict:
+    doc = copy.deepcopy(doc)
+    doc["tensors"]["w"]["shape"] = [2**40, 2**40]
+    return doc
+
+
+def test_huge_shapes_are_refused_without_allocating(valid: tuple[str, dict], ckpt: str) -> None:
+    _, doc = valid
+    variants = [
+        _huge_shape_doc(doc),
+        {**doc, "tensors": {"big": {"dtype": "float64", "shape": [2**31] * 4, "tiles": []}}},
+        {**doc, "tensors": {"big": {"dtype": "float32", "shape": [2**61], "tiles": []}}},
+    ]
+    tracemalloc.start()
+    try:
+        for variant in variants:
+            with pytest.raises(tessera.ManifestError, match="implausibly large"):
+                decode(json.dumps(variant).encode())
+        _write_manifest(ckpt, json.dumps(variants[0]).encode())
+        with pytest.raises(tessera.ManifestError):
+            tessera.load(ckpt, _blank(), options=NO_TIMINGS)
+        assert verify(ckpt).problems[0].kind == ProblemKind.MANIFEST
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 8 << 20, f"refusing a huge shape allocated {peak / 2**20:.1f} MiB"
+
+
+def test_large_but_plausible_shape_loads_nothing_before_the_mismatch(valid: tuple[str, dict], ckpt: str) -> None:
+    """A shape the decoder accepts but the caller's tensor does not match: refused up front."""
+    _, doc = valid
+    doc = copy.deepcopy(doc)
+    doc["tensors"]["w"]["shape"] = [2**30, 4]  # tiles now cover a sliver: decodes, does not match
+    _write_manifest(ckpt, json.dumps(doc).encode())
+    tracemalloc.start()
+    try:
+        target = _blank()
+        with pytest.raises(tessera.StateMismatchError, match=r"'w'.*\[1073741824, 4\]"):
+            tessera.load(ckpt, target, options=NO_TIMINGS)
+        report = verify(ckpt)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert torch.equal(target["w"], torch.zeros(8, 4))
+    (p,) = report.problems
+    assert p.kind == ProblemKind.COVERAGE and p.tensor == "w"
+    assert peak < 8 << 20, f"{peak / 2**20:.1f} MiB"
+
+
+def test_tile_outside_its_tensor_via_int64_overflow_is_refused(valid: tuple[str, dict]) -> None:
+    doc = copy.deepcopy(valid[1])
+    doc["tensors"]["w"]["tiles"][0][1] = [2**63 - 2, 0]  # shape [8, 4]; the tile's lengths stay [8, 4]
+    with pytest.raises(tessera.ManifestError):
+        m = decode(json.dumps(doc).encode())
+        raise AssertionError(f"accepted tile {m.tensors['w'].tiles[0]}")
+
+
+def test_tile_outside_its_tensor_is_caught_by_load_and_verify(valid: tuple[str, dict], ckpt: str) -> None:
+    doc = copy.deepcopy(valid[1])
+    doc["tensors"]["w"]["tiles"][0][1] = [2**63 - 2, 0]
+    _write_manifest(ckpt, json.dumps(doc).encode())
+    target = _blank()
+    with pytest.raises(tessera.CorruptCheckpointError, match="'w'"):
+        tessera.load(ckpt, target, options=NO_TIMINGS)
+    assert torch.equal(target["w"], torch.zeros(8, 4))
+    kinds = {p.kind for p in verify(ckpt).problems}
+    assert ProblemKind.COVERAGE in kinds or kinds == {ProblemKind.MANIFEST}, kinds
+
+
+def test_malformed_tensor_policies_are_refused_or_ignored(tmp_path) -> None:
+    path = str(tmp_path / "ckpt")
+    tessera.save(path, {"rng": tessera.per_rank(torch.arange(4))})
+    doc = json.loads(Path(path, MANIFEST_NAME).read_bytes())
+    doc["metadata"]["tensor_policies"] = ["not", "a", "dict"]
+    _write_manifest(path, json.dumps(doc).encode())
+    target = {"rng": tessera.per_rank(torch.zeros(4, dtype=torch.int64))}
+    try:
+        tessera.load(path, target, options=NO_TIMINGS)
+    except tessera.CheckpointError:
+        return  # refusing the manifest is fine
+    assert torch.equal(target["rng"].value, torch.arange(4))  # so is ignoring the informational metadata
+
+
+# --------------------------------------------------------------------------------------
+# File references outside the checkpoint
+
+ESCAPES = [
+    "../../etc/passwd",
+    "/etc/passwd",
+    "data/../../outside.safetensors",
+    "..",
+    "s3://bucket/key",
+    "c:/x",
+    "data\\x",
+    "data/\x00x",
+    "",
+]
+
+
+@pytest.mark.parametrize("ref", ESCAPES)
+def test_file_references_outside_the_checkpoint_are_refused(valid: tuple[str, dict], ckpt: str, ref: str) -> None:
+    doc = copy.deepcopy(valid[1])
+    doc["files"][0]["path"] = ref
+    raw = json.dumps(doc).encode()
+    with pytest.raises(tessera.ManifestError, match="file reference|outside"):
+        decode(raw)
+    _write_manifest(ckpt, raw)
+    target = _blank()
+    with pytest.raises(tessera.ManifestError):
+        tessera.load(ckpt, target, options=NO_TIMINGS)
+    assert torch.equal(target["w"], torch.zeros(8, 4))
+    (p,) = verify(ckpt).problems
+    assert p.kind == ProblemKind.MANIFEST
+
+
+@pytest.mark.parametrize("ref", ["../outside", "/etc/passwd", "a/../../b"])
+def test_storage_refuses_paths_outside_its_root(tmp_path, ref: str) -> None:
+    store = FileStorage(str(tmp_path / "root"))
+    (tmp_path / "outside").write_text("secret")
+    with pytest.raises(tessera.ManifestError):
+        store.read_file(ref)
+    with pytest.raises(tessera.ManifestError):
+        store.write_file(ref, [b"x"])
+
+
+# --------------------------------------------------------------------------------------
+# Pickle only with opt-in
+
+
+def _touch(marker: str) -> str:
+    open(marker, "w").close()
+    return "code from the checkpoint ran"
+
+
+class _Payload:
+    """Unpickling this runs ``_touch``: stands for arbitrary code in a checkpoint."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (_touch, (self.marker,))
+
+
+def test_pickled_values_never_load_without_opt_in(tmp_path) -> None:
+    path = str(tmp_path / "ckpt")
+    marker = str(tmp_path / "pwned")
+    with pytest.raises(tessera.PickleNotAllowedError):
+        tessera.save(path, {"w": torch.ones(2), "obj": _Payload(marker)})  # opt-in needed at save
+    tessera.save(path, {"w": torch.ones(2), "obj": _Payload(marker)}, allow_pickle=True)
+    assert not os.path.exists(marker)
+    target = {"w": torch.zeros(2), "obj": None}
+    with pytest.raises(tessera.PickleNotAllowedError, match="'obj'.*allow_pickle=True"):
+        tessera.load(path, target, options=NO_TIMINGS)
+    assert not os.path.exists(marker) and target["obj"] is None
+    report = verify(path)
+    assert report.ok and report.pickled_values == ("obj",) and not os.path.exists(marker)
+    tessera.load(path, target, allow_pickle=True, options=NO_TIMINGS)
+    assert os.path.exists(marker) and target["obj"] == "code from the checkpoint ran"
+
+
+def test_pickle_refusal_happens_before_any_tensor_is_touched(tmp_path) -> None:
+    path = str(tmp_path / "ckpt")
+    tessera.save(path, {"w": torch.ones(2), "obj": {1, 2}}, allow_pickle=True)
+    target = {"w": torch.zeros(2), "obj": None}
+    with pytest.raises(tessera.PickleNotAllowedError):
+        tessera.load(path, target, options=NO_TIMINGS)
+    assert torch.equal(target["w"], torch.zeros(2)), "tensors were filled by a load that then failed"
+
+
+# --------------------------------------------------------------------------------------
+# Keys, shapes and dtypes are validated before any byte is copied
+
+
+class _Tracker:
+    """A Stateful that records whether load_state_dict was called."""
+
+    def __init__(self) -> None:
+        self.t = torch.zeros(3)
+        self.loaded = False
+
+    def state_dict(self) -> dict:
+        return {"t": self.t}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.loaded = True
+
+
+def _mismatch_target(kind: str) -> dict:
+    t = {
+        "a": torch.zeros(16),
+        "m": {"b": torch.zeros(4, 4, dtype=torch.int32), "c": torch.zeros(5)},
+        "k": -1,
+        "s": _Tracker(),
+    }
+    if kind == "shape":
+        t["m"]["c"] = torch.zeros(6)
+    elif kind == "dtype":
+        t["m"]["c"] = torch.zeros(5, dtype=torch.float64)
+    elif kind == "missing":
+        t["m"]["extra"] = torch.zeros(2)
+    elif kind == "unexpected":
+        del t["m"]["c"]
+    elif kind == "tensor_vs_value":
+        t["m"]["c"] = 0
+    elif kind == "value_vs_tensor":
+        t["k"] = torch.zeros(1)
+    return t
+
+
+@pytest.mark.parametrize("kind", ["shape", "dtype", "missing", "unexpected", "tensor_vs_value", "value_vs_tensor"])
+def test_a_failed_validation_leaves_every_target_untouched(tmp_path, kind: str) -> None:
+    path = str(tmp_path / "ckpt")
+    saved = {
+        "a": torch.arange(16, dtype=torch.float32),
+        "m": {"b": torch.ones(4, 4, dtype=torch.int32), "c": torch.full((5,), 2.0)},
+        "k": 9,
+        "s": {"t": torch.full((3,), 4.0)},
+    }
+    tessera.save(path, saved)
+    target = _mismatch_target(kind)
+    before = {k: v.clone() for k, v in [("a", target["a"]), ("b", target["m"]["b"])]}
+    with pytest.raises(tessera.StateMismatchError) as info:
+        tessera.load(path, target, options=NO_TIMINGS)
+    assert "'m." in str(info.value) or "'k'" in str(info.value)
+    assert torch.equal(target["a"], before["a"]) and torch.equal(target["m"]["b"], before["b"])
+    assert torch.equal(target["s"].t, torch.zeros(3)) and not target["s"].loaded
+    assert target["k"] == -1 or isinstance(target["k"], torch.Tensor) and torch.equal(target["k"], torch.zeros(1))
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [
+        lambda doc: doc["tensors"]["z"]["tiles"][0].__setitem__(0, []),
+        lambda doc: doc["checksum"].__setitem__("chunk_bytes", 2**63 + 4096),
+    ],
+    ids=["list-file-index", "huge-chunk-bytes"],
+)
+def test_verify_reports_any_manifest_the_decoder_cannot_take(valid: tuple[str, dict], ckpt: str, edit) -> None:
+    doc = copy.deepcopy(valid[1])
+    edit(doc)
+    _write_manifest(ckpt, json.dumps(doc).encode())
+    (p,) = verify(ckpt).problems
+    assert p.kind == ProblemKind.MANIFEST and p.file == MANIFEST_NAME
