@@ -251,6 +251,11 @@ class Reader:
         self.mmap = mmap
         """Use the backend's ``map_range`` (local files) to skip the read buffer."""
         self._buffers = _Buffers()
+        self._writer = {f.path: f.rank for f in manifest.files}
+
+    def _file(self, path: str) -> str:
+        """A data file as errors name it: with the rank that wrote it."""
+        return f"'{path}' (written by rank {self._writer.get(path, '?')})"
 
     def run(self, requests: Sequence[ReadRequest]) -> ReadStats:
         t0 = time.monotonic()
@@ -297,12 +302,8 @@ class Reader:
         """Verify and copy straight from a memory map of the file: no intermediate buffer."""
         try:
             view = mapper(req.file, req.start, req.nbytes)
-        except FileNotFoundError as e:
-            raise CorruptCheckpointError(
-                f"rank {self.rank}: data file '{req.file}' of tensor(s) {_names(req)} is missing from the checkpoint"
-            ) from e
-        except StorageError as e:
-            raise CorruptCheckpointError(f"rank {self.rank}: reading '{req.file}' for tensor(s) {_names(req)}: {e}") from e
+        except (FileNotFoundError, StorageError) as e:
+            raise self._read_error(req, e) from e
         self._verify_view(req, view)
         for c in req.copies:
             size = itemsize(c.dtype)
@@ -323,12 +324,16 @@ class Reader:
     def _read(self, req: ReadRequest, out: memoryview) -> None:
         try:
             self.storage.read_into(req.file, req.start, out)
-        except FileNotFoundError as e:
-            raise CorruptCheckpointError(
-                f"rank {self.rank}: data file '{req.file}' of tensor(s) {_names(req)} is missing from the checkpoint"
-            ) from e
-        except StorageError as e:
-            raise CorruptCheckpointError(f"rank {self.rank}: reading '{req.file}' for tensor(s) {_names(req)}: {e}") from e
+        except (FileNotFoundError, StorageError) as e:
+            raise self._read_error(req, e) from e
+
+    def _read_error(self, req: ReadRequest, e: OSError) -> CorruptCheckpointError:
+        """The error for a failed read, naming the rank, the file and the tensors."""
+        if isinstance(e, FileNotFoundError) and not isinstance(e, StorageError):
+            return CorruptCheckpointError(
+                f"rank {self.rank}: data file {self._file(req.file)} of tensor(s) {_names(req)} is missing from the checkpoint"
+            )
+        return CorruptCheckpointError(f"rank {self.rank}: reading {self._file(req.file)} for tensor(s) {_names(req)}: {e}")
 
     def _verify(self, req: ReadRequest, data: torch.Tensor, start: int) -> None:
         self._verify_view(req, memoryview(data.numpy()))
@@ -353,7 +358,7 @@ class Reader:
                 seen.add((a, b))
                 if xxhash.xxh3_64_intdigest(data[a - start : b - start]) != t.checksums[k]:
                     raise CorruptCheckpointError(
-                        f"rank {self.rank}: checksum mismatch in '{t.file}' bytes [{a}, {b}) of tensor "
+                        f"rank {self.rank}: checksum mismatch in {self._file(t.file)} bytes [{a}, {b}) of tensor "
                         f"'{c.fqn}' tile at {list(t.offsets)}: the data is corrupted"
                     )
 
