@@ -188,9 +188,9 @@ def worker(rank: int, world: int, store: str, args: argparse.Namespace, results:
                         dcp.load(target, checkpoint_id=path)
                 with PeakRSS() as mem:
                     if lib == "tessera":
-                        secs = timed(lambda: tessera.load(path, target))
+                        secs = timed(lambda t=target, p=path: tessera.load(p, t))
                     else:
-                        secs = timed(lambda: dcp.load(target, checkpoint_id=path))
+                        secs = timed(lambda t=target, p=path: dcp.load(t, checkpoint_id=p))
                 add(f"load_{cache}_{lib}", secs)
                 add(f"load_mem_{lib}", mem.extra)
                 add(f"load_anon_{lib}", mem.extra_anon)

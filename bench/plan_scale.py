@@ -15,9 +15,7 @@ import json
 import time
 
 import numpy as np
-import torch
 
-from tessera.geometry import Box
 from tessera.manifest import FileEntry, Manifest, TensorEntry, Tile, encode
 from tessera.plan import LocalPlan, TensorMeta, build_global_plan
 
