@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import time
 
 import numpy as np
 
-from tessera.manifest import FileEntry, Manifest, TensorEntry, Tile, encode
+from tessera.manifest import FileEntry, Manifest, TensorEntry, Tile, decode, encode
 from tessera.plan import LocalPlan, TensorMeta, build_global_plan
 
 
@@ -74,15 +73,16 @@ def main() -> None:
         plan = build_global_plan(plans)
         times.append(time.monotonic() - t0)
     per_rank = plan.bytes_per_rank
+    manifest = manifest_for(plan, args.ranks)
     t0 = time.monotonic()
-    data = encode(manifest_for(plan, args.ranks))
+    data = encode(manifest)
     enc_s = time.monotonic() - t0
     t0 = time.monotonic()
-    json.loads(data)
+    decode(data)
     parse_s = time.monotonic() - t0
     boxes = sum(len(lp.boxes) for lp in plans)
     tiles = sum(len(rp.rows) for rp in plan.rank_plans)
-    print(f"| ranks | tensors | boxes held | tiles written | global plan (median of {args.repeat}) | manifest | encode | parse | bytes/rank max/mean |")
+    print(f"| ranks | tensors | boxes held | tiles written | global plan (median of {args.repeat}) | manifest | encode | decode + validate | bytes/rank max/mean |")
     print("|---|---|---|---|---|---|---|---|---|")
     print(
         f"| {args.ranks} | {args.tensors} | {boxes:,} | {tiles:,} | {sorted(times)[len(times) // 2]:.2f} s | "

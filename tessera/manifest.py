@@ -7,8 +7,11 @@ references confined to the checkpoint, tiles inside their tensor. See ``docs/for
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 import math
+import zlib
 from itertools import chain
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,6 +27,10 @@ VERSION = 1
 MANIFEST_NAME = "manifest.json"
 CHECKSUM_ALGORITHM = "xxh3_64"
 MAX_MANIFEST_BYTES = 1 << 30
+TABLE_MIN_TILES = 16
+"""Tensors with more tiles than this store them as a columnar ``tile_table`` (base64 of
+zlib-compressed little-endian arrays): compact and parsed without per-tile work. Fewer
+tiles stay readable JSON lists."""
 
 
 @dataclass(frozen=True)
@@ -46,13 +53,118 @@ class Tile:
     checksums: tuple[int, ...]
 
 
-@dataclass(frozen=True)
-class TensorEntry:
-    """A global tensor: dtype name, global shape and the tiles that cover it exactly once."""
+@dataclass(frozen=True, eq=False)
+class TileTable:
+    """A tensor's tiles as columns: what loads and planners read, without per-tile objects.
 
-    dtype: str
-    shape: tuple[int, ...]
-    tiles: tuple[Tile, ...]
+    Attributes:
+        paths: data file paths, indexed by ``file``.
+        file: ``(n,)`` index into ``paths`` per tile.
+        offsets, lengths: ``(n, ndim)`` boxes.
+        byte_offset, nbytes: ``(n,)`` byte ranges in the files.
+        chunks: ``(n,)`` number of checksums per tile.
+        checksums: all tiles' chunk checksums, concatenated (uint64).
+    """
+
+    paths: tuple[str, ...]
+    file: np.ndarray
+    offsets: np.ndarray
+    lengths: np.ndarray
+    byte_offset: np.ndarray
+    nbytes: np.ndarray
+    chunks: np.ndarray
+    checksums: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.file)
+
+    @classmethod
+    def from_tiles(cls, tiles: tuple[Tile, ...], ndim: int) -> TileTable:
+        paths = tuple(dict.fromkeys(t.file for t in tiles))
+        index = {p: i for i, p in enumerate(paths)}
+        n = len(tiles)
+        return cls(
+            paths,
+            np.array([index[t.file] for t in tiles], dtype=np.int64),
+            np.array([t.offsets for t in tiles], dtype=np.int64).reshape(n, ndim),
+            np.array([t.lengths for t in tiles], dtype=np.int64).reshape(n, ndim),
+            np.array([t.byte_offset for t in tiles], dtype=np.int64),
+            np.array([t.nbytes for t in tiles], dtype=np.int64),
+            np.array([len(t.checksums) for t in tiles], dtype=np.int64),
+            np.array([c for t in tiles for c in t.checksums], dtype=np.uint64),
+        )
+
+    def tiles(self) -> tuple[Tile, ...]:
+        """Every tile as a :class:`Tile` (builds one object per tile)."""
+        sums = self.checksums.tolist()
+        out = []
+        pos = 0
+        for fi, o, ln, bo, nb, k in zip(
+            self.file.tolist(), self.offsets.tolist(), self.lengths.tolist(), self.byte_offset.tolist(),
+            self.nbytes.tolist(), self.chunks.tolist(),
+        ):
+            out.append(Tile(self.paths[fi], tuple(o), tuple(ln), bo, nb, tuple(sums[pos : pos + k])))
+            pos += k
+        return tuple(out)
+
+
+class TensorEntry:
+    """A global tensor: dtype name, global shape and the tiles that cover it exactly once.
+
+    Built either from :class:`Tile` objects or from a :class:`TileTable`; each form is
+    derived from the other on first use, so large manifests never build per-tile objects
+    unless someone asks for ``tiles``.
+    """
+
+    __slots__ = ("dtype", "shape", "_tiles", "_table", "_starts")
+
+    def __init__(self, dtype: str, shape: tuple[int, ...], tiles: tuple[Tile, ...] | None = None, *, table: TileTable | None = None) -> None:
+        if (tiles is None) == (table is None):
+            raise ValueError("TensorEntry needs exactly one of tiles and table")
+        self.dtype = dtype
+        self.shape = tuple(shape)
+        self._tiles = tuple(tiles) if tiles is not None else None
+        self._table = table
+        self._starts: list[int] | None = None
+
+    @property
+    def tiles(self) -> tuple[Tile, ...]:
+        if self._tiles is None:
+            assert self._table is not None
+            self._tiles = self._table.tiles()
+        return self._tiles
+
+    @property
+    def table(self) -> TileTable:
+        if self._table is None:
+            assert self._tiles is not None
+            self._table = TileTable.from_tiles(self._tiles, len(self.shape))
+        return self._table
+
+    @property
+    def num_tiles(self) -> int:
+        return len(self._tiles) if self._tiles is not None else len(self.table)
+
+    def tile(self, i: int) -> Tile:
+        """Tile ``i`` (without building the others)."""
+        if self._tiles is not None:
+            return self._tiles[i]
+        t = self.table
+        if self._starts is None:
+            self._starts = [0, *np.cumsum(t.chunks).tolist()]
+        start = self._starts[i]
+        return Tile(
+            t.paths[int(t.file[i])], tuple(t.offsets[i].tolist()), tuple(t.lengths[i].tolist()), int(t.byte_offset[i]),
+            int(t.nbytes[i]), tuple(t.checksums[start : start + int(t.chunks[i])].tolist()),
+        )
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, TensorEntry):
+            return NotImplemented
+        return (self.dtype, self.shape, self.tiles) == (other.dtype, other.shape, other.tiles)
+
+    def __repr__(self) -> str:
+        return f"TensorEntry(dtype={self.dtype!r}, shape={self.shape!r}, tiles=<{self.num_tiles}>)"
 
 
 @dataclass(frozen=True)
@@ -97,7 +209,7 @@ class Manifest:
 
     @property
     def total_bytes(self) -> int:
-        return sum(t.nbytes for e in self.tensors.values() for t in e.tiles)
+        return sum(int(e.table.nbytes.sum()) for e in self.tensors.values())
 
 
 def encode(m: Manifest) -> bytes:
@@ -105,14 +217,15 @@ def encode(m: Manifest) -> bytes:
     file_index = {f.path: i for i, f in enumerate(m.files)}
     tensors = {}
     for name, e in m.tensors.items():
-        tensors[name] = {
-            "dtype": e.dtype,
-            "shape": list(e.shape),
-            "tiles": [
+        entry: dict[str, Any] = {"dtype": e.dtype, "shape": list(e.shape)}
+        if e.num_tiles > TABLE_MIN_TILES:
+            entry["tile_table"] = _encode_table(e.table, file_index)
+        else:
+            entry["tiles"] = [
                 [file_index[t.file], list(t.offsets), list(t.lengths), t.byte_offset, [f"{c:016x}" for c in t.checksums]]
                 for t in e.tiles
-            ],
-        }
+            ]
+        tensors[name] = entry
     doc = {
         "format": FORMAT,
         "version": m.version,
@@ -128,6 +241,24 @@ def encode(m: Manifest) -> bytes:
         "metadata": m.metadata,
     }
     return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode("utf-8")
+
+
+def _b64(arr: np.ndarray, dtype: str) -> str:
+    """base64 of the zlib-compressed little-endian array (offsets compress 10x or more)."""
+    return base64.b64encode(zlib.compress(np.ascontiguousarray(arr, dtype=dtype).tobytes(), 1)).decode("ascii")
+
+
+def _encode_table(t: TileTable, file_index: dict[str, int]) -> dict[str, Any]:
+    remap = np.array([file_index[p] for p in t.paths], dtype=np.int64)
+    return {
+        "count": len(t),
+        "file": _b64(remap[t.file] if len(t) else t.file, "<i8"),
+        "offsets": _b64(t.offsets, "<i8"),
+        "lengths": _b64(t.lengths, "<i8"),
+        "byte_offset": _b64(t.byte_offset, "<i8"),
+        "chunks": _b64(t.chunks, "<i8"),
+        "checksums": _b64(t.checksums, "<u8"),
+    }
 
 
 def _fail(what: str) -> ManifestError:
@@ -210,8 +341,8 @@ def _decode(data: bytes) -> Manifest:
         size = itemsize(dt)
         if math.prod(shape) * size >= 1 << 62:
             raise _fail(f"tensor '{name}': shape {list(shape)} is implausibly large")
-        tiles = _decode_tiles(name, e.get("tiles"), shape, size, files, chunk_bytes)
-        tensors[name] = TensorEntry(e["dtype"], shape, tiles)
+        table = _decode_tiles(name, e, shape, size, files, chunk_bytes)
+        tensors[name] = TensorEntry(e["dtype"], shape, table=table)
 
     per_rank = {}
     for name, v in _dict(doc.get("per_rank", {}), "per_rank").items():
@@ -255,33 +386,18 @@ def _int_array(values: Any, what: str, ndim: int) -> np.ndarray:
 
 
 def _decode_tiles(
-    name: str, raw: Any, shape: tuple[int, ...], size: int, files: list[FileEntry], chunk_bytes: int
-) -> tuple[Tile, ...]:
-    """Validate a tensor's tile table column by column (numpy), then build the Tiles."""
+    name: str, entry: dict, shape: tuple[int, ...], size: int, files: list[FileEntry], chunk_bytes: int
+) -> TileTable:
+    """Parse a tensor's tiles (list or table form) and validate them column by column."""
     what = f"tensor '{name}'"
-    if not isinstance(raw, list):
-        raise _fail(f"{what}: tiles must be a list")
-    if not raw:
-        return ()
-    try:
-        ok = set(map(len, raw)) == {5} and all(isinstance(t, list) for t in raw)
-    except TypeError:
-        ok = False
-    if not ok:
-        raise _fail(f"{what}: a tile must be [file, offsets, lengths, byte_offset, checksums]")
-    fcol, ocol, lcol, bcol, scol = zip(*raw)
-    n, nd = len(raw), len(shape)
-    fidx = _int_array(fcol, f"{what} tile file indices", 1)
-    if nd:
-        offs = _int_array(ocol, f"{what} tile offsets", 2)
-        lens = _int_array(lcol, f"{what} tile lengths", 2)
-        if offs.shape != (n, nd) or lens.shape != (n, nd):
-            raise _fail(f"{what}: tile rank does not match shape {list(shape)}")
+    if ("tiles" in entry) == ("tile_table" in entry):
+        raise _fail(f"{what}: needs exactly one of 'tiles' and 'tile_table'")
+    nd = len(shape)
+    if "tiles" in entry:
+        fidx, offs, lens, byte_offsets, counts, sums = _tile_lists(what, entry["tiles"], nd)
     else:
-        if any(o != [] for o in ocol) or any(x != [] for x in lcol):
-            raise _fail(f"{what}: tile rank does not match shape []")
-        offs = lens = np.zeros((n, 0), dtype=np.int64)
-    byte_offsets = _int_array(bcol, f"{what} tile byte offsets", 1)
+        fidx, offs, lens, byte_offsets, counts, sums = _tile_table(what, entry["tile_table"], nd)
+    n = len(fidx)
     if (fidx >= len(files)).any():
         raise _fail(f"{what}: a tile refers to file #{int(fidx.max())} but only {len(files)} files are listed")
     if nd and (offs + lens > np.asarray(shape, dtype=np.int64)).any():
@@ -289,7 +405,7 @@ def _decode_tiles(
         raise _fail(f"{what}: tile at {offs[i].tolist()} x {lens[i].tolist()} lies outside shape {list(shape)}")
     nbytes = (lens.prod(axis=1) if nd else np.ones(n, dtype=np.int64)) * size
     file_sizes = np.array([f.nbytes for f in files], dtype=np.int64)
-    over = np.flatnonzero(byte_offsets + nbytes > file_sizes[fidx])
+    over = np.flatnonzero(byte_offsets + nbytes > file_sizes[fidx]) if n else []
     if len(over):
         i = int(over[0])
         raise _fail(
@@ -300,24 +416,80 @@ def _decode_tiles(
         i = int(misaligned[0])
         raise _fail(f"{what}: tile byte offset {int(byte_offsets[i])} is not a multiple of the item size {size}")
     expected = -(-nbytes // chunk_bytes)
+    if not np.array_equal(counts, expected) or len(sums) != int(expected.sum()):
+        raise _fail(f"{what}: expected {expected.tolist()[:5]} chunk checksums per tile, found {counts.tolist()[:5]}")
+    return TileTable(tuple(f.path for f in files), fidx, offs, lens, byte_offsets, nbytes, counts, sums)
+
+
+_Columns = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]
+
+
+def _tile_lists(what: str, raw: Any, nd: int) -> _Columns:
+    """Columns of the list form: ``[[file, offsets, lengths, byte_offset, [hex, ...]], ...]``."""
+    if not isinstance(raw, list):
+        raise _fail(f"{what}: tiles must be a list")
+    n = len(raw)
+    if not raw:
+        z = np.zeros(0, dtype=np.int64)
+        return z, np.zeros((0, nd), dtype=np.int64), np.zeros((0, nd), dtype=np.int64), z, z, np.zeros(0, dtype=np.uint64)
+    try:
+        ok = set(map(len, raw)) == {5} and all(isinstance(t, list) for t in raw)
+    except TypeError:
+        ok = False
+    if not ok:
+        raise _fail(f"{what}: a tile must be [file, offsets, lengths, byte_offset, checksums]")
+    fcol, ocol, lcol, bcol, scol = zip(*raw)
+    fidx = _int_array(fcol, f"{what} tile file indices", 1)
+    if nd:
+        offs = _int_array(ocol, f"{what} tile offsets", 2)
+        lens = _int_array(lcol, f"{what} tile lengths", 2)
+        if offs.shape != (n, nd) or lens.shape != (n, nd):
+            raise _fail(f"{what}: tile rank does not match its shape")
+    else:
+        if any(o != [] for o in ocol) or any(x != [] for x in lcol):
+            raise _fail(f"{what}: tile rank does not match shape []")
+        offs = lens = np.zeros((n, 0), dtype=np.int64)
+    byte_offsets = _int_array(bcol, f"{what} tile byte offsets", 1)
     try:
         counts = np.fromiter(map(len, scol), dtype=np.int64, count=n)
         joined = "".join(chain.from_iterable(scol))
         digests = bytes.fromhex(joined)
     except (TypeError, ValueError):
         raise _fail(f"{what}: checksums must be lists of 16 hex digits") from None
-    total = int(expected.sum())
-    if not np.array_equal(counts, expected):
-        raise _fail(f"{what}: expected {expected.tolist()[:5]} chunk checksums per tile, found {counts.tolist()[:5]}")
+    total = int(counts.sum())
     if len(joined) != 16 * total or len(digests) != 8 * total:
         raise _fail(f"{what}: checksums must be lists of 16 hex digits")
-    sums = np.frombuffer(digests, dtype=">u8").tolist()
-    paths = [f.path for f in files]
-    out = []
-    pos = 0
-    for fi, o, ln, bo, nb, k in zip(
-        fidx.tolist(), offs.tolist(), lens.tolist(), byte_offsets.tolist(), nbytes.tolist(), counts.tolist()
-    ):
-        out.append(Tile(paths[fi], tuple(o), tuple(ln), bo, nb, tuple(sums[pos : pos + k])))
-        pos += k
-    return tuple(out)
+    return fidx, offs, lens, byte_offsets, counts, np.frombuffer(digests, dtype=">u8").astype(np.uint64)
+
+
+def _tile_table(what: str, raw: Any, nd: int) -> _Columns:
+    """Columns of the table form: base64 little-endian arrays (see docs/format.md)."""
+    raw = _dict(raw, f"{what} tile_table")
+    n = _int(raw.get("count"), f"{what} tile_table count")
+
+    def column(key: str, count: int, dtype: str) -> np.ndarray:
+        data = raw.get(key)
+        if not isinstance(data, str) or len(data) > 4 * MAX_MANIFEST_BYTES // 3 + 4:
+            raise _fail(f"{what}: tile_table.{key} must be a base64 string")
+        try:
+            packed = base64.b64decode(data, validate=True)
+            inflate = zlib.decompressobj()
+            # Bounded: a hostile column cannot inflate past what ``count`` allows.
+            buf = inflate.decompress(packed, 8 * count + 1) if count >= 0 else b""
+        except (binascii.Error, ValueError, zlib.error):
+            raise _fail(f"{what}: tile_table.{key} is not valid base64 of zlib data") from None
+        if len(buf) != 8 * count:
+            raise _fail(f"{what}: tile_table.{key} holds {len(buf)} bytes, expected {8 * count}")
+        arr = np.frombuffer(buf, dtype=dtype)
+        if dtype == "<i8" and len(arr) and ((arr < 0).any() or arr.max() >= 1 << 62):
+            raise _fail(f"{what}: tile_table.{key} must be non-negative integers below 2**62")
+        return arr.astype(np.uint64 if dtype == "<u8" else np.int64)
+
+    fidx = column("file", n, "<i8")
+    offs = column("offsets", n * nd, "<i8").reshape(n, nd)
+    lens = column("lengths", n * nd, "<i8").reshape(n, nd)
+    byte_offsets = column("byte_offset", n, "<i8")
+    counts = column("chunks", n, "<i8")
+    total = int(counts.sum())
+    sums = column("checksums", total, "<u8")
+    return fidx, offs, lens, byte_offsets, counts, sums

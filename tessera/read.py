@@ -82,7 +82,6 @@ class _TileIndex:
 
     def __init__(self, manifest: Manifest) -> None:
         self.manifest = manifest
-        self._cache: dict[str, tuple[np.ndarray, np.ndarray]] = {}
         self._covered: set[str] = set()
 
     def check_coverage(self, fqn: str, rank: int) -> None:
@@ -97,14 +96,8 @@ class _TileIndex:
         self._covered.add(fqn)
 
     def arrays(self, fqn: str) -> tuple[np.ndarray, np.ndarray]:
-        hit = self._cache.get(fqn)
-        if hit is None:
-            entry = self.manifest.tensors[fqn]
-            nd = len(entry.shape)
-            offs = np.array([t.offsets for t in entry.tiles], dtype=np.int64).reshape(len(entry.tiles), nd)
-            lens = np.array([t.lengths for t in entry.tiles], dtype=np.int64).reshape(len(entry.tiles), nd)
-            hit = self._cache[fqn] = (offs, lens)
-        return hit
+        table = self.manifest.tensors[fqn].table
+        return table.offsets, table.lengths
 
 
 def _split_for_reads(rel: Box, tile_lengths: tuple[int, ...], size: int, max_bytes: int) -> list[Box]:
@@ -178,7 +171,7 @@ def plan_reads(
             # Volumes prove coverage only if the tiles are disjoint: check that once per tensor.
             index.check_coverage(t.fqn, rank)
         for i in hits.tolist():
-            tile = entry.tiles[i]
+            tile = entry.tile(i)
             inter = Box(tuple(lo[i].tolist()), tuple((hi[i] - lo[i]).tolist()))
             tile_box = Box(tile.offsets, tile.lengths)
             rel_target = inter.relative_to(t.box)

@@ -8,7 +8,6 @@ every rank reported its files durable, and then removes files of older saves.
 from __future__ import annotations
 
 import logging
-import math
 import threading
 import time
 import uuid
@@ -18,6 +17,7 @@ from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from . import dist
@@ -25,7 +25,7 @@ from .dist import World
 from .dtypes import dtype_from_name, itemsize
 from .errors import CheckpointError, StorageError
 from .geometry import Box
-from .manifest import MANIFEST_NAME, FileEntry, Manifest, PerRankEntry, TensorEntry, Tile, encode
+from .manifest import MANIFEST_NAME, FileEntry, Manifest, PerRankEntry, TensorEntry, TileTable, encode
 from .options import SaveOptions
 from .plan import RankPlan, build_global_plan, build_local_plan
 from .results import PendingSave, SaveResult
@@ -335,18 +335,23 @@ def _delete_quietly(store: Storage, paths: list[str]) -> None:
 
 def _build_manifest(world: World, entry: _CachedPlan, reports: list[dict], save_id: str, opts: SaveOptions) -> Manifest:
     assert entry.metas is not None
-    sizes = {m.fqn: itemsize(dtype_from_name(m.dtype)) for m in entry.metas}
-    tiles: dict[str, list[Tile]] = {m.fqn: [] for m in entry.metas}
+    # Columns per tensor, gathered from every rank's report; no per-tile objects.
+    cols: dict[str, list[list[Any]]] = {m.fqn: [[], [], [], [], [], []] for m in entry.metas}
     files = []
     for rank, rep in enumerate(reports):
         for fpath, nbytes, ftiles in rep["files"]:
+            fi = len(files)
             files.append(FileEntry(fpath, rank, nbytes))
             for fqn, offsets, lengths, byte_offset, sums in ftiles:
-                n = math.prod(lengths) * sizes[fqn]
-                tiles[fqn].append(Tile(fpath, tuple(offsets), tuple(lengths), byte_offset, n, tuple(sums)))
-    tensors = {
-        m.fqn: TensorEntry(m.dtype, m.shape, tuple(sorted(tiles[m.fqn], key=lambda t: t.offsets))) for m in entry.metas
-    }
+                c = cols[fqn]
+                c[0].append(fi)
+                c[1].append(offsets)
+                c[2].append(lengths)
+                c[3].append(byte_offset)
+                c[4].append(len(sums))
+                c[5].extend(sums)
+    paths = tuple(f.path for f in files)
+    tensors = {m.fqn: TensorEntry(m.dtype, m.shape, table=_table(paths, m, *cols[m.fqn])) for m in entry.metas}
     values: dict[str, Any] = {}
     per_rank: dict[str, list[Any]] = {}
     policies: dict[str, str] = {}
@@ -382,3 +387,25 @@ def _build_manifest(world: World, entry: _CachedPlan, reports: list[dict], save_
         },
     )
 
+
+def _table(
+    paths: tuple[str, ...], meta: Any, file: list[int], offsets: list, lengths: list, byte_offset: list[int],
+    chunks: list[int], sums: list[int],
+) -> TileTable:
+    """A tensor's tile table, tiles sorted by their offsets."""
+    n, nd = len(file), len(meta.shape)
+    offs = np.array(offsets, dtype=np.int64).reshape(n, nd)
+    lens = np.array(lengths, dtype=np.int64).reshape(n, nd)
+    counts = np.array(chunks, dtype=np.int64)
+    order = np.lexsort(offs.T[::-1]) if nd and n else np.arange(n)
+    starts = np.concatenate([[0], np.cumsum(counts)])[:-1]
+    sum_arr = np.array(sums, dtype=np.uint64)
+    new_counts = counts[order]
+    new_starts = np.concatenate([[0], np.cumsum(new_counts)])[:-1]
+    total = int(new_counts.sum())
+    sum_order = np.arange(total) - np.repeat(new_starts, new_counts) + np.repeat(starts[order], new_counts)
+    nbytes = (lens.prod(axis=1) if nd else np.ones(n, dtype=np.int64)) * itemsize(dtype_from_name(meta.dtype))
+    return TileTable(
+        paths, np.array(file, dtype=np.int64)[order], offs[order], lens[order], np.array(byte_offset, dtype=np.int64)[order],
+        nbytes[order], new_counts, sum_arr[sum_order],
+    )

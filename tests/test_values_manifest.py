@@ -104,3 +104,57 @@ def test_manifest_decoder_rejects_bad_input(mutate, match: str) -> None:
 def test_manifest_decoder_rejects_truncation() -> None:
     with pytest.raises(ManifestError, match="truncated|JSON"):
         decode(GOLDEN[:-10])
+
+
+def _many_tiles(n: int = 40) -> Manifest:
+    """A tensor of ``n`` row tiles spread over two files: stored as a columnar tile table."""
+    files = (FileEntry("data/x/0-0.safetensors", 0, 64 + 20 * 8 * n), FileEntry("data/x/1-0.safetensors", 1, 64 + 20 * 8 * n))
+    tiles = tuple(
+        Tile(files[i % 2].path, (i, 0), (1, 20), 64 + 80 * i, 80, (i * 7919 + 1,)) for i in range(n)
+    )
+    return Manifest("x", 2, 4096, {"big": TensorEntry("float32", (n, 20), tiles)}, files=files)
+
+
+def test_many_tiles_use_the_columnar_table_and_round_trip() -> None:
+    m = _many_tiles()
+    data = encode(m)
+    doc = json.loads(data)
+    assert "tile_table" in doc["tensors"]["big"] and "tiles" not in doc["tensors"]["big"]
+    back = decode(data)
+    assert back == m
+    entry = back.tensors["big"]
+    assert entry.tile(7) == m.tensors["big"].tiles[7]  # one tile without building the rest
+    assert entry.table.offsets[:, 0].tolist() == list(range(40))
+
+
+@pytest.mark.parametrize(
+    "key, value, match",
+    [
+        ("offsets", "not base64!", "base64"),
+        ("file", "AAAA", "zlib"),
+        ("lengths", "AAAA", "zlib"),
+        ("count", 41, "bytes"),
+        ("count", -1, "integer"),
+        ("checksums", "", "bytes"),
+    ],
+)
+def test_tile_table_decoder_rejects_bad_columns(key: str, value: object, match: str) -> None:
+    doc = json.loads(encode(_many_tiles()))
+    doc["tensors"]["big"]["tile_table"][key] = value
+    with pytest.raises(ManifestError, match=match):
+        decode(json.dumps(doc).encode())
+
+
+def test_tile_table_values_are_validated_like_lists() -> None:
+    import base64
+    import zlib
+
+    import numpy as np
+
+    doc = json.loads(encode(_many_tiles()))
+    table = doc["tensors"]["big"]["tile_table"]
+    offs = np.frombuffer(zlib.decompress(base64.b64decode(table["offsets"])), dtype="<i8").copy()
+    offs[0] = 1 << 40  # far outside the tensor
+    table["offsets"] = base64.b64encode(zlib.compress(offs.tobytes())).decode()
+    with pytest.raises(ManifestError, match="outside shape"):
+        decode(json.dumps(doc).encode())
