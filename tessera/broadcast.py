@@ -12,6 +12,7 @@ on a fast local disk with a warm page cache reading locally is usually as fast.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -21,6 +22,8 @@ from . import dist
 from .dist import World
 from .geometry import Box
 from .read import ReadTarget
+
+logger = logging.getLogger(__name__)
 
 _MIN_PIECE_BYTES = 1 << 20
 
@@ -48,10 +51,15 @@ def split_replicated(world: World, targets: list[ReadTarget]) -> tuple[list[Read
     if not world.distributed:
         return targets, []
     mine = {}
+    skipped = 0
     for t in targets:
         sig = _signature(t)
         if sig is not None:
             mine[sig] = t
+        elif not t.box.is_empty():
+            skipped += 1
+    if skipped:
+        logger.debug("rank %d: %d device or non-contiguous targets are read locally, not broadcast", world.rank, skipped)
     everyone = dist.all_gather(world, sorted(mine), "agreeing on replicated load targets")
     common = set(everyone[0]).intersection(*map(set, everyone[1:]))
     if not common:

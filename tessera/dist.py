@@ -48,18 +48,24 @@ class World:
         return self.group is not None and self.size > 1
 
 
+def is_default_group(process_group: Any) -> bool:
+    """Whether ``process_group`` means the whole job (None, or ``dist.group.WORLD``)."""
+    return process_group is None or (dist.is_initialized() and process_group == dist.group.WORLD)
+
+
 def world_for(process_group: Any = None) -> World:
     """The world of ``process_group`` (default: the whole job), with its coordination group.
 
     For the default group and for non-gloo groups (NCCL), the first call creates a
-    dedicated gloo group, which is collective over the *whole job*; later calls are local.
-    A gloo ``process_group`` is used directly, so subgroups (say one pipeline stage) can
-    save on their own.
+    dedicated gloo group (for a subgroup, only its members take part); later calls are
+    local. A gloo ``process_group`` is used directly.
     """
     if not (dist.is_available() and dist.is_initialized()):
         if process_group is not None:
             raise ValueError("process_group was given but torch.distributed is not initialised")
         return World(0, 1, None)
+    if is_default_group(process_group):
+        process_group = None
     key = process_group if process_group is not None else "default"
     with _GROUPS_LOCK:
         group = _GROUPS.get(key)
@@ -71,7 +77,16 @@ def world_for(process_group: Any = None) -> World:
             else:
                 ranks = dist.get_process_group_ranks(process_group) if process_group is not None else None
                 timeout = datetime.timedelta(seconds=_knobs.collective_timeout_s())
-                group = dist.new_group(ranks=ranks, backend="gloo", timeout=timeout)
+                # For a subgroup, only its members synchronise: the other ranks are not calling us.
+                try:
+                    group = dist.new_group(
+                        ranks=ranks, backend="gloo", timeout=timeout, use_local_synchronization=ranks is not None
+                    )
+                except RuntimeError as e:  # a peer died while the group was being connected
+                    raise CollectiveTimeoutError(
+                        f"rank {dist.get_rank()}: creating tessera's coordination group failed; another rank died "
+                        f"or hangs (timeout {_knobs.collective_timeout_s():.0f}s, TESSERA_TIMEOUT_S): {e}"
+                    ) from e
             _GROUPS[key] = group
     return World(dist.get_rank(group), dist.get_world_size(group), group)
 

@@ -109,15 +109,22 @@ def load(
         >>> tessera.load("/ckpt/step100", {"model": model.state_dict()})
     """
     opts = options or LoadOptions()
-    wait_pending(process_group)
+    early = wait_pending(process_group)  # a failed background save fails this load on every rank
     timer = PhaseTimer()
     world = dist.world_for(process_group)
-    store = storage_for(path, storage, storage_options=storage_options)
+    store: Storage | None = None
+    if early is None:
+        try:
+            store = storage_for(path, storage, storage_options=storage_options)
+        except Exception as e:  # reported with the validation exchange below, on every rank
+            early = e
 
     # Metadata: rank 0 reads the manifest once and every rank gets the same bytes.
     data, error = None, None
     if world.is_coordinator:
         try:
+            if store is None:
+                raise CheckpointError(f"rank 0 could not start the load: {early}")
             data = store.read_file(MANIFEST_NAME)
         except FileNotFoundError:
             error = f"no committed checkpoint at {path}: {MANIFEST_NAME} is missing (never saved, or the save did not finish)"
@@ -134,8 +141,10 @@ def load(
     unexpected: list[str] = []
     flat = FlatState()
     decoded: dict[str, tuple[bool, Any]] = {}
-    err: BaseException | None = None
+    err: BaseException | None = early
     try:
+        if err is not None:
+            raise err
         flat = flatten(state, rank=world.rank, world_size=world.size, for_load=True, manifest=manifest)
         targets, missing, unexpected = _validate(manifest, flat, world, state, strict=strict, cast=cast_dtypes)
         # Decode plain values now, before any tensor is touched: a refused pickle or a
@@ -164,16 +173,20 @@ def load(
     try:
         requests = plan_reads(manifest, targets, max_read_bytes=opts.max_read_bytes, rank=world.rank)
         timer.mark("plan")
+        assert store is not None  # an early error was raised by the validation exchange
         reader = Reader(store, manifest, rank=world.rank, verify=opts.verify, threads=opts.io_threads)
         stats = reader.run(requests)
         bytes_read = stats.bytes_read
         timer.mark("read")
     except Exception as e:
         err = e
-    if broadcasts and dist.all_true(world, err is None, "checking reads before broadcasting"):
+    # Every rank must know the reads succeeded everywhere before broadcasting, or before
+    # handing state to Stateful objects whose load_state_dict may itself communicate.
+    reads_ok = dist.all_true(world, err is None, "checking the reads of every rank")
+    if reads_ok and broadcasts:
         run_broadcasts(world, broadcasts)
         timer.mark("broadcast")
-    if err is None:
+    if reads_ok:
         try:
             restore_values(state, flat, lambda k: decoded[k] if k in decoded else _lookup_value(manifest, k, world, allow_pickle))
             timer.mark("values")

@@ -46,6 +46,7 @@ from .errors import (
     CheckpointNotFoundError,
     CollectiveTimeoutError,
     DistributedError,
+    StorageError,
 )
 from .manifest import MANIFEST_NAME
 from .options import LoadOptions, SaveOptions
@@ -327,9 +328,12 @@ class CheckpointManager:
             return
         try:
             self._after_commit(step, store, world)
-        finally:
+        except BaseException as e:  # noqa: BLE001 - e.g. the durable copy failed: never lost
             self._forget(step, store)
-            future.set_result(result)
+            future.set_exception(e)
+            return
+        self._forget(step, store)
+        future.set_result(result)
 
     def _forget(self, step: int, store: Storage) -> None:
         with self._lock:
@@ -344,16 +348,26 @@ class CheckpointManager:
     def _after_commit(self, step: int, store: Storage, world: dist.World) -> None:
         """Rank 0, after ``step`` committed: move ``latest``, then apply retention.
 
-        Failures here are logged, not raised: the step is committed whatever happens next.
+        Raises:
+            StorageError: if a tiered backend failed to make the step durable (the step then
+                exists only in host memory; ``latest`` and retention are left alone).
+
+        Other failures here are logged, not raised: the step is committed whatever happens next.
         """
         if not world.is_coordinator:
             return
-        try:
-            # A tiered backend commits to host memory first. Until the step is durable,
-            # neither "latest" nor retention may act on it: older steps are the safe ones.
-            wait_persisted = getattr(store, "wait_persisted", None)
-            if callable(wait_persisted):
+        # A tiered backend commits to host memory first. Until the step is durable, neither
+        # "latest" nor retention may act on it: older steps are the safe ones.
+        wait_persisted = getattr(store, "wait_persisted", None)
+        if callable(wait_persisted):
+            try:
                 wait_persisted()
+            except Exception as e:
+                raise StorageError(
+                    f"step {step} is committed in host memory but copying it to {self.step_url(step)} failed; "
+                    f"it is not durable and 'latest' still names an older step: {e}"
+                ) from e
+        try:
             found = self._scan()
         except Exception as e:  # noqa: BLE001
             logger.warning("step %d: not moving %s/%s nor applying retention: %s", step, self.root, LATEST_NAME, e)

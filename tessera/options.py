@@ -44,7 +44,9 @@ class LoadOptions:
     """Verify every chunk read against its checksum."""
     broadcast_replicated: bool = False
     """Read tensors that every rank wants identically (e.g. a DDP model) once, split across
-    ranks, and broadcast them; saves storage bandwidth at the cost of network traffic."""
+    ranks, and broadcast them over the gloo coordination group; saves storage bandwidth at
+    the cost of network traffic. Applies to contiguous CPU targets; device tensors are read
+    by each rank as usual."""
     record_timings: bool = True
     """Rank 0 writes the load's per-rank timings to ``timings/load-*.json`` in the checkpoint
     (best effort; skipped silently where the location is read-only)."""

@@ -70,25 +70,44 @@ class _SaveContext:
 _CONTEXTS: dict[object, _SaveContext] = {}
 
 
+_CONTEXTS_LOCK = threading.Lock()
+
+
 def _context(process_group: Any) -> _SaveContext:
-    key = process_group if process_group is not None else "default"
-    ctx = _CONTEXTS.get(key)
-    if ctx is None:
-        ctx = _CONTEXTS[key] = _SaveContext()
-    return ctx
+    # The default group may be named explicitly (dist.group.WORLD) or left as None.
+    key = "default" if dist.is_default_group(process_group) else process_group
+    with _CONTEXTS_LOCK:
+        ctx = _CONTEXTS.get(key)
+        if ctx is None:
+            ctx = _CONTEXTS[key] = _SaveContext()
+        return ctx
 
 
-def _wait_previous(ctx: _SaveContext) -> None:
+def _wait_previous(ctx: _SaveContext) -> BaseException | None:
+    """Wait for the save in flight; its error if nobody has seen it yet.
+
+    The error is returned, not raised: callers hand it to the next collective exchange, so
+    that every rank fails together (whether a rank already observed it is per process).
+    """
     pending = ctx.pending
-    if pending is not None:
-        ctx.pending = None
-        wait_futures([pending._future])
+    if pending is None:
+        return None
+    ctx.pending = None
+    wait_futures([pending._future])
+    try:
         pending._raise_unobserved()
+    except BaseException as e:  # noqa: BLE001 - handed to the next exchange
+        return e
+    return None
 
 
-def wait_pending(process_group: Any = None) -> None:
-    """Block until this process's save in flight (if any) has committed."""
-    _wait_previous(_context(process_group))
+def wait_pending(process_group: Any = None) -> BaseException | None:
+    """Block until this process's save in flight (if any) has finished.
+
+    Returns:
+        the save's error if it failed and nobody has observed it yet, else None.
+    """
+    return _wait_previous(_context(process_group))
 
 
 def start_save(
@@ -105,11 +124,17 @@ def start_save(
     opts = options or SaveOptions()
     ctx = _context(process_group)
     with ctx.lock:
-        _wait_previous(ctx)
+        early = _wait_previous(ctx)
         timer = PhaseTimer()
         world = dist.world_for(process_group)
-        store = storage_for(path, storage, storage_options=storage_options)
-        entry, save_id, cached, flat, values = _plan_save(world, ctx, state, allow_pickle, opts)
+        store: Storage | None = None
+        if early is None:
+            try:
+                store = storage_for(path, storage, storage_options=storage_options)
+            except Exception as e:  # reported in the first exchange, like any other rank's error
+                early = e
+        entry, save_id, cached, flat, values = _plan_save(world, ctx, state, allow_pickle, opts, early)
+        assert store is not None
         timer.mark("plan")
         staged: list[list[torch.Tensor]] = []
         stage_error: BaseException | None = None
@@ -150,14 +175,16 @@ def _run_into(future: Future[SaveResult], fn: Callable[[], SaveResult]) -> None:
 
 
 def _plan_save(
-    world: World, ctx: _SaveContext, state: object, allow_pickle: bool, opts: SaveOptions
+    world: World, ctx: _SaveContext, state: object, allow_pickle: bool, opts: SaveOptions, early: BaseException | None
 ) -> tuple[_CachedPlan, str, bool, FlatState, dict[str, Any]]:
-    error: BaseException | None = None
+    error: BaseException | None = early
     entry = None
     flat = FlatState()
     local = None
     values: dict[str, Any] = {}
     try:
+        if error is not None:
+            raise error
         flat = flatten(state, rank=world.rank, world_size=world.size, allow_pickle=allow_pickle)
         local = build_local_plan(flat, world.rank)
         entry = ctx.plans.get(local.fingerprint)

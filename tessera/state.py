@@ -164,7 +164,7 @@ class _Flattener:
             if per_rank is not None:
                 raise TypeError(f"'{fqn}': a DTensor cannot be per_rank()")
             box = _torch_private.dtensor_local_box(t, fqn)
-            local = _torch_private.local_tensor(t)
+            local = _torch_private.local_tensor(t).detach()  # shares memory: loads still fill the DTensor
             self.add(TensorPiece(fqn, tuple(t.shape), t.dtype, box, local))
             return
         data = t.detach()

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 import xxhash
 
+from .errors import StorageError
 from .geometry import Box
 from .storage.base import Storage
 from .tilefile import FileLayout
@@ -61,6 +62,9 @@ def _write_one(storage: Storage, path: str, layout: FileLayout, staged: Sequence
             tiles.append(WrittenTile(slot.fqn, slot.box, slot.byte_offset, slot.nbytes, tuple(sums)))
 
     storage.write_file(path, chunks())
+    if len(tiles) != len(layout.slots):
+        # A backend that stopped consuming the stream early must not lead to a commit.
+        raise StorageError(f"writing {path}: the storage backend wrote {len(tiles)} of {len(layout.slots)} tiles")
     return WrittenFile(path, layout.nbytes, tuple(tiles), time.monotonic() - t0)
 
 

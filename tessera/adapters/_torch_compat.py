@@ -211,3 +211,24 @@ def fsdp1_units(model: nn.Module) -> Iterator[FlatUnit]:
                 )
             )
         yield FlatUnit(name, fp, tuple(pieces), uop)
+
+
+def compiled_inner(model: nn.Module) -> nn.Module | None:
+    """The module a ``torch.compile`` wrapper holds, or None.
+
+    ``OptimizedModule._orig_mod`` is the only way to reach it; torch has no public accessor.
+    """
+    inner = getattr(model, "_orig_mod", None)
+    return inner if isinstance(inner, nn.Module) else None
+
+
+def persistent_buffers(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """The module's own (non-recursive) persistent buffers: those its state_dict saves.
+
+    ``_non_persistent_buffers_set`` is private; the public alternative (diffing
+    ``state_dict()`` keys) would materialize full tensors for FSDP/DTensor modules.
+    """
+    skip = getattr(module, "_non_persistent_buffers_set", set())
+    for name, buf in module.named_buffers(recurse=False):
+        if buf is not None and name not in skip:
+            yield name, buf

@@ -35,7 +35,8 @@ class RNGState:
 
     Args:
         on_resize: the policy above.
-        cuda: include the current CUDA device's generator (default: if CUDA is initialized).
+        cuda: include the current CUDA device's generator (default: if CUDA is available, so
+            that saving and loading processes agree on the keys).
 
     Example:
         >>> state = {"model": tessera.ModelState(m), "rng": tessera.RNGState()}
@@ -43,7 +44,7 @@ class RNGState:
 
     def __init__(self, *, on_resize: OnResize | str = OnResize.KEEP, cuda: bool | None = None) -> None:
         self.on_resize = OnResize(on_resize)
-        self.cuda = torch.cuda.is_available() and torch.cuda.is_initialized() if cuda is None else cuda
+        self.cuda = torch.cuda.is_available() if cuda is None else cuda
 
     def state_dict(self) -> dict[str, Any]:
         """The current generator states, each marked per rank."""

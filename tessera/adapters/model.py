@@ -125,8 +125,8 @@ def unwrap(model: nn.Module) -> nn.Module:
     while True:
         if isinstance(model, nn.parallel.DistributedDataParallel) or type(model).__name__ == "DataParallel":
             model = model.module
-        elif hasattr(model, "_orig_mod") and isinstance(model._orig_mod, nn.Module):
-            model = model._orig_mod
+        elif _torch_compat.compiled_inner(model) is not None:
+            model = _torch_compat.compiled_inner(model)
         else:
             return model
 
@@ -200,8 +200,8 @@ def collect(model: nn.Module | Sequence[nn.Module]) -> ModelLayout:
             by_param[id(p)] = e
             add(e)
         for mname, m in mod.named_modules():
-            for bname, b in m._buffers.items():
-                if b is None or bname in m._non_persistent_buffers_set or id(b) in seen:
+            for bname, b in _torch_compat.persistent_buffers(m):
+                if id(b) in seen:
                     continue
                 seen.add(id(b))
                 add(tensor_entry(b, _torch_compat.clean_fqn(f"{mname}.{bname}" if mname else bname), is_buffer=True))

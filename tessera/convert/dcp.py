@@ -23,19 +23,37 @@ from __future__ import annotations
 
 import io
 import logging
+import pickle
 import time
 import warnings
 from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex, TensorStorageMetadata
-from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    MetadataIndex,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import (
+    LoadItemType,
+    LoadPlan,
+    LoadPlanner,
+    ReadItem,
+)
 
 from ..errors import PickleNotAllowedError
 from ..geometry import Box
 from ..storage import Storage
-from ._common import ConvertResult, Progress, ProgressFn, cast_for, itemsize, numel, strip_prefix
+from ._common import (
+    ConvertResult,
+    Progress,
+    ProgressFn,
+    cast_for,
+    itemsize,
+    numel,
+    strip_prefix,
+)
 from ._sink import CheckpointWriter
 from ._source import CheckpointSource
 
@@ -160,7 +178,9 @@ class _ChunkPlanner(LoadPlanner):
         fqn = read_item.dest_index.fqn
         try:
             self.loaded[fqn] = torch.load(value, weights_only=not self.allow_pickle)
-        except Exception as e:  # weights_only refuses arbitrary objects
+        except pickle.UnpicklingError as e:  # weights_only refuses arbitrary objects
+            if self.allow_pickle:
+                raise
             logger.warning("DCP entry '%s' is not a plain value (%s); left out (allow_pickle=True keeps it)", fqn, e)
             self.refused.append(fqn)
 

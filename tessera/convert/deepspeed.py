@@ -29,6 +29,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import pickle
 import re
 import time
 from typing import Any
@@ -97,7 +98,7 @@ def _load(path: str, allow_pickle: bool) -> Any:
         if "mmap" not in str(e):
             raise
         return torch.load(path, map_location="cpu", weights_only=not allow_pickle)  # legacy (non-zip) format
-    except Exception as e:
+    except pickle.UnpicklingError as e:  # weights_only refused an object: anything else propagates as is
         if allow_pickle:
             raise
         raise CheckpointError(

@@ -23,6 +23,7 @@ import importlib
 import json
 import logging
 import os
+import pickle
 import re
 import time
 from collections.abc import Mapping
@@ -200,7 +201,7 @@ def import_megatron(
 def _load(path: str, allow_pickle: bool) -> dict:
     try:
         sd = torch.load(path, map_location="cpu", mmap=True, weights_only=not allow_pickle)
-    except Exception as e:
+    except pickle.UnpicklingError as e:  # weights_only refused an object: anything else propagates as is
         if allow_pickle:
             raise
         raise CheckpointError(
