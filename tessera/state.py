@@ -107,7 +107,7 @@ class _Flattener:
         self.manifest = manifest
         self.out = FlatState()
 
-    def visit(self, value: object, fqn: str, per_rank: OnResize | None) -> None:
+    def visit(self, value: object, fqn: str, per_rank: OnResize | None, *, container: bool = False) -> None:
         if isinstance(value, PerRank):
             if per_rank is not None:
                 raise TypeError(f"'{fqn}': per_rank() values cannot be nested")
@@ -126,9 +126,11 @@ class _Flattener:
             sd = value.state_dict()
             if not isinstance(sd, dict):
                 raise TypeError(f"'{fqn}': {type(value).__name__}.state_dict() returned {type(sd).__name__}, not a dict")
-            self.visit(sd, fqn, per_rank)
+            # A state dict is a structure, not a value: its keys are names even when it holds
+            # no tensor (a fresh optimizer saves the same keys as a trained one, minus state).
+            self.visit(sd, fqn, per_rank, container=True)
             self.out.statefuls.append((value, sd))
-        elif isinstance(value, (dict, list, tuple)) and (_contains_tensor(value) or not fqn):
+        elif isinstance(value, (dict, list, tuple)) and (container or _contains_tensor(value) or not fqn):
             items = value.items() if isinstance(value, dict) else enumerate(value)
             seen: set[str] = set()
             for k, v in items:
@@ -229,7 +231,7 @@ def restore_values(state: object, flat: FlatState, lookup: Callable[[str], tuple
     stateful_sds = {id(obj): sd for obj, sd in flat.statefuls}
     filled: dict[int, object] = {}
 
-    def rebuild(value: object, fqn: str) -> object:
+    def rebuild(value: object, fqn: str, container: bool = False) -> object:
         if isinstance(value, PerRank):
             return PerRank(rebuild(value.value, fqn), value.on_resize)
         if isinstance(value, (torch.Tensor, ShardedTensor, FlatShard)):
@@ -237,9 +239,9 @@ def restore_values(state: object, flat: FlatState, lookup: Callable[[str], tuple
         if is_stateful(value) and not isinstance(value, type):
             sd = stateful_sds.get(id(value))
             if sd is not None:
-                filled[id(value)] = rebuild(sd, fqn)
+                filled[id(value)] = rebuild(sd, fqn, container=True)
             return value
-        if isinstance(value, (dict, list, tuple)) and (_contains_tensor(value) or not fqn):
+        if isinstance(value, (dict, list, tuple)) and (container or _contains_tensor(value) or not fqn):
             if isinstance(value, dict):
                 for k in list(value):
                     value[k] = rebuild(value[k], join(fqn, k))

@@ -12,12 +12,10 @@ and refused otherwise: tessera cannot tell which part of it a rank holds.
 restored by membership, so groups match across frameworks and world sizes.
 
 Loading into an optimizer that has no state yet: :meth:`OptimizerState.prepare_load`
-creates zero states of the right geometry from the checkpoint's own keys (shapes, dtypes).
-When nobody called it, a fresh optimizer builds its states by stepping *stand-in*
-parameters once (the real parameters, gradients and learning rates are never touched).
-The states are installed only by ``load_state_dict``, so a save never changes the
-optimizer; ``has_state`` records whether it had any, so a checkpoint of a fresh optimizer
-loads back as a fresh optimizer.
+(called by ``tessera.load`` with the checkpoint's manifest) creates zero states of the
+right geometry from the checkpoint's own keys (shapes, dtypes). The states are installed
+only by ``load_state_dict``. Saving never steps or changes the optimizer: a fresh one saves
+no state, and ``has_state`` records that, so its checkpoint loads back as a fresh optimizer.
 """
 
 from __future__ import annotations
@@ -76,6 +74,7 @@ class OptimizerState:
             raise TypeError("optimizer must be a torch.optim.Optimizer or a non-empty sequence of them")
         self._pending: dict[int, tuple[torch.optim.Optimizer, torch.Tensor, State]] = {}
         self._prepared = False
+        self._load_fresh = False
         self._targets: dict[tuple[str, Any], _Target] = {}
 
     # ----------------------------------------------------------------------------------
@@ -92,16 +91,16 @@ class OptimizerState:
         params = list(self._params(layout))
         has_state = any(len(o.state) > 0 for o in self._optimizers)
         if not self._prepared:
+            # Saving: only the state that exists (a fresh optimizer saves none, and saving
+            # never steps anything). Loading: tessera.load calls prepare_load first.
             self._pending = {}
-            if not has_state:
-                for opt in self._optimizers:
-                    needs = {id(p): p for o, _, p, e in params if o is opt and e.requires_grad}
-                    for pid, st in _stand_in_states(opt, list(needs.values())).items():
-                        self._pending[pid] = (opt, needs[pid], st)
+            self._load_fresh = False
         self._prepared = False
         out: dict[str, dict[Any, object]] = {}
         self._targets = {}
         for opt, _, p, entry in params:
+            if self._load_fresh:
+                break  # the checkpoint is of a fresh optimizer: there is no state to fill
             st = opt.state.get(p) or (self._pending[id(p)][2] if id(p) in self._pending else None)
             if not st:
                 continue
@@ -179,6 +178,8 @@ class OptimizerState:
             >>> optim_state.prepare_load(tessera.read_manifest(path), "optim")
         """
         layout = collect(self._model)
+        has_key = f"{prefix}.has_state" if prefix else "has_state"
+        self._load_fresh = manifest.values.get(has_key, True) is False
         base = f"{prefix}.state." if prefix else "state."
         fqns = {v.fqn for e in layout.by_param.values() for v in e.views}
         saved: dict[str, dict[str, tuple[str, Any]]] = {}
@@ -270,46 +271,6 @@ def _describe(entry: ParamEntry, view: ParamView, key: Any, val: Any) -> tuple[o
         f"(global shape {list(view.shape)}, held as {view.kind.value}); the parameter is sharded, so tessera cannot "
         "tell which part of this state the rank holds. Keep such states as DTensors or shaped like the parameter"
     )
-
-
-def _stand_in_states(opt: torch.optim.Optimizer, params: list[torch.Tensor]) -> dict[int, State]:
-    """The states ``opt`` creates for ``params``, made by stepping zero stand-ins once.
-
-    The optimizer's groups are swapped for groups of stand-ins (same hyperparameters,
-    same geometry, zero value and gradient) for one ``step``; real parameters, gradients
-    and learning rates are never touched, whatever the optimizer does on a step.
-    """
-    if not params:
-        return {}
-    wanted = {id(p) for p in params}
-    stand: dict[int, torch.Tensor] = {}
-    trial = []
-    for g in opt.param_groups:
-        qs = []
-        for p in g["params"]:
-            if id(p) in wanted and id(p) not in stand:
-                q = torch.zeros_like(p.detach()).requires_grad_(True)
-                q.grad = torch.zeros_like(q)
-                stand[id(p)] = q
-                qs.append(q)
-        trial.append({**g, "params": qs})
-    groups = opt.param_groups
-    opt.param_groups = trial
-    try:
-        type(opt).step(opt)  # the class's step: instance wrappers (LR-scheduler counters) are skipped
-    except Exception as e:
-        raise StateMismatchError(
-            f"could not build the state of a fresh {type(opt).__name__} by stepping stand-in parameters ({e}); "
-            "call OptimizerState.prepare_load(tessera.read_manifest(path), key) before tessera.load"
-        ) from e
-    finally:
-        opt.param_groups = groups
-    out = {}
-    for pid, q in stand.items():
-        st = opt.state.pop(q, None)
-        if st:
-            out[pid] = dict(st)
-    return out
 
 
 def _zero_state(entry: ParamEntry, view: ParamView, name: str, te: Any, group: dict) -> torch.Tensor:
