@@ -164,18 +164,17 @@ def raise_failures(world: World, failures: dict[int, str], what: str) -> None:
         raise DistributedError(f"{what} failed on {len(failures)} of {world.size} rank(s) (seen on rank {world.rank}):", failures)
 
 
-def check_all(world: World, error: BaseException | None, what: str) -> None:
-    """Collective: if any rank passes an error, every rank raises with all causes.
+def exchange(world: World, error: BaseException | None, payload: T, what: str) -> list[T]:
+    """Collective: every rank's ``payload``, unless some rank passes an error.
 
-    A single-process caller gets its own exception back unchanged.
+    If only this rank failed, its own exception is raised unchanged; otherwise every rank
+    raises one :class:`DistributedError` listing each failed rank's cause. Either way all
+    ranks leave the exchange together, so no rank is left waiting in a later collective.
     """
-    if not world.distributed:
-        if error is not None:
-            raise error
-        return
-    texts = all_gather(world, None if error is None else error_text(world.rank, error), what)
-    failures = {r: t for r, t in enumerate(texts) if t is not None}
+    replies = all_gather(world, (None if error is None else error_text(world.rank, error), payload), what)
+    failures = {r: e for r, (e, _) in enumerate(replies) if e is not None}
     if failures:
-        if error is not None and len(failures) == 1:
+        if error is not None and failures.keys() == {world.rank}:
             raise error
         raise_failures(world, failures, what)
+    return [p for _, p in replies]

@@ -45,13 +45,16 @@ def read_manifest(path: str, *, storage: Storage | None = None, storage_options:
         ManifestError: if the manifest is invalid.
     """
     store = storage_for(path, storage, storage_options=storage_options)
+    return decode(_read_manifest_bytes(store, path), source=f"{path}/{MANIFEST_NAME}")
+
+
+def _read_manifest_bytes(store: Storage, path: str) -> bytes:
     try:
-        data = store.read_file(MANIFEST_NAME)
+        return store.read_file(MANIFEST_NAME)
     except FileNotFoundError:
         raise CheckpointNotFoundError(
             f"no committed checkpoint at {path}: {MANIFEST_NAME} is missing (never saved, or the save did not finish)"
         ) from None
-    return decode(data, source=f"{path}/{MANIFEST_NAME}")
 
 
 def _scope(state: object) -> list[str] | None:
@@ -125,14 +128,14 @@ def load(
         try:
             if store is None:
                 raise CheckpointError(f"rank 0 could not start the load: {early}")
-            data = store.read_file(MANIFEST_NAME)
-        except FileNotFoundError:
-            error = f"no committed checkpoint at {path}: {MANIFEST_NAME} is missing (never saved, or the save did not finish)"
+            data = _read_manifest_bytes(store, path)
+        except CheckpointNotFoundError as e:
+            error = e  # every rank raises the same, typed error
         except Exception as e:
-            error = f"reading {path}/{MANIFEST_NAME} failed: {dist.error_text(0, e)}"
+            error = CheckpointError(f"reading {path}/{MANIFEST_NAME} failed: {dist.error_text(0, e)}")
     data, error = dist.broadcast(world, (data, error), "reading the manifest")
     if error is not None:
-        raise CheckpointNotFoundError(error) if "no committed checkpoint" in error else CheckpointError(error)
+        raise error
     manifest = decode(data, source=f"{path}/{MANIFEST_NAME}")
     timer.mark("metadata")
 
@@ -153,15 +156,8 @@ def load(
     except Exception as e:
         err = e
     # A key is unexpected only if no rank wants it: a pipeline stage holds only its layers.
-    replies = dist.all_gather(
-        world, (None if err is None else dist.error_text(world.rank, err), unexpected), f"validating the load of {path}"
-    )
-    failures = {r: e for r, (e, _) in enumerate(replies) if e is not None}
-    if failures:
-        if err is not None and failures.keys() == {world.rank}:
-            raise err
-        dist.raise_failures(world, failures, f"validating the load of {path}")
-    unexpected = sorted(set(unexpected).intersection(*(set(u) for _, u in replies)))
+    replies = dist.exchange(world, err, unexpected, f"validating the load of {path}")
+    unexpected = sorted(set(unexpected).intersection(*(set(u) for u in replies)))
     if strict and unexpected:
         raise MissingKeysError(
             f"keys do not match (strict=True): in the checkpoint but wanted by no rank: {_preview(unexpected)}"
@@ -193,16 +189,11 @@ def load(
         except Exception as e:
             err = e
     timings = {**timer.total(), "bytes": bytes_read}
-    reports = dist.all_gather(world, (None if err is None else dist.error_text(world.rank, err), timings), f"loading {path}")
-    failures = {r: e for r, (e, _) in enumerate(reports) if e is not None}
-    if failures:
-        if err is not None and set(failures) == {world.rank}:
-            raise err
-        dist.raise_failures(world, failures, f"loading {path}")
+    reports = dist.exchange(world, err, timings, f"loading {path}")
     if world.is_coordinator:
         logger.info("loaded %s (%d bytes on rank 0) in %.3fs", path, bytes_read, timings["total"])
         if opts.record_timings:
-            _record_load_timings(store, manifest, [t for _, t in reports])
+            _record_load_timings(store, manifest, reports)
     return LoadResult(sorted(missing), sorted(unexpected), bytes_read, timer.total(), manifest.save_id)
 
 

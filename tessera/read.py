@@ -13,7 +13,6 @@ host memory stays bounded however large the checkpoint is.
 from __future__ import annotations
 
 import logging
-import math
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -359,6 +358,3 @@ class Reader:
 def _names(req: ReadRequest) -> str:
     return ", ".join(sorted({f"'{c.fqn}'" for c in req.copies}))
 
-
-def total_nbytes(targets: Sequence[ReadTarget]) -> int:
-    return sum(math.prod(t.box.lengths) * t.data.element_size() for t in targets)

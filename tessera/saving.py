@@ -198,19 +198,10 @@ def _plan_save(
         }
     except Exception as e:  # reported on every rank below
         error = e
-    hello = (
-        None if error is None else dist.error_text(world.rank, error),
-        entry.plan_id if entry is not None else None,
-        uuid.uuid4().hex[:16] if world.is_coordinator else None,
-    )
-    replies = dist.all_gather(world, hello, "starting the save")
-    failures = {r: h[0] for r, h in enumerate(replies) if h[0] is not None}
-    if failures:
-        if error is not None and failures.keys() == {world.rank}:
-            raise error  # only this rank failed: its own exception says it best
-        dist.raise_failures(world, failures, "preparing the save")
-    save_id = replies[0][2]
-    plan_ids = {h[1] for h in replies}
+    hello = (entry.plan_id if entry is not None else None, uuid.uuid4().hex[:16] if world.is_coordinator else None)
+    replies = dist.exchange(world, error, hello, "preparing the save")
+    save_id = replies[0][1]
+    plan_ids = {h[0] for h in replies}
     if entry is not None and len(plan_ids) == 1:
         return entry, save_id, True, flat, values
 

@@ -9,6 +9,7 @@ tensors skips staging altogether and writes straight from the tensors.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Sequence
 
@@ -73,7 +74,7 @@ class StagingBuffer:
             pin = bool(on_device) and torch.cuda.is_available()
             buf = self._ensure(pos, pin)
             stream = self._copy_stream(on_device)
-            ctx = torch.cuda.stream(stream) if stream is not None else _null()
+            ctx = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
             with ctx:
                 for i, off in zip(todo, offsets):
                     src = sources[i]
@@ -95,10 +96,3 @@ class StagingBuffer:
         stream.wait_stream(torch.cuda.current_stream(on_device[0].device))  # type: ignore[attr-defined]
         return stream
 
-
-class _null:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
