@@ -109,6 +109,35 @@ class FlatShard:
         return out
 
 
+@dataclass(frozen=True, eq=False)
+class MultiShard:
+    """Several pieces of one global tensor that this rank owns, under one name.
+
+    A rank may hold disjoint boxes of the same tensor that are not one box or one flat
+    range: Megatron-Core's SwiGLU ``linear_fc1`` weight, for example, puts rank ``r``'s
+    gate rows and its up rows ``ffn`` rows apart. Save and load treat each piece as if it
+    came alone; the pieces must not overlap and must agree on the global shape.
+
+    Args:
+        shards: the pieces (:class:`ShardedTensor` or :class:`FlatShard`), at least one.
+
+    Example:
+        >>> gate, up = torch.zeros(2, 4), torch.zeros(2, 4)  # rows 0..1 and 4..5 of (8, 4)
+        >>> MultiShard([ShardedTensor(gate, (8, 4), (0, 0)), ShardedTensor(up, (8, 4), (4, 0))])
+    """
+
+    shards: tuple[ShardedTensor | FlatShard, ...]
+
+    def __init__(self, shards: Sequence[ShardedTensor | FlatShard]) -> None:
+        items = tuple(shards)
+        if not items or not all(isinstance(s, (ShardedTensor, FlatShard)) for s in items):
+            raise ValueError("MultiShard needs at least one ShardedTensor or FlatShard")
+        shapes = {s.global_shape for s in items}
+        if len(shapes) != 1:
+            raise ValueError(f"MultiShard: the pieces disagree on the global shape ({sorted(shapes)})")
+        object.__setattr__(self, "shards", items)
+
+
 class OnResize(str, Enum):
     """What a per-rank value does when loaded under a different world size."""
 

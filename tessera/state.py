@@ -20,7 +20,7 @@ import torch
 from . import _torch_private
 from .dtypes import dtype_name
 from .geometry import Box
-from .shards import FlatShard, OnResize, PerRank, ShardedTensor
+from .shards import FlatShard, MultiShard, OnResize, PerRank, ShardedTensor
 from .values import encode_value
 
 
@@ -73,7 +73,7 @@ def is_stateful(value: object) -> bool:
 
 
 def _contains_tensor(value: object) -> bool:
-    if isinstance(value, (torch.Tensor, ShardedTensor, FlatShard, PerRank)) or is_stateful(value):
+    if isinstance(value, (torch.Tensor, ShardedTensor, FlatShard, MultiShard, PerRank)) or is_stateful(value):
         return True
     if isinstance(value, dict):
         return any(_contains_tensor(v) for v in value.values())
@@ -118,6 +118,11 @@ class _Flattener:
             if per_rank is not None:
                 raise TypeError(f"'{fqn}': a {type(value).__name__} cannot be per_rank(); it already names its box")
             self.shard(value, fqn)
+        elif isinstance(value, MultiShard):
+            if per_rank is not None:
+                raise TypeError(f"'{fqn}': a MultiShard cannot be per_rank(); it already names its boxes")
+            for s in value.shards:
+                self.shard(s, fqn)
         elif is_stateful(value) and not isinstance(value, type):
             prepare = getattr(value, "prepare_load", None)
             if self.for_load and self.manifest is not None and callable(prepare):
@@ -234,7 +239,7 @@ def restore_values(state: object, flat: FlatState, lookup: Callable[[str], tuple
     def rebuild(value: object, fqn: str, container: bool = False) -> object:
         if isinstance(value, PerRank):
             return PerRank(rebuild(value.value, fqn), value.on_resize)
-        if isinstance(value, (torch.Tensor, ShardedTensor, FlatShard)):
+        if isinstance(value, (torch.Tensor, ShardedTensor, FlatShard, MultiShard)):
             return value
         if is_stateful(value) and not isinstance(value, type):
             sd = stateful_sds.get(id(value))

@@ -1,0 +1,489 @@
+"""Megatron-Core sharded state dicts, saved and loaded natively by tessera.
+
+Megatron-Core describes what each rank holds with ``model.sharded_state_dict()`` (and the
+optimizer's ``sharded_state_dict(model_sharded_state_dict)``): a nested dict whose leaves
+are ``dist_checkpointing.mapping`` objects. They map onto tessera's geometry one to one:
+
+============================  =========================================================
+Megatron-Core                 tessera
+============================  =========================================================
+``ShardedTensor``             a :class:`~tessera.ShardedTensor` box of the global tensor
+                              named by its ``key`` (``global_offset``, ``local_shape``,
+                              ``global_shape``; ``prepend_axis_num`` leading axes of
+                              length 1, e.g. the layer or expert index)
+``ShardedTensor`` with        a :class:`~tessera.FlatShard` (a flat range of the local
+``flattened_range``           chunk; megatron-core < 0.14 distributed optimizer)
+``replica_id``                only main replicas (``replica_id`` all 0) are saved, as Megatron does
+``ShardedObject``             a value named by its ``unique_key`` (``key/shard_<off>_<shape>``)
+``ShardedTensorFactory``      built on save (``build()``), merged on load (``merge_fn``)
+``LocalNonpersistentObject``  not saved; on load the local object is returned
+anything else                 the common part: one value ``common`` (rank 0's)
+============================  =========================================================
+
+Checkpoint tensor names are Megatron's keys (``decoder.layers.self_attention.linear_qkv.weight``,
+``optimizer.state.exp_avg.decoder.layers...``), the same names a ``torch_dist`` checkpoint
+uses, so a converted ``torch_dist`` checkpoint and a natively saved one load the same way.
+Loading into another TP / PP / DP / EP layout works because the target's sharded state dict
+describes the boxes it wants; nothing about the saving layout is needed.
+
+Example:
+    >>> from tessera.adapters.megatron_core import save_sharded_state_dict, load_sharded_state_dict
+    >>> save_sharded_state_dict("/ckpt/step100", {"model": model.sharded_state_dict(), "iteration": 100})
+    >>> sd = load_sharded_state_dict("/ckpt/step100", {"model": model.sharded_state_dict(), "iteration": 0})
+    >>> model.load_state_dict(sd["model"])
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..errors import CheckpointError, PickleNotAllowedError, StateMismatchError
+from ..options import LoadOptions, SaveOptions
+from ..results import LoadResult, SaveResult
+from ..shards import FlatShard, MultiShard, ShardedTensor
+from ..storage import Storage
+from ..values import is_plain
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "MegatronCoreState",
+    "from_tessera_state",
+    "load_sharded_state_dict",
+    "save_sharded_state_dict",
+    "to_tessera_state",
+]
+
+COMMON_KEY = "common"
+"""The value holding the common (non-sharded) part of a sharded state dict, like Megatron's common.pt."""
+_TORCH_SAVE = "__torch_save__"
+
+
+def _mapping() -> Any:
+    try:
+        from megatron.core.dist_checkpointing import mapping
+    except ImportError as e:  # pragma: no cover - exercised only without megatron-core
+        raise ImportError(
+            "tessera.adapters.megatron_core needs megatron-core (pip install 'tessera[interop]' or megatron-core)"
+        ) from e
+    return mapping
+
+
+# ---------------------------------------------------------------------------------------
+# Objects: plain values inline, anything else through torch.save bytes.
+
+
+def _encode_object(obj: object, name: str, allow_pickle: bool) -> object:
+    if is_plain(obj):
+        return obj
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    data = buf.getvalue()
+    if not allow_pickle:
+        try:
+            torch.load(io.BytesIO(data), weights_only=True)
+        except Exception as e:  # noqa: BLE001 - any refusal means the object needs pickle
+            raise PickleNotAllowedError(
+                f"Megatron object '{name}' ({type(obj).__qualname__}) holds objects that only unpickling can "
+                f"restore ({e}); pass allow_pickle=True to save and load if you trust the checkpoint's readers"
+            ) from e
+    return {_TORCH_SAVE: data}
+
+
+def _decode_object(value: object, name: str, allow_pickle: bool) -> object:
+    if isinstance(value, dict) and set(value) == {_TORCH_SAVE} and isinstance(value[_TORCH_SAVE], bytes):
+        try:
+            return torch.load(io.BytesIO(value[_TORCH_SAVE]), weights_only=not allow_pickle)
+        except Exception as e:
+            if allow_pickle:
+                raise
+            raise PickleNotAllowedError(
+                f"Megatron object '{name}' needs unpickling to load ({e}); pass allow_pickle=True if you trust "
+                "the checkpoint"
+            ) from e
+    return value
+
+
+# ---------------------------------------------------------------------------------------
+# Megatron sharded state dict <-> tessera state.
+
+
+@dataclass
+class _Conversion:
+    """How a tessera state built from a sharded state dict maps back to it (load side)."""
+
+    sharded: Any = None
+    """The sharded part (factories built, non-persistent objects removed), a copy of the structure."""
+    nonpersistent: Any = None
+    """``LocalNonpersistentObject`` values, unwrapped."""
+    factories: Any = None
+    """The ``ShardedTensorFactory`` objects, for their ``merge_fn``."""
+    tensors: dict[int, torch.Tensor] = field(default_factory=dict)
+    """id(megatron ShardedTensor) -> the local tensor that the load fills."""
+    objects: dict[int, str] = field(default_factory=dict)
+    """id(megatron ShardedObject) -> its checkpoint name."""
+    has_common: bool = False
+
+
+def _tensor_shard(st: Any, data: torch.Tensor, global_shape: tuple[int, ...]) -> ShardedTensor | FlatShard | None:
+    """The tessera shard of Megatron ShardedTensor ``st`` holding ``data`` (None: empty)."""
+    p = st.prepend_axis_num
+    offset = tuple(int(o) for o in st.global_offset)
+    local_shape = (1,) * p + tuple(int(s) for s in st.local_shape)
+    if st.flattened_range is None:
+        view = data[(None,) * p] if p else data
+        if tuple(view.shape) != local_shape:
+            raise StateMismatchError(
+                f"Megatron tensor '{st.key}': data of shape {list(data.shape)} does not match local_shape "
+                f"{list(st.local_shape)}"
+            )
+        return ShardedTensor(view, global_shape, offset)
+    # megatron-core < 0.14: a flat slice of the local chunk. It is one flat range of the
+    # global tensor only when the chunk is contiguous in the global row-major order (it
+    # spans every dimension after its first one longer than 1).
+    rng = st.flattened_range
+    first = next((d for d, n in enumerate(local_shape) if n > 1), len(local_shape))
+    if any(local_shape[d] != global_shape[d] for d in range(first + 1, len(local_shape))):
+        raise StateMismatchError(
+            f"Megatron tensor '{st.key}': flattened_range {rng} of a local chunk {list(local_shape)} at offset "
+            f"{list(offset)} in {list(global_shape)} is not one contiguous range of the global tensor; save "
+            "the distributed optimizer in the 'fully_reshardable' format instead"
+        )
+    strides = [math.prod(global_shape[d + 1 :]) for d in range(len(global_shape))]
+    chunk_start = sum(o * s for o, s in zip(offset, strides))
+    flat = data.reshape(-1)
+    if flat.numel() != rng.stop - rng.start:
+        raise StateMismatchError(
+            f"Megatron tensor '{st.key}': flattened_range {rng} but data holds {flat.numel()} elements"
+        )
+    return FlatShard(flat, global_shape, chunk_start + rng.start) if flat.numel() else None
+
+
+def to_tessera_state(
+    sharded_state_dict: Mapping[str, Any],
+    *,
+    for_load: bool = False,
+    allow_pickle: bool = False,
+    saved_shapes: Mapping[str, tuple[int, ...]] | None = None,
+    saved_common: bool = True,
+) -> tuple[dict[str, Any], _Conversion]:
+    """The flat tessera state of a Megatron-Core sharded state dict.
+
+    The dict is preprocessed exactly as ``megatron.core.dist_checkpointing`` does
+    (``save_preprocess`` / ``load_preprocess``: factories built, non-persistent objects
+    set aside, the common part split off); the caller's dict is not modified.
+
+    Args:
+        sharded_state_dict: as returned by ``model.sharded_state_dict()`` (any nesting,
+            several models and optimizers together, plain values such as ``iteration``).
+        for_load: build load targets: tensors whose ``data`` is None are allocated,
+            objects and the common part become placeholders.
+        allow_pickle: allow objects that only unpickling restores (save side).
+        saved_shapes: checkpoint name -> global shape, for ``allow_shape_mismatch``
+            tensors (padded vocabularies) whose saved shape differs: their target is
+            zeroed and the overlap is read.
+        saved_common: (load) whether the checkpoint has a common part to load.
+
+    Returns:
+        ``(state, conversion)``: pass ``state`` to ``tessera.save``/``tessera.load``; after
+        a load, ``from_tessera_state(state, conversion)`` gives the loaded state dict.
+
+    Raises:
+        StateMismatchError: a tensor whose data does not match its description, or a
+            name used by both a tensor and an object.
+
+    Example:
+        >>> state, conv = to_tessera_state(model.sharded_state_dict(), for_load=True)
+        >>> tessera.load(path, state)
+        >>> model.load_state_dict(from_tessera_state(state, conv))
+    """
+    from megatron.core.dist_checkpointing.dict_utils import extract_matching_values, nested_values
+    from megatron.core.dist_checkpointing.state_dict_utils import load_preprocess
+    from megatron.core.dist_checkpointing.utils import extract_nonpersistent, extract_sharded_base
+
+    m = _mapping()
+    if not isinstance(sharded_state_dict, Mapping):
+        raise TypeError(f"a Megatron sharded state dict must be a dict, got {type(sharded_state_dict).__name__}")
+    conv = _Conversion()
+    state: dict[str, Any] = {}
+    if for_load:
+        sharded, conv.nonpersistent, conv.factories = load_preprocess(dict(sharded_state_dict))
+        sharded, _ = extract_sharded_base(sharded)
+        conv.has_common = saved_common
+        if saved_common:
+            state[COMMON_KEY] = None
+    else:
+        sharded, _ = extract_matching_values(dict(sharded_state_dict), lambda x: True)  # a copy of the structure
+        m.apply_factories(sharded)
+        _, sharded = extract_nonpersistent(sharded)
+        sharded, common = extract_sharded_base(sharded)
+        state[COMMON_KEY] = _encode_object(common, COMMON_KEY, allow_pickle)
+    conv.sharded = sharded
+
+    shards: dict[str, list[ShardedTensor | FlatShard]] = {}
+    for x in nested_values(sharded):
+        if not for_load and isinstance(x, (m.ShardedTensor, m.ShardedObject)) and not m.is_main_replica(x.replica_id):
+            # As Megatron does: only the main replica is written. Replicas are meant to be
+            # equal, but e.g. TP-replicated layer norms may drift apart in the last bits;
+            # the main replica is the one Megatron's own checkpoint would hold.
+            continue
+        if isinstance(x, m.ShardedTensor):
+            if x.data is None:
+                if not for_load:
+                    raise StateMismatchError(f"Megatron tensor '{x.key}' has no data to save")
+                x.init_data("cpu", init_fn=torch.zeros if x.allow_shape_mismatch else torch.empty)
+            data = x.data.detach()
+            conv.tensors[id(x)] = data
+            shape = tuple(int(s) for s in x.global_shape)
+            saved = tuple(saved_shapes[x.key]) if saved_shapes and x.key in saved_shapes else shape
+            if for_load and x.allow_shape_mismatch and saved != shape:
+                data.zero_()  # padding rows the checkpoint does not have
+                shard = _overlap_shard(x, data, saved)
+            else:
+                shard = _tensor_shard(x, data, shape)
+            # A rank may hold several boxes of one tensor (SwiGLU fc1: its gate rows and up rows).
+            if shard is not None:
+                shards.setdefault(x.key, []).append(shard)
+        elif isinstance(x, m.ShardedObject):
+            name = x.unique_key
+            if name in state:
+                raise StateMismatchError(f"Megatron object '{name}' appears twice in this rank's sharded state dict")
+            conv.objects[id(x)] = name
+            state[name] = None if for_load else _encode_object(x.data, name, allow_pickle)
+    for name, pieces in shards.items():
+        if name in state:
+            raise StateMismatchError(f"Megatron sharded state dict: '{name}' names both a tensor and an object")
+        state[name] = pieces[0] if len(pieces) == 1 else MultiShard(pieces)
+    return state, conv
+
+
+def _overlap_shard(st: Any, data: torch.Tensor, saved: tuple[int, ...]) -> ShardedTensor | None:
+    """The part of ``st``'s box inside a saved tensor of another shape (padded vocabularies)."""
+    p = st.prepend_axis_num
+    view = data[(None,) * p] if p else data
+    if len(saved) != view.dim():
+        raise StateMismatchError(
+            f"Megatron tensor '{st.key}': saved with {len(saved)} dimensions {list(saved)}, the target has "
+            f"{view.dim()} ({list(st.global_shape)})"
+        )
+    offset = tuple(int(o) for o in st.global_offset)
+    for d, (o, n) in enumerate(zip(offset, view.shape)):
+        keep = max(0, min(n, saved[d] - o))
+        if keep == 0:
+            return None
+        view = view.narrow(d, 0, keep)
+    return ShardedTensor(view, saved, offset)
+
+
+def from_tessera_state(state: Mapping[str, Any], conversion: _Conversion, *, allow_pickle: bool = False) -> dict[str, Any]:
+    """The loaded state dict, as ``megatron.core.dist_checkpointing.load`` returns it.
+
+    The checkpoint's common part, merged with the loaded tensors and objects and the
+    local non-persistent objects; factories are merged back with their ``merge_fn``.
+
+    Example:
+        >>> model.load_state_dict(from_tessera_state(state, conv))
+    """
+    from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace, merge
+
+    m = _mapping()
+
+    def loaded(x: object) -> object:
+        if isinstance(x, m.ShardedTensor):
+            return conversion.tensors[id(x)]
+        if isinstance(x, m.ShardedObject):
+            name = conversion.objects[id(x)]
+            return _decode_object(state.get(name), name, allow_pickle)
+        return x
+
+    sharded = conversion.sharded
+    dict_list_map_inplace(loaded, sharded)
+    common = _decode_object(state.get(COMMON_KEY), COMMON_KEY, allow_pickle) if conversion.has_common else {}
+    if not isinstance(common, dict):
+        raise StateMismatchError(f"the checkpoint's '{COMMON_KEY}' value is a {type(common).__name__}, not a dict")
+    merge(common, conversion.nonpersistent)
+    merge(common, sharded)
+    out = m.apply_factory_merges(common, conversion.factories)
+    assert isinstance(out, dict)
+    return out
+
+
+# ---------------------------------------------------------------------------------------
+# Entry points.
+
+
+def save_sharded_state_dict(
+    path: str,
+    sharded_state_dict: Mapping[str, Any],
+    *,
+    process_group: Any = None,
+    storage: Storage | None = None,
+    allow_pickle: bool = False,
+    options: SaveOptions | None = None,
+    storage_options: dict[str, Any] | None = None,
+) -> SaveResult:
+    """Save a Megatron-Core sharded state dict with ``tessera.save``; collective.
+
+    Every rank of ``process_group`` calls it with its own sharded state dict (model and
+    optimizer together, plus any plain values such as ``iteration``). Boxes held by
+    several ranks are written once, by the main replica (``replica_id`` all 0), as in Megatron.
+
+    Args:
+        path: checkpoint directory or URL.
+        sharded_state_dict: e.g. ``{"model": model.sharded_state_dict(),
+            "optimizer": optimizer.sharded_state_dict(model_ssd), "iteration": 100}``.
+        process_group, storage, options, storage_options: as for :func:`tessera.save`.
+        allow_pickle: store objects that only unpickling restores (tensors, numbers,
+            strings and containers of them never need it).
+
+    Returns:
+        This rank's :class:`~tessera.SaveResult`.
+
+    Raises:
+        PickleNotAllowedError: an object needs pickle and ``allow_pickle`` is False.
+        StateMismatchError: keys that collide on this rank, or inconsistent tensor descriptions.
+
+    Example:
+        >>> save_sharded_state_dict("/ckpt/step100", {"model": model.sharded_state_dict()})
+    """
+    from ..api import save
+
+    state, _ = to_tessera_state(sharded_state_dict, allow_pickle=allow_pickle)
+    return save(path, state, process_group=process_group, storage=storage, options=options,
+                storage_options=storage_options)  # fmt: skip
+
+
+def load_sharded_state_dict(
+    path: str,
+    sharded_state_dict: Mapping[str, Any],
+    *,
+    strict: bool = True,
+    process_group: Any = None,
+    storage: Storage | None = None,
+    allow_pickle: bool = False,
+    cast_dtypes: bool = False,
+    options: LoadOptions | None = None,
+    storage_options: dict[str, Any] | None = None,
+    result: list[LoadResult] | None = None,
+) -> dict[str, Any]:
+    """Load a checkpoint into a Megatron-Core sharded state dict; collective.
+
+    The counterpart of ``megatron.core.dist_checkpointing.load``: each rank passes the
+    sharded state dict of its *current* layout (any TP / PP / DP / EP) and gets back a state
+    dict of the same structure with loaded tensors, ready for ``model.load_state_dict`` and
+    ``optimizer.load_state_dict``. Tensors with data are filled in place (model parameters
+    too); ``allow_shape_mismatch`` tensors (padded vocabularies) are zeroed and the saved
+    overlap is read.
+
+    Args:
+        path: a tessera checkpoint saved by :func:`save_sharded_state_dict`, or converted
+            from Megatron's ``torch_dist`` format (``tessera convert``).
+        sharded_state_dict: what this rank wants, e.g. ``{"model": model.sharded_state_dict()}``.
+        strict: tensors, objects or common values the checkpoint lacks are an error.
+        process_group, storage, cast_dtypes, options, storage_options: as for :func:`tessera.load`.
+        allow_pickle: allow objects that only unpickling restores.
+        result: if given, the :class:`~tessera.LoadResult` is appended to it.
+
+    Returns:
+        The loaded state dict.
+
+    Raises:
+        MissingKeysError: with ``strict``, keys the checkpoint lacks.
+        StateMismatchError: shapes or dtypes that do not match the checkpoint.
+
+    Example:
+        >>> sd = load_sharded_state_dict("/ckpt/step100", {"model": model.sharded_state_dict()})
+        >>> model.load_state_dict(sd["model"])
+    """
+    from ..api import load, read_manifest
+
+    # Every rank reads the (small) manifest: saved shapes of padded vocabularies, and
+    # whether the checkpoint has a common part (a converted torch_dist one may not).
+    manifest = read_manifest(path, storage=storage, storage_options=storage_options)
+    state, conv = to_tessera_state(
+        sharded_state_dict, for_load=True, saved_shapes={k: tuple(e.shape) for k, e in manifest.tensors.items()},
+        saved_common=COMMON_KEY in manifest.values,
+    )  # fmt: skip
+    res = load(path, state, strict=strict, process_group=process_group, storage=storage, allow_pickle=allow_pickle,
+               cast_dtypes=cast_dtypes, options=options, storage_options=storage_options)  # fmt: skip
+    if result is not None:
+        result.append(res)
+    return from_tessera_state(state, conv, allow_pickle=allow_pickle)
+
+
+class MegatronCoreState:
+    """A Stateful that saves and loads a Megatron-Core model (and optimizer) through tessera.
+
+    Put it in a tessera state like any model: ``tessera.save(path, {"mcore": MegatronCoreState(model, opt)})``.
+    The sharded state dicts are taken when the save or load runs, so the same object
+    serves every step. Checkpoint names are the Megatron keys under the state's key.
+
+    Args:
+        model: a Megatron-Core module (or list of virtual-pipeline chunks) with
+            ``sharded_state_dict()``.
+        optimizer: a Megatron-Core optimizer with ``sharded_state_dict(model_sharded_state_dict,
+            is_loading=...)``, or None.
+        metadata: passed to both ``sharded_state_dict`` calls (e.g.
+            ``{"distrib_optim_sharding_type": "fully_reshardable"}``).
+        allow_pickle: see :func:`save_sharded_state_dict`.
+
+    Example:
+        >>> tessera.save("/ckpt/step100", {"mcore": MegatronCoreState(model, optimizer), "iteration": 100})
+    """
+
+    def __init__(self, model: Any, optimizer: Any = None, *, metadata: dict[str, Any] | None = None,
+                 allow_pickle: bool = False) -> None:  # fmt: skip
+        self.model = model
+        self.optimizer = optimizer
+        self.metadata = dict(metadata or {})
+        self.allow_pickle = allow_pickle
+        self._pending: tuple[dict[str, Any], _Conversion] | None = None
+
+    def _sharded(self, is_loading: bool) -> dict[str, Any]:
+        chunks = self.model if isinstance(self.model, list) else [self.model]
+        sds = [_model_sharded(chunk, self.metadata) for chunk in chunks]
+        # Virtual pipeline chunks hold distinct layers; their keys never collide.
+        model_sd: dict[str, Any] = sds[0] if len(sds) == 1 else {f"model{i}": sd for i, sd in enumerate(sds)}
+        out: dict[str, Any] = {"model": model_sd}
+        if self.optimizer is not None:
+            out["optimizer"] = self.optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=self.metadata)
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        """The tessera state (save: values; for a load, :meth:`prepare_load` set targets)."""
+        if self._pending is not None:
+            return self._pending[0]
+        state, _ = to_tessera_state(self._sharded(False), allow_pickle=self.allow_pickle)
+        return state
+
+    def prepare_load(self, manifest: Any, fqn: str) -> None:
+        """Called by ``tessera.load`` before :meth:`state_dict`: build load targets."""
+        prefix = f"{fqn}." if fqn else ""
+        shapes = {k[len(prefix) :]: tuple(e.shape) for k, e in manifest.tensors.items() if k.startswith(prefix)}
+        self._pending = to_tessera_state(
+            self._sharded(True), for_load=True, saved_shapes=shapes, saved_common=prefix + COMMON_KEY in manifest.values
+        )
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Hand the loaded tensors and values to the model and optimizer."""
+        if self._pending is None:
+            raise CheckpointError("MegatronCoreState.load_state_dict called without a tessera.load")
+        _, conv = self._pending
+        self._pending = None
+        loaded = from_tessera_state(state, conv, allow_pickle=self.allow_pickle)
+        chunks = self.model if isinstance(self.model, list) else [self.model]
+        for i, chunk in enumerate(chunks):
+            chunk.load_state_dict(loaded["model"] if len(chunks) == 1 else loaded["model"][f"model{i}"])
+        if self.optimizer is not None:
+            self.optimizer.load_state_dict(loaded["optimizer"])
+
+
+def _model_sharded(chunk: Any, metadata: dict[str, Any]) -> dict[str, Any]:
+    return chunk.sharded_state_dict(metadata=metadata) if metadata else chunk.sharded_state_dict()
