@@ -10,7 +10,11 @@ workaround below replaces exactly that spot and nothing else (see docs/framework
    ``model_parallel_cuda_manual_seed`` is not called (it seeds CUDA generators).
 3. ``get_default_causal_mask`` builds its mask with ``device="cuda"``: the tests pass an
    explicit causal ``attention_mask``.
-4. ``FP32Optimizer.__init__`` puts its loss scale ``torch.tensor([1.0], device="cuda")``:
+4. MoE: ``TopKRouter.gating`` moves its weight to ``torch.cuda.current_device()`` (run
+   under :func:`cuda_calls_on_cpu`), ``moe_utils.te_general_gemm`` is undefined without
+   Transformer Engine (set to None, the value it has when TE is missing), and the
+   ``alltoall`` token dispatcher creates a ``torch.cuda.Stream`` (the tests use ``allgather``).
+5. ``FP32Optimizer.__init__`` puts its loss scale ``torch.tensor([1.0], device="cuda")``:
    :class:`CPUFP32Optimizer` builds the same optimizer with the scale on the CPU.
    (``DistributedOptimizer`` and Megatron's DDP grad buffers are CUDA-only throughout and
    are not used; the distributed optimizer's ``fully_reshardable`` format is exercised
@@ -64,6 +68,11 @@ def init_parallel(tp: int = 1, pp: int = 1, ep: int = 1, etp: int | None = None)
     mr.get_cuda_rng_tracker()
     mr._CUDA_RNG_STATE_TRACKER = CPURNGTracker()
 
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):  # 0.16 without Transformer Engine leaves it undefined
+        moe_utils.te_general_gemm = None
+
 
 def build_gpt(seed: int, *, num_layers: int = 2, moe_experts: int | None = None, swiglu: bool = True) -> Any:
     """A tiny GPTModel for the current parallel state (local layer spec, fp32, CPU init)."""
@@ -74,7 +83,7 @@ def build_gpt(seed: int, *, num_layers: int = 2, moe_experts: int | None = None,
 
     # Each TP x PP x EP rank draws its own init from the seed; the checkpoint is the judge.
     torch.manual_seed(seed + 1000 * torch.distributed.get_rank())
-    moe = dict(num_moe_experts=moe_experts, moe_router_topk=2, moe_token_dispatcher_type="alltoall",
+    moe = dict(num_moe_experts=moe_experts, moe_router_topk=2, moe_token_dispatcher_type="allgather",
                moe_grouped_gemm=False, moe_ffn_hidden_size=24, moe_aux_loss_coeff=0.0) if moe_experts else {}  # fmt: skip
     cfg = TransformerConfig(
         num_layers=num_layers, hidden_size=16, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=32,
@@ -131,12 +140,13 @@ def batch(step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Te
 
 def train(model: torch.nn.Module, optimizer: Any, steps: int) -> None:
     """A few real training steps (PP=1: forward, backward through Megatron's TP autograd, step)."""
-    for step in range(steps):
-        tokens, pos, mask, labels = batch(step)
-        optimizer.zero_grad()
-        loss = model(tokens, pos, mask, labels=labels).float().mean()
-        loss.backward()
-        optimizer.step()
+    with cuda_calls_on_cpu():
+        for step in range(steps):
+            tokens, pos, mask, labels = batch(step)
+            optimizer.zero_grad()
+            loss = model(tokens, pos, mask, labels=labels).float().mean()
+            loss.backward()
+            optimizer.step()
 
 
 def local_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -146,7 +156,7 @@ def local_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 @contextlib.contextmanager
 def cuda_calls_on_cpu() -> Iterator[None]:
-    """Megatron's ``torch_dist`` save/load on CPU (workaround 5).
+    """Megatron's ``torch_dist`` save/load on CPU (workaround 6).
 
     ``dist_checkpointing``'s writer calls ``torch.cuda.synchronize()`` after its
     device-to-host copies and allocates two small coordination tensors on

@@ -63,7 +63,10 @@ __all__ = [
 
 COMMON_KEY = "common"
 """The value holding the common (non-sharded) part of a sharded state dict, like Megatron's common.pt."""
-_TORCH_SAVE = "__torch_save__"
+TORCH_SAVE = "__torch_save__"
+"""Tag of an object stored as ``torch.save`` bytes (``{TORCH_SAVE: bytes}``)."""
+TORCH_SAVE_FIRST = "__torch_save_first__"
+"""Tag of an object stored as ``torch.save([obj])`` bytes, as ``torch_dist`` stores sharded objects."""
 
 
 def _mapping() -> Any:
@@ -94,13 +97,16 @@ def _encode_object(obj: object, name: str, allow_pickle: bool) -> object:
                 f"Megatron object '{name}' ({type(obj).__qualname__}) holds objects that only unpickling can "
                 f"restore ({e}); pass allow_pickle=True to save and load if you trust the checkpoint's readers"
             ) from e
-    return {_TORCH_SAVE: data}
+    return {TORCH_SAVE: data}
 
 
 def _decode_object(value: object, name: str, allow_pickle: bool) -> object:
-    if isinstance(value, dict) and set(value) == {_TORCH_SAVE} and isinstance(value[_TORCH_SAVE], bytes):
+    if isinstance(value, dict) and len(value) == 1 and isinstance(next(iter(value.values())), bytes):
+        (tag, data), = value.items()
+        if tag not in (TORCH_SAVE, TORCH_SAVE_FIRST):
+            return value
         try:
-            return torch.load(io.BytesIO(value[_TORCH_SAVE]), weights_only=not allow_pickle)
+            obj = torch.load(io.BytesIO(data), weights_only=not allow_pickle, map_location="cpu")
         except Exception as e:
             if allow_pickle:
                 raise
@@ -108,6 +114,11 @@ def _decode_object(value: object, name: str, allow_pickle: bool) -> object:
                 f"Megatron object '{name}' needs unpickling to load ({e}); pass allow_pickle=True if you trust "
                 "the checkpoint"
             ) from e
+        if tag == TORCH_SAVE_FIRST:
+            if not isinstance(obj, list) or len(obj) != 1:
+                raise CheckpointError(f"Megatron object '{name}': expected a one-element list, got {type(obj).__name__}")
+            return obj[0]
+        return obj
     return value
 
 
