@@ -117,11 +117,13 @@ def build_optimizer(model: torch.nn.Module, lr: float = 1e-2) -> Any:
                     opt.state[p]["exp_avg"] = torch.zeros_like(p.data)
                     opt.state[p]["exp_avg_sq"] = torch.zeros_like(p.data)
 
-    # Param groups keyed like get_megatron_optimizer's (expert-parallel params apart).
-    params = [p for p in model.parameters() if p.requires_grad]
+    # Param groups keyed like get_megatron_optimizer's (experts apart). Experts are found by
+    # name, not by Megatron's ``allreduce`` flag, which is set only when EP > 1: the group
+    # structure (a common value in the checkpoint) must not change with the EP size.
+    params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     groups = []
     for expert in (False, True):
-        ps_ = [p for p in params if (not getattr(p, "allreduce", True)) == expert]
+        ps_ = [p for n, p in params if (".experts." in n) == expert]
         if ps_:
             groups.append({"params": ps_, "wd_mult": 1.0, "lr_mult": 1.0, "is_expert_parallel": expert,
                            "is_decoupled_lr": False})  # fmt: skip

@@ -84,5 +84,5 @@ def test_wrong_spec_and_missing_rank_are_reported(tmp_path) -> None:
         import_megatron(root, str(tmp_path / "ck"), spec=wrong)
     assert not os.path.exists(tmp_path / "ck" / "manifest.json")
     os.remove(os.path.join(root, "iter_0000003", "mp_rank_01_001", "model_optim_rng.pt"))
-    with pytest.raises(CorruptCheckpointError, match=r"\(1, 1\)"):
+    with pytest.raises(CorruptCheckpointError, match=r"\(1, 1, 0\)"):
         import_megatron(root, str(tmp_path / "ck"), spec=SPEC)

@@ -163,3 +163,71 @@ def test_native_checkpoint_names_are_megatron_keys(gpt_ckpt: str) -> None:
     assert native.tensors["decoder.layers.self_attention.linear_qkv.weight"].shape == (2, 32, 16)
     assert "optimizer.state.exp_avg.decoder.layers.mlp.linear_fc1.weight" in native.tensors
     assert "common" in native.values and "common" in converted.values
+
+
+# ----------------------------------------------------------------------------------------
+# The layout spec (legacy per-rank files) on a real MoE model: EP ranks' local state dicts.
+
+
+def _moe_spec() -> Any:
+    from tessera.adapters.megatron import gpt_spec
+    from tests import mcore_cpu as mc
+
+    return gpt_spec(num_layers=2, vocab_size=mc.VOCAB, num_attention_heads=4, num_query_groups=2, kv_channels=4,
+                    ffn_hidden_size=32, swiglu=True, make_vocab_size_divisible_by=1, num_moe_experts=4,
+                    moe_ffn_hidden_size=24)  # fmt: skip
+
+
+def _legacy_moe(rank: int, world: int, root: str, targets: list[dict[str, int]]) -> list[int]:
+    import tessera
+    from megatron.core import parallel_state as ps
+    from tessera.adapters.megatron import global_shapes_from_manifest
+    from tessera.adapters.megatron_core import load_sharded_state_dict, save_sharded_state_dict
+    from tessera.convert.megatron import import_megatron
+    from tests import mcore_cpu as mc
+
+    mc.init_parallel(ep=2)
+    model = mc.build_gpt(1, moe_experts=4)
+    opt = mc.build_optimizer(model)
+    mc.train(model, opt, STEPS)
+    # Megatron-LM's legacy layout under EP=2, PP=1: iter_*/mp_rank_<tp>_<ep>/model_optim_rng.pt
+    d = f"{root}/legacy/iter_{STEPS:07d}/mp_rank_00_{ps.get_expert_model_parallel_rank():03d}"
+    os.makedirs(d)
+    torch.save({"model": model.state_dict(), "iteration": STEPS, "checkpoint_version": 3.0}, f"{d}/model_optim_rng.pt")
+    save_sharded_state_dict(f"{root}/native", {"model": model.sharded_state_dict()})
+    torch.distributed.barrier()
+    if rank == 0:
+        with open(f"{root}/legacy/latest_checkpointed_iteration.txt", "w") as f:
+            f.write(str(STEPS))
+        import_megatron(f"{root}/legacy", f"{root}/converted", spec=_moe_spec(), expert_parallel=True)
+    torch.distributed.barrier()
+    spec = _moe_spec()
+    compared = []
+    for layout in targets:
+        mc.init_parallel(**layout)
+        ref = mc.build_gpt(7, moe_experts=4)
+        ref.load_state_dict(load_sharded_state_dict(f"{root}/native", {"model": ref.sharded_state_dict()})["model"])
+        model = mc.build_gpt(11, moe_experts=4)
+        local = {k: v for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
+        coords = dict(tp_rank=ps.get_tensor_model_parallel_rank(), tp_size=ps.get_tensor_model_parallel_world_size(),
+                      pp_rank=0, pp_size=1)  # fmt: skip
+        ep = dict(ep_rank=ps.get_expert_model_parallel_rank(), ep_size=ps.get_expert_model_parallel_world_size(),
+                  etp_rank=ps.get_expert_tensor_parallel_rank(), etp_size=ps.get_expert_tensor_parallel_world_size())  # fmt: skip
+        shapes = global_shapes_from_manifest(tessera.read_manifest(f"{root}/converted"), prefix="model.")
+        empty = spec.empty_local(shapes, *coords.values(), **ep)
+        assert {k: tuple(v.shape) for k, v in empty.items()} == {
+            k: tuple(v.shape) for k, v in local.items() if "_extra_state" not in k
+        }
+        res = tessera.load(f"{root}/converted", {"model": spec.global_targets(local, *coords.values(), **ep)})
+        assert res.missing_keys == []
+        a, b = mc.local_state(ref), mc.local_state(model)
+        assert a.keys() == b.keys()
+        for k in a:
+            assert torch.equal(a[k], b[k]), f"{k} at {layout}: the layout spec disagrees with megatron's sharding"
+        compared.append(len(a))
+    return compared
+
+
+def test_layout_spec_moe_ep2_files_load_at_expert_tp2_and_dense(tmp_path) -> None:
+    results = run_distributed(_legacy_moe, 2, str(tmp_path), [{"tp": 2, "etp": 2}, {}], timeout=600)
+    assert all(n > 0 for r in results for n in r)

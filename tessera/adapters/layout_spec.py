@@ -32,7 +32,7 @@ from ..errors import StateMismatchError
 logger = logging.getLogger(__name__)
 
 __all__ = [
-    "Fused", "LayerStack", "ParamLayout", "PaddedVocab", "PipelineStage", "Replicated", "Rule", "Skip",
+    "ExpertStack", "Fused", "LayerStack", "ParamLayout", "PaddedVocab", "PipelineStage", "Replicated", "Rule", "Skip",
     "Split", "TilePiece",
 ]
 
@@ -417,3 +417,72 @@ class LayerStack:
                 return stage, self.renumber(name, m, i - start)
             start += c
         raise AssertionError("unreachable")
+
+
+@dataclass(frozen=True)
+class ExpertStack:
+    """MoE experts numbered locally per expert-parallel rank, saved with global indices.
+
+    With ``num_experts`` experts over ``ep`` ranks, EP rank ``e`` holds experts
+    ``e * num_experts / ep ...`` as local experts ``0 .. num_experts / ep - 1`` under
+    ``template`` (``{i}``: the local index). The pattern is searched anywhere in a name, so
+    ``"mlp.experts.local_experts.{i}"`` covers every layer's experts. Expert parameters
+    are split by the expert-tensor-parallel rank (ETP) instead of the TP rank.
+
+    Attributes:
+        template: the name part with ``{i}`` for the expert index.
+        num_experts: experts per MoE layer (over all EP ranks).
+    """
+
+    template: str
+    num_experts: int
+    _regex: re.Pattern[str] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.template.count("{i}") != 1:
+            raise ValueError(f"expert stack template {self.template!r} must contain '{{i}}' exactly once")
+        if self.num_experts < 1:
+            raise ValueError(f"expert stack {self.template!r}: num_experts must be >= 1, got {self.num_experts}")
+        pre, post = self.template.split("{i}")
+        object.__setattr__(self, "_regex", re.compile(rf"(?:^|(?<=\.)){re.escape(pre)}(\d+){re.escape(post)}(?=\.|$)"))
+
+    def per_rank(self, name: str, ep_size: int) -> int:
+        """Experts per EP rank.
+
+        Raises:
+            StateMismatchError: if ``num_experts`` is not a multiple of ``ep_size``.
+        """
+        if ep_size < 1 or self.num_experts % ep_size:
+            raise StateMismatchError(
+                f"parameter '{name}': {self.num_experts} experts of '{self.template}' do not divide evenly over "
+                f"{ep_size} expert-parallel ranks; choose an EP size that divides {self.num_experts}"
+            )
+        return self.num_experts // ep_size
+
+    def match(self, name: str) -> re.Match[str] | None:
+        return self._regex.search(name)
+
+    def to_global(self, name: str, ep_rank: int, ep_size: int) -> str | None:
+        """The global name of local ``name`` on EP rank ``ep_rank`` (None: not an expert)."""
+        m = self.match(name)
+        if m is None:
+            return None
+        n = self.per_rank(name, ep_size)
+        i = int(m.group(1))
+        if i >= n:
+            raise StateMismatchError(
+                f"parameter '{name}' on expert-parallel rank {ep_rank}: local expert {i}, but each of {ep_size} EP "
+                f"ranks holds {n} of the {self.num_experts} experts"
+            )
+        return name[: m.start(1)] + str(ep_rank * n + i) + name[m.end(1) :]
+
+    def to_local(self, name: str, ep_size: int) -> tuple[int, str] | None:
+        """``(EP rank, local name)`` of global ``name`` (None: not an expert)."""
+        m = self.match(name)
+        if m is None:
+            return None
+        n = self.per_rank(name, ep_size)
+        i = int(m.group(1))
+        if i >= self.num_experts:
+            raise StateMismatchError(f"tensor '{name}': expert {i} is past the {self.num_experts} experts of '{self.template}'")
+        return i // n, name[: m.start(1)] + str(i % n) + name[m.end(1) :]

@@ -29,7 +29,7 @@ import torch
 from ..errors import StateMismatchError
 from ..shards import ShardedTensor
 from .layout_spec import (
-    Fused, LayerStack, PaddedVocab, PipelineStage, Replicated, Rule, Shape, Skip, Split, TilePiece,
+    ExpertStack, Fused, LayerStack, PaddedVocab, PipelineStage, Replicated, Rule, Shape, Skip, Split, TilePiece,
 )
 
 logger = logging.getLogger(__name__)
@@ -62,17 +62,25 @@ class MegatronSpec:
     stack are renumbered between local (per stage) and global indices; other names live on
     the stages their rule says.
 
+    MoE experts (:class:`~.layout_spec.ExpertStack`) are numbered per expert-parallel (EP)
+    rank and split by the expert-tensor-parallel (ETP) rank; the methods take ``ep_rank``,
+    ``ep_size`` and ``etp_rank``, ``etp_size`` (default: the TP rank and size, Megatron's
+    default ``expert_tensor_parallel_size``).
+
     Attributes:
         rules: one :class:`~.layout_spec.Rule` per parameter family.
         layers: the layer stacks numbered per pipeline stage.
+        experts: the expert stacks numbered per EP rank.
     """
 
     rules: tuple[Rule, ...]
     layers: tuple[LayerStack, ...] = ()
+    experts: tuple[ExpertStack, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "rules", tuple(self.rules))
         object.__setattr__(self, "layers", tuple(self.layers))
+        object.__setattr__(self, "experts", tuple(self.experts))
 
     # ---- names -----------------------------------------------------------------------
 
@@ -92,29 +100,46 @@ class MegatronSpec:
             f"({', '.join(repr(r.describe()) for r in hits)}); patterns must not overlap"
         )
 
-    def global_name(self, local_name: str, pp_rank: int, pp_size: int) -> str:
-        """The global name of ``local_name`` on pipeline stage ``pp_rank``."""
+    def global_name(self, local_name: str, pp_rank: int, pp_size: int, ep_rank: int = 0, ep_size: int = 1) -> str:
+        """The global name of ``local_name`` on pipeline stage ``pp_rank`` (and EP rank ``ep_rank``)."""
         found = [g for g in (s.to_global(local_name, pp_rank, pp_size) for s in self.layers) if g is not None]
         if len(found) > 1:
             raise StateMismatchError(f"parameter '{local_name}' falls under {len(found)} layer stacks")
-        return found[0] if found else local_name
+        name = found[0] if found else local_name
+        experts = [g for g in (s.to_global(name, ep_rank, ep_size) for s in self.experts) if g is not None]
+        if len(experts) > 1:
+            raise StateMismatchError(f"parameter '{local_name}' falls under {len(experts)} expert stacks")
+        return experts[0] if experts else name
 
-    def _locate(self, name: str, rule: Rule, pp_size: int) -> tuple[list[int], str]:
-        """Stages holding global ``name`` and its local name there."""
-        for stack in self.layers:
-            hit = stack.to_local(name, pp_size)
+    def is_expert(self, name: str) -> bool:
+        """Whether ``name`` is an expert parameter (split by ETP, numbered per EP rank)."""
+        return any(s.match(name) for s in self.experts)
+
+    def _locate(self, name: str, rule: Rule, pp_size: int, ep_size: int = 1) -> tuple[list[int], str, int | None]:
+        """Stages holding global ``name``, its local name there, and its EP rank (None: all)."""
+        ep_rank = None
+        for experts in self.experts:
+            hit = experts.to_local(name, ep_size)
             if hit is not None:
-                return [hit[0]], hit[1]
-        return [p for p in range(pp_size) if rule.stage.holds(p, pp_size)], name
+                ep_rank, name = hit
+                break
+        for stack in self.layers:
+            found = stack.to_local(name, pp_size)
+            if found is not None:
+                return [found[0]], found[1], ep_rank
+        return [p for p in range(pp_size) if rule.stage.holds(p, pp_size)], name, ep_rank
 
     # ---- local state -> global tiles -------------------------------------------------
 
     def _pieces(
-        self, local_sd: Mapping[str, LocalValue], tp_rank: int, tp_size: int, pp_rank: int, pp_size: int
-    ) -> Iterator[tuple[str, str, Rule, LocalValue]]:
+        self, local_sd: Mapping[str, LocalValue], tp_rank: int, tp_size: int, pp_rank: int, pp_size: int,
+        ep: tuple[int, int] = (0, 1),
+    ) -> Iterator[tuple[str, str, Rule, LocalValue]]:  # fmt: skip
         _check_ranks(tp_rank, tp_size, pp_rank, pp_size)
+        if not 0 <= ep[0] < ep[1]:
+            raise ValueError(f"invalid rank: ep_rank={ep[0]} of ep_size={ep[1]}")
         for local_name, value in local_sd.items():
-            name = self.global_name(local_name, pp_rank, pp_size)
+            name = self.global_name(local_name, pp_rank, pp_size, *ep)
             rule = self.rule_for(name)
             if isinstance(rule.layout, Skip):
                 continue
@@ -125,9 +150,19 @@ class MegatronSpec:
                 )
             yield local_name, name, rule, value
 
+    def _tp(self, name: str, tp_rank: int, tp_size: int, etp: tuple[int | None, int | None]) -> tuple[int, int]:
+        """The (rank, size) that splits ``name``: ETP for experts (default: TP), else TP."""
+        if not self.is_expert(name):
+            return tp_rank, tp_size
+        rank, size = (tp_rank if etp[0] is None else etp[0]), (tp_size if etp[1] is None else etp[1])
+        if not 0 <= rank < size:
+            raise ValueError(f"invalid rank: etp_rank={rank} of etp_size={size}")
+        return rank, size
+
     def to_global(
-        self, local_sd: Mapping[str, LocalValue], tp_rank: int, tp_size: int, pp_rank: int, pp_size: int
-    ) -> dict[str, Any]:
+        self, local_sd: Mapping[str, LocalValue], tp_rank: int, tp_size: int, pp_rank: int, pp_size: int, *,
+        ep_rank: int = 0, ep_size: int = 1, etp_rank: int | None = None, etp_size: int | None = None,
+    ) -> dict[str, Any]:  # fmt: skip
         """A rank's local state dict as global tiles (views, no copies), for ``tessera.save``.
 
         Args:
@@ -137,28 +172,33 @@ class MegatronSpec:
                 are copied to every global tensor the parameter holds.
             tp_rank, tp_size: this rank's tensor-parallel position.
             pp_rank, pp_size: this rank's pipeline stage.
+            ep_rank, ep_size: this rank's expert-parallel position (MoE).
+            etp_rank, etp_size: its expert-tensor-parallel position (default: TP's).
 
         Returns:
             ``{global_name: ShardedTensor}`` (or ``{global_name: {key: ...}}`` for dict values).
 
         Raises:
             StateMismatchError: a parameter that matches no rule or several, whose shape does
-                not fit its rule under ``tp_size``, or that sits on the wrong stage.
+                not fit its rule under ``tp_size``, that sits on the wrong stage, or an expert
+                count that ``ep_size`` does not divide.
 
         Example:
             >>> spec.to_global(model.state_dict(), tp_rank=1, tp_size=2, pp_rank=0, pp_size=2)
         """
         out: dict[str, Any] = {}
-        for local_name, name, rule, value in self._pieces(local_sd, tp_rank, tp_size, pp_rank, pp_size):
-            for gname, item in _convert(local_name, name, rule, value, tp_rank, tp_size).items():
+        etp = (etp_rank, etp_size)
+        for local_name, name, rule, value in self._pieces(local_sd, tp_rank, tp_size, pp_rank, pp_size, (ep_rank, ep_size)):
+            for gname, item in _convert(local_name, name, rule, value, *self._tp(name, tp_rank, tp_size, etp)).items():
                 if gname in out:
                     raise StateMismatchError(f"two local parameters map to the global name '{gname}' (one is '{local_name}')")
                 out[gname] = item
         return out
 
     def global_targets(
-        self, local_sd: Mapping[str, LocalValue], tp_rank: int, tp_size: int, pp_rank: int, pp_size: int
-    ) -> dict[str, Any]:
+        self, local_sd: Mapping[str, LocalValue], tp_rank: int, tp_size: int, pp_rank: int, pp_size: int, *,
+        ep_rank: int = 0, ep_size: int = 1, etp_rank: int | None = None, etp_size: int | None = None,
+    ) -> dict[str, Any]:  # fmt: skip
         """What ``tessera.load`` fills to load into ``local_sd`` in place.
 
         The same tiles as :meth:`to_global`; in addition, vocabulary padding of the local
@@ -169,12 +209,13 @@ class MegatronSpec:
             >>> local = spec.empty_local(shapes, tp_rank, 4, pp_rank, 1)
             >>> tessera.load(path, {"model": spec.global_targets(local, tp_rank, 4, pp_rank, 1)})
         """
-        targets = self.to_global(local_sd, tp_rank, tp_size, pp_rank, pp_size)  # validates first
-        for _, name, rule, value in self._pieces(local_sd, tp_rank, tp_size, pp_rank, pp_size):
+        targets = self.to_global(local_sd, tp_rank, tp_size, pp_rank, pp_size, ep_rank=ep_rank, ep_size=ep_size,
+                                 etp_rank=etp_rank, etp_size=etp_size)  # validates first  # fmt: skip
+        for _, name, rule, value in self._pieces(local_sd, tp_rank, tp_size, pp_rank, pp_size, (ep_rank, ep_size)):
             values = value.values() if isinstance(value, Mapping) else [value]
             for v in values:
                 if isinstance(v, torch.Tensor) and v.dim() > 0:
-                    for pad in rule.layout.padding(name, v, tp_rank, tp_size):
+                    for pad in rule.layout.padding(name, v, *self._tp(name, tp_rank, tp_size, (etp_rank, etp_size))):
                         pad.zero_()
         return targets
 
@@ -225,6 +266,10 @@ class MegatronSpec:
         pp_rank: int,
         pp_size: int,
         *,
+        ep_rank: int = 0,
+        ep_size: int = 1,
+        etp_rank: int | None = None,
+        etp_size: int | None = None,
         device: torch.device | str | None = None,
     ) -> dict[str, torch.Tensor]:
         """Zero-filled local tensors of TP x PP rank ``(tp_rank, pp_rank)``, by local name.
@@ -232,6 +277,7 @@ class MegatronSpec:
         Args:
             global_shapes: global name -> (shape, dtype) of every parameter in the checkpoint.
             tp_rank, tp_size, pp_rank, pp_size: the target rank.
+            ep_rank, ep_size, etp_rank, etp_size: its expert-parallel position (MoE).
             device: where to allocate.
 
         Returns:
@@ -239,21 +285,25 @@ class MegatronSpec:
 
         Raises:
             StateMismatchError: a global tensor no rule explains, a fused parameter with a
-                missing part, or shapes that do not split under ``tp_size``.
+                missing part, shapes that do not split under ``tp_size``, or experts that do
+                not split under ``ep_size``.
 
         Example:
             >>> shapes = global_shapes_from_manifest(tessera.read_manifest(path), prefix="model.")
             >>> local = spec.empty_local(shapes, tp_rank=0, tp_size=4, pp_rank=0, pp_size=1)
         """
         _check_ranks(tp_rank, tp_size, pp_rank, pp_size)
+        if not 0 <= ep_rank < ep_size:
+            raise ValueError(f"invalid rank: ep_rank={ep_rank} of ep_size={ep_size}")
         out: dict[str, torch.Tensor] = {}
         for parent, (rule, shapes, dtype) in self._group(global_shapes).items():
             missing = [n for n in rule.layout.global_names(parent) if n not in shapes]
             if missing:
                 raise StateMismatchError(f"fused parameter '{parent}' lacks its part(s) {missing} in the global shapes")
-            stages, local_name = self._locate(parent, rule, pp_size)
-            if pp_rank in stages:
-                out[local_name] = torch.zeros(rule.layout.local_shape(parent, shapes, tp_size), dtype=dtype, device=device)
+            stages, local_name, on_ep = self._locate(parent, rule, pp_size, ep_size)
+            if pp_rank in stages and on_ep in (None, ep_rank):
+                size = self._tp(parent, tp_rank, tp_size, (etp_rank, etp_size))[1]
+                out[local_name] = torch.zeros(rule.layout.local_shape(parent, shapes, size), dtype=dtype, device=device)
         return out
 
 
@@ -312,6 +362,8 @@ def gpt_spec(
     swiglu: bool = False,
     make_vocab_size_divisible_by: int = 128,
     stage_layers: Sequence[int] | None = None,
+    num_moe_experts: int | None = None,
+    moe_ffn_hidden_size: int | None = None,
 ) -> MegatronSpec:
     """The spec of Megatron-core's ``GPTModel`` (TE or local layer specs).
 
@@ -320,7 +372,11 @@ def gpt_spec(
     ``linear_qkv`` (fused per query group), ``linear_proj`` (row parallel), ``linear_fc1``
     (fused gate/up with ``swiglu``), ``linear_fc2``, their TE-fused or separate layer
     norms and QK norms, and ``decoder.final_layernorm``; ``_extra_state`` is skipped.
-    Not covered: MoE experts, virtual pipeline chunks, multi-token prediction.
+    With ``num_moe_experts``: ``mlp.router.weight`` (replicated) and the SequentialMLP
+    experts ``mlp.experts.local_experts.{j}.linear_fc1/linear_fc2`` (numbered per EP rank,
+    split by the expert-tensor-parallel rank, fc1 fused gate/up with ``swiglu``).
+    Not covered: grouped-GEMM experts (``moe_grouped_gemm``), shared experts, virtual
+    pipeline chunks, multi-token prediction.
 
     Args:
         num_layers, vocab_size, num_attention_heads, kv_channels: model sizes
@@ -330,6 +386,8 @@ def gpt_spec(
         swiglu: whether ``linear_fc1`` holds gate and up.
         make_vocab_size_divisible_by: Megatron's vocabulary padding multiple.
         stage_layers: explicit layers per pipeline stage (uneven first/last stages).
+        num_moe_experts: experts per MoE layer (None: a dense model).
+        moe_ffn_hidden_size: expert MLP width (default: ``ffn_hidden_size``).
 
     Example:
         >>> spec = gpt_spec(num_layers=4, vocab_size=1000, num_attention_heads=8,
@@ -368,4 +426,18 @@ def gpt_spec(
         Rule("*._extra_state", Skip()),
     )
     stack = LayerStack("decoder.layers.{i}", num_layers, tuple(stage_layers) if stage_layers is not None else None)
-    return MegatronSpec(rules, (stack,))
+    if num_moe_experts is None:
+        return MegatronSpec(rules, (stack,))
+    expert_ffn = moe_ffn_hidden_size or ffn_hidden_size
+    if swiglu and expert_ffn is None:
+        raise ValueError("gpt_spec(num_moe_experts=..., swiglu=True) needs moe_ffn_hidden_size or ffn_hidden_size")
+    efc1: Split | Fused = Fused(0, (("gate", expert_ffn), ("up", expert_ffn))) if swiglu else Split(0)  # type: ignore[arg-type]
+    experts = layer + "mlp.experts.local_experts.*."
+    rules += (
+        Rule(re.compile(r"decoder\.layers\.\d+\.mlp\.router\.(weight|bias|expert_bias)"), Replicated()),
+        Rule(experts + "linear_fc1.weight", efc1),
+        Rule(experts + "linear_fc1.bias", efc1),
+        Rule(experts + "linear_fc2.weight", Split(1)),
+        Rule(experts + "linear_fc2.bias", Replicated()),
+    )
+    return MegatronSpec(rules, (stack,), (ExpertStack("mlp.experts.local_experts.{i}", num_moe_experts),))

@@ -47,7 +47,7 @@ from ._sink import CheckpointWriter
 
 logger = logging.getLogger(__name__)
 
-_RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?$")
+_RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?$")
 TRACKER = "latest_checkpointed_iteration.txt"
 
 
@@ -83,23 +83,27 @@ def load_spec(text: str) -> MegatronSpec:
     return obj
 
 
-def find_rank_files(src: str) -> tuple[str, dict[tuple[int, int], str]]:
-    """The iteration directory and ``{(tp_rank, pp_rank): file}`` of a Megatron checkpoint.
+def find_rank_files(src: str, *, expert_parallel: bool = False) -> tuple[str, dict[tuple[int, int, int], str]]:
+    """The iteration directory and ``{(tp_rank, pp_rank, ep_rank): file}`` of a Megatron checkpoint.
+
+    Megatron-LM names rank directories ``mp_rank_<tp>``, ``mp_rank_<tp>_<pp>`` (PP > 1),
+    ``mp_rank_<tp>_<ep>`` (EP > 1, PP = 1) and ``mp_rank_<tp>_<pp>_<ep>``. A name with two
+    numbers is TP and PP unless ``expert_parallel`` says the second one is the EP rank.
 
     Raises:
         FileNotFoundError: if no ``mp_rank_*`` directory is found.
-        CorruptCheckpointError: if some TP x PP rank's file is missing.
+        CorruptCheckpointError: if some TP x PP x EP rank's file is missing.
 
     Example:
         >>> directory, files = find_rank_files("/runs/gpt/checkpoints")
-        >>> files[(0, 1)]  # ".../iter_0000100/mp_rank_00_001/model_optim_rng.pt"
+        >>> files[(0, 1, 0)]  # ".../iter_0000100/mp_rank_00_001/model_optim_rng.pt"
     """
     tracker = os.path.join(src, TRACKER)
     if os.path.isfile(tracker):
         with open(tracker) as f:
             it = f.read().strip()
         src = os.path.join(src, "release" if it == "release" else f"iter_{int(it):07d}")
-    files: dict[tuple[int, int], str] = {}
+    files: dict[tuple[int, int, int], str] = {}
     for name in sorted(os.listdir(src)) if os.path.isdir(src) else []:
         m = _RANK_DIR.match(name)
         if not m:
@@ -109,14 +113,20 @@ def find_rank_files(src: str) -> tuple[str, dict[tuple[int, int], str]]:
         if not pts:
             continue
         pick = "model_optim_rng.pt" if "model_optim_rng.pt" in pts else pts[0]
-        files[(int(m.group(1)), int(m.group(2) or 0))] = os.path.join(d, pick)
+        tp_rank, second, third = int(m.group(1)), int(m.group(2) or 0), m.group(3)
+        if third is not None:
+            key = (tp_rank, second, int(third))
+        else:
+            key = (tp_rank, 0, second) if expert_parallel else (tp_rank, second, 0)
+        files[key] = os.path.join(d, pick)
     if not files:
         raise FileNotFoundError(f"no Megatron checkpoint in {src}: no mp_rank_* directories with a .pt file")
-    tp = max(t for t, _ in files) + 1
-    pp = max(p for _, p in files) + 1
-    missing = [(t, p) for t in range(tp) for p in range(pp) if (t, p) not in files]
+    tp, pp, ep = (max(k[i] for k in files) + 1 for i in range(3))
+    missing = [(t, p, e) for t in range(tp) for p in range(pp) for e in range(ep) if (t, p, e) not in files]
     if missing:
-        raise CorruptCheckpointError(f"{src}: the files of TP x PP ranks {missing} are missing (found TP={tp}, PP={pp})")
+        raise CorruptCheckpointError(
+            f"{src}: the files of TP x PP x EP ranks {missing} are missing (found TP={tp}, PP={pp}, EP={ep})"
+        )
     return src, files
 
 
@@ -143,8 +153,9 @@ def import_megatron(
     allow_pickle: bool = False,
     file_bytes: int = 256 << 20,
     progress: ProgressFn | None = None,
+    expert_parallel: bool = False,
 ) -> ConvertResult:
-    """Convert Megatron TP x PP rank files into one tessera checkpoint of global tensors.
+    """Convert Megatron TP x PP (x EP) rank files into one tessera checkpoint of global tensors.
 
     Args:
         src: the checkpoint root (with ``latest_checkpointed_iteration.txt``) or an
@@ -159,6 +170,9 @@ def import_megatron(
             an ``argparse.Namespace``; only for files you trust).
         file_bytes: size of the tessera data files written.
         progress: called with ``(done_bytes, total_bytes)`` (total: bytes of the local tensors).
+        expert_parallel: rank directories ``mp_rank_<tp>_<n>`` number EP ranks, not PP
+            stages (Megatron-LM's names for EP > 1 with PP = 1). Experts are split by the
+            expert-tensor-parallel rank, taken to be the TP rank (Megatron's default).
 
     Returns:
         What was written; entries not converted are listed in ``skipped``.
@@ -168,6 +182,7 @@ def import_megatron(
         StateMismatchError: a local tensor that no rule of the spec explains, or that does
             not fit its rule under the checkpoint's TP size.
         CoverageError: if the ranks' boxes leave part of a global tensor uncovered.
+        StateMismatchError: also when the spec's expert count is not divisible by the EP size.
 
     Example:
         >>> spec = gpt_spec(num_layers=24, vocab_size=50257, num_attention_heads=16, kv_channels=64)
@@ -175,32 +190,34 @@ def import_megatron(
     """
     t0 = time.monotonic()
     spec = load_spec(spec) if isinstance(spec, str) else spec
-    directory, files = find_rank_files(src)
-    tp = max(t for t, _ in files) + 1
-    pp = max(p for _, p in files) + 1
+    directory, files = find_rank_files(src, expert_parallel=expert_parallel)
+    tp, pp, ep = (max(k[i] for k in files) + 1 for i in range(3))
     skipped: list[str] = []
     prog = Progress(sum(os.path.getsize(f) for f in files.values()), progress)
     with CheckpointWriter(path, storage=storage, file_bytes=file_bytes) as w:
-        for (tp_rank, pp_rank), fname in sorted(files.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        for (tp_rank, pp_rank, ep_rank), fname in sorted(files.items(), key=lambda kv: (kv[0][1], kv[0][2], kv[0][0])):
             sd = _load(fname, allow_pickle)
             local = sd.get(model_key)
             if not isinstance(local, Mapping):
                 extra = " (virtual pipeline chunks 'model0', 'model1'... are not supported)" if "model0" in sd else ""
                 raise CorruptCheckpointError(f"{fname}: no '{model_key}' state dict{extra}")
             local = {k: v for k, v in _flatten(local).items() if isinstance(v, torch.Tensor) or k.endswith("_extra_state")}
-            for gname, st in spec.to_global(local, tp_rank, tp, pp_rank, pp).items():
+            for gname, st in spec.to_global(local, tp_rank, tp, pp_rank, pp, ep_rank=ep_rank, ep_size=ep).items():
                 data = st.local.to(cast_for(st.local.dtype, dtype))
                 w.add(prefix + gname, st.global_shape, Box(st.global_offset, tuple(st.local.shape)), data, replica=True)
                 prog.advance(data.numel() * data.element_size())
-            if (tp_rank, pp_rank) == (0, 0):
+            if (tp_rank, pp_rank, ep_rank) == (0, 0, 0):
                 for key in ("iteration", "checkpoint_version"):
                     if key in sd and is_plain(sd[key]):
                         w.add_value(key, sd[key])
                 skipped += [f"{k} (not converted)" for k in sd if k not in (model_key, "iteration", "checkpoint_version")]
             del sd, local
-        w.commit(source=f"megatron:{directory}", layout={"format": "megatron", "tensor_parallel": tp, "pipeline_parallel": pp})
+        layout = {"format": "megatron", "tensor_parallel": tp, "pipeline_parallel": pp}
+        if ep > 1:
+            layout["expert_parallel"] = ep
+        w.commit(source=f"megatron:{directory}", layout=layout)
         counts = (w.tensors_declared, w.values_added, w.tensor_bytes, w.files_written)
-    logger.info("converted Megatron checkpoint %s (TP=%d, PP=%d) into %s", directory, tp, pp, path)
+    logger.info("converted Megatron checkpoint %s (TP=%d, PP=%d, EP=%d) into %s", directory, tp, pp, ep, path)
     return ConvertResult(src, path, *counts, time.monotonic() - t0, tuple(skipped))
 
 
