@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 import tessera
-from tessera.adapters.layout_spec import Fused, LayerStack, PaddedVocab, PipelineStage, Replicated, Rule, Skip, Split
+from tessera.adapters.layout_spec import ExpertStack, Fused, LayerStack, PaddedVocab, PipelineStage, Replicated, Rule, Skip, Split
 from tessera.adapters.megatron import MegatronSpec, global_shapes_from_manifest, gpt_spec
 from tests.dist_utils import run_distributed
 
@@ -362,3 +362,89 @@ def test_fused_split_within_groups_and_name_template() -> None:
     shapes = {"w::a": ((3, 2, 4), torch.float32), "w::b": ((3, 2, 2), torch.float32)}
     assert spec.empty_local(shapes, 0, 4, 0, 1)["w"].shape == (3, 3)
     assert spec.empty_local(shapes, 0, 1, 0, 1)["w"].shape == (3, 12)
+
+
+# ----------------------------------------------------------------------------------------
+# MoE: experts numbered per EP rank, split by the expert-TP rank, per-expert optimizer state.
+
+E, EFFN = 4, 6
+MOE_SPEC = MegatronSpec(
+    rules=(
+        Rule("layers.*.router.weight", Replicated()),
+        Rule("layers.*.experts.local_experts.*.fc1.weight", Fused(0, (("gate", EFFN), ("up", EFFN)))),
+        Rule("layers.*.experts.local_experts.*.fc2.weight", Split(1)),
+    ),
+    experts=(ExpertStack("experts.local_experts.{i}", num_experts=E),),
+)
+
+
+def _moe_truth() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(5)
+    out = {"layers.0.router.weight": torch.randn(E, H, generator=g)}
+    for j in range(E):
+        out[f"layers.0.experts.local_experts.{j}.fc1.gate.weight"] = torch.randn(EFFN, H, generator=g)
+        out[f"layers.0.experts.local_experts.{j}.fc1.up.weight"] = torch.randn(EFFN, H, generator=g)
+        out[f"layers.0.experts.local_experts.{j}.fc2.weight"] = torch.randn(H, EFFN, generator=g)
+    return out
+
+
+def _moe_local(g: dict[str, torch.Tensor], ep_rank: int, ep: int, etp_rank: int, etp: int) -> dict[str, torch.Tensor]:
+    """What Megatron's EP x ETP rank holds: its experts renumbered from 0, ETP slices, fc1 = [gate_r; up_r]."""
+    n = E // ep
+    out = {"layers.0.router.weight": g["layers.0.router.weight"].clone()}
+    for j in range(n):
+        p = f"layers.0.experts.local_experts.{ep_rank * n + j}."
+        gate, up = (g[p + f"fc1.{x}.weight"].chunk(etp, 0)[etp_rank] for x in ("gate", "up"))
+        out[f"layers.0.experts.local_experts.{j}.fc1.weight"] = torch.cat([gate, up]).clone()
+        out[f"layers.0.experts.local_experts.{j}.fc2.weight"] = g[p + "fc2.weight"].chunk(etp, 1)[etp_rank].clone()
+    return out
+
+
+def _moe_save_and_reload(rank: int, world: int, path: str) -> None:
+    g = _moe_truth()
+    ep, etp = 2, 1  # ranks are the EP ranks
+    local = _moe_local(g, rank, ep, 0, etp)
+    optim = {k: {"exp_avg": v * 2, "step": 3} for k, v in local.items()}  # per-expert optimizer state
+    kw = dict(ep_rank=rank, ep_size=ep)
+    tessera.save(path, {"model": MOE_SPEC.to_global(local, 0, 1, 0, 1, **kw),
+                        "optim": MOE_SPEC.to_global(optim, 0, 1, 0, 1, **kw)})  # fmt: skip
+    # Reload at EP=1 x ETP=2: both experts groups on every rank, each rank one ETP slice.
+    shapes = global_shapes_from_manifest(tessera.read_manifest(path), prefix="model.")
+    kw = dict(ep_rank=0, ep_size=1, etp_rank=rank, etp_size=2)
+    empty = MOE_SPEC.empty_local(shapes, 0, 1, 0, 1, **kw)
+    opt = {k: {"exp_avg": torch.zeros_like(v), "step": 0} for k, v in empty.items()}
+    optim_targets = MOE_SPEC.global_targets(opt, 0, 1, 0, 1, **kw)
+    res = tessera.load(path, {"model": MOE_SPEC.global_targets(empty, 0, 1, 0, 1, **kw), "optim": optim_targets})
+    assert res.missing_keys == [] and all(v["step"] == 3 for v in optim_targets.values())
+    want = _moe_local(g, 0, 1, rank, 2)
+    assert empty.keys() == want.keys()
+    for k, v in want.items():
+        assert torch.equal(empty[k], v), k
+        assert torch.equal(opt[k]["exp_avg"], v * 2), k
+
+
+def test_moe_ep2_saved_loads_at_ep1_expert_tp2_and_ep4(tmp_path) -> None:
+    path = str(tmp_path / "ck")
+    run_distributed(_moe_save_and_reload, 2, path)
+    # EP=4 (one expert per rank), one process standing for each rank in turn.
+    g = _moe_truth()
+    shapes = global_shapes_from_manifest(tessera.read_manifest(path), prefix="model.")
+    for ep_rank in range(4):
+        local = MOE_SPEC.empty_local(shapes, 0, 1, 0, 1, ep_rank=ep_rank, ep_size=4)
+        res = tessera.load(path, {"model": MOE_SPEC.global_targets(local, 0, 1, 0, 1, ep_rank=ep_rank, ep_size=4)},
+                           strict=False)  # fmt: skip
+        assert res.missing_keys == []
+        assert {k: torch.equal(v, local[k]) for k, v in _moe_local(g, ep_rank, 4, 0, 1).items()} == dict.fromkeys(local, True)
+
+
+def test_moe_expert_count_not_divisible_is_an_error() -> None:
+    g = _moe_truth()
+    with pytest.raises(tessera.StateMismatchError, match="4 experts .* do not divide evenly over 3 expert-parallel ranks"):
+        MOE_SPEC.to_global(_moe_local(g, 0, 2, 0, 1), 0, 1, 0, 1, ep_rank=0, ep_size=3)
+    with pytest.raises(tessera.StateMismatchError, match="local expert 2, but each of 2 EP ranks holds 2"):
+        MOE_SPEC.to_global(_moe_local(g, 0, 1, 0, 1), 0, 1, 0, 1, ep_rank=0, ep_size=2)  # 4 local experts at EP=2
+    shapes = {k: (tuple(v.shape), v.dtype) for k, v in g.items()}
+    with pytest.raises(tessera.StateMismatchError, match="do not divide evenly over 3"):
+        MOE_SPEC.empty_local(shapes, 0, 1, 0, 1, ep_rank=0, ep_size=3)
+    with pytest.raises(tessera.StateMismatchError, match="across 4 TP ranks"):  # expert TP must divide too
+        MOE_SPEC.empty_local(shapes, 0, 1, 0, 1, etp_rank=0, etp_size=4)
