@@ -11,8 +11,12 @@ Megatron-Core                 tessera
                               named by its ``key`` (``global_offset``, ``local_shape``,
                               ``global_shape``; ``prepend_axis_num`` leading axes of
                               length 1, e.g. the layer or expert index)
-``ShardedTensor`` with        a :class:`~tessera.FlatShard` (a flat range of the local
-``flattened_range``           chunk; megatron-core < 0.14 distributed optimizer)
+several ``ShardedTensor``\ s  one :class:`~tessera.shards.MultiShard` (SwiGLU ``linear_fc1``:
+of one key on a rank          its gate rows and its up rows)
+``ShardedTensor`` with        a :class:`~tessera.FlatShard` when the local chunk is contiguous
+``flattened_range``           in the global tensor (megatron-core < 0.14 distributed
+                              optimizer); otherwise an error
+``allow_shape_mismatch``      on load, the target is zeroed and the saved overlap is read
 ``replica_id``                only main replicas (``replica_id`` all 0) are saved, as Megatron does
 ``ShardedObject``             a value named by its ``unique_key`` (``key/shard_<off>_<shape>``)
 ``ShardedTensorFactory``      built on save (``build()``), merged on load (``merge_fn``)
@@ -25,6 +29,11 @@ Checkpoint tensor names are Megatron's keys (``decoder.layers.self_attention.lin
 uses, so a converted ``torch_dist`` checkpoint and a natively saved one load the same way.
 Loading into another TP / PP / DP / EP layout works because the target's sharded state dict
 describes the boxes it wants; nothing about the saving layout is needed.
+
+Distributed contract: :func:`save_sharded_state_dict`, :func:`load_sharded_state_dict` and
+``tessera.save``/``tessera.load`` of a :class:`MegatronCoreState` are collective over the
+process group, each rank passing its own sharded state dict; the pure functions
+:func:`to_tessera_state` / :func:`from_tessera_state` do no communication.
 
 Example:
     >>> from tessera.adapters.megatron_core import save_sharded_state_dict, load_sharded_state_dict
@@ -395,7 +404,8 @@ def load_sharded_state_dict(
 
     Args:
         path: a tessera checkpoint saved by :func:`save_sharded_state_dict`, or converted
-            from Megatron's ``torch_dist`` format (``tessera convert``).
+            from Megatron's ``torch_dist`` format by
+            :func:`tessera.convert.megatron.import_torch_dist`.
         sharded_state_dict: what this rank wants, e.g. ``{"model": model.sharded_state_dict()}``.
         strict: tensors, objects or common values the checkpoint lacks are an error.
         process_group, storage, cast_dtypes, options, storage_options: as for :func:`tessera.load`.

@@ -5,6 +5,7 @@ Megatron's (non-distributed) checkpoints hold one file per tensor- and pipeline-
     <root>/latest_checkpointed_iteration.txt      "100" (or "release")
     <root>/iter_0000100/mp_rank_<tp:02d>/model_optim_rng.pt            (PP = 1)
     <root>/iter_0000100/mp_rank_<tp:02d>_<pp:03d>/model_optim_rng.pt   (PP > 1)
+    <root>/iter_0000100/mp_rank_<tp:02d>[_<pp:03d>]_<ep:03d>/...      (EP > 1; with PP = 1 pass expert_parallel=True)
 
 each a dict whose ``"model"`` entry is that rank's local state dict (fused QKV, padded
 vocabulary, layers numbered per stage). A :class:`~tessera.adapters.megatron.MegatronSpec`
