@@ -72,6 +72,15 @@ def test_objects_needing_pickle_are_opt_in_at_save_and_load(tmp_path) -> None:
     assert load_sharded_state_dict(str(tmp_path), req, allow_pickle=True)["o"].x == 4
 
 
+def test_megatron_lm_args_namespace_needs_no_pickle(tmp_path) -> None:
+    import argparse
+
+    sd = {"args": argparse.Namespace(lr=0.1, params_dtype=torch.bfloat16), "iteration": 3}
+    save_sharded_state_dict(str(tmp_path), sd)
+    out = load_sharded_state_dict(str(tmp_path), {})
+    assert out == sd
+
+
 def _flat_st(key: str, data: torch.Tensor, local_shape: tuple[int, ...], shape: tuple[int, ...],
              offset: tuple[int, ...], rng: slice) -> object:  # fmt: skip
     # megatron-core 0.16 refuses flattened_range in validate_metadata_integrity; older

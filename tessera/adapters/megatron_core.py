@@ -11,7 +11,7 @@ Megatron-Core                 tessera
                               named by its ``key`` (``global_offset``, ``local_shape``,
                               ``global_shape``; ``prepend_axis_num`` leading axes of
                               length 1, e.g. the layer or expert index)
-several ``ShardedTensor``\ s  one :class:`~tessera.shards.MultiShard` (SwiGLU ``linear_fc1``:
+several ``ShardedTensor`` s   one :class:`~tessera.shards.MultiShard` (SwiGLU ``linear_fc1``:
 of one key on a rank          its gate rows and its up rows)
 ``ShardedTensor`` with        a :class:`~tessera.FlatShard` when the local chunk is contiguous
 ``flattened_range``           in the global tensor (megatron-core < 0.14 distributed
@@ -44,6 +44,7 @@ Example:
 
 from __future__ import annotations
 
+import argparse
 import io
 import logging
 import math
@@ -92,6 +93,13 @@ def _mapping() -> Any:
 # Objects: plain values inline, anything else through torch.save bytes.
 
 
+def _torch_load(data: bytes, allow_pickle: bool) -> object:
+    # Megatron-LM's common.pt holds its ``args``: an argparse.Namespace only sets
+    # attributes, so it is allowed without pickle (what it holds is still checked).
+    with torch.serialization.safe_globals([argparse.Namespace]):
+        return torch.load(io.BytesIO(data), weights_only=not allow_pickle, map_location="cpu")
+
+
 def _encode_object(obj: object, name: str, allow_pickle: bool) -> object:
     if is_plain(obj):
         return obj
@@ -100,7 +108,7 @@ def _encode_object(obj: object, name: str, allow_pickle: bool) -> object:
     data = buf.getvalue()
     if not allow_pickle:
         try:
-            torch.load(io.BytesIO(data), weights_only=True)
+            _torch_load(data, allow_pickle=False)
         except Exception as e:  # noqa: BLE001 - any refusal means the object needs pickle
             raise PickleNotAllowedError(
                 f"Megatron object '{name}' ({type(obj).__qualname__}) holds objects that only unpickling can "
@@ -115,7 +123,7 @@ def _decode_object(value: object, name: str, allow_pickle: bool) -> object:
         if tag not in (TORCH_SAVE, TORCH_SAVE_FIRST):
             return value
         try:
-            obj = torch.load(io.BytesIO(data), weights_only=not allow_pickle, map_location="cpu")
+            obj = _torch_load(data, allow_pickle)
         except Exception as e:
             if allow_pickle:
                 raise
