@@ -448,3 +448,20 @@ def test_moe_expert_count_not_divisible_is_an_error() -> None:
         MOE_SPEC.empty_local(shapes, 0, 1, 0, 1, ep_rank=0, ep_size=3)
     with pytest.raises(tessera.StateMismatchError, match="across 4 TP ranks"):  # expert TP must divide too
         MOE_SPEC.empty_local(shapes, 0, 1, 0, 1, etp_rank=0, etp_size=4)
+
+
+def test_multishard_several_boxes_of_one_tensor_on_one_rank(tmp_path) -> None:
+    """Megatron-Core's SwiGLU fc1 on a TP rank: its gate rows and its up rows, one tensor."""
+    from tessera.shards import MultiShard
+
+    g = torch.arange(32.0).reshape(8, 4)
+    tessera.save(str(tmp_path), {"w": MultiShard([tessera.ShardedTensor(g[0:2], (8, 4), (0, 0)),
+                                                  tessera.ShardedTensor(g[4:6], (8, 4), (4, 0)),
+                                                  tessera.FlatShard(g[2:4].reshape(-1), (8, 4), 8),
+                                                  tessera.ShardedTensor(g[6:], (8, 4), (6, 0))])})  # fmt: skip
+    a, b = torch.zeros(3, 4), torch.zeros(5, 4)
+    tessera.load(str(tmp_path), {"w": MultiShard([tessera.ShardedTensor(b, (8, 4), (3, 0)),
+                                                  tessera.ShardedTensor(a, (8, 4), (0, 0))])})  # fmt: skip
+    assert torch.equal(torch.cat([a, b]), g)
+    with pytest.raises(ValueError, match="disagree on the global shape"):
+        MultiShard([tessera.ShardedTensor(a, (8, 4), (0, 0)), tessera.ShardedTensor(a, (9, 4), (0, 0))])
