@@ -17,8 +17,12 @@ workaround below replaces exactly that spot and nothing else (see docs/framework
 5. ``FP32Optimizer.__init__`` puts its loss scale ``torch.tensor([1.0], device="cuda")``:
    :class:`CPUFP32Optimizer` builds the same optimizer with the scale on the CPU.
    (``DistributedOptimizer`` and Megatron's DDP grad buffers are CUDA-only throughout and
-   are not used; the distributed optimizer's ``fully_reshardable`` format is exercised
-   through its layout, see tests/test_interop_megatron.py.)
+   are not run here. By its source, the distributed optimizer's ``fully_reshardable``
+   sharded state dict has the same per-parameter keys and boxes as ``FP32Optimizer``'s,
+   which is what runs; its ``dp_reshardable`` buckets are not exercised.)
+6. Megatron's ``torch_dist`` writer calls ``torch.cuda.synchronize()`` and puts two small
+   coordination tensors on ``torch.cuda.current_device()``: see :func:`cuda_calls_on_cpu`.
+   It also needs ``psutil``.
 """
 
 from __future__ import annotations
