@@ -9,6 +9,7 @@ Save training state from any parallel layout, load it into any other::
 
 from .adapters import DataPosition, ModelState, OptimizerState, RNGState
 from .api import LoadResult, PendingSave, SaveResult, async_save, load, read_manifest, save
+from .hf_export import HFSaveResult, save_hf
 from .errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -39,6 +40,7 @@ __all__ = [
     "DataPosition",
     "DistributedError",
     "FlatShard",
+    "HFSaveResult",
     "LoadOptions",
     "LoadResult",
     "ManifestError",
@@ -63,5 +65,6 @@ __all__ = [
     "per_rank",
     "read_manifest",
     "save",
+    "save_hf",
     "verify",
 ]
