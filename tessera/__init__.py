@@ -7,7 +7,15 @@ Save training state from any parallel layout, load it into any other::
     tessera.load("/ckpt/step100", {"model": model.state_dict(), "step": 0})
 """
 
-from .adapters import DataPosition, ModelState, OptimizerState, RNGState
+from .adapters import (
+    DataPosition,
+    LoaderState,
+    ModelState,
+    OptimizerState,
+    ReshardableStream,
+    RNGState,
+    reshard_stream_states,
+)
 from .api import LoadResult, PendingSave, SaveResult, async_save, load, read_manifest, save
 from .hf_export import HFSaveResult, save_hf
 from .errors import (
@@ -42,6 +50,7 @@ __all__ = [
     "FlatShard",
     "HFSaveResult",
     "LoadOptions",
+    "LoaderState",
     "LoadResult",
     "ManifestError",
     "MissingKeysError",
@@ -53,6 +62,7 @@ __all__ = [
     "Problem",
     "ProblemKind",
     "RNGState",
+    "ReshardableStream",
     "SaveOptions",
     "SaveResult",
     "ShardedTensor",
@@ -64,6 +74,7 @@ __all__ = [
     "load",
     "per_rank",
     "read_manifest",
+    "reshard_stream_states",
     "save",
     "save_hf",
     "verify",
