@@ -16,7 +16,7 @@ How it works (all ranks, collective):
    A writer that holds a piece itself copies it locally; replicas are read once.
 
 No rank ever holds more than about one block per peer of exchange buffers, whatever the
-model size: :attr:`HFSaveResult.peak_buffer_bytes` reports the exact figure.
+model size: :attr:`HFSaveResult.peak_buffer_bytes` reports the peak this rank held.
 """
 
 from __future__ import annotations

@@ -158,7 +158,9 @@ def test_dp4_resumes_on_dp2_and_dp3(tmp_path):
 
 
 @pytest.mark.interop
-@pytest.mark.parametrize("pack", [True, False], ids=["packed-tokens", "prefetched-samples"])
+@pytest.mark.parametrize(
+    "pack", [True, pytest.param(False, marks=pytest.mark.slow)], ids=["packed-tokens", "prefetched-samples"]
+)
 def test_stateful_dataloader_dp4_resumes_on_dp2_and_dp3(tmp_path, pack):
     pytest.importorskip("torchdata.stateful_dataloader")
     _check_resharding(tmp_path, loader=True, pack=pack)
@@ -169,3 +171,25 @@ def test_stateful_dataloader_rejects_workers():
     tdl = pytest.importorskip("torchdata.stateful_dataloader")
     with pytest.raises(ValueError, match="num_workers=0"):
         tessera.LoaderState(tdl.StatefulDataLoader(_stream(0, 1), num_workers=2))
+
+
+def _replicated_dp_job(rank: int, world: int, path: str, dp: int, save: bool):
+    """``world`` processes as ``dp`` DP ranks, each stream shared by world // dp processes (TP-like)."""
+    stream = _stream(rank * dp // world, dp)
+    state = {"data": tessera.LoaderState(stream)}
+    if not save:
+        tessera.load(path, state)
+    got = _take(stream, iter(stream), 3 + rank * dp // world if save else None, True)
+    if save:
+        tessera.save(path, state)
+    return rank * dp // world, got
+
+
+def test_streams_shared_by_several_processes_count_once(tmp_path):
+    """Saved by 4 processes as 2 DP ranks x 2 replicas, resumed by 3 processes as 3 DP ranks."""
+    path = str(tmp_path / "ckpt")
+    before = run_distributed(_replicated_dp_job, 4, path, 2, True)
+    assert before[0] == before[1] and before[2] == before[3]  # replicas read the same
+    after = run_distributed(_replicated_dp_job, 3, path, 3, False)
+    seen = before[0][1] + before[2][1] + [t for _, got in after for t in got]
+    assert Counter(seen) == ALL_TOKENS

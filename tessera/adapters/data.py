@@ -354,38 +354,71 @@ class LoaderState:
             raise ValueError("LoaderState: the StatefulDataLoader must use num_workers=0 (see ReshardableStream)")
         self.loader = loader
         self.stream = stream
-        self._resharded: dict[str, Any] | None = None
+        self._pending: tuple[str, Any] | None = None
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's loader state, marked per rank."""
         return {"state": per_rank(self.loader.state_dict(), on_resize=OnResize.MODULO)}
 
     def prepare_load(self, manifest: Any, fqn: str) -> None:
-        """Before a load (called by ``tessera.load``): reshard if the DP size changed."""
-        self._resharded = None
+        """Before a load (called by ``tessera.load``): pick this rank's state, resharding if needed.
+
+        Every saving process's state is in the manifest. Processes that share a DP rank (e.g.
+        the tensor-parallel ranks of one DP replica) hold identical states and count once.
+        """
+        self._pending = None
         entry = manifest.per_rank.get(f"{fqn}.state")
-        if entry is None or manifest.world_size == self.stream.world_size:
-            return
+        if entry is None:
+            return  # tessera.load reports the missing key
         saved = [decode_value(v, f"{fqn}.state") for v in entry.values]
-        streams = [s.get("dataset_state") if isinstance(s, dict) and "format" not in s else s for s in saved]
-        self._resharded = reshard_stream_states(streams, self.stream.world_size)[self.stream.rank]
-        logger.info("data stream saved by %d ranks resharded for rank %d of %d",
-                    manifest.world_size, self.stream.rank, self.stream.world_size)
+        by_rank: dict[int, tuple[Any, dict[str, Any]]] = {}
+        for i, value in enumerate(saved):
+            stream = _stream_state(value)
+            _check(stream, i)
+            seen = by_rank.setdefault(int(stream["rank"]), (value, stream))
+            if seen[1] != stream:
+                raise StateMismatchError(
+                    f"'{fqn}': two saving processes hold different states for data-parallel rank {stream['rank']}"
+                )
+        ranks = sorted(by_rank)
+        saved_world = int(by_rank[ranks[0]][1]["world_size"])
+        if saved_world == self.stream.world_size and ranks == list(range(saved_world)):
+            self._pending = ("same", by_rank[self.stream.rank][0])  # the rank's own state, whoever saved it
+            return
+        states = [by_rank[r][1] for r in ranks]
+        self._pending = ("resharded", reshard_stream_states(states, self.stream.world_size)[self.stream.rank])
+        logger.info("data stream saved by %d DP ranks resharded for DP rank %d of %d",
+                    saved_world, self.stream.rank, self.stream.world_size)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Take the loaded state (this rank's own, or its share of the resharded states)."""
-        resharded, self._resharded = self._resharded, None
-        if resharded is not None:
-            self.stream.load_state_dict(resharded)
+        """Take the loaded state (this rank's own, or its share of the resharded states).
+
+        Raises:
+            StateMismatchError: for a state saved under another DP size when the load did not
+                go through ``tessera.load`` (which reshards it).
+        """
+        pending, self._pending = self._pending, None
+        if pending is not None and pending[0] == "resharded":
+            self.stream.load_state_dict(pending[1])
             if self.loader is not self.stream:
                 self.loader.load_state_dict({})  # a fresh iterator, continuing from the stream's state
             return
-        value = state_dict["state"]
-        value = value.value if isinstance(value, PerRank) else value
-        stream_state = value.get("dataset_state") if isinstance(value, dict) and "format" not in value else value
+        if pending is not None:
+            value = pending[1]
+        else:
+            value = state_dict["state"]
+            value = value.value if isinstance(value, PerRank) else value
+        stream_state = _stream_state(value)
         if isinstance(stream_state, dict) and stream_state.get("world_size") != self.stream.world_size:
             raise StateMismatchError(
                 f"data stream of rank {self.stream.rank}: the state was saved by {stream_state.get('world_size')} ranks, "
                 f"this job has {self.stream.world_size}; load it with tessera.load, which reshards it"
             )
         self.loader.load_state_dict(value)
+
+
+def _stream_state(value: Any) -> Any:
+    """The stream's state inside a saved value: the value itself, or a loader's ``dataset_state``."""
+    if isinstance(value, dict) and "format" not in value and "dataset_state" in value:
+        return value["dataset_state"]
+    return value
