@@ -17,7 +17,6 @@ from .adapters import (
     reshard_stream_states,
 )
 from .api import LoadResult, PendingSave, SaveResult, async_save, load, read_manifest, save
-from .hf_export import HFSaveResult, save_hf
 from .errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -31,6 +30,7 @@ from .errors import (
     StateMismatchError,
     StorageError,
 )
+from .hf_export import HFSaveResult, save_hf
 from .manager import CheckpointManager, StepLoadResult
 from .options import LoadOptions, SaveOptions
 from .shards import FlatShard, OnResize, ShardedTensor, per_rank

@@ -321,6 +321,7 @@ class _Rounds:
         self.count = max((len(b) for b in plan.blocks), default=0)
         self.done = 0
         self.peak_bytes = 0
+        self._last_exchange_bytes = 0  # buffers of the latest round, still alive while its block is assembled
 
     def next_block(self) -> tuple[_Block, torch.Tensor]:
         """Run the next round; this rank's assembled block (in the output dtype)."""
@@ -386,8 +387,6 @@ class _Rounds:
                 received.setdefault(src, []).append(flat_out[pos : pos + n].view(dt).view(box.lengths))
                 pos += n
         return received
-
-    _last_exchange_bytes = 0
 
 
 def _any_transfer(plan: _Plan, k: int, size: int) -> bool:
