@@ -153,13 +153,13 @@ def save_hf(
 
     t0 = time.monotonic()
     world = dist.world_for(process_group)
-    out = storage_for(out_dir, storage)
-    state = ModelState(model) if isinstance(model, nn.Module) else model
-    hf_config = config if config is not None else _config_of(model)
     err: BaseException | None = None
     local: dict[tuple[str, Box], torch.Tensor] = {}
     metas: list[tuple[str, tuple[int, ...], str, tuple[int, ...], tuple[int, ...]]] = []
     try:
+        out = storage_for(out_dir, storage)
+        state = ModelState(model) if isinstance(model, nn.Module) else model
+        hf_config = config if config is not None else _config_of(model)
         if not isinstance(state, dict) and not is_stateful(state):
             raise TypeError(f"save_hf takes an nn.Module or a tessera state, not {type(model).__name__}")
         if block_bytes < 1:

@@ -171,3 +171,22 @@ def test_ranks_disagreeing_on_a_shape_fail_together(tmp_path):
     # The same error on both ranks: each rank computed the same plan from the same metadata.
     assert "rank 0:" in text and "rank 1:" in text
     assert text.count("StateMismatchError: tensor 'w': rank 1 holds a piece of shape [5]") == 2
+
+
+def _one_rank_cannot_write(rank: int, world: int, out: str, bad: str) -> tuple[str, str]:
+    rows = torch.arange(64, dtype=torch.float32).reshape(16, 4)
+    state = {f"w{i}": tessera.ShardedTensor(rows[rank * 8 : rank * 8 + 8] + i, (16, 4), (rank * 8, 0)) for i in range(4)}
+    try:
+        tessera.save_hf(out if rank == 0 else bad, state, max_shard_size=300, block_bytes=64)
+    except Exception as e:  # noqa: BLE001 - the test inspects what each rank raised
+        return type(e).__name__, str(e)
+    return "no error", ""
+
+
+def test_a_rank_failing_to_write_fails_every_rank_without_hanging(tmp_path):
+    (tmp_path / "file").write_text("not a directory")
+    results = run_distributed(_one_rank_cannot_write, 2, str(tmp_path / "hf"), str(tmp_path / "file" / "hf"))
+    # The failing rank gets its own error (FileStorage lets makedirs' OSError through today).
+    assert results[1][0] in ("StorageError", "NotADirectoryError") and "file/hf" in results[1][1]
+    assert results[0][0] == "DistributedError" and "rank 1" in results[0][1] and results[1][0] in results[0][1]
+    assert not (tmp_path / "hf" / "model.safetensors.index.json").exists()  # no index over missing shards
