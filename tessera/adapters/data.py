@@ -333,8 +333,9 @@ class LoaderState:
     positions and packer tokens) and takes its share of :func:`reshard_stream_states`.
 
     Not collective by itself: it goes into the state passed to ``tessera.save`` and
-    ``tessera.load`` on every rank. With a tessera process group that is not the DP group
-    (e.g. TP ranks sharing a stream), the DP size must still be the stream's ``world_size``.
+    ``tessera.load`` on every rank. Processes that share a DP rank (the tensor-parallel
+    ranks of one replica) save identical states, which count once; such a job may also be
+    resumed under another number of processes with the same DP size.
 
     Args:
         loader: a :class:`ReshardableStream` or a ``StatefulDataLoader`` whose dataset is one.
