@@ -45,6 +45,9 @@ logger = logging.getLogger(__name__)
 DEFAULT_BLOCK_BYTES = 64 << 20
 """Largest block of a tensor assembled on a writer at once."""
 
+SEND_BUDGET_BLOCKS = 2
+"""Most bytes a rank sends in one exchange round, in blocks (see :func:`_schedule`)."""
+
 
 @dataclass(frozen=True)
 class HFSaveResult:
@@ -99,6 +102,7 @@ class _Plan:
     shards: tuple[tuple[_Tensor, ...], ...]  # tensors of each file, in file order
     writers: tuple[int, ...]  # rank writing each file
     blocks: tuple[tuple[_Block, ...], ...]  # per rank: the blocks it writes, in file order
+    rounds: tuple[tuple[tuple[int, int], ...], ...]  # per round: (writer, index of its block) pairs
 
 
 def save_hf(
@@ -284,7 +288,40 @@ def _plan(
                 if box.is_empty():  # an empty tensor has a header entry and no bytes
                     continue
                 blocks[w].append(_Block(t, box, _sources(t, box, w, n)))
-    return _Plan(tuple(tensors), files, shards, tuple(writers), tuple(tuple(b) for b in blocks))
+    return _Plan(tuple(tensors), files, shards, tuple(writers), tuple(tuple(b) for b in blocks),
+                 _schedule(blocks, world_size, send_budget=SEND_BUDGET_BLOCKS * block_bytes))
+
+
+def _schedule(blocks: list[list[_Block]], world_size: int, *, send_budget: int) -> tuple[tuple[tuple[int, int], ...], ...]:
+    """Rounds of (writer, block index): each writer's blocks in order, at most one per round,
+    and no rank sending more than ``send_budget`` bytes in a round (a round always takes at
+    least one block, so a block larger than the budget still goes through, alone).
+
+    Without the budget a rank owning parts of every writer's block would buffer one block per
+    writer; with it, its send buffer stays bounded whatever the number of writers.
+    """
+    nxt = [0] * world_size
+    rounds: list[tuple[tuple[int, int], ...]] = []
+    while any(nxt[w] < len(blocks[w]) for w in range(world_size)):
+        sent = [0] * world_size
+        this: list[tuple[int, int]] = []
+        start = len(rounds) % world_size  # rotate, so no writer is always last to be admitted
+        for w in ((start + i) % world_size for i in range(world_size)):
+            if nxt[w] >= len(blocks[w]):
+                continue
+            cost: dict[int, int] = {}
+            b = blocks[w][nxt[w]]
+            for owner, _, part in b.sources:
+                if owner != w:
+                    cost[owner] = cost.get(owner, 0) + part.numel * _itemsize(b.tensor.dtype)
+            if this and any(sent[o] + c > send_budget for o, c in cost.items()):
+                continue
+            for o, c in cost.items():
+                sent[o] += c
+            this.append((w, nxt[w]))
+            nxt[w] += 1
+        rounds.append(tuple(sorted(this)))
+    return tuple(rounds)
 
 
 def _sources(t: _Tensor, block: Box, writer: int, n: int) -> tuple[tuple[int, Box, Box], ...]:
@@ -318,83 +355,80 @@ class _Rounds:
         self.world = world
         self.plan = plan
         self.local = local
-        self.count = max((len(b) for b in plan.blocks), default=0)
         self.done = 0
         self.peak_bytes = 0
-        self._last_exchange_bytes = 0  # buffers of the latest round, still alive while its block is assembled
 
     def next_block(self) -> tuple[_Block, torch.Tensor]:
-        """Run the next round; this rank's assembled block (in the output dtype)."""
-        me = self.world.rank
-        mine = self.plan.blocks[me][self.done] if self.done < len(self.plan.blocks[me]) else None
-        received = self._exchange()
+        """Run rounds up to the one delivering this rank's next block; that block, in the output dtype."""
+        while self.done < len(self.plan.rounds):
+            got = self._run()
+            if got is not None:
+                return got
+        raise RuntimeError(f"rank {self.world.rank}: the export plan has no block left for this rank")  # a bug
+
+    def drain(self) -> None:
+        """Take part in the rounds left (this rank has no more blocks to write)."""
+        while self.done < len(self.plan.rounds):
+            self._run()
+
+    def _run(self) -> tuple[_Block, torch.Tensor] | None:
+        """One round: send this rank's parts of the writers' blocks, assemble its own block if it has one."""
+        entries = self.plan.rounds[self.done]
+        self.done += 1
+        me, size = self.world.rank, self.world.size
+        in_sizes = [0] * size
+        out_sizes = [0] * size
+        outgoing: list[tuple[int, torch.Tensor]] = []  # (destination, the part), in sending order
+        mine: _Block | None = None
+        for w, i in entries:
+            b = self.plan.blocks[w][i]
+            if w == me:
+                mine = b
+            for owner, box, part in b.sources:
+                if owner == w:
+                    continue
+                n = _padded(part.numel * _itemsize(b.tensor.dtype))
+                if owner == me:
+                    outgoing.append((w, self.local[(b.tensor.fqn, box)][part.relative_to(box).slices()]))
+                    in_sizes[w] += n
+                if w == me:
+                    out_sizes[owner] += n
+        received = torch.empty(0, dtype=torch.uint8)
+        exchange_bytes = sum(in_sizes) + sum(out_sizes)
+        if any(owner != w for w, i in entries for owner, _, _ in self.plan.blocks[w][i].sources):
+            # Parts are copied straight into the send buffer, grouped by destination rank.
+            send = torch.empty(sum(in_sizes), dtype=torch.uint8)
+            pos = 0
+            for dest in range(size):
+                for d, part in outgoing:
+                    if d == dest:
+                        n = part.numel() * part.element_size()
+                        send[pos : pos + n].view(part.dtype).view(part.shape).copy_(part)
+                        pos += _padded(n)
+            received = torch.empty(sum(out_sizes), dtype=torch.uint8)
+            dist._run(
+                self.world, f"exchanging round {self.done - 1} of the Hugging Face export",
+                lambda: torch_dist.all_to_all_single(received, send, out_sizes, in_sizes, group=self.world.group),
+            )
+            del send
+        self.peak_bytes = max(self.peak_bytes, exchange_bytes)
         if mine is None:
-            raise RuntimeError(f"rank {me}: no block left to write in round {self.done - 1}")  # a planning bug
+            return None
         t = mine.tensor
         buf = torch.empty(mine.box.lengths, dtype=t.dtype)
+        offsets = [sum(out_sizes[:r]) for r in range(size)]  # where each sender's parts start
         for owner, box, part in mine.sources:
             dst = buf[part.relative_to(mine.box).slices()]
             if owner == me:
                 dst.copy_(self.local[(t.fqn, box)][part.relative_to(box).slices()])
             else:
-                dst.copy_(received[owner].pop(0))
+                n = part.numel * _itemsize(t.dtype)
+                dst.copy_(received[offsets[owner] : offsets[owner] + n].view(t.dtype).view(part.lengths))
+                offsets[owner] += _padded(n)
         out = buf if t.out_dtype == t.dtype else buf.to(t.out_dtype)
-        held = buf.numel() * buf.element_size() * (1 if out is buf else 2) + self._last_exchange_bytes
+        held = sum(out_sizes) + buf.numel() * buf.element_size() + (out.numel() * out.element_size() if out is not buf else 0)
         self.peak_bytes = max(self.peak_bytes, held)
         return mine, out
-
-    def drain(self) -> None:
-        """Take part in the rounds left (this rank has no more blocks to write)."""
-        while self.done < self.count:
-            self._exchange()
-
-    def _exchange(self) -> dict[int, list[torch.Tensor]]:
-        """Send this rank's parts of everyone's block of this round; receive those of its own."""
-        k = self.done
-        self.done += 1
-        me, size = self.world.rank, self.world.size
-        send: list[list[torch.Tensor]] = [[] for _ in range(size)]
-        expect: list[list[tuple[Box, torch.dtype]]] = [[] for _ in range(size)]
-        for w in range(size):
-            if k >= len(self.plan.blocks[w]):
-                continue
-            b = self.plan.blocks[w][k]
-            for owner, box, part in b.sources:
-                if owner == w:
-                    continue
-                if owner == me:
-                    piece = self.local[(b.tensor.fqn, box)][part.relative_to(box).slices()]
-                    send[w].append(piece.to("cpu").contiguous().reshape(-1).view(torch.uint8))
-                if w == me:
-                    expect[owner].append((part, b.tensor.dtype))
-        in_sizes = [sum(p.numel() for p in parts) for parts in send]
-        out_sizes = [sum(box.numel * _itemsize(dt) for box, dt in parts) for parts in expect]
-        self._last_exchange_bytes = 2 * sum(in_sizes) + sum(out_sizes)  # parts, their packed copy, the receive buffer
-        if not _any_transfer(self.plan, k, size):
-            return {}
-        flat_in = torch.cat([p for parts in send for p in parts]) if sum(in_sizes) else torch.empty(0, dtype=torch.uint8)
-        flat_out = torch.empty(sum(out_sizes), dtype=torch.uint8)
-        self.peak_bytes = max(self.peak_bytes, self._last_exchange_bytes)
-        dist._run(
-            self.world, f"exchanging round {k} of the Hugging Face export",
-            lambda: torch_dist.all_to_all_single(flat_out, flat_in, out_sizes, in_sizes, group=self.world.group),
-        )
-        received: dict[int, list[torch.Tensor]] = {}
-        pos = 0
-        for src in range(size):
-            for box, dt in expect[src]:
-                n = box.numel * _itemsize(dt)
-                received.setdefault(src, []).append(flat_out[pos : pos + n].view(dt).view(box.lengths))
-                pos += n
-        return received
-
-
-def _any_transfer(plan: _Plan, k: int, size: int) -> bool:
-    """Whether any rank sends anything in round ``k`` (all ranks agree: the plan is shared)."""
-    for w in range(size):
-        if k < len(plan.blocks[w]) and any(owner != w for owner, _, _ in plan.blocks[w][k].sources):
-            return True
-    return False
 
 
 def _file_chunks(shard: tuple[_Tensor, ...], rounds: _Rounds) -> Iterator[bytes | memoryview]:
@@ -434,6 +468,11 @@ def _write_config(out: Storage, config: object, plan: _Plan) -> None:
         setattr(cfg, "dtype" if hasattr(cfg, "dtype") else "torch_dtype", written)
     text = cfg.to_json_string(use_diff=True)  # type: ignore[attr-defined]
     out.write_atomic("config.json", text.encode("utf-8"))
+
+
+def _padded(nbytes: int) -> int:
+    """``nbytes`` rounded up to 8: every part in an exchange buffer starts aligned for any dtype."""
+    return -(-nbytes // 8) * 8
 
 
 def _numel(shape: tuple[int, ...]) -> int:

@@ -190,3 +190,38 @@ def test_a_rank_failing_to_write_fails_every_rank_without_hanging(tmp_path):
     assert results[1][0] in ("StorageError", "NotADirectoryError") and "file/hf" in results[1][1]
     assert results[0][0] == "DistributedError" and "rank 1" in results[0][1] and results[1][0] in results[0][1]
     assert not (tmp_path / "hf" / "model.safetensors.index.json").exists()  # no index over missing shards
+
+
+def _mixed(rank: int, world: int, out: str) -> tuple[tuple[str, ...], int]:
+    a, b = _mixed_tensors()
+    rows = [(0, 3), (3, 5), (5, 7)][rank]
+    cols = [(0, 3), (3, 6), (6, 9)][rank]  # column shards: every part sent is strided in memory
+    state = {
+        "a": tessera.ShardedTensor(a[rows[0] : rows[1]], (7, 5), (rows[0], 0)),
+        "b": tessera.ShardedTensor(b[:, cols[0] : cols[1]], (5, 9), (0, cols[0])),
+        "c": torch.arange(11, dtype=torch.int64),
+        "d": torch.tensor(3.5),
+    }
+    res = tessera.save_hf(out, state, max_shard_size=60, block_bytes=16)
+    return res.written, res.peak_buffer_bytes
+
+
+def _mixed_tensors() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(7, 5, generator=g).to(torch.bfloat16), torch.randn(5, 9, generator=g)
+
+
+def test_three_ranks_mixed_dtypes_odd_sizes_tiny_blocks(tmp_path):
+    """bf16 rows, fp32 columns, int64 and 0-dim tensors; blocks of 16 bytes: parts of 2, 4 and 8 byte dtypes mix."""
+    from safetensors.torch import load_file
+
+    out = str(tmp_path / "hf")
+    results = run_distributed(_mixed, 3, out)
+    assert all(written for written, _ in results)  # all three ranks wrote shards
+    got: dict[str, torch.Tensor] = {}
+    for name in _shards(out):
+        got.update(load_file(os.path.join(out, name)))
+    a, b = _mixed_tensors()
+    assert torch.equal(got["a"], a) and torch.equal(got["b"], b)
+    assert torch.equal(got["c"], torch.arange(11)) and got["d"].item() == 3.5 and got["d"].shape == ()
+    assert max(peak for _, peak in results) <= 5 * 16 + 3 * 8  # blocks of 16 bytes, parts padded to 8
