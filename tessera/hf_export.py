@@ -15,8 +15,9 @@ How it works (all ranks, collective):
    ``all_to_all`` over tessera's CPU (gloo) coordination group, and streams it to its file.
    A writer that holds a piece itself copies it locally; replicas are read once.
 
-No rank ever holds more than about one block per peer of exchange buffers, whatever the
-model size: :attr:`HFSaveResult.peak_buffer_bytes` reports the peak this rank held.
+Rounds are scheduled so that no rank sends more than two blocks per round, so no rank
+holds more than about five blocks of buffers, whatever the model size or the number of
+ranks: :attr:`HFSaveResult.peak_buffer_bytes` reports the peak this rank held.
 """
 
 from __future__ import annotations
@@ -445,6 +446,7 @@ def _file_chunks(shard: tuple[_Tensor, ...], rounds: _Rounds) -> Iterator[bytes 
                 raise RuntimeError(f"export plan out of order: got '{block.tensor.name}', expected '{t.name}'")
             remaining[t.name] -= block.box.numel
             yield memoryview(data.contiguous().reshape(-1).view(torch.uint8).numpy())
+            del block, data  # written: free it before the next round allocates the next block
 
 
 # --------------------------------------------------------------------------------------
