@@ -13,6 +13,6 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
     .venv/bin/python -m pip install -q --upgrade pip
     # torch first and pinned: the CPU wheel of 2.13.0 is what this project is tested on.
     .venv/bin/python -m pip install -q "torch==2.13.0"
-    .venv/bin/python -m pip install -q -e ".[test]"
+    .venv/bin/python -m pip install -q -e ".[test,interop]"
     echo "$want" > "$stamp"
 fi

@@ -7,7 +7,15 @@ Save training state from any parallel layout, load it into any other::
     tessera.load("/ckpt/step100", {"model": model.state_dict(), "step": 0})
 """
 
-from .adapters import DataPosition, ModelState, OptimizerState, RNGState
+from .adapters import (
+    DataPosition,
+    LoaderState,
+    ModelState,
+    OptimizerState,
+    ReshardableStream,
+    RNGState,
+    reshard_stream_states,
+)
 from .api import LoadResult, PendingSave, SaveResult, async_save, load, read_manifest, save
 from .errors import (
     CheckpointError,
@@ -22,6 +30,7 @@ from .errors import (
     StateMismatchError,
     StorageError,
 )
+from .hf_export import HFSaveResult, save_hf
 from .manager import CheckpointManager, StepLoadResult
 from .options import LoadOptions, SaveOptions
 from .shards import FlatShard, OnResize, ShardedTensor, per_rank
@@ -39,7 +48,9 @@ __all__ = [
     "DataPosition",
     "DistributedError",
     "FlatShard",
+    "HFSaveResult",
     "LoadOptions",
+    "LoaderState",
     "LoadResult",
     "ManifestError",
     "MissingKeysError",
@@ -51,6 +62,7 @@ __all__ = [
     "Problem",
     "ProblemKind",
     "RNGState",
+    "ReshardableStream",
     "SaveOptions",
     "SaveResult",
     "ShardedTensor",
@@ -62,6 +74,8 @@ __all__ = [
     "load",
     "per_rank",
     "read_manifest",
+    "reshard_stream_states",
     "save",
+    "save_hf",
     "verify",
 ]

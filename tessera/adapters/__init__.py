@@ -5,8 +5,17 @@ them (plain, DDP, FSDP1, FSDP2, tensor parallel, 2-D meshes) and key everything 
 parameter FQN, so a checkpoint saved under one layout loads under any other.
 """
 
+from .data import LoaderState, ReshardableStream, reshard_stream_states
 from .misc import DataPosition, RNGState
 from .model import ModelState
 from .optimizer import OptimizerState
 
-__all__ = ["DataPosition", "ModelState", "OptimizerState", "RNGState"]
+__all__ = [
+    "DataPosition",
+    "LoaderState",
+    "ModelState",
+    "OptimizerState",
+    "RNGState",
+    "ReshardableStream",
+    "reshard_stream_states",
+]

@@ -46,6 +46,8 @@ logger = logging.getLogger(__name__)
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
+
+
 class _Entry(NamedTuple):
     """A tensor to export: its Hugging Face name, tessera name, output dtype and size."""
 
@@ -111,39 +113,72 @@ def export_hf(
         code = safetensors_dtype_code(out_dt, fqn)
         specs.append(_Entry(hf_name, fqn, out_dt, code, numel(src.shape(fqn)) * itemsize(out_dt)))
 
-    # Fill shards in order, as transformers does: a tensor larger than the limit gets its own.
-    shards: list[list[_Entry]] = [[]]
-    size = 0
-    for spec in specs:
-        if shards[-1] and size + spec.nbytes > limit:
-            shards.append([])
-            size = 0
-        shards[-1].append(spec)
-        size += spec.nbytes
-    files = [SINGLE_NAME] if len(shards) == 1 else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    groups = plan_shards([s.nbytes for s in specs], limit)
+    shards = [[specs[i] for i in g] for g in groups]
+    files = shard_file_names(len(shards))
 
     out = storage_for(out_dir)
-    stale = [p for p in out.list("") if _MODEL_FILE.match(p)]
-    if stale:
-        logger.info("replacing %d model file(s) in %s", len(stale), out_dir)
-        out.delete(stale)
+    remove_model_files(out, out_dir)
     total = sum(s.nbytes for s in specs)
     prog = Progress(total, progress)
     for fname, shard in zip(files, shards):
         shard.sort(key=lambda s: -itemsize(s.dtype))  # stable; keeps every tensor aligned to its item size
         out.write_file(fname, _shard_chunks(src, shard, block_bytes, prog))
     if len(files) > 1:
-        index = {
-            "metadata": {"total_size": total},
-            "weight_map": {s.name: f for f, shard in zip(files, shards) for s in shard},
-        }
-        out.write_file(INDEX_NAME, [json.dumps(index, indent=2, sort_keys=True).encode()])
+        out.write_file(INDEX_NAME, [index_bytes(total, {s.name: f for f, shard in zip(files, shards) for s in shard})])
     skipped = [f"{n} (plain value)" for n in src.manifest.values] + [f"{n} (per-rank tensor)" for n in sorted(per_rank)]
     skipped += [f"{n} (per-rank value)" for n in src.manifest.per_rank]
     if prefix:
         skipped = [s for s in skipped if s.startswith(prefix)]
     logger.info("exported %d tensors (%d bytes) from %s to %s in %d file(s)", len(specs), total, path, out_dir, len(files))
     return ConvertResult(path, out_dir, len(specs), 0, total, len(files) + (len(files) > 1), time.monotonic() - t0, tuple(skipped))
+
+
+def plan_shards(sizes: list[int], limit: int) -> list[list[int]]:
+    """Group tensors of ``sizes`` bytes, in order, into shards of at most ``limit`` bytes.
+
+    Shards fill in order, as ``transformers``' ``save_pretrained`` does; a tensor larger than
+    the limit gets a shard of its own. Returns the indices of ``sizes`` in each shard.
+
+    Example:
+        >>> plan_shards([4, 4, 8, 2], 8)
+        [[0, 1], [2], [3]]
+    """
+    shards: list[list[int]] = [[]]
+    size = 0
+    for i, nbytes in enumerate(sizes):
+        if shards[-1] and size + nbytes > limit:
+            shards.append([])
+            size = 0
+        shards[-1].append(i)
+        size += nbytes
+    return shards
+
+
+def shard_file_names(count: int) -> list[str]:
+    """Names of ``count`` shard files: ``model.safetensors`` alone, else ``model-0000i-of-0000N``.
+
+    Example:
+        >>> shard_file_names(2)
+        ['model-00001-of-00002.safetensors', 'model-00002-of-00002.safetensors']
+    """
+    if count == 1:
+        return [SINGLE_NAME]
+    return [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
+
+
+def index_bytes(total_size: int, weight_map: dict[str, str]) -> bytes:
+    """The content of ``model.safetensors.index.json`` for a sharded directory."""
+    index = {"metadata": {"total_size": total_size}, "weight_map": weight_map}
+    return json.dumps(index, indent=2, sort_keys=True).encode()
+
+
+def remove_model_files(out: Storage, out_dir: str) -> None:
+    """Delete earlier ``model*.safetensors`` files and the index (config and tokenizer stay)."""
+    stale = [p for p in out.list("") if _MODEL_FILE.match(p)]
+    if stale:
+        logger.info("replacing %d model file(s) in %s", len(stale), out_dir)
+        out.delete(stale)
 
 
 def safetensors_header(entries: list[tuple[str, str, tuple[int, ...], int]], metadata: dict[str, str] | None = None) -> bytes:
