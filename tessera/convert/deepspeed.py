@@ -187,10 +187,17 @@ def import_deepspeed(
     dtype: torch.dtype | None = None,
     storage: Storage | None = None,
     allow_pickle: bool = False,
+    tied_aliases: bool = False,
     file_bytes: int = 256 << 20,
     progress: ProgressFn | None = None,
 ) -> ConvertResult:
     """Convert a DeepSpeed ZeRO (stage 1, 2 or 3) checkpoint into a tessera checkpoint.
+
+    Every standard checkpoint of DeepSpeed's engine converts (fp32, fp16, bf16 including
+    ``BF16_Optimizer``, ``parameter_alignment``, ``round_robin_gradients``, tied and frozen
+    parameters, several parameter groups) without ``allow_pickle``: the files are read with
+    ``torch.load(weights_only=True)`` and the allow-list :data:`SAFE_GLOBALS` of the few
+    DeepSpeed classes they hold.
 
     Args:
         src: the ``global_step<N>`` directory, or its parent with a ``latest`` file.
@@ -201,7 +208,12 @@ def import_deepspeed(
         include_optimizer: also convert optimizer state (``exp_avg`` ...) and param groups.
         dtype: cast floating-point tensors (the fp32 master weights too) to this dtype.
         storage: backend of the new checkpoint.
-        allow_pickle: unpickle arbitrary objects in the files (only for files you trust).
+        allow_pickle: unpickle arbitrary objects in the files (only for files you trust);
+            DeepSpeed's own files never need it.
+        tied_aliases: also write each tied parameter under its alias (``shared_params``,
+            e.g. ``head.weight`` beside ``embed.weight``), as ``model.state_dict()`` lists
+            it. Off: once under the name ``named_parameters`` gives, as ``ModelState`` holds it;
+            the ties are kept as the value ``deepspeed.shared_params``.
         file_bytes: size of the tessera data files written.
         progress: called with ``(done_bytes, total_bytes)``.
 
@@ -231,7 +243,8 @@ def import_deepspeed(
     if [r for r, _ in optim_files] != list(range(world)):
         raise CorruptCheckpointError(f"{directory}: optimizer-state files for ranks {[r for r, _ in optim_files]}, expected 0..{world - 1}")
     aliases: dict[str, list[str]] = {}
-    for alias, target in _shared_params(model_sd.get("shared_params"), first_model):
+    shared = _shared_params(model_sd.get("shared_params"), first_model)
+    for alias, target in shared if tied_aliases else ():
         aliases.setdefault(model_prefix + target, []).append(model_prefix + alias)
     total = sum(math.prod(s) * 4 for g in groups for s in g.values())
     prog = Progress(total * (3 if include_optimizer else 1), progress)
@@ -264,6 +277,8 @@ def import_deepspeed(
                 w.add_value(optim_prefix + "has_state", True)
             del osd
         _model_extras(model_sd, model_files, stage, world, out, model_prefix, skipped, allow_pickle)
+        if shared:
+            w.add_value("deepspeed.shared_params", dict(shared))
         w.commit(
             source=f"deepspeed:{directory}",
             layout={"format": "deepspeed-zero", "zero_stage": stage, "dp_world_size": world},
