@@ -149,3 +149,31 @@ def save_cases(rank: int, world: int, root: str, names: list[str]) -> dict[str, 
 def _steps(engine) -> list[float]:
     opt = engine.optimizer.optimizer if hasattr(engine.optimizer, "optimizer") else engine.optimizer
     return [float(s["step"]) for s in opt.state.values() if "step" in s]
+
+
+def resume_cases(rank: int, world: int, jobs: list[tuple[str, str]]) -> list[dict[str, Any]]:
+    """For each ``(case, load_dir)``: a fresh engine (other initial weights) resumes from the
+    universal checkpoint in ``load_dir``, then trains one more step; its states before and after."""
+    out = []
+    for name, load_dir in jobs:
+        engine = engine_for(CASES[name], seed=99, universal=True)
+        engine.load_checkpoint(load_dir)
+        loaded = full_state(engine)
+        groups = [{k: v for k, v in g.items() if k in ("lr", "weight_decay", "betas", "eps")} for g in engine.optimizer.param_groups]
+        train(engine, 1, seed=2)
+        out.append({"loaded": loaded, "groups": groups, "steps": sorted(set(_steps(engine))), "stepped": full_state(engine),
+                    "global_steps": engine.global_steps})
+        del engine
+    return out
+
+
+def continue_cases(rank: int, world: int, root: str, names: list[str]) -> dict[str, Any]:
+    """Each case trained as in :func:`save_cases`, then one more step (the uninterrupted run)."""
+    out = {}
+    for name in names:
+        engine = engine_for(CASES[name], seed=0)
+        train(engine, STEPS, seed=1)
+        train(engine, 1, seed=2)
+        out[name] = full_state(engine)
+        del engine
+    return out
