@@ -221,3 +221,28 @@ def test_missing_rank_file_is_reported(tmp_path) -> None:
     os.remove(os.path.join(d, "zero_pp_rank_1_mp_rank_00_optim_states.pt"))
     with pytest.raises(CorruptCheckpointError, match="ranks \\[0, 2\\]"):
         import_deepspeed(d, str(tmp_path / "ck"))
+
+
+def test_cli_convert_to_deepspeed_universal(tmp_path) -> None:
+    """``--to deepspeed`` writes the universal layout DeepSpeed's ``load_universal`` reads (the
+    real engine resuming it is in test_interop_deepspeed.py); here, the files themselves."""
+    write_zero_checkpoint(str(tmp_path / "ds"), 2, 3)
+    out = str(tmp_path / "ucp")
+    assert main(["convert", str(tmp_path / "ds"), str(tmp_path / "ck")]) == 0
+    assert main(["convert", str(tmp_path / "ck"), out, "--to", "deepspeed"]) == 0
+    params, _, _ = _model()
+    adam = _adam(params)
+    with open(os.path.join(out, "latest_universal")) as f:
+        tag = f.read()
+    assert tag == "global_step5"
+    zero = os.path.join(out, tag, "zero")
+    for n, t in params.items():
+        assert torch.equal(torch.load(os.path.join(zero, n, "fp32.pt"), weights_only=True)["param"], t), n
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(torch.load(os.path.join(zero, n, f"{key}.pt"), weights_only=True)["param"], adam[n][key]), n
+        assert torch.load(os.path.join(zero, n, "step.pt"), weights_only=True).item() == 5.0
+    osd = torch.load(os.path.join(zero, "optimizer_state.pt"), weights_only=True)
+    assert [g["lr"] for g in osd["param_groups"]] == [1e-3, 1e-3] and osd["param_groups"][0]["params"] == []
+    ms = torch.load(os.path.join(out, tag, "mp_rank_00_model_states.pt"), weights_only=True)
+    assert ms["global_steps"] == 5 and ms["dp_world_size"] == 3
+    assert os.path.isfile(os.path.join(out, tag, "zero_pp_rank_0_mp_rank_00_model_states.pt"))
