@@ -162,3 +162,37 @@ def test_export_universal_resumes_real_engine_at_another_dp_size(trained, tmp_pa
                 # One more step: the same as after DeepSpeed's own universal conversion, bit for bit.
                 assert torch.equal(ours["stepped"][name][key], theirs["stepped"][name][key]), f"{case}: {key} of {name} after a step"
         assert ours["groups"] == theirs["groups"] and ours["steps"] == theirs["steps"]
+
+
+def test_import_fp16_shaped_checkpoint_with_dynamic_loss_scaler(trained, tmp_path) -> None:
+    """fp16 cannot train on this CPU; its files differ from bf16's only by the fp16 module and
+    DeepSpeed's real ``DynamicLossScaler`` object, which the allow-list reads without pickle."""
+    import glob
+    import shutil
+
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler
+
+    root, truth = trained
+    src = str(tmp_path / "ds")
+    shutil.copytree(os.path.join(root, "z2_bf16"), src)
+    for f in glob.glob(os.path.join(src, ds_engine.TAG, "*_states.pt")):
+        sd = torch.load(f, weights_only=False)
+        if "optimizer_state_dict" in sd:
+            sd["optimizer_state_dict"]["loss_scaler"] = DynamicLossScaler(
+                init_scale=2.0**16, scale_window=1000, min_scale=1.0, delayed_shift=2, consecutive_hysteresis=False
+            )
+            sd["optimizer_state_dict"]["dynamic_loss_scale"] = True
+        else:
+            sd["module"] = {k: v.half() if v.dtype == torch.bfloat16 else v for k, v in sd["module"].items()}
+            sd["frozen_param_fragments"] = {k: v.half() for k, v in sd["frozen_param_fragments"].items()}
+        torch.save(sd, f)
+    dst = str(tmp_path / "ts")
+    import_deepspeed(src, dst)
+    got = {"model": {n: torch.zeros_like(t["fp32"]) for n, t in truth["z2_bf16"]["params"].items()},
+           "optim": {"state": {n: {"exp_avg": torch.zeros_like(t["fp32"])} for n, t in truth["z2_bf16"]["params"].items()}}}  # fmt: skip
+    tessera.load(dst, got, strict=False)
+    for n, t in truth["z2_bf16"]["params"].items():
+        assert torch.equal(got["model"][n], t["fp32"]) and torch.equal(got["optim"]["state"][n]["exp_avg"], t["exp_avg"])
+    frozen = {"model": {"frozen.weight": torch.zeros(6, 7, dtype=torch.float16)}}
+    tessera.load(dst, frozen, strict=False)
+    assert torch.equal(frozen["model"]["frozen.weight"], truth["z2_bf16"]["module"]["frozen.weight"].half())
