@@ -6,8 +6,11 @@ per rank) with ``param_shapes``, buffers and frozen parameters, and one
 ``*zero_pp_rank_<r>_mp_rank_00_optim_states.pt`` per data-parallel rank with that rank's
 flat fp32 partitions. The geometry is the one DeepSpeed's ``zero_to_fp32.py`` uses:
 
-* stage 1/2: each parameter group is one flat vector (the group's parameters in
-  ``param_shapes`` order, padded at the end); rank ``r`` holds the ``r``-th equal slice.
+* stage 1/2 (and ``BF16_Optimizer``'s ``bf16_zero_pp_rank_*`` files): each parameter group
+  is one flat vector (the group's parameters in ``param_shapes`` order, each followed by its
+  ``param_alignment_paddings`` entry, the whole padded to a multiple of ``2 * world``); rank
+  ``r`` holds the ``r``-th equal slice, saved without the tail padding (so the last ranks'
+  slices are shorter, or empty).
 * stage 3: every parameter is split on its own into ``ceil(numel / world)`` elements per
   rank (the last rank's slice padded); a rank's flat group concatenates its slices.
 
@@ -16,6 +19,10 @@ Each rank's slice of a parameter is a flat range of that parameter: the geometry
 per parameter, and each goes to the checkpoint as is, with no gather:
 only one rank file is open at a time (memory-mapped). Adam-style optimizer state
 (``exp_avg``, ``exp_avg_sq``) has the same geometry and is converted the same way.
+
+The files are read with ``torch.load(weights_only=True)`` and :data:`SAFE_GLOBALS`, plain
+stand-ins for the few DeepSpeed classes a checkpoint holds; DeepSpeed need not be installed.
+The way back is :mod:`tessera.convert.deepspeed_universal`.
 
 Output names: ``<model_prefix><param>`` (fp32 master weights, buffers, frozen parameters),
 ``<optim_prefix>state.<param>.<key>``, ``<optim_prefix>param_groups`` (with parameter
