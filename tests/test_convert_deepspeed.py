@@ -1,7 +1,10 @@
 """DeepSpeed ZeRO stage 1/2/3 checkpoints -> tessera, compared with the consolidated truth.
 
-DeepSpeed itself is not a test dependency, so ``write_zero_checkpoint`` below writes the
-files the way DeepSpeed's engine does (``mp_rank_00_model_states.pt`` / per-rank
+Checkpoints of the real DeepSpeed engine are the judge in ``test_interop_deepspeed.py``. The
+hand-written files here cover what the real engine cannot give: error paths (a missing rank
+file, ``param_shapes`` that disagree with the partitions), older files (padded last
+partitions, ``shared_params`` as a list of pairs), the command line, and runs without
+DeepSpeed installed. ``write_zero_checkpoint`` below writes the files the way DeepSpeed's engine did (``mp_rank_00_model_states.pt`` / per-rank
 ``zero_pp_rank_<r>_mp_rank_00_{model,optim}_states.pt``, flat fp32 partitions padded to a
 multiple of ``2 * world`` for stage 1/2, per-parameter ``ceil(numel / world)`` partitions for
 stage 3), following the layout ``zero_to_fp32.py`` consolidates.
