@@ -24,6 +24,9 @@ CASES: dict[str, dict[str, Any]] = {
     "z1_bf16_optimizer": {"stage": 1, "dtype": "bf16", "grad_accum_dtype": "fp32"},  # BF16_Optimizer
     "z2_bf16_aligned": {"stage": 2, "dtype": "bf16", "zero": {"parameter_alignment": True}},
     "z1_fp32_aligned_round_robin": {"stage": 1, "dtype": "fp32", "zero": {"parameter_alignment": True, "round_robin_gradients": True}},
+    # Elastic checkpoints keep per-group state without padding and no hyperparameters.
+    "z2_fp32_elastic": {"stage": 2, "dtype": "fp32", "zero": {"elastic_checkpoint": True}, "no_param_groups": True},
+    "z3_fp32_sub_groups": {"stage": 3, "dtype": "fp32", "zero": {"sub_group_size": 40}},  # several flat groups per param group
 }
 """The configurations trained; every one has tied, frozen and two groups of parameters."""
 

@@ -419,6 +419,11 @@ def _param_groups(osd: dict, groups: list[dict]) -> list[dict] | None:
     """The wrapped optimizer's param groups with parameter FQNs in ``params`` (as OptimizerState saves them)."""
     base = osd.get("base_optimizer_state", osd.get("optimizer_state_dict"))
     pgs = base.get("param_groups") if isinstance(base, dict) else None
+    if isinstance(base, list) and pgs is None:
+        # Elastic checkpoints save no hyperparameters: the groups' members only, so that the
+        # checkpoint still loads strictly and the loading optimizer keeps its own values.
+        logger.info("the ZeRO checkpoint (elastic) holds no optimizer hyperparameters; param_groups lists members only")
+        return [{"params": list(shapes)} for shapes in groups]
     if not isinstance(pgs, list) or len(pgs) != len(groups):
         return None
     out = []
