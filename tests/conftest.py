@@ -4,7 +4,8 @@ Tests against real third-party frameworks carry ``@pytest.mark.interop("pkg", ..
 the import names they need. Without those packages the test is skipped, locally; with
 ``TESSERA_REQUIRE_INTEROP=1`` (what ``scripts/test.sh`` sets in CI) a missing package, or any
 skip raised from inside an interop test (``pytest.importorskip``), is a failure instead, so a
-broken install of the ``interop`` extra can never turn into a silently green run.
+broken install of the ``interop`` extra can never turn into a silently green run. So is a
+``tests/test_interop_*.py`` module that skips itself whole while being collected.
 """
 
 from __future__ import annotations
@@ -75,3 +76,14 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Itera
         report.outcome = "failed"
         reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
         report.longrepr = f"TESSERA_REQUIRE_INTEROP=1 but this interop test skipped: {reason}"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector: pytest.Collector) -> Iterator[None]:
+    outcome = yield
+    report = outcome.get_result()
+    name = os.path.basename(str(getattr(collector, "path", "")))
+    if report.skipped and _require_interop() and name.startswith("test_interop"):
+        report.outcome = "failed"
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        report.longrepr = f"TESSERA_REQUIRE_INTEROP=1 but interop module {name} skipped: {reason}"

@@ -29,9 +29,22 @@ def test_plain_skip():
 '''
 
 
-def _run(tmp_path, require: str | None) -> str:
+_MODULE = '''
+import pytest
+
+pytest.importorskip("tessera_no_such_framework")
+
+
+def test_never_collected():
+    pass
+'''
+
+
+def _run(tmp_path, require: str | None, *, module: bool = True) -> str:
     shutil.copy(os.path.join(os.path.dirname(__file__), "conftest.py"), tmp_path / "conftest.py")
     (tmp_path / "test_x.py").write_text(_TESTS)
+    if module:
+        (tmp_path / "test_interop_mod.py").write_text(_MODULE)
     (tmp_path / "pytest.ini").write_text('[pytest]\nmarkers =\n    interop(*packages): real frameworks\n    cuda: cuda\n')
     env = {k: v for k, v in os.environ.items() if k != "TESSERA_REQUIRE_INTEROP"}
     if require is not None:
@@ -46,13 +59,18 @@ def _run(tmp_path, require: str | None) -> str:
 @pytest.mark.parametrize("require", [None, "0"])
 def test_missing_framework_skips_locally(tmp_path, require: str | None) -> None:
     out = _run(tmp_path, require)
-    assert "1 passed, 3 skipped" in out, out
+    assert "1 passed, 4 skipped" in out, out
     assert "needs tessera_no_such_framework" in out
 
 
 def test_missing_framework_fails_when_required(tmp_path) -> None:
-    out = _run(tmp_path, "1")
+    out = _run(tmp_path, "1", module=False)
     assert "FAILED" in out and "test_needs_missing" in out and "test_importorskip_inside" in out, out
     # The missing package fails at setup (an error), the skip from inside the test fails it;
     # a plain skip stays a skip.
     assert "1 failed, 1 passed, 1 skipped, 1 error" in out, out
+
+
+def test_interop_module_skipping_itself_fails_collection_when_required(tmp_path) -> None:
+    out = _run(tmp_path, "1")
+    assert "interop module test_interop_mod.py skipped" in out and "1 error" in out, out
