@@ -249,3 +249,13 @@ def test_cli_convert_to_deepspeed_universal(tmp_path) -> None:
     ms = torch.load(os.path.join(out, tag, "mp_rank_00_model_states.pt"), weights_only=True)
     assert ms["global_steps"] == 5 and ms["dp_world_size"] == 3
     assert os.path.isfile(os.path.join(out, tag, "zero_pp_rank_0_mp_rank_00_model_states.pt"))
+
+
+def test_universal_export_without_optimizer_state_is_refused(tmp_path) -> None:
+    from tessera.convert import export_deepspeed_universal
+
+    tessera.save(str(tmp_path / "ck"), {"model": {"w": torch.ones(2, 3)}})
+    with pytest.raises(ValueError, match="holds no optimizer state under 'optim.state.'"):
+        export_deepspeed_universal(str(tmp_path / "ck"), str(tmp_path / "ucp"))
+    with pytest.raises(ValueError, match="no tensor under 'net.'"):
+        export_deepspeed_universal(str(tmp_path / "ck"), str(tmp_path / "ucp"), model_prefix="net.")

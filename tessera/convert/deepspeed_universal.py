@@ -79,7 +79,8 @@ def export_deepspeed_universal(
         What was written; tensors that are not a parameter's state are listed in ``skipped``.
 
     Raises:
-        ValueError: if the checkpoint has no tensor under ``model_prefix``.
+        ValueError: if the checkpoint has no tensor under ``model_prefix``, or no optimizer
+            state for them under ``optim_prefix``.
         CorruptCheckpointError: for data failing its checksum.
 
     Example:
@@ -105,6 +106,12 @@ def export_deepspeed_universal(
             continue
         states.setdefault(split[0], {})[split[1]] = key
     optimized = {n for n in params if n in states}
+    if not optimized:
+        raise ValueError(
+            f"checkpoint {path} holds no optimizer state under {state_base!r} for the parameters under {model_prefix!r}; "
+            "a DeepSpeed universal checkpoint restores optimized parameters with their state (save the optimizer with "
+            "tessera.OptimizerState, or pass optim_prefix)"
+        )
     steps = [float(src.read(k, Box.whole(())).item()) for n in sorted(optimized) for s, k in states[n].items() if s == "step" and src.shape(k) == ()]
     global_steps = int(values.get("deepspeed.global_steps", max(steps, default=0)))
     tag = tag or f"global_step{global_steps}"
