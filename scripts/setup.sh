@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Create .venv and install tessera with everything the demo and the tests need.
+# Create .venv and install tessera with everything the demo and the tests need, including the
+# real frameworks of the `interop` extra (DeepSpeed, ...) that the interop tests train with.
 # Idempotent: a second run only checks that the environment is complete.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -8,11 +9,33 @@ if [ ! -x .venv/bin/python ]; then
     "$PY" -m venv .venv
 fi
 stamp=.venv/.tessera-setup
-want=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)
+want=$(cat pyproject.toml scripts/setup.sh scripts/constraints.txt | sha256sum | cut -d' ' -f1)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+    pin=(-c scripts/constraints.txt)  # torch stays at the tested version whatever a package asks for
     .venv/bin/python -m pip install -q --upgrade pip
     # torch first and pinned: the CPU wheel of 2.13.0 is what this project is tested on.
-    .venv/bin/python -m pip install -q "torch==2.13.0"
-    .venv/bin/python -m pip install -q -e ".[test,interop]"
+    .venv/bin/python -m pip install -q "${pin[@]}" "torch==2.13.0"
+    .venv/bin/python -m pip install -q "${pin[@]}" -e ".[test]"
+    # The interop extra, one requirement per line in pyproject.toml. DeepSpeed's setup.py imports
+    # torch, so it builds without isolation (against the torch above) and with its C++/CUDA ops
+    # left to be built just in time (DS_BUILD_OPS=0): the CPU paths the tests use need none.
+    # Everything else in the extra installs the ordinary way.
+    mapfile -t interop < <(.venv/bin/python -c '
+import re, tomllib
+with open("pyproject.toml", "rb") as f:
+    reqs = tomllib.load(f)["project"]["optional-dependencies"]["interop"]
+ds = [r for r in reqs if re.match(r"deepspeed\b", r.strip(), re.I)]
+print("\n".join(["DS"] + ds + ["REST"] + [r for r in reqs if r not in ds]))')
+    split=0
+    for i in "${!interop[@]}"; do [ "${interop[$i]}" = REST ] && split=$i; done
+    deepspeed=("${interop[@]:1:$((split - 1))}")
+    rest=("${interop[@]:$((split + 1))}")
+    .venv/bin/python -m pip install -q "${pin[@]}" "setuptools>=77" wheel
+    if [ ${#rest[@]} -gt 0 ]; then
+        .venv/bin/python -m pip install -q "${pin[@]}" "${rest[@]}"
+    fi
+    if [ ${#deepspeed[@]} -gt 0 ]; then
+        DS_BUILD_OPS=0 .venv/bin/python -m pip install -q "${pin[@]}" --no-build-isolation "${deepspeed[@]}"
+    fi
     echo "$want" > "$stamp"
 fi

@@ -310,7 +310,10 @@ def _export(args: argparse.Namespace, fmt: Format, src: str, dst: str, dtype: to
             return cv.export_torch_save(src, dst, dtype=dtype, prefix=args.prefix, include_values=not args.no_values, progress=cb)
         if fmt == cv.Format.DCP:
             return cv.export_dcp(src, dst, dtype=dtype, prefix=args.prefix, include_values=not args.no_values, progress=cb)
-    raise UsageError(f"cannot write {fmt.value} checkpoints (write tessera, hf, torch or dcp)")
+        if fmt == cv.Format.DEEPSPEED:
+            model_prefix = args.prefix if args.prefix is not None else "model."
+            return cv.export_deepspeed_universal(src, dst, tag=args.tag, model_prefix=model_prefix, progress=cb)
+    raise UsageError(f"cannot write {fmt.value} checkpoints (write tessera, hf, torch, dcp or deepspeed)")
 
 
 def _import(
@@ -488,13 +491,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("dst")
     formats = ["tessera", "hf", "dcp", "torch", "deepspeed", "megatron"]
     s.add_argument("--from", dest="src_format", choices=formats, help="source format (default: detected)")
-    s.add_argument("--to", dest="dst_format", choices=["tessera", "hf", "dcp", "torch"], help="destination format (default: tessera)")
+    s.add_argument("--to", dest="dst_format", choices=["tessera", "hf", "dcp", "torch", "deepspeed"], help="destination format (default: tessera; deepspeed: a universal checkpoint)")
     s.add_argument("--prefix", help="name prefix to select and strip (export) or to prepend (import), e.g. 'model.'")
     s.add_argument("--dtype", help="cast floating-point tensors (bf16, fp16, fp32)")
     s.add_argument("--max-shard-size", default="5GB", help="largest safetensors shard for --to hf (default 5GB)")
     s.add_argument("--no-values", action="store_true", help="leave plain values out (torch, dcp)")
     s.add_argument("--allow-pickle", action="store_true", help="unpickle objects in the source (only for files you trust)")
-    s.add_argument("--tag", help="deepspeed: the global_step directory to use instead of 'latest'")
+    s.add_argument("--tag", help="deepspeed: the global_step directory to read instead of 'latest', or to write (default global_step<N>)")
     s.add_argument("--spec", help="megatron: the layout spec (JSON) describing the files")
     s.set_defaults(func=_cmd_convert)
 

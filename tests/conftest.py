@@ -1,14 +1,89 @@
-"""Shared pytest configuration: markers' behaviour and common fixtures."""
+"""Shared pytest configuration: markers' behaviour and common fixtures.
+
+Tests against real third-party frameworks carry ``@pytest.mark.interop("pkg", ...)``, naming
+the import names they need. Without those packages the test is skipped, locally; with
+``TESSERA_REQUIRE_INTEROP=1`` (what ``scripts/test.sh`` sets in CI) a missing package, or any
+skip raised from inside an interop test (``pytest.importorskip``), is a failure instead, so a
+broken install of the ``interop`` extra can never turn into a silently green run. So is a
+``tests/test_interop_*.py`` module that skips itself whole while being collected.
+"""
 
 from __future__ import annotations
+
+import importlib.util
+import os
+from collections.abc import Iterator
 
 import pytest
 import torch
 
 
+_MISSING = pytest.StashKey[str]()
+
+
+def _require_interop() -> bool:
+    return os.environ.get("TESSERA_REQUIRE_INTEROP", "") not in ("", "0")
+
+
+def _missing(packages: tuple[str, ...]) -> list[str]:
+    out = []
+    for name in packages:
+        try:
+            found = importlib.util.find_spec(name) is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found:
+            out.append(name)
+    return out
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if not torch.cuda.is_available():
-        skip = pytest.mark.skip(reason="needs a CUDA device")
-        for item in items:
-            if "cuda" in item.keywords:
-                item.add_marker(skip)
+    skip_cuda = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "cuda" in item.keywords and not torch.cuda.is_available():
+            item.add_marker(skip_cuda)
+            continue
+        marker = item.get_closest_marker("interop")
+        if marker is None:
+            continue
+        missing = _missing(tuple(marker.args))
+        if not missing:
+            continue
+        reason = f"needs {', '.join(missing)} (pip install -e '.[interop]', or bash scripts/setup.sh)"
+        if _require_interop():
+            item.stash[_MISSING] = reason
+        else:
+            item.add_marker(pytest.mark.skip(reason=reason))
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    reason = item.stash.get(_MISSING, None)
+    if reason is not None:
+        pytest.fail(f"TESSERA_REQUIRE_INTEROP=1 but this interop test {reason}", pytrace=False)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Iterator[None]:
+    outcome = yield
+    report = outcome.get_result()
+    if (
+        report.skipped
+        and _require_interop()
+        and item.get_closest_marker("interop") is not None
+        and not (item.get_closest_marker("cuda") and not torch.cuda.is_available())
+        and not hasattr(report, "wasxfail")
+    ):
+        report.outcome = "failed"
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        report.longrepr = f"TESSERA_REQUIRE_INTEROP=1 but this interop test skipped: {reason}"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector: pytest.Collector) -> Iterator[None]:
+    outcome = yield
+    report = outcome.get_result()
+    name = os.path.basename(str(getattr(collector, "path", "")))
+    if report.skipped and _require_interop() and name.startswith("test_interop"):
+        report.outcome = "failed"
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        report.longrepr = f"TESSERA_REQUIRE_INTEROP=1 but interop module {name} skipped: {reason}"

@@ -1,7 +1,10 @@
 """DeepSpeed ZeRO stage 1/2/3 checkpoints -> tessera, compared with the consolidated truth.
 
-DeepSpeed itself is not a test dependency, so ``write_zero_checkpoint`` below writes the
-files the way DeepSpeed's engine does (``mp_rank_00_model_states.pt`` / per-rank
+Checkpoints of the real DeepSpeed engine are the judge in ``test_interop_deepspeed.py``. The
+hand-written files here cover what the real engine cannot give: error paths (a missing rank
+file, ``param_shapes`` that disagree with the partitions), older files (padded last
+partitions, ``shared_params`` as a list of pairs), the command line, and runs without
+DeepSpeed installed. ``write_zero_checkpoint`` below writes the files the way DeepSpeed's engine did (``mp_rank_00_model_states.pt`` / per-rank
 ``zero_pp_rank_<r>_mp_rank_00_{model,optim}_states.pt``, flat fp32 partitions padded to a
 multiple of ``2 * world`` for stage 1/2, per-parameter ``ceil(numel / world)`` partitions for
 stage 3), following the layout ``zero_to_fp32.py`` consolidates.
@@ -139,7 +142,7 @@ def _check(path: str, *, shared: bool = False) -> None:
 @pytest.mark.parametrize("stage,world", [(1, 2), (2, 3), (2, 4), (3, 3), (3, 4)])
 def test_zero_to_tessera_equals_consolidated_truth(tmp_path, stage: int, world: int) -> None:
     write_zero_checkpoint(str(tmp_path / "ds"), stage, world, shared=stage == 2)
-    result = import_deepspeed(str(tmp_path / "ds"), str(tmp_path / "ck"), file_bytes=300)
+    result = import_deepspeed(str(tmp_path / "ds"), str(tmp_path / "ck"), file_bytes=300, tied_aliases=True)
     assert result.files > 1  # small data files: several flushes happened
     _check(str(tmp_path / "ck"), shared=stage == 2)
     m = tessera.read_manifest(str(tmp_path / "ck"))
@@ -221,3 +224,38 @@ def test_missing_rank_file_is_reported(tmp_path) -> None:
     os.remove(os.path.join(d, "zero_pp_rank_1_mp_rank_00_optim_states.pt"))
     with pytest.raises(CorruptCheckpointError, match="ranks \\[0, 2\\]"):
         import_deepspeed(d, str(tmp_path / "ck"))
+
+
+def test_cli_convert_to_deepspeed_universal(tmp_path) -> None:
+    """``--to deepspeed`` writes the universal layout DeepSpeed's ``load_universal`` reads (the
+    real engine resuming it is in test_interop_deepspeed.py); here, the files themselves."""
+    write_zero_checkpoint(str(tmp_path / "ds"), 2, 3)
+    out = str(tmp_path / "ucp")
+    assert main(["convert", str(tmp_path / "ds"), str(tmp_path / "ck")]) == 0
+    assert main(["convert", str(tmp_path / "ck"), out, "--to", "deepspeed"]) == 0
+    params, _, _ = _model()
+    adam = _adam(params)
+    with open(os.path.join(out, "latest_universal")) as f:
+        tag = f.read()
+    assert tag == "global_step5"
+    zero = os.path.join(out, tag, "zero")
+    for n, t in params.items():
+        assert torch.equal(torch.load(os.path.join(zero, n, "fp32.pt"), weights_only=True)["param"], t), n
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(torch.load(os.path.join(zero, n, f"{key}.pt"), weights_only=True)["param"], adam[n][key]), n
+        assert torch.load(os.path.join(zero, n, "step.pt"), weights_only=True).item() == 5.0
+    osd = torch.load(os.path.join(zero, "optimizer_state.pt"), weights_only=True)
+    assert [g["lr"] for g in osd["param_groups"]] == [1e-3, 1e-3] and osd["param_groups"][0]["params"] == []
+    ms = torch.load(os.path.join(out, tag, "mp_rank_00_model_states.pt"), weights_only=True)
+    assert ms["global_steps"] == 5 and ms["dp_world_size"] == 3
+    assert os.path.isfile(os.path.join(out, tag, "zero_pp_rank_0_mp_rank_00_model_states.pt"))
+
+
+def test_universal_export_without_optimizer_state_is_refused(tmp_path) -> None:
+    from tessera.convert import export_deepspeed_universal
+
+    tessera.save(str(tmp_path / "ck"), {"model": {"w": torch.ones(2, 3)}})
+    with pytest.raises(ValueError, match="holds no optimizer state under 'optim.state.'"):
+        export_deepspeed_universal(str(tmp_path / "ck"), str(tmp_path / "ucp"))
+    with pytest.raises(ValueError, match="no tensor under 'net.'"):
+        export_deepspeed_universal(str(tmp_path / "ck"), str(tmp_path / "ucp"), model_prefix="net.")

@@ -90,7 +90,8 @@ class OptimizerState:
         layout = collect(self._model)
         params = list(self._params(layout))
         has_state = any(len(o.state) > 0 for o in self._optimizers)
-        if not self._prepared:
+        loading = self._prepared
+        if not loading:
             # Saving: only the state that exists (a fresh optimizer saves none, and saving
             # never steps anything). Loading: tessera.load calls prepare_load first.
             self._pending = {}
@@ -114,6 +115,11 @@ class OptimizerState:
             for g in opt.param_groups:
                 fqns = [v.fqn for p in g["params"] for v in layout.by_param[id(p)].views]
                 groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": fqns})
+        if loading:
+            # What the checkpoint says, not what this (possibly fresh) optimizer has: a checkpoint
+            # without `has_state` (strict=False) then installs the states it holds instead of
+            # being taken for one of a fresh optimizer.
+            has_state = not self._load_fresh
         return {"state": out, "param_groups": groups, "has_state": has_state}
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
@@ -195,6 +201,11 @@ class OptimizerState:
             split = _split_key(key, base, fqns)
             if split is not None:
                 saved.setdefault(split[0], {})[split[1]] = ("value", None)
+        if not saved and not self._load_fresh and any(o.param_groups and o.param_groups[0]["params"] for o in self._optimizers):
+            logger.warning(
+                "the checkpoint holds no optimizer state under '%s' for this model's parameters; "
+                "the optimizer keeps its own state (a strict load reports the missing keys)", base
+            )
         self._pending = {}
         for opt, group, p, entry in self._params(layout):
             if opt.state.get(p) or not entry.requires_grad:

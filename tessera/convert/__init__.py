@@ -4,7 +4,8 @@ Export a tessera checkpoint (saved by any number of ranks, in any layout):
 
 * :func:`export_hf` - a Hugging Face safetensors directory (``from_pretrained`` loads it);
 * :func:`export_torch_save` - one ``torch.save`` file;
-* :func:`export_dcp` - a PyTorch Distributed Checkpoint (``torch.distributed.checkpoint.load``).
+* :func:`export_dcp` - a PyTorch Distributed Checkpoint (``torch.distributed.checkpoint.load``);
+* :func:`export_deepspeed_universal` - a DeepSpeed universal checkpoint (``load_universal``).
 
 Import into a new tessera checkpoint:
 
@@ -34,6 +35,7 @@ from ._common import ConvertResult, parse_dtype, parse_size
 from .compare import DiffKind, DiffReport, EntryDiff, diff_checkpoints
 from .dcp import export_dcp, import_dcp
 from .deepspeed import import_deepspeed
+from .deepspeed_universal import export_deepspeed_universal
 from .hf import export_hf, import_hf
 from .megatron import import_megatron, load_spec
 from .rename import RenameRule, rename_tensors
@@ -92,6 +94,7 @@ __all__ = [
     "detect_format",
     "diff_checkpoints",
     "export_dcp",
+    "export_deepspeed_universal",
     "export_hf",
     "export_torch_save",
     "import_dcp",

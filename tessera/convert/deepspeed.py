@@ -6,8 +6,11 @@ per rank) with ``param_shapes``, buffers and frozen parameters, and one
 ``*zero_pp_rank_<r>_mp_rank_00_optim_states.pt`` per data-parallel rank with that rank's
 flat fp32 partitions. The geometry is the one DeepSpeed's ``zero_to_fp32.py`` uses:
 
-* stage 1/2: each parameter group is one flat vector (the group's parameters in
-  ``param_shapes`` order, padded at the end); rank ``r`` holds the ``r``-th equal slice.
+* stage 1/2 (and ``BF16_Optimizer``'s ``bf16_zero_pp_rank_*`` files): each parameter group
+  is one flat vector (the group's parameters in ``param_shapes`` order, each followed by its
+  ``param_alignment_paddings`` entry, the whole padded to a multiple of ``2 * world``); rank
+  ``r`` holds the ``r``-th equal slice, saved without the tail padding (so the last ranks'
+  slices are shorter, or empty).
 * stage 3: every parameter is split on its own into ``ceil(numel / world)`` elements per
   rank (the last rank's slice padded); a rank's flat group concatenates its slices.
 
@@ -16,6 +19,10 @@ Each rank's slice of a parameter is a flat range of that parameter: the geometry
 per parameter, and each goes to the checkpoint as is, with no gather:
 only one rank file is open at a time (memory-mapped). Adam-style optimizer state
 (``exp_avg``, ``exp_avg_sq``) has the same geometry and is converted the same way.
+
+The files are read with ``torch.load(weights_only=True)`` and :data:`SAFE_GLOBALS`, plain
+stand-ins for the few DeepSpeed classes a checkpoint holds; DeepSpeed need not be installed.
+The way back is :mod:`tessera.convert.deepspeed_universal`.
 
 Output names: ``<model_prefix><param>`` (fp32 master weights, buffers, frozen parameters),
 ``<optim_prefix>state.<param>.<key>``, ``<optim_prefix>param_groups`` (with parameter
@@ -36,7 +43,7 @@ from typing import Any
 
 import torch
 
-from ..adapters.zero import FlatLayout
+from ..adapters.zero import FlatEntry, FlatLayout
 from ..errors import CheckpointError, CorruptCheckpointError
 from ..shards import FlatShard
 from ..storage import Storage
@@ -91,20 +98,73 @@ def _state_files(directory: str, kind: str) -> list[tuple[int, str]]:
     return sorted(out)
 
 
+class _DeepSpeedObject:
+    """An object of a DeepSpeed class, read back as its attributes and nothing else.
+
+    DeepSpeed pickles a few of its own objects into every checkpoint (the loss scaler, the
+    optimizer's fragment map). ``weights_only`` unpickling builds these stand-ins instead of
+    importing and running DeepSpeed's classes: the attributes arrive as plain values, so the
+    files load without ``allow_pickle`` and without DeepSpeed installed.
+    """
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.__dict__})"
+
+
+class LossScaler(_DeepSpeedObject):
+    """``deepspeed.runtime.fp16.loss_scaler.LossScaler`` (``cur_scale``, ``dynamic``)."""
+
+
+class DynamicLossScaler(_DeepSpeedObject):
+    """``deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler`` (fp16 with dynamic loss scaling)."""
+
+
+class FragmentAddress(_DeepSpeedObject):
+    """``deepspeed.utils.tensor_fragment.fragment_address`` (``numel``, ``start``)."""
+
+
+class Namespace(_DeepSpeedObject):
+    """``argparse.Namespace``: the launcher's arguments that Megatron-DeepSpeed jobs save as ``args``."""
+
+
+def _zero_stage(value: int) -> int:
+    """``deepspeed.runtime.zero.config.ZeroStageEnum(value)``, read as the stage number."""
+    return int(value)
+
+
+SAFE_GLOBALS: list[tuple[Any, str]] = [
+    (LossScaler, "deepspeed.runtime.fp16.loss_scaler.LossScaler"),
+    (DynamicLossScaler, "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler"),
+    (FragmentAddress, "deepspeed.utils.tensor_fragment.fragment_address"),
+    (_zero_stage, "deepspeed.runtime.zero.config.ZeroStageEnum"),
+    (Namespace, "argparse.Namespace"),
+]
+"""The classes that DeepSpeed's own checkpoint files contain, each read as a plain stand-in;
+``torch.load(weights_only=True)`` allows exactly these besides torch's defaults. Anything else
+in a file still needs ``allow_pickle=True``."""
+
+
 def _load(path: str, allow_pickle: bool) -> Any:
-    try:
-        return torch.load(path, map_location="cpu", mmap=True, weights_only=not allow_pickle)
-    except RuntimeError as e:
-        if "mmap" not in str(e):
-            raise
-        return torch.load(path, map_location="cpu", weights_only=not allow_pickle)  # legacy (non-zip) format
-    except pickle.UnpicklingError as e:  # weights_only refused an object: anything else propagates as is
-        if allow_pickle:
-            raise
-        raise CheckpointError(
-            f"{path} holds objects that need unpickling ({e}); pass allow_pickle=True (--allow-pickle) "
-            "if you trust the file (DeepSpeed's own classes then need deepspeed installed)"
-        ) from e
+    """A DeepSpeed ``*.pt`` file: safe unpickling with :data:`SAFE_GLOBALS`, or full unpickling if allowed."""
+    if allow_pickle:
+        try:
+            return torch.load(path, map_location="cpu", mmap=True, weights_only=False)
+        except RuntimeError as e:
+            if "mmap" not in str(e):
+                raise
+            return torch.load(path, map_location="cpu", weights_only=False)  # legacy (non-zip) format
+    with torch.serialization.safe_globals(SAFE_GLOBALS):
+        try:
+            return torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+        except RuntimeError as e:
+            if "mmap" not in str(e):
+                raise
+            return torch.load(path, map_location="cpu", weights_only=True)  # legacy (non-zip) format
+        except pickle.UnpicklingError as e:  # weights_only refused an object: anything else propagates as is
+            raise CheckpointError(
+                f"{path} holds objects outside DeepSpeed's usual checkpoint contents ({e}); pass allow_pickle=True "
+                "(--allow-pickle) only if you trust the file"
+            ) from e
 
 
 class _Out:
@@ -134,10 +194,17 @@ def import_deepspeed(
     dtype: torch.dtype | None = None,
     storage: Storage | None = None,
     allow_pickle: bool = False,
+    tied_aliases: bool = False,
     file_bytes: int = 256 << 20,
     progress: ProgressFn | None = None,
 ) -> ConvertResult:
     """Convert a DeepSpeed ZeRO (stage 1, 2 or 3) checkpoint into a tessera checkpoint.
+
+    Every standard checkpoint of DeepSpeed's engine converts (fp32, fp16, bf16 including
+    ``BF16_Optimizer``, ``parameter_alignment``, ``round_robin_gradients``, tied and frozen
+    parameters, several parameter groups) without ``allow_pickle``: the files are read with
+    ``torch.load(weights_only=True)`` and the allow-list :data:`SAFE_GLOBALS` of the few
+    DeepSpeed classes they hold.
 
     Args:
         src: the ``global_step<N>`` directory, or its parent with a ``latest`` file.
@@ -148,7 +215,12 @@ def import_deepspeed(
         include_optimizer: also convert optimizer state (``exp_avg`` ...) and param groups.
         dtype: cast floating-point tensors (the fp32 master weights too) to this dtype.
         storage: backend of the new checkpoint.
-        allow_pickle: unpickle arbitrary objects in the files (only for files you trust).
+        allow_pickle: unpickle arbitrary objects in the files (only for files you trust);
+            DeepSpeed's own files never need it.
+        tied_aliases: also write each tied parameter under its alias (``shared_params``,
+            e.g. ``head.weight`` beside ``embed.weight``), as ``model.state_dict()`` lists
+            it. Off: once under the name ``named_parameters`` gives, as ``ModelState`` holds it;
+            the ties are kept as the value ``deepspeed.shared_params``.
         file_bytes: size of the tessera data files written.
         progress: called with ``(done_bytes, total_bytes)``.
 
@@ -178,7 +250,8 @@ def import_deepspeed(
     if [r for r, _ in optim_files] != list(range(world)):
         raise CorruptCheckpointError(f"{directory}: optimizer-state files for ranks {[r for r, _ in optim_files]}, expected 0..{world - 1}")
     aliases: dict[str, list[str]] = {}
-    for alias, target in model_sd.get("shared_params", None) or []:
+    shared = _shared_params(model_sd.get("shared_params"), first_model)
+    for alias, target in shared if tied_aliases else ():
         aliases.setdefault(model_prefix + target, []).append(model_prefix + alias)
     total = sum(math.prod(s) * 4 for g in groups for s in g.values())
     prog = Progress(total * (3 if include_optimizer else 1), progress)
@@ -188,9 +261,12 @@ def import_deepspeed(
         stage = 0
         for rank, fname in optim_files:
             osd = _load(fname, allow_pickle).get("optimizer_state_dict")
-            if not isinstance(osd, dict) or "zero_stage" not in osd:
+            if isinstance(osd, dict) and "zero_stage" not in osd and "single_partition_of_fp32_groups" in osd:
+                stage = 1  # BF16_Optimizer (bf16 + ZeRO-1 + fp32 gradient accumulation): the stage-1 layout
+            elif not isinstance(osd, dict) or "zero_stage" not in osd:
                 raise CorruptCheckpointError(f"{fname} is not a ZeRO optimizer-states file: 'zero_stage' is missing")
-            stage = int(osd["zero_stage"])
+            else:
+                stage = int(osd["zero_stage"])
             count = osd.get("partition_count")
             count = max(count) if isinstance(count, (list, tuple)) else count
             if count is not None and int(count) != world:
@@ -208,6 +284,8 @@ def import_deepspeed(
                 w.add_value(optim_prefix + "has_state", True)
             del osd
         _model_extras(model_sd, model_files, stage, world, out, model_prefix, skipped, allow_pickle)
+        if shared:
+            w.add_value("deepspeed.shared_params", dict(shared))
         w.commit(
             source=f"deepspeed:{directory}",
             layout={"format": "deepspeed-zero", "zero_stage": stage, "dp_world_size": world},
@@ -233,23 +311,64 @@ def _add_shards(out: _Out, pattern: str, shards: dict[str, FlatShard]) -> None:
         out.flat(pattern.replace("{}", name, 1), shard.global_shape, shard.flat_start, shard.local_1d)
 
 
+def _shared_params(shared: Any, fname: str) -> list[tuple[str, str]]:
+    """``(alias, target)`` pairs of tied parameters: a dict ``{alias: target}`` (DeepSpeed's
+    ``shared_params``) or, in older files, a list of pairs."""
+    if not shared:
+        return []
+    items = shared.items() if isinstance(shared, dict) else shared
+    out = []
+    for item in items:
+        if not (isinstance(item, (tuple, list)) and len(item) == 2 and all(isinstance(x, str) for x in item)):
+            raise CorruptCheckpointError(f"{fname}: 'shared_params' should map parameter names to names, found {item!r}")
+        out.append((item[0], item[1]))
+    return out
+
+
+def _stage12_layout(shapes: dict, paddings: Any, world: int, gi: int, fname: str) -> FlatLayout:
+    """Group ``gi``'s flat buffer: parameters in ``param_shapes`` order, each followed by its
+    ``param_alignment_paddings`` entry (``zero_optimization.parameter_alignment``), the whole
+    padded to a multiple of ``2 * world`` (``nccl_start_alignment_factor``)."""
+    items = list(shapes.items())
+    if paddings is None:
+        paddings = [0] * len(items)
+    if not isinstance(paddings, (list, tuple)) or len(paddings) != len(items):
+        raise CorruptCheckpointError(
+            f"{fname}: group {gi} has {len(items)} parameters but param_alignment_paddings {paddings!r}"
+        )
+    entries, pos = [], 0
+    for (name, shape), pad in zip(items, paddings):
+        entry = FlatEntry(name, shape, pos)
+        entries.append(entry)
+        pos = entry.stop + int(pad)
+    align = 2 * world
+    return FlatLayout(tuple(entries), -(-pos // align) * align)
+
+
 def _stage12(osd: dict, rank: int, world: int, groups: list[dict], out: _Out, mp: str, op: str, optim: bool, fname: str) -> None:
     parts = osd.get("single_partition_of_fp32_groups")
     if not isinstance(parts, (list, tuple)) or len(parts) != len(groups):
         raise CorruptCheckpointError(f"{fname}: expected {len(groups)} fp32 partitions ('single_partition_of_fp32_groups')")
+    paddings = osd.get("param_alignment_paddings") or [None] * len(groups)
     state = _optim_state(osd, "base_optimizer_state") if optim else {}
     for gi, (shapes, local) in enumerate(zip(groups, parts)):
-        layout = FlatLayout.deepspeed(list(shapes.items()), dp_size=world)
+        layout = _stage12_layout(shapes, paddings[gi] if gi < len(paddings) else None, world, gi, fname)
         part = layout.partition(rank, world)
-        if part.numel != local.numel():
+        # DeepSpeed saves the partition without the buffer's tail padding (group_paddings), so
+        # the last ranks' partitions are shorter; older files and BF16_Optimizer keep it.
+        data_end = layout.entries[-1].stop if layout.entries else 0
+        needed = max(0, min(part.stop, data_end) - part.start)
+        if not needed <= local.numel() <= part.numel:
             raise CorruptCheckpointError(
                 f"{fname}: group {gi}'s parameters fill a flat buffer of {layout.numel} elements (padded for {world} "
-                f"ranks), but rank {rank}'s partition holds {local.numel()}; param_shapes does not match the optimizer states"
+                f"ranks), so rank {rank}'s partition holds {needed} to {part.numel} elements, but it holds "
+                f"{local.numel()}; param_shapes does not match the optimizer states"
             )
-        _add_shards(out, mp + "{}", part.shards(local, declare_all=False))
+        held = layout.slice(part.start, part.start + local.numel())
+        _add_shards(out, mp + "{}", held.shards(local, declare_all=False))
         for key, v in state.get(gi, {}).items():
-            if isinstance(v, torch.Tensor) and v.dim() == 1 and 0 < v.numel() <= part.numel:
-                # Elastic checkpoints store state without the partition's tail padding.
+            if isinstance(v, torch.Tensor) and v.dim() == 1 and needed <= v.numel() <= part.numel:
+                # Optimizer state may or may not carry the partition's tail padding (elastic checkpoints).
                 piece = layout.slice(part.start, part.start + v.numel())
                 _add_shards(out, op + "state.{}." + key, piece.shards(v, declare_all=False))
         if rank == 0:
@@ -300,6 +419,11 @@ def _param_groups(osd: dict, groups: list[dict]) -> list[dict] | None:
     """The wrapped optimizer's param groups with parameter FQNs in ``params`` (as OptimizerState saves them)."""
     base = osd.get("base_optimizer_state", osd.get("optimizer_state_dict"))
     pgs = base.get("param_groups") if isinstance(base, dict) else None
+    if isinstance(base, list) and pgs is None:
+        # Elastic checkpoints save no hyperparameters: the groups' members only, so that the
+        # checkpoint still loads strictly and the loading optimizer keeps its own values.
+        logger.info("the ZeRO checkpoint (elastic) holds no optimizer hyperparameters; param_groups lists members only")
+        return [{"params": list(shapes)} for shapes in groups]
     if not isinstance(pgs, list) or len(pgs) != len(groups):
         return None
     out = []
@@ -318,8 +442,14 @@ def _model_extras(
     for name in model_sd.get("buffer_names") or []:
         if name in module and isinstance(module[name], torch.Tensor):
             out.whole(mp + name, module[name])
-    frozen = model_sd.get("frozen_param_shapes") or {}
-    frozen = {n: tuple(int(x) for x in s) for n, s in frozen.items()}
+    frozen = model_sd.get("frozen_param_shapes")
+    if frozen is None and stage in (1, 2):
+        # ZeRO-1 records no frozen_param_shapes (None): its frozen parameters are the module
+        # entries that are neither optimized (param_shapes), buffers nor tied aliases.
+        known = {n for g in model_sd["param_shapes"] for n in g} | set(model_sd.get("buffer_names") or [])
+        known |= {alias for alias, _ in _shared_params(model_sd.get("shared_params"), model_files[0][1] if model_files else "")}
+        frozen = {n: t.shape for n, t in module.items() if n not in known and isinstance(t, torch.Tensor)}
+    frozen = {n: tuple(int(x) for x in s) for n, s in (frozen or {}).items()}
     if frozen and stage == 3:
         for rank, fname in model_files:
             frags = (model_sd if rank == model_files[0][0] else _load(fname, allow_pickle)).get("frozen_param_fragments") or {}
