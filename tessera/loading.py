@@ -123,19 +123,23 @@ def load(
             early = e
 
     # Metadata: rank 0 reads the manifest once and every rank gets the same bytes.
-    data, error = None, None
+    data, failure, own = None, None, None
     if world.is_coordinator:
         try:
             if store is None:
                 raise CheckpointError(f"rank 0 could not start the load: {early}")
             data = _read_manifest_bytes(store, path)
         except CheckpointNotFoundError as e:
-            error = e  # every rank raises the same, typed error
+            failure, own = e, e  # every rank raises the same, typed error
         except Exception as e:
-            error = CheckpointError(f"reading {path}/{MANIFEST_NAME} failed: {dist.error_text(0, e)}")
-    data, error = dist.broadcast(world, (data, error), "reading the manifest")
-    if error is not None:
-        raise error
+            failure, own = dist.error_text(0, e), e
+    data, failure = dist.broadcast(world, (data, failure), "reading the manifest")
+    if isinstance(failure, BaseException):
+        raise failure
+    if failure is not None:
+        if own is not None and not world.distributed:
+            raise own
+        dist.raise_failures(world, {0: failure}, f"reading {path}/{MANIFEST_NAME}", own=own)
     manifest = decode(data, source=f"{path}/{MANIFEST_NAME}")
     timer.mark("metadata")
 
