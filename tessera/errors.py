@@ -51,6 +51,14 @@ class MissingKeysError(StateMismatchError, KeyError):
         return str(self.args[0]) if self.args else ""
 
 
+class InvalidStateError(CheckpointError, ValueError):
+    """The state passed to ``save`` or ``load`` cannot be named or encoded.
+
+    Two of its entries flatten to the same name (``{"a.b": x, "a": {"b": y}}``), or it is
+    nested deeper than tessera follows.
+    """
+
+
 class PickleNotAllowedError(CheckpointError, TypeError):
     """A value needs pickle but the caller did not opt in (at save or at load)."""
 

@@ -30,7 +30,7 @@ from .options import SaveOptions
 from .plan import RankPlan, build_global_plan, build_local_plan
 from .results import PendingSave, SaveResult
 from .stage import StagingBuffer
-from .state import FlatState, TensorPiece, dotted_parents, flatten
+from .state import FlatState, TensorPiece, dotted_parents, flatten, is_empty_container
 from .storage import Storage, storage_for
 from .tilefile import FileLayout, layout_file
 from .timing import PhaseTimer
@@ -381,9 +381,10 @@ def _build_manifest(world: World, entry: _CachedPlan, reports: list[dict], save_
         if m.per_rank is not None:
             policies.setdefault(m.fqn, m.per_rank)
     # A container that is empty on one rank (say, a pipeline stage's share of the model) but
-    # holds tensors or values on others is not a value of its own.
+    # holds tensors or values on others is not a value of its own. Only an empty one: a
+    # non-empty value beside dotted keys ({"ema.shadow": t, "ema": {"decay": 0.9}}) is kept.
     parents = dotted_parents(list(tensors) + list(values) + list(per_rank))
-    values = {k: v for k, v in values.items() if k not in parents}
+    values = {k: v for k, v in values.items() if k not in parents or not is_empty_container(v)}
     return Manifest(
         save_id=save_id,
         world_size=world.size,
