@@ -17,9 +17,9 @@ from . import dist
 from .broadcast import Broadcast, run_broadcasts, split_replicated
 from .dist import World
 from .dtypes import dtype_from_name
-from .errors import CheckpointError, CheckpointNotFoundError, MissingKeysError, StateMismatchError
+from .errors import CheckpointError, CheckpointNotFoundError, MissingKeysError, StateMismatchError, StorageError
 from .geometry import Box
-from .manifest import MANIFEST_NAME, Manifest, decode
+from .manifest import MANIFEST_NAME, Manifest, decode, read_bytes
 from .options import LoadOptions
 from .read import ReadTarget, Reader, plan_reads
 from .results import LoadResult
@@ -50,7 +50,7 @@ def read_manifest(path: str, *, storage: Storage | None = None, storage_options:
 
 def _read_manifest_bytes(store: Storage, path: str) -> bytes:
     try:
-        return store.read_file(MANIFEST_NAME)
+        return read_bytes(store, f"{path}/{MANIFEST_NAME}")  # the size limit is checked before reading
     except FileNotFoundError:
         raise CheckpointNotFoundError(
             f"no committed checkpoint at {path}: {MANIFEST_NAME} is missing (never saved, or the save did not finish)"
@@ -131,8 +131,12 @@ def load(
             data = _read_manifest_bytes(store, path)
         except CheckpointNotFoundError as e:
             failure, own = e, e  # every rank raises the same, typed error
-        except Exception as e:
+        except CheckpointError as e:  # ManifestError (oversized, a directory), StorageError, ...
             failure, own = dist.error_text(0, e), e
+        except Exception as e:
+            own = StorageError(f"rank 0: reading {path}/{MANIFEST_NAME} failed: {type(e).__name__}: {e}")
+            own.__cause__ = e
+            failure = dist.error_text(0, own)
     data, failure = dist.broadcast(world, (data, failure), "reading the manifest")
     if isinstance(failure, BaseException):
         raise failure

@@ -294,7 +294,7 @@ class Reader:
         """Verify and copy straight from a memory map of the file: no intermediate buffer."""
         try:
             view = mapper(req.file, req.start, req.nbytes)
-        except (FileNotFoundError, StorageError) as e:
+        except OSError as e:  # StorageError included
             raise self._read_error(req, e) from e
         self._verify_view(req, view)
         for c in req.copies:
@@ -316,7 +316,7 @@ class Reader:
     def _read(self, req: ReadRequest, out: memoryview) -> None:
         try:
             self.storage.read_into(req.file, req.start, out)
-        except (FileNotFoundError, StorageError) as e:
+        except OSError as e:  # StorageError included
             raise self._read_error(req, e) from e
 
     def _read_error(self, req: ReadRequest, e: OSError) -> CorruptCheckpointError:
@@ -324,6 +324,11 @@ class Reader:
         if isinstance(e, FileNotFoundError) and not isinstance(e, StorageError):
             return CorruptCheckpointError(
                 f"rank {self.rank}: data file {self._file(req.file)} of tensor(s) {_names(req)} is missing from the checkpoint"
+            )
+        if isinstance(e, (IsADirectoryError, NotADirectoryError)):
+            return CorruptCheckpointError(
+                f"rank {self.rank}: data file {self._file(req.file)} of tensor(s) {_names(req)} is not a regular file "
+                f"({type(e).__name__}); the manifest does not match the checkpoint's files"
             )
         return CorruptCheckpointError(f"rank {self.rank}: reading {self._file(req.file)} for tensor(s) {_names(req)}: {e}")
 
