@@ -21,7 +21,7 @@ from .errors import CheckpointError, CheckpointNotFoundError, MissingKeysError, 
 from .geometry import Box
 from .manifest import MANIFEST_NAME, Manifest, decode, read_bytes
 from .options import LoadOptions
-from .read import ReadTarget, Reader, plan_reads
+from .read import ReadRequest, ReadTarget, Reader, check_targets, plan_reads
 from .results import LoadResult
 from .saving import LOAD_TIMINGS_DIR, wait_pending
 from .shards import OnResize
@@ -148,6 +148,7 @@ def load(
     timer.mark("metadata")
 
     targets: list[ReadTarget] = []
+    requests: list[ReadRequest] = []
     missing: list[str] = []
     unexpected: list[str] = []
     flat = FlatState()
@@ -158,6 +159,10 @@ def load(
             raise err
         flat = flatten(state, rank=world.rank, world_size=world.size, for_load=True, manifest=manifest)
         targets, missing, unexpected = _validate(manifest, flat, world, state, strict=strict, cast=cast_dtypes)
+        check_targets(targets, world.rank)  # aliasing: before any rank writes a byte
+        # Plan every read now: a gap or overlap in the saved tiles (coverage) is then found,
+        # and agreed on by every rank, before any rank writes into its targets.
+        requests = plan_reads(manifest, targets, max_read_bytes=opts.max_read_bytes, rank=world.rank)
         # Decode plain values now, before any tensor is touched: a refused pickle or a
         # malformed value then leaves the caller's state exactly as it was.
         decoded = {k: _lookup_value(manifest, k, world, allow_pickle) for k in [*flat.values, *flat.per_rank_values]}
@@ -175,7 +180,8 @@ def load(
         targets, broadcasts = split_replicated(world, targets)
     bytes_read = 0
     try:
-        requests = plan_reads(manifest, targets, max_read_bytes=opts.max_read_bytes, rank=world.rank)
+        if broadcasts:  # this rank now reads only its share of the replicated targets
+            requests = plan_reads(manifest, targets, max_read_bytes=opts.max_read_bytes, rank=world.rank)
         timer.mark("plan")
         assert store is not None  # an early error was raised by the validation exchange
         reader = Reader(store, manifest, rank=world.rank, verify=opts.verify, threads=opts.io_threads)

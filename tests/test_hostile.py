@@ -478,10 +478,16 @@ def _mismatch_target(kind: str) -> dict:
         t["m"]["c"] = 0
     elif kind == "value_vs_tensor":
         t["k"] = torch.zeros(1)
+    elif kind == "expanded":  # every element of the target is one memory location
+        t["m"]["c"] = torch.zeros(1).expand(5)
+    elif kind == "shared_storage":  # two targets overlap in memory
+        t["m"]["c"] = t["a"][2:7]
     return t
 
 
-@pytest.mark.parametrize("kind", ["shape", "dtype", "missing", "unexpected", "tensor_vs_value", "value_vs_tensor"])
+@pytest.mark.parametrize(
+    "kind", ["shape", "dtype", "missing", "unexpected", "tensor_vs_value", "value_vs_tensor", "expanded", "shared_storage"]
+)
 def test_a_failed_validation_leaves_every_target_untouched(tmp_path, kind: str) -> None:
     path = str(tmp_path / "ckpt")
     saved = {
@@ -515,3 +521,82 @@ def test_verify_reports_any_manifest_the_decoder_cannot_take(valid: tuple[str, d
     _write_manifest(ckpt, json.dumps(doc).encode())
     (p,) = verify(ckpt).problems
     assert p.kind == ProblemKind.MANIFEST and p.file == MANIFEST_NAME
+
+
+def test_tied_targets_that_are_one_view_still_load(tmp_path) -> None:
+    path = str(tmp_path / "ckpt")
+    w = torch.arange(6, dtype=torch.float32)
+    tessera.save(path, {"embed.weight": w, "head.weight": w})
+    tied = torch.zeros(6)
+    tessera.load(path, {"embed.weight": tied, "head.weight": tied}, options=NO_TIMINGS)
+    assert torch.equal(tied, w)
+
+
+def test_interleaved_but_disjoint_views_load(tmp_path) -> None:
+    path = str(tmp_path / "ckpt")
+    cols = {f"c{i}": torch.arange(4, dtype=torch.float32) + 10 * i for i in range(3)}
+    tessera.save(path, cols)
+    fused = torch.zeros(4, 3)
+    tessera.load(path, {f"c{i}": fused[:, i] for i in range(3)}, options=NO_TIMINGS)
+    assert torch.equal(fused, torch.stack([cols[f"c{i}"] for i in range(3)], dim=1))
+
+
+def _split_tiles_with_a_gap(path: str) -> None:
+    """Rewrite the single tile of 'w' (8 floats) as [0, 4) and [5, 8): element 4 is in no tile."""
+    import xxhash
+
+    mpath = os.path.join(path, MANIFEST_NAME)
+    doc = json.loads(open(mpath, "rb").read())
+    f, _, _, off, _ = doc["tensors"]["w"]["tiles"][0]
+    data = open(os.path.join(path, doc["files"][f]["path"]), "rb").read()
+
+    def tile(start: int, n: int) -> list:
+        b = off + 4 * start
+        return [f, [start], [n], b, [f"{xxhash.xxh3_64_intdigest(data[b : b + 4 * n]):016x}"]]
+
+    doc["tensors"]["w"]["tiles"] = [tile(0, 4), tile(5, 3)]
+    _write_manifest(path, json.dumps(doc).encode())
+
+
+def _load_half_with_a_gap(rank: int, world: int, path: str) -> dict:
+    target = {"w": tessera.ShardedTensor(torch.full((4,), -1.0), (8,), (4 * rank,))}
+    try:
+        tessera.load(path, target, options=NO_TIMINGS)
+        kind, message = "no error", ""
+    except tessera.CheckpointError as e:
+        kind, message = type(e).__name__, str(e)
+    return {"kind": kind, "message": message, "untouched": torch.equal(target["w"].local, torch.full((4,), -1.0))}
+
+
+def test_a_coverage_gap_on_one_rank_stops_every_rank_before_it_writes(tmp_path) -> None:
+    from tests.dist_utils import run_distributed
+
+    path = str(tmp_path / "ckpt")
+    tessera.save(path, {"w": torch.arange(8, dtype=torch.float32)})
+    _split_tiles_with_a_gap(path)
+    out = run_distributed(_load_half_with_a_gap, 2, path)
+    for rank, o in enumerate(out):
+        assert o["kind"] == "CorruptCheckpointError" and "'w'" in o["message"], (rank, o)
+        assert "rank 1" in o["message"], (rank, o)
+        assert o["untouched"], f"rank {rank} wrote into its target before every rank had validated"
+
+
+def _alias_on_rank1(rank: int, world: int, path: str) -> dict:
+    a = torch.full((4,), -1.0)
+    b = torch.zeros(1).expand(4) if rank == 1 else torch.full((4,), -1.0)
+    try:
+        tessera.load(path, {"a": a, "b": b}, options=NO_TIMINGS)
+        kind = "no error"
+    except tessera.StateMismatchError as e:
+        kind = type(e).__name__
+    return {"kind": kind, "untouched": torch.equal(a, torch.full((4,), -1.0))}
+
+
+def test_an_aliased_target_on_one_rank_stops_every_rank_before_it_writes(tmp_path) -> None:
+    from tests.dist_utils import run_distributed
+
+    path = str(tmp_path / "ckpt")
+    tessera.save(path, {"a": torch.arange(4, dtype=torch.float32), "b": torch.ones(4)})
+    out = run_distributed(_alias_on_rank1, 2, path)
+    assert [o["kind"] for o in out] == ["StateMismatchError"] * 2, out
+    assert all(o["untouched"] for o in out), out
