@@ -36,6 +36,8 @@ _BUFFER_BYTES = 8 << 20
 """Bytes read at a time per thread; with the thread count this bounds verify's memory."""
 _MAX_HEADER_BYTES = 100 << 20
 """Largest safetensors header accepted (the safetensors library uses the same limit)."""
+_MAX_PROBLEMS_PER_FILE = 20
+"""Problems of one kind reported per data file; the rest are counted in one summary."""
 _MAX_COORD = 1 << 62
 """Shapes beyond this cannot be checked with int64 arithmetic; no real tensor is that big."""
 
@@ -391,12 +393,16 @@ def _check_header(
         problem(ProblemKind.HEADER, f"{where} is not a valid safetensors file: {type(e).__name__}: {e}")
         return
     base = 8 + n
+    mismatched = 0
     for fqn, tile in _iter_tiles(tiles):
         key = tile_key(saved.get(fqn, fqn), Box(tile.offsets, tile.lengths))
         info = header.get(key)
         want = [tile.byte_offset - base, tile.byte_offset - base + tile.nbytes]
         got = info.get("data_offsets") if isinstance(info, dict) else None
         if got != want:
+            mismatched += 1
+            if mismatched > _MAX_PROBLEMS_PER_FILE:  # counted, summarised below: memory stays bounded
+                continue
             found = "has no entry" if info is None else f"has data_offsets {got!r:.60}"
             problem(
                 ProblemKind.HEADER,
@@ -405,6 +411,11 @@ def _check_header(
                 f"{tile.byte_offset + tile.nbytes}) of the file); the manifest does not match the data",
                 fqn,
             )
+    if mismatched > _MAX_PROBLEMS_PER_FILE:
+        problem(
+            ProblemKind.HEADER,
+            f"{where}: {mismatched - _MAX_PROBLEMS_PER_FILE} more tile(s) disagree with the file's safetensors header",
+        )
 
 
 def _segments(manifest: Manifest, groups: list[_Group]) -> Iterator[_Segment]:
@@ -446,7 +457,10 @@ def _check_checksums(
     where = f"file '{entry.path}' (written by rank {entry.rank})"
     view = memoryview(buf)
     block = (0, 0)  # file bytes currently in ``buf``
-    bad: dict[tuple[str, tuple[int, ...]], list[_Segment]] = {}
+    # Per damaged tile: its first bad chunk and how many; reported for the first
+    # _MAX_PROBLEMS_PER_FILE tiles, counted for the rest (memory stays bounded).
+    bad: dict[tuple[str, tuple[int, ...]], list] = {}
+    more_bad = 0
     cut: set[tuple[str, tuple[int, ...]]] = set()
     for seg in _segments(manifest, tiles):
         key = (seg.fqn, seg.tile.offsets)
@@ -454,6 +468,8 @@ def _check_checksums(
             continue
         if seg.stop > size:
             cut.add(key)
+            if len(cut) > _MAX_PROBLEMS_PER_FILE:
+                continue
             problem(
                 ProblemKind.FILE_SIZE,
                 f"tensor '{seg.fqn}' tile {Box(seg.tile.offsets, seg.tile.lengths)}: its bytes "
@@ -478,17 +494,25 @@ def _check_checksums(
             problem(ProblemKind.READ, f"reading {where} at byte {pos} failed: {type(e).__name__}: {e}", seg.fqn)
             return
         if hasher.intdigest() != seg.expected:
-            bad.setdefault(key, []).append(seg)
-    for (fqn, _), segs in bad.items():
-        tile = segs[0].tile
-        first = segs[0]
+            if key in bad:
+                bad[key][1] += 1
+            elif len(bad) < _MAX_PROBLEMS_PER_FILE:
+                bad[key] = [seg, 1]
+            else:
+                more_bad += 1
+    for (fqn, _), (first, count) in bad.items():
+        tile = first.tile
         problem(
             ProblemKind.CHECKSUM,
             f"tensor '{fqn}' tile {Box(tile.offsets, tile.lengths)} in {where}: checksum mismatch in "
-            f"{len(segs)} of {len(tile.checksums)} chunk(s), first at file bytes [{first.start}, {first.stop}); "
+            f"{count} of {len(tile.checksums)} chunk(s), first at file bytes [{first.start}, {first.stop}); "
             "the data is corrupted (or the manifest's offsets or checksums are wrong)",
             fqn,
         )
+    if more_bad:
+        problem(ProblemKind.CHECKSUM, f"{where}: {more_bad} more chunk(s) of other tiles do not match their checksums")
+    if len(cut) > _MAX_PROBLEMS_PER_FILE:
+        problem(ProblemKind.FILE_SIZE, f"{where}: {len(cut) - _MAX_PROBLEMS_PER_FILE} more tile(s) run past its end")
 
 
 def _unreferenced(store: Storage, manifest: Manifest) -> list[str]:
