@@ -13,7 +13,7 @@ from __future__ import annotations
 import datetime
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from . import _knobs
-from .errors import CollectiveTimeoutError, DistributedError
+from .errors import CheckpointError, CollectiveTimeoutError, RankFailure, collective_error
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -154,27 +154,53 @@ def all_true(world: World, flag: bool, phase: str) -> bool:
     return bool(t.item())
 
 
-def error_text(rank: int, e: BaseException) -> str:
-    return f"{type(e).__name__}: {e}"
+def error_text(rank: int, e: BaseException, context: str = "") -> RankFailure:
+    """The picklable record of ``e`` raised on ``rank``, to hand to the other ranks.
+
+    ``str()`` of the record is ``"TypeName: message"``; :func:`raise_failures` turns
+    records back into an error of the original tessera type.
+    """
+    return RankFailure.of(rank, e, context)
 
 
-def raise_failures(world: World, failures: dict[int, str], what: str) -> None:
-    """Raise one error carrying every rank's failure, identically on all ranks."""
+def raise_failures(
+    world: World, failures: Mapping[int, RankFailure | str], what: str, own: BaseException | None = None
+) -> None:
+    """Raise one error carrying every rank's failure, of the same type on all ranks.
+
+    The type is the failed ranks' common tessera error type (see
+    :func:`tessera.errors.collective_error`), else :class:`DistributedError`. ``own`` is
+    this rank's exception, if it failed: raised itself (with ``failures`` set) when no
+    other rank failed, else the ``__cause__``.
+    """
+    if own is not None and set(failures) == {world.rank}:
+        _attach(own, failures)
+        raise own
     if failures:
-        raise DistributedError(f"{what} failed on {len(failures)} of {world.size} rank(s) (seen on rank {world.rank}):", failures)
+        err = collective_error(
+            f"{what} failed on {len(failures)} of {world.size} rank(s) (seen on rank {world.rank}):", failures
+        )
+        raise err from own
 
 
 def exchange(world: World, error: BaseException | None, payload: T, what: str) -> list[T]:
     """Collective: every rank's ``payload``, unless some rank passes an error.
 
-    If only this rank failed, its own exception is raised unchanged; otherwise every rank
-    raises one :class:`DistributedError` listing each failed rank's cause. Either way all
-    ranks leave the exchange together, so no rank is left waiting in a later collective.
+    If only this rank failed, its own exception is raised unchanged (with ``failures``
+    set); otherwise every rank raises one error listing each failed rank's cause, of the
+    failures' common tessera type (:class:`DistributedError` if they differ). Either way
+    the type is the same on every rank and all ranks leave the exchange together, so no
+    rank is left waiting in a later collective.
     """
     replies = all_gather(world, (None if error is None else error_text(world.rank, error), payload), what)
     failures = {r: e for r, (e, _) in enumerate(replies) if e is not None}
-    if failures:
-        if error is not None and failures.keys() == {world.rank}:
-            raise error
-        raise_failures(world, failures, what)
+    raise_failures(world, failures, what, own=error)
     return [p for _, p in replies]
+
+
+def _attach(error: BaseException, failures: Mapping[int, RankFailure | str]) -> None:
+    if isinstance(error, CheckpointError) and not error.failures:
+        try:
+            error.failures = {r: str(f) for r, f in failures.items()}
+        except AttributeError:  # a class that forbids it keeps its empty default
+            pass

@@ -7,9 +7,21 @@ Messages name the tensor, the file and the rank where they are known.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+
 
 class CheckpointError(Exception):
-    """Base class of every error tessera raises on purpose."""
+    """Base class of every error tessera raises on purpose.
+
+    Attributes:
+        failures: ``{rank: "TypeName: message"}`` when the error reports failures of
+            several ranks of a collective save or load (every rank raises the same type,
+            each with every failed rank's cause); empty for a purely local error.
+    """
+
+    failures: Mapping[int, str] = MappingProxyType({})
 
 
 class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
@@ -39,6 +51,14 @@ class MissingKeysError(StateMismatchError, KeyError):
         return str(self.args[0]) if self.args else ""
 
 
+class InvalidStateError(CheckpointError, ValueError):
+    """The state passed to ``save`` or ``load`` cannot be named or encoded.
+
+    Two of its entries flatten to the same name (``{"a.b": x, "a": {"b": y}}``), or it is
+    nested deeper than tessera follows.
+    """
+
+
 class PickleNotAllowedError(CheckpointError, TypeError):
     """A value needs pickle but the caller did not opt in (at save or at load)."""
 
@@ -54,8 +74,8 @@ class DistributedError(CheckpointError, RuntimeError):
         failures: ``{rank: message}`` for every rank that reported a failure.
     """
 
-    def __init__(self, message: str, failures: dict[int, str] | None = None) -> None:
-        self.failures: dict[int, str] = dict(failures or {})
+    def __init__(self, message: str, failures: Mapping[int, str] | None = None) -> None:
+        self.failures = dict(failures or {})
         if self.failures:
             detail = "\n".join(f"  rank {r}: {m}" for r, m in sorted(self.failures.items()))
             message = f"{message}\n{detail}"
@@ -64,3 +84,82 @@ class DistributedError(CheckpointError, RuntimeError):
 
 class CollectiveTimeoutError(DistributedError, TimeoutError):
     """A collective phase did not complete in time: a rank died or hangs."""
+
+
+@dataclass(frozen=True)
+class RankFailure:
+    """One rank's failure as it travels to the other ranks (picklable, no traceback).
+
+    Attributes:
+        rank: the rank that failed.
+        type_name: the exception's class name (``StateMismatchError``, ``TypeError``, ...).
+        message: ``str()`` of the exception, which names the tensor and file.
+        tessera_type: whether the class is a :class:`CheckpointError` defined by tessera,
+            so that the other ranks can raise the same type.
+    """
+
+    rank: int
+    type_name: str
+    message: str
+    tessera_type: bool = False
+
+    @classmethod
+    def of(cls, rank: int, e: BaseException, context: str = "") -> RankFailure:
+        """The record of exception ``e`` raised on ``rank``; ``context`` prefixes the message."""
+        t = type(e)
+        message = f"{context}: {e}" if context else str(e)
+        return cls(rank, t.__name__, message, _known(t.__name__) is t)
+
+    def __str__(self) -> str:
+        return f"{self.type_name}: {self.message}"
+
+
+def _tessera_classes() -> dict[str, type[CheckpointError]]:
+    out: dict[str, type[CheckpointError]] = {}
+    todo: list[type[CheckpointError]] = [CheckpointError]
+    while todo:
+        c = todo.pop()
+        if c.__module__ == __name__:  # only tessera's own classes, never a name from a peer
+            out[c.__name__] = c
+        todo.extend(c.__subclasses__())
+    return out
+
+
+def _known(name: str) -> type[CheckpointError] | None:
+    return _tessera_classes().get(name)
+
+
+def _common_class(names: set[str]) -> type[CheckpointError] | None:
+    """The most specific tessera class every failure is an instance of, if below the base."""
+    classes = [_known(n) for n in names]
+    if not classes or any(c is None for c in classes):
+        return None
+    common = [c for c in classes[0].__mro__ if isinstance(c, type) and issubclass(c, CheckpointError)]
+    for c in common:
+        if all(issubclass(k, c) for k in classes):  # type: ignore[arg-type]
+            return None if c is CheckpointError and len(names) > 1 else c
+    return None
+
+
+def collective_error(message: str, failures: Mapping[int, RankFailure | str]) -> CheckpointError:
+    """One error for a collective phase that failed on the ranks in ``failures``.
+
+    If every failed rank raised a tessera error of the same class (or of classes sharing a
+    tessera base more specific than :class:`CheckpointError`), the error has that class, so
+    ``except StateMismatchError`` works on every rank; otherwise (mixed or non-tessera
+    causes) it is a :class:`DistributedError`. Either way ``failures`` holds every failed
+    rank's cause as ``"TypeName: message"`` and the message lists them.
+    """
+    texts = {int(r): str(f) for r, f in failures.items()}
+    names = {f.type_name for f in failures.values() if isinstance(f, RankFailure) and f.tessera_type}
+    typed = all(isinstance(f, RankFailure) and f.tessera_type for f in failures.values())
+    cls = _common_class(names) if typed else None
+    if cls is None or issubclass(cls, DistributedError):
+        return (cls or DistributedError)(message, texts)  # type: ignore[call-arg]
+    detail = "\n".join(f"  rank {r}: {m}" for r, m in sorted(texts.items()))
+    try:
+        err = cls(f"{message}\n{detail}")
+    except Exception:  # noqa: BLE001 - a class with another signature: fall back to the generic error
+        return DistributedError(message, texts)
+    err.failures = texts
+    return err

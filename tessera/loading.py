@@ -17,11 +17,11 @@ from . import dist
 from .broadcast import Broadcast, run_broadcasts, split_replicated
 from .dist import World
 from .dtypes import dtype_from_name
-from .errors import CheckpointError, CheckpointNotFoundError, MissingKeysError, StateMismatchError
+from .errors import CheckpointError, CheckpointNotFoundError, MissingKeysError, StateMismatchError, StorageError
 from .geometry import Box
-from .manifest import MANIFEST_NAME, Manifest, decode
+from .manifest import MANIFEST_NAME, Manifest, decode, read_bytes
 from .options import LoadOptions
-from .read import ReadTarget, Reader, plan_reads
+from .read import ReadRequest, ReadTarget, Reader, check_targets, plan_reads
 from .results import LoadResult
 from .saving import LOAD_TIMINGS_DIR, wait_pending
 from .shards import OnResize
@@ -50,7 +50,7 @@ def read_manifest(path: str, *, storage: Storage | None = None, storage_options:
 
 def _read_manifest_bytes(store: Storage, path: str) -> bytes:
     try:
-        return store.read_file(MANIFEST_NAME)
+        return read_bytes(store, f"{path}/{MANIFEST_NAME}")  # the size limit is checked before reading
     except FileNotFoundError:
         raise CheckpointNotFoundError(
             f"no committed checkpoint at {path}: {MANIFEST_NAME} is missing (never saved, or the save did not finish)"
@@ -123,23 +123,32 @@ def load(
             early = e
 
     # Metadata: rank 0 reads the manifest once and every rank gets the same bytes.
-    data, error = None, None
+    data, failure, own = None, None, None
     if world.is_coordinator:
         try:
             if store is None:
                 raise CheckpointError(f"rank 0 could not start the load: {early}")
             data = _read_manifest_bytes(store, path)
         except CheckpointNotFoundError as e:
-            error = e  # every rank raises the same, typed error
+            failure, own = e, e  # every rank raises the same, typed error
+        except CheckpointError as e:  # ManifestError (oversized, a directory), StorageError, ...
+            failure, own = dist.error_text(0, e), e
         except Exception as e:
-            error = CheckpointError(f"reading {path}/{MANIFEST_NAME} failed: {dist.error_text(0, e)}")
-    data, error = dist.broadcast(world, (data, error), "reading the manifest")
-    if error is not None:
-        raise error
+            own = StorageError(f"rank 0: reading {path}/{MANIFEST_NAME} failed: {type(e).__name__}: {e}")
+            own.__cause__ = e
+            failure = dist.error_text(0, own)
+    data, failure = dist.broadcast(world, (data, failure), "reading the manifest")
+    if isinstance(failure, BaseException):
+        raise failure
+    if failure is not None:
+        if own is not None and not world.distributed:
+            raise own
+        dist.raise_failures(world, {0: failure}, f"reading {path}/{MANIFEST_NAME}", own=own)
     manifest = decode(data, source=f"{path}/{MANIFEST_NAME}")
     timer.mark("metadata")
 
     targets: list[ReadTarget] = []
+    requests: list[ReadRequest] = []
     missing: list[str] = []
     unexpected: list[str] = []
     flat = FlatState()
@@ -150,6 +159,10 @@ def load(
             raise err
         flat = flatten(state, rank=world.rank, world_size=world.size, for_load=True, manifest=manifest)
         targets, missing, unexpected = _validate(manifest, flat, world, state, strict=strict, cast=cast_dtypes)
+        check_targets(targets, world.rank)  # aliasing: before any rank writes a byte
+        # Plan every read now: a gap or overlap in the saved tiles (coverage) is then found,
+        # and agreed on by every rank, before any rank writes into its targets.
+        requests = plan_reads(manifest, targets, max_read_bytes=opts.max_read_bytes, rank=world.rank)
         # Decode plain values now, before any tensor is touched: a refused pickle or a
         # malformed value then leaves the caller's state exactly as it was.
         decoded = {k: _lookup_value(manifest, k, world, allow_pickle) for k in [*flat.values, *flat.per_rank_values]}
@@ -167,7 +180,8 @@ def load(
         targets, broadcasts = split_replicated(world, targets)
     bytes_read = 0
     try:
-        requests = plan_reads(manifest, targets, max_read_bytes=opts.max_read_bytes, rank=world.rank)
+        if broadcasts:  # this rank now reads only its share of the replicated targets
+            requests = plan_reads(manifest, targets, max_read_bytes=opts.max_read_bytes, rank=world.rank)
         timer.mark("plan")
         assert store is not None  # an early error was raised by the validation exchange
         reader = Reader(store, manifest, rank=world.rank, verify=opts.verify, threads=opts.io_threads)

@@ -20,13 +20,19 @@ import numpy as np
 
 from .dtypes import dtype_from_name, itemsize
 from .errors import ManifestError
-from .storage.base import check_relpath
+from .storage.base import Storage, check_relpath
 
 FORMAT = "tessera"
 VERSION = 1
 MANIFEST_NAME = "manifest.json"
 CHECKSUM_ALGORITHM = "xxh3_64"
 MAX_MANIFEST_BYTES = 1 << 30
+DECODE_RATIO = 32
+"""Tile-table columns may inflate to at most this many times the manifest's size (plus
+:data:`DECODE_SLACK`) in all: a real table stores at least one incompressible checksum per
+tile and inflates about 4-10x, while a hostile one that declares millions of tiles in a
+few compressed bytes is refused before anything is allocated."""
+DECODE_SLACK = 1 << 20
 TABLE_MIN_TILES = 16
 """Tensors with more tiles than this store them as a columnar ``tile_table`` (base64 of
 zlib-compressed little-endian arrays): compact and parsed without per-tile work. Fewer
@@ -125,7 +131,7 @@ class TensorEntry:
         self.shape = tuple(shape)
         self._tiles = tuple(tiles) if tiles is not None else None
         self._table = table
-        self._starts: list[int] | None = None
+        self._starts: np.ndarray | None = None
 
     @property
     def tiles(self) -> tuple[Tile, ...]:
@@ -150,9 +156,9 @@ class TensorEntry:
         if self._tiles is not None:
             return self._tiles[i]
         t = self.table
-        if self._starts is None:
-            self._starts = [0, *np.cumsum(t.chunks).tolist()]
-        start = self._starts[i]
+        if self._starts is None:  # an array, not a list: one int64 per tile, not a Python int
+            self._starts = np.concatenate([np.zeros(1, dtype=np.int64), np.cumsum(t.chunks)])
+        start = int(self._starts[i])
         return Tile(
             t.paths[int(t.file[i])], tuple(t.offsets[i].tolist()), tuple(t.lengths[i].tolist()), int(t.byte_offset[i]),
             int(t.nbytes[i]), tuple(t.checksums[start : start + int(t.chunks[i])].tolist()),
@@ -284,6 +290,32 @@ def _dict(x: Any, what: str) -> dict:
     return x
 
 
+def read_bytes(store: Storage, source: str) -> bytes:
+    """The bytes of ``manifest.json`` in ``store``, refusing an oversized file before reading it.
+
+    The size is checked with a stat (a HEAD on object stores) first, so a huge or sparse
+    file is never read whole, and again on the bytes read (the file may have been replaced
+    in between).
+
+    Raises:
+        FileNotFoundError: if there is no manifest.
+        ManifestError: naming ``source`` if it is over :data:`MAX_MANIFEST_BYTES`.
+    """
+    try:
+        size = store.size(MANIFEST_NAME)
+        if size <= MAX_MANIFEST_BYTES:
+            data = store.read_file(MANIFEST_NAME)
+    except (IsADirectoryError, NotADirectoryError) as e:
+        raise ManifestError(f"{source}: invalid manifest: not a regular file ({type(e).__name__})") from None
+    if size > MAX_MANIFEST_BYTES:
+        raise ManifestError(f"{source}: invalid manifest: size {size} bytes is over the {MAX_MANIFEST_BYTES}-byte limit")
+    if len(data) > MAX_MANIFEST_BYTES:
+        raise ManifestError(
+            f"{source}: invalid manifest: size {len(data)} bytes is over the {MAX_MANIFEST_BYTES}-byte limit"
+        )
+    return data
+
+
 def decode(data: bytes, *, source: str = MANIFEST_NAME) -> Manifest:
     """Parse and validate ``manifest.json`` bytes.
 
@@ -300,7 +332,7 @@ def decode(data: bytes, *, source: str = MANIFEST_NAME) -> Manifest:
 
 def _decode(data: bytes) -> Manifest:
     if len(data) > MAX_MANIFEST_BYTES:
-        raise _fail(f"{len(data)} bytes is over the {MAX_MANIFEST_BYTES}-byte limit")
+        raise _fail(f"size {len(data)} bytes is over the {MAX_MANIFEST_BYTES}-byte limit")
     try:
         doc = json.loads(data)
     except (ValueError, UnicodeDecodeError) as e:
@@ -331,6 +363,10 @@ def _decode(data: bytes) -> Manifest:
         )
 
     tensors: dict[str, TensorEntry] = {}
+    # Shared by every tensor: per-tensor copies would cost tensors x files.
+    paths = tuple(f.path for f in files)
+    file_sizes = np.array([f.nbytes for f in files], dtype=np.int64)
+    budget = _Budget(DECODE_RATIO * len(data) + DECODE_SLACK)
     for name, e in _dict(doc.get("tensors"), "tensors").items():
         e = _dict(e, f"tensor '{name}'")
         try:
@@ -341,7 +377,7 @@ def _decode(data: bytes) -> Manifest:
         size = itemsize(dt)
         if math.prod(shape) * size >= 1 << 62:
             raise _fail(f"tensor '{name}': shape {list(shape)} is implausibly large")
-        table = _decode_tiles(name, e, shape, size, files, chunk_bytes)
+        table = _decode_tiles(name, e, shape, size, files, paths, file_sizes, chunk_bytes, budget)
         tensors[name] = TensorEntry(e["dtype"], shape, table=table)
 
     per_rank = {}
@@ -385,8 +421,25 @@ def _int_array(values: Any, what: str, ndim: int) -> np.ndarray:
     return arr.astype(np.int64)
 
 
+class _Budget:
+    """Bytes that tile-table columns may still inflate to (see :data:`DECODE_RATIO`)."""
+
+    def __init__(self, total: int) -> None:
+        self.total = total
+        self.left = total
+
+    def take(self, nbytes: int, what: str) -> None:
+        if nbytes < 0 or nbytes > self.left:
+            raise _fail(
+                f"{what} declares {nbytes} bytes of tile data, more than a manifest of this size can hold "
+                f"(at most {self.total} bytes in all); the count is inconsistent with the file"
+            )
+        self.left -= nbytes
+
+
 def _decode_tiles(
-    name: str, entry: dict, shape: tuple[int, ...], size: int, files: list[FileEntry], chunk_bytes: int
+    name: str, entry: dict, shape: tuple[int, ...], size: int, files: list[FileEntry], paths: tuple[str, ...],
+    file_sizes: np.ndarray, chunk_bytes: int, budget: _Budget,
 ) -> TileTable:
     """Parse a tensor's tiles (list or table form) and validate them column by column."""
     what = f"tensor '{name}'"
@@ -396,15 +449,25 @@ def _decode_tiles(
     if "tiles" in entry:
         fidx, offs, lens, byte_offsets, counts, sums = _tile_lists(what, entry["tiles"], nd)
     else:
-        fidx, offs, lens, byte_offsets, counts, sums = _tile_table(what, entry["tile_table"], nd)
+        fidx, offs, lens, byte_offsets, counts, sums = _tile_table(what, entry["tile_table"], nd, budget)
     n = len(fidx)
+    if not n:  # a tensor without elements: shared empty columns, no per-tensor arrays
+        z = _EMPTY.get(nd)
+        if z is None:
+            z = (np.zeros(0, dtype=np.int64), np.zeros((0, nd), dtype=np.int64), np.zeros(0, dtype=np.uint64))
+            for a in z:
+                a.flags.writeable = False
+            _EMPTY[nd] = z
+        return TileTable(paths, z[0], z[1], z[1], z[0], z[0], z[0], z[2])
     if (fidx >= len(files)).any():
         raise _fail(f"{what}: a tile refers to file #{int(fidx.max())} but only {len(files)} files are listed")
     if nd and (offs + lens > np.asarray(shape, dtype=np.int64)).any():
         i = int(np.flatnonzero((offs + lens > np.asarray(shape)).any(axis=1))[0])
         raise _fail(f"{what}: tile at {offs[i].tolist()} x {lens[i].tolist()} lies outside shape {list(shape)}")
+    if nd and n and (lens == 0).any():  # savers never store empty boxes; they would cost memory, not data
+        i = int(np.flatnonzero((lens == 0).any(axis=1))[0])
+        raise _fail(f"{what}: tile lengths {lens[i].tolist()} hold no element; a tile must not be empty")
     nbytes = (lens.prod(axis=1) if nd else np.ones(n, dtype=np.int64)) * size
-    file_sizes = np.array([f.nbytes for f in files], dtype=np.int64)
     over = np.flatnonzero(byte_offsets + nbytes > file_sizes[fidx]) if n else []
     if len(over):
         i = int(over[0])
@@ -418,8 +481,11 @@ def _decode_tiles(
     expected = -(-nbytes // chunk_bytes)
     if not np.array_equal(counts, expected) or len(sums) != int(expected.sum()):
         raise _fail(f"{what}: expected {expected.tolist()[:5]} chunk checksums per tile, found {counts.tolist()[:5]}")
-    return TileTable(tuple(f.path for f in files), fidx, offs, lens, byte_offsets, nbytes, counts, sums)
+    return TileTable(paths, fidx, offs, lens, byte_offsets, nbytes, counts, sums)
 
+
+_EMPTY: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+"""Shared read-only columns of tile tables without tiles, per ndim."""
 
 _Columns = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]
 
@@ -462,15 +528,20 @@ def _tile_lists(what: str, raw: Any, nd: int) -> _Columns:
     return fidx, offs, lens, byte_offsets, counts, np.frombuffer(digests, dtype=">u8").astype(np.uint64)
 
 
-def _tile_table(what: str, raw: Any, nd: int) -> _Columns:
+def _tile_table(what: str, raw: Any, nd: int, budget: _Budget) -> _Columns:
     """Columns of the table form: base64 little-endian arrays (see docs/format.md)."""
     raw = _dict(raw, f"{what} tile_table")
     n = _int(raw.get("count"), f"{what} tile_table count")
+    # Every tile has at least file, byte_offset and chunks entries, plus its boxes: checked
+    # against the budget before a byte is inflated.
+    budget.take(8 * n * (3 + 2 * nd), f"{what}: tile_table.count {n}")
 
     def column(key: str, count: int, dtype: str) -> np.ndarray:
         data = raw.get(key)
         if not isinstance(data, str) or len(data) > 4 * MAX_MANIFEST_BYTES // 3 + 4:
             raise _fail(f"{what}: tile_table.{key} must be a base64 string")
+        if key == "checksums":
+            budget.take(8 * count, f"{what}: tile_table.chunks (sum {count})")
         try:
             packed = base64.b64decode(data, validate=True)
             inflate = zlib.decompressobj()

@@ -24,7 +24,7 @@ import torch
 import xxhash
 
 from .dtypes import dtype_from_name, itemsize
-from .errors import CorruptCheckpointError, CoverageError, StorageError
+from .errors import CorruptCheckpointError, CoverageError, StateMismatchError, StorageError
 from .geometry import Box, check_box_coverage, row_major_strides, runs
 from .manifest import Manifest, Tile
 from .stage import as_bytes
@@ -97,6 +97,110 @@ class _TileIndex:
     def arrays(self, fqn: str) -> tuple[np.ndarray, np.ndarray]:
         table = self.manifest.tensors[fqn].table
         return table.offsets, table.lengths
+
+
+_EXACT_OVERLAP_ELEMENTS = 1 << 22
+"""Up to this many elements, possible overlaps are settled exactly (one byte per element)."""
+
+
+def _extent(t: torch.Tensor) -> int:
+    """Elements from the first to one past the last that ``t`` can address."""
+    return sum((n - 1) * s for n, s in zip(t.shape, t.stride())) + 1
+
+
+def _self_overlaps(t: torch.Tensor) -> bool:
+    """Whether two elements of ``t`` share memory (a zero stride, or a view like ``expand``)."""
+    dims = sorted((s, n) for n, s in zip(t.shape, t.stride()) if n > 1)
+    reach = 0
+    for s, n in dims:  # each stride must step past everything the smaller strides reach
+        if s <= reach:
+            break
+        reach += s * (n - 1)
+    else:
+        return False
+    if any(s == 0 for s, _ in dims) or t.numel() > _EXACT_OVERLAP_ELEMENTS:
+        return True
+    offsets = np.zeros(1, dtype=np.int64)
+    for s, n in dims:
+        offsets = (offsets[:, None] + np.arange(n, dtype=np.int64) * s).reshape(-1)
+    return len(np.unique(offsets)) < len(offsets)
+
+
+def check_targets(targets: Sequence[ReadTarget], rank: int) -> None:
+    """Refuse targets that cannot be filled safely, before any byte is written to any of them.
+
+    A target whose elements share memory (``torch.zeros(1).expand(10)``), two targets that
+    partly overlap in memory, and inference tensors outside inference mode are refused.
+    Two targets that are the very same view (tied weights listed under two names) are
+    fine: both receive their saved bytes, the later one last.
+
+    Raises:
+        StateMismatchError: naming the tensors and the rank.
+    """
+    problems: list[str] = []
+    spans: dict[tuple[str, int], list[tuple[int, int, ReadTarget]]] = {}
+    for t in targets:
+        d = t.data
+        if d.numel() == 0:
+            continue
+        if d.is_inference() and not torch.is_inference_mode_enabled():
+            problems.append(f"tensor '{t.fqn}' is an inference tensor; load it outside torch.inference_mode() into a normal tensor")
+            continue
+        if _self_overlaps(d):
+            problems.append(
+                f"tensor '{t.fqn}': the target's elements share memory (shape {list(d.shape)}, strides {list(d.stride())}, "
+                "e.g. from expand()); pass a tensor that owns each element, such as .clone()"
+            )
+            continue
+        size = d.element_size()
+        lo = d.data_ptr()
+        key = (str(d.device), d.untyped_storage().data_ptr())
+        spans.setdefault(key, []).append((lo, lo + _extent(d) * size, t))
+    for group in spans.values():
+        group.sort(key=lambda x: x[0])
+        active: list[tuple[int, ReadTarget]] = []  # (end, target) of spans that may reach later ones
+        for lo, hi, t in group:
+            active = [(e, a) for e, a in active if e > lo]
+            for _, a in active:
+                if not _same_view(t.data, a.data) and _overlap(a.data, t.data):
+                    problems.append(
+                        f"tensors '{a.fqn}' and '{t.fqn}': the targets share memory (overlapping views of one "
+                        "storage); loading one would overwrite the other"
+                    )
+            active.append((hi, t))
+    if problems:
+        raise StateMismatchError(f"rank {rank}: the state cannot be loaded into:\n  " + "\n  ".join(problems[:20]))
+
+
+def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (a.data_ptr(), a.shape, a.stride(), a.dtype) == (b.data_ptr(), b.shape, b.stride(), b.dtype)
+
+
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two views whose memory ranges intersect share an element.
+
+    Settled exactly, one byte per element, for views of one element size and alignment up
+    to :data:`_EXACT_OVERLAP_ELEMENTS` elements (strided column blocks of one matrix
+    interleave without overlapping); larger or mixed views that only interleave are let
+    through rather than refused on a guess.
+    """
+    size = a.element_size()
+    if b.element_size() != size or (a.data_ptr() - b.data_ptr()) % size:
+        return False
+    base = min(a.data_ptr(), b.data_ptr())
+    span = (max(a.data_ptr() + _extent(a) * size, b.data_ptr() + _extent(b) * size) - base) // size
+    if max(a.numel(), b.numel()) > _EXACT_OVERLAP_ELEMENTS or span > 4 * _EXACT_OVERLAP_ELEMENTS:
+        logger.debug("targets of %d and %d elements interleave in memory; too large to check for overlap", a.numel(), b.numel())
+        return False
+    marks = np.zeros(span, dtype=np.uint8)
+    for t in (a, b):
+        offsets = np.full(1, (t.data_ptr() - base) // size, dtype=np.int64)
+        for n, st in zip(t.shape, t.stride()):
+            offsets = (offsets[:, None] + np.arange(n, dtype=np.int64) * st).reshape(-1)
+        if t is b:
+            return bool(marks[offsets].any())
+        marks[offsets] = 1
+    return False
 
 
 def _split_for_reads(rel: Box, tile_lengths: tuple[int, ...], size: int, max_bytes: int) -> list[Box]:
@@ -294,7 +398,7 @@ class Reader:
         """Verify and copy straight from a memory map of the file: no intermediate buffer."""
         try:
             view = mapper(req.file, req.start, req.nbytes)
-        except (FileNotFoundError, StorageError) as e:
+        except OSError as e:  # StorageError included
             raise self._read_error(req, e) from e
         self._verify_view(req, view)
         for c in req.copies:
@@ -316,7 +420,7 @@ class Reader:
     def _read(self, req: ReadRequest, out: memoryview) -> None:
         try:
             self.storage.read_into(req.file, req.start, out)
-        except (FileNotFoundError, StorageError) as e:
+        except OSError as e:  # StorageError included
             raise self._read_error(req, e) from e
 
     def _read_error(self, req: ReadRequest, e: OSError) -> CorruptCheckpointError:
@@ -324,6 +428,11 @@ class Reader:
         if isinstance(e, FileNotFoundError) and not isinstance(e, StorageError):
             return CorruptCheckpointError(
                 f"rank {self.rank}: data file {self._file(req.file)} of tensor(s) {_names(req)} is missing from the checkpoint"
+            )
+        if isinstance(e, (IsADirectoryError, NotADirectoryError)):
+            return CorruptCheckpointError(
+                f"rank {self.rank}: data file {self._file(req.file)} of tensor(s) {_names(req)} is not a regular file "
+                f"({type(e).__name__}); the manifest does not match the checkpoint's files"
             )
         return CorruptCheckpointError(f"rank {self.rank}: reading {self._file(req.file)} for tensor(s) {_names(req)}: {e}")
 

@@ -30,7 +30,7 @@ from .options import SaveOptions
 from .plan import RankPlan, build_global_plan, build_local_plan
 from .results import PendingSave, SaveResult
 from .stage import StagingBuffer
-from .state import FlatState, TensorPiece, dotted_parents, flatten
+from .state import FlatState, TensorPiece, dotted_parents, flatten, is_empty_container
 from .storage import Storage, storage_for
 from .tilefile import FileLayout, layout_file
 from .timing import PhaseTimer
@@ -219,8 +219,8 @@ def _plan_save(
             payloads = [(None, None, dist.error_text(0, e))] * world.size
             metas = None
     plan_id, rank_plan, plan_error = dist.scatter(world, payloads, "distributing save plans")
-    if plan_error is not None:
-        raise CheckpointError(f"planning the save failed (on rank 0): {plan_error}")
+    if plan_error is not None:  # the planner's error type (CoverageError, ...) on every rank
+        dist.raise_failures(world, {0: plan_error}, "planning the save")
     layouts = _layouts(rank_plan, world.rank)
     entry = _CachedPlan(plan_id, local.fingerprint, rank_plan, layouts, metas if world.is_coordinator else None)
     ctx.remember(entry)
@@ -307,9 +307,7 @@ def _write_and_commit(
     timer.mark("commit")
     if outcome.get("failures"):
         failures = {int(r): m for r, m in outcome["failures"].items()}
-        if error is not None and set(failures) == {world.rank}:
-            raise error
-        dist.raise_failures(world, failures, f"saving checkpoint {path}")
+        dist.raise_failures(world, failures, f"saving checkpoint {path}", own=error)
     after_commit = getattr(store, "after_commit", None)
     if after_commit is not None:  # e.g. the memory tier: start this rank's copy to durable storage
         after_commit(rank=world.rank, world_size=world.size, save_id=save_id, files=[w.path for w in written])
@@ -332,7 +330,7 @@ def _commit(
         store.write_atomic(MANIFEST_NAME, encode(manifest))
     except Exception as e:
         _delete_quietly(store, [f for rep in reports for f, _, _ in rep["files"]])
-        return {"failures": {0: f"committing the manifest failed: {dist.error_text(0, e)}"}}
+        return {"failures": {0: dist.error_text(0, e, "committing the manifest failed")}}
     keep = {f.path for f in manifest.files} | {MANIFEST_NAME}
     try:
         stale = [p for p in store.list("data") if p not in keep]
@@ -383,9 +381,10 @@ def _build_manifest(world: World, entry: _CachedPlan, reports: list[dict], save_
         if m.per_rank is not None:
             policies.setdefault(m.fqn, m.per_rank)
     # A container that is empty on one rank (say, a pipeline stage's share of the model) but
-    # holds tensors or values on others is not a value of its own.
+    # holds tensors or values on others is not a value of its own. Only an empty one: a
+    # non-empty value beside dotted keys ({"ema.shadow": t, "ema": {"decay": 0.9}}) is kept.
     parents = dotted_parents(list(tensors) + list(values) + list(per_rank))
-    values = {k: v for k, v in values.items() if k not in parents}
+    values = {k: v for k, v in values.items() if k not in parents or not is_empty_container(v)}
     return Manifest(
         save_id=save_id,
         world_size=world.size,

@@ -7,6 +7,9 @@ values and objects with ``state_dict()``/``load_state_dict()``. Everything downs
 
 FQNs join keys with dots: ``{"model": {"layers.0.w": t}}`` is ``model.layers.0.w``. A
 container that holds no tensor anywhere inside is one plain value under its own FQN.
+Names are unique: two entries of one state that join to the same FQN (``{"a.b": x,
+"a": {"b": y}}``, or a list index and a dict key: ``m.x.0``) are an
+:class:`~tessera.errors.InvalidStateError` naming both, at save and at load.
 """
 
 from __future__ import annotations
@@ -19,9 +22,10 @@ import torch
 
 from . import _torch_private
 from .dtypes import dtype_name
+from .errors import InvalidStateError
 from .geometry import Box
 from .shards import FlatShard, MultiShard, OnResize, PerRank, ShardedTensor
-from .values import encode_value
+from .values import MAX_DEPTH, check_depth, encode_value
 
 
 @dataclass(frozen=True, eq=False)
@@ -72,14 +76,26 @@ def is_stateful(value: object) -> bool:
     return callable(getattr(value, "state_dict", None)) and callable(getattr(value, "load_state_dict", None))
 
 
-def _contains_tensor(value: object) -> bool:
+def _contains_tensor(value: object, depth: int = 0) -> bool:
     if isinstance(value, (torch.Tensor, ShardedTensor, FlatShard, MultiShard, PerRank)) or is_stateful(value):
         return True
+    if isinstance(value, (dict, list, tuple)) and depth >= MAX_DEPTH:
+        return False  # a value this deep is refused where it is encoded (or visited), by name
     if isinstance(value, dict):
-        return any(_contains_tensor(v) for v in value.values())
+        return any(_contains_tensor(v, depth + 1) for v in value.values())
     if isinstance(value, (list, tuple)):
-        return any(_contains_tensor(v) for v in value)
+        return any(_contains_tensor(v, depth + 1) for v in value)
     return False
+
+
+def _too_deep(fqn: str) -> InvalidStateError:
+    return InvalidStateError(
+        f"'{fqn}': the state nests containers more than {MAX_DEPTH} levels deep; tessera does not follow such states"
+    )
+
+
+def _step(where: str, key: object) -> str:
+    return f"{where}[{key!r}]"
 
 
 def join(prefix: str, key: object) -> str:
@@ -98,6 +114,11 @@ def dotted_parents(keys: list[str]) -> set[str]:
     return out
 
 
+def is_empty_container(encoded: object) -> bool:
+    """Whether an encoded plain value (see :mod:`tessera.values`) is an empty dict, list or tuple."""
+    return encoded in ({}, [], {"__tuple__": []}, {"__dict__": []})
+
+
 class _Flattener:
     def __init__(self, rank: int, world_size: int, *, for_load: bool, allow_pickle: bool, manifest: object) -> None:
         self.rank = rank
@@ -106,21 +127,40 @@ class _Flattener:
         self.allow_pickle = allow_pickle
         self.manifest = manifest
         self.out = FlatState()
+        self.sources: dict[str, str] = {}
+        """FQN -> where in the state its entry is (``state['a']['b']``), to name collisions."""
 
-    def visit(self, value: object, fqn: str, per_rank: OnResize | None, *, container: bool = False) -> None:
+    def claim(self, fqn: str, where: str) -> None:
+        """Record that the entry at ``where`` is named ``fqn``; refuse a second entry of that name."""
+        first = self.sources.setdefault(fqn, where)
+        if first != where:
+            raise InvalidStateError(
+                f"two entries of the state have the same name '{fqn}': {first} and {where}. "
+                "Names join nested keys with dots, so rename one of them"
+            )
+
+    def visit(
+        self, value: object, fqn: str, per_rank: OnResize | None, *, container: bool = False, where: str = "state",
+        depth: int = 0,
+    ) -> None:
+        if depth > MAX_DEPTH:
+            raise _too_deep(fqn)
         if isinstance(value, PerRank):
             if per_rank is not None:
                 raise TypeError(f"'{fqn}': per_rank() values cannot be nested")
-            self.visit(value.value, fqn, value.on_resize)
+            self.visit(value.value, fqn, value.on_resize, where=where, depth=depth + 1)
         elif isinstance(value, torch.Tensor):
+            self.claim(fqn, where)
             self.tensor(value, fqn, per_rank)
         elif isinstance(value, (ShardedTensor, FlatShard)):
             if per_rank is not None:
                 raise TypeError(f"'{fqn}': a {type(value).__name__} cannot be per_rank(); it already names its box")
+            self.claim(fqn, where)
             self.shard(value, fqn)
         elif isinstance(value, MultiShard):
             if per_rank is not None:
                 raise TypeError(f"'{fqn}': a MultiShard cannot be per_rank(); it already names its boxes")
+            self.claim(fqn, where)
             for s in value.shards:
                 self.shard(s, fqn)
         elif is_stateful(value) and not isinstance(value, type):
@@ -133,7 +173,7 @@ class _Flattener:
                 raise TypeError(f"'{fqn}': {type(value).__name__}.state_dict() returned {type(sd).__name__}, not a dict")
             # A state dict is a structure, not a value: its keys are names even when it holds
             # no tensor (a fresh optimizer saves the same keys as a trained one, minus state).
-            self.visit(sd, fqn, per_rank, container=True)
+            self.visit(sd, fqn, per_rank, container=True, where=f"{where}.state_dict()", depth=depth + 1)
             self.out.statefuls.append((value, sd))
         elif isinstance(value, (dict, list, tuple)) and (container or _contains_tensor(value) or not fqn):
             items = value.items() if isinstance(value, dict) else enumerate(value)
@@ -143,10 +183,11 @@ class _Flattener:
                     raise TypeError(f"'{fqn}': key {k!r} must be a str or int to form a tensor name")
                 name = join(fqn, k)
                 if name in seen:
-                    raise ValueError(f"two keys of '{fqn}' map to the same name '{name}'")
+                    raise InvalidStateError(f"two keys of '{fqn}' map to the same name '{name}' ({where})")
                 seen.add(name)
-                self.visit(v, name, per_rank)
+                self.visit(v, name, per_rank, where=_step(where, k), depth=depth + 1)
         else:
+            self.claim(fqn, where)
             self.plain(value, fqn, per_rank)
 
     def plain(self, value: object, fqn: str, per_rank: OnResize | None) -> None:
@@ -154,6 +195,8 @@ class _Flattener:
             raise TypeError("the state must be a dict (or an object with state_dict()), not a plain value")
         if not self.for_load:
             encode_value(value, fqn, allow_pickle=self.allow_pickle)  # validate before any I/O
+        else:
+            check_depth(value, fqn)
         if per_rank is not None:
             self.out.per_rank_values[fqn] = (value, per_rank)
         else:
@@ -217,12 +260,17 @@ def flatten(
     ``prepare_load(manifest, fqn)`` method is first shown the checkpoint's ``manifest``.
 
     Raises:
+        InvalidStateError: if two entries have the same FQN (naming both), or the state
+            nests too deeply.
         TypeError, ValueError: for values tessera cannot store, naming the FQN.
     """
     f = _Flattener(rank, world_size, for_load=for_load, allow_pickle=allow_pickle, manifest=manifest)
     if not isinstance(state, dict) and not is_stateful(state):
         raise TypeError(f"state must be a dict or an object with state_dict()/load_state_dict(), got {type(state).__name__}")
-    f.visit(state, "", None)
+    try:
+        f.visit(state, "", None)
+    except RecursionError:  # e.g. a Stateful whose state_dict() nests deeply in its own way
+        raise InvalidStateError(f"the state nests too deeply to flatten (more than {MAX_DEPTH} levels)") from None
     return f.out
 
 

@@ -15,20 +15,44 @@ from typing import Any
 import torch
 
 from .dtypes import dtype_from_name, dtype_name
-from .errors import ManifestError, PickleNotAllowedError
+from .errors import InvalidStateError, ManifestError, PickleNotAllowedError
 
 _TAGS = ("__tuple__", "__dict__", "__bytes__", "__float__", "__dtype__", "__pickle__")
+MAX_DEPTH = 100
+"""How deeply containers may nest, in a state and in a stored value. Far beyond any real
+state; it keeps encoding and decoding well inside Python's recursion limit, so a deeper
+value is a typed error instead of a ``RecursionError``."""
 
 
-def is_plain(value: object) -> bool:
-    """Whether ``value`` encodes without pickle (recursively)."""
+def is_plain(value: object, _depth: int = 0) -> bool:
+    """Whether ``value`` encodes without pickle (recursively; too deep is not plain)."""
     if value is None or isinstance(value, (bool, int, float, str, bytes, torch.dtype)):
         return True
+    if _depth >= MAX_DEPTH:
+        return False
     if isinstance(value, (list, tuple)):
-        return all(is_plain(v) for v in value)
+        return all(is_plain(v, _depth + 1) for v in value)
     if isinstance(value, dict):
-        return all(is_plain(k) and is_plain(v) for k, v in value.items())
+        return all(is_plain(k, _depth + 1) and is_plain(v, _depth + 1) for k, v in value.items())
     return False
+
+
+def check_depth(value: object, name: str) -> None:
+    """Refuse a value whose containers nest deeper than :data:`MAX_DEPTH` (iteratively).
+
+    Raises:
+        InvalidStateError: naming ``name``.
+    """
+    stack: list[tuple[object, int]] = [(value, 0)]
+    while stack:
+        v, depth = stack.pop()
+        if isinstance(v, (list, tuple, dict)):
+            if depth >= MAX_DEPTH:
+                raise InvalidStateError(
+                    f"value '{name}' nests containers more than {MAX_DEPTH} levels deep; tessera does not store such values"
+                )
+            items = v.values() if isinstance(v, dict) else v
+            stack.extend((x, depth + 1) for x in items)
 
 
 def encode_value(value: object, name: str, *, allow_pickle: bool = False) -> Any:
@@ -36,26 +60,31 @@ def encode_value(value: object, name: str, *, allow_pickle: bool = False) -> Any
 
     Raises:
         PickleNotAllowedError: if the value needs pickle and ``allow_pickle`` is False.
+        InvalidStateError: if containers nest deeper than :data:`MAX_DEPTH`.
     """
+    return _encode(value, name, allow_pickle, 0)
+
+
+def _encode(value: object, name: str, allow_pickle: bool, depth: int) -> Any:
     if value is None or isinstance(value, (bool, str)):
         return value
     if isinstance(value, int):
         return int(value)
     if isinstance(value, float):
         return value if math.isfinite(value) else {"__float__": repr(value)}
+    if isinstance(value, (list, tuple, dict)) and depth >= MAX_DEPTH:
+        raise InvalidStateError(
+            f"value '{name}' nests containers more than {MAX_DEPTH} levels deep; tessera does not store such values"
+        )
+    d = depth + 1
     if isinstance(value, list):
-        return [encode_value(v, name, allow_pickle=allow_pickle) for v in value]
+        return [_encode(v, name, allow_pickle, d) for v in value]
     if isinstance(value, tuple) and type(value) is tuple or isinstance(value, torch.Size):
-        return {"__tuple__": [encode_value(v, name, allow_pickle=allow_pickle) for v in value]}
+        return {"__tuple__": [_encode(v, name, allow_pickle, d) for v in value]}
     if type(value) is dict:
         if all(isinstance(k, str) and k not in _TAGS for k in value):
-            return {k: encode_value(v, name, allow_pickle=allow_pickle) for k, v in value.items()}
-        return {
-            "__dict__": [
-                [encode_value(k, name, allow_pickle=allow_pickle), encode_value(v, name, allow_pickle=allow_pickle)]
-                for k, v in value.items()
-            ]
-        }
+            return {k: _encode(v, name, allow_pickle, d) for k, v in value.items()}
+        return {"__dict__": [[_encode(k, name, allow_pickle, d), _encode(v, name, allow_pickle, d)] for k, v in value.items()]}
     if isinstance(value, (bytes, bytearray)):
         return {"__bytes__": base64.b64encode(bytes(value)).decode("ascii")}
     if isinstance(value, torch.dtype):
@@ -66,7 +95,10 @@ def encode_value(value: object, name: str, *, allow_pickle: bool = False) -> Any
             "(None, bool, int, float, str, bytes, list, tuple, dict, torch.dtype) and would need pickle; "
             "convert it, give it state_dict()/load_state_dict(), or pass allow_pickle=True to save and load"
         )
-    return {"__pickle__": base64.b64encode(pickle.dumps(value)).decode("ascii")}
+    try:
+        return {"__pickle__": base64.b64encode(pickle.dumps(value)).decode("ascii")}
+    except RecursionError:
+        raise InvalidStateError(f"value '{name}' is nested too deeply to pickle") from None
 
 
 def decode_value(data: Any, name: str, *, allow_pickle: bool = False) -> Any:
@@ -74,25 +106,29 @@ def decode_value(data: Any, name: str, *, allow_pickle: bool = False) -> Any:
 
     Raises:
         PickleNotAllowedError: for a pickled value without ``allow_pickle``.
-        ManifestError: for data that is not a valid encoding.
+        ManifestError: for data that is not a valid encoding, or nests deeper than
+            :data:`MAX_DEPTH`.
     """
+    return _decode(data, name, allow_pickle, 0)
+
+
+def _decode(data: Any, name: str, allow_pickle: bool, depth: int) -> Any:
     if data is None or isinstance(data, (bool, int, float, str)):
         return data
+    if depth >= MAX_DEPTH:
+        raise ManifestError(f"value '{name}': nested more than {MAX_DEPTH} levels deep")
+    d = depth + 1
     if isinstance(data, list):
-        return [decode_value(v, name, allow_pickle=allow_pickle) for v in data]
+        return [_decode(v, name, allow_pickle, d) for v in data]
     if not isinstance(data, dict):
         raise ManifestError(f"value '{name}': unexpected JSON type {type(data).__name__}")
     if len(data) == 1:
         (tag, inner), = data.items()
         try:
             if tag == "__tuple__":
-                return tuple(decode_value(v, name, allow_pickle=allow_pickle) for v in inner)
+                return tuple(_decode(v, name, allow_pickle, d) for v in inner)
             if tag == "__dict__":
-                return {
-                    _hashable(decode_value(k, name, allow_pickle=allow_pickle), name):
-                    decode_value(v, name, allow_pickle=allow_pickle)
-                    for k, v in inner
-                }
+                return {_hashable(_decode(k, name, allow_pickle, d), name): _decode(v, name, allow_pickle, d) for k, v in inner}
             if tag == "__bytes__":
                 return base64.b64decode(inner, validate=True)
             if tag == "__float__":
@@ -108,11 +144,11 @@ def decode_value(data: Any, name: str, *, allow_pickle: bool = False) -> Any:
                         "Pass allow_pickle=True to load only if you trust its source"
                     )
                 return pickle.loads(base64.b64decode(inner, validate=True))
-        except PickleNotAllowedError:
+        except (PickleNotAllowedError, ManifestError):
             raise
         except (TypeError, ValueError) as e:
             raise ManifestError(f"value '{name}': malformed {tag} encoding ({e})") from e
-    return {k: decode_value(v, name, allow_pickle=allow_pickle) for k, v in data.items()}
+    return {k: _decode(v, name, allow_pickle, d) for k, v in data.items()}
 
 
 def _hashable(key: Any, name: str) -> Any:

@@ -25,7 +25,7 @@ import xxhash
 from . import _knobs
 from .errors import CorruptCheckpointError, CoverageError, ManifestError, PickleNotAllowedError
 from .geometry import Box, check_box_coverage
-from .manifest import MANIFEST_NAME, FileEntry, Manifest, Tile, decode
+from .manifest import MANIFEST_NAME, FileEntry, Manifest, TensorEntry, Tile, decode, read_bytes
 from .storage import Storage, storage_for
 from .tilefile import tile_key
 from .values import decode_value
@@ -36,6 +36,8 @@ _BUFFER_BYTES = 8 << 20
 """Bytes read at a time per thread; with the thread count this bounds verify's memory."""
 _MAX_HEADER_BYTES = 100 << 20
 """Largest safetensors header accepted (the safetensors library uses the same limit)."""
+_MAX_PROBLEMS_PER_FILE = 20
+"""Problems of one kind reported per data file; the rest are counted in one summary."""
 _MAX_COORD = 1 << 62
 """Shapes beyond this cannot be checked with int64 arithmetic; no real tensor is that big."""
 
@@ -187,7 +189,11 @@ def verify(path: str, *, storage: Storage | None = None, threads: int | None = N
     t0 = time.monotonic()
     store = storage_for(path, storage)
     try:
-        data = store.read_file(MANIFEST_NAME)
+        data = read_bytes(store, f"{path}/{MANIFEST_NAME}")
+    except ManifestError as e:  # oversized: refused before reading it
+        return VerifyReport(
+            path, None, (Problem(ProblemKind.MANIFEST, str(e), file=MANIFEST_NAME),), seconds=time.monotonic() - t0
+        )
     except FileNotFoundError:
         msg = (
             f"{path}: no {MANIFEST_NAME}; this is not a committed checkpoint (never saved, or the save did not finish)"
@@ -221,7 +227,7 @@ def verify(path: str, *, storage: Storage | None = None, threads: int | None = N
     with ThreadPoolExecutor(
         max_workers=min(n, max(1, len(manifest.files))), thread_name_prefix="tessera-verify"
     ) as pool:
-        futures = [pool.submit(_check_file, store, manifest, f, by_file.get(f.path, [])) for f in manifest.files]
+        futures = [pool.submit(_check_file, store, manifest, f, by_file.get(i, [])) for i, f in enumerate(manifest.files)]
         for fut in futures:
             res = fut.result()
             problems += res.problems
@@ -232,7 +238,7 @@ def verify(path: str, *, storage: Storage | None = None, threads: int | None = N
         save_id=manifest.save_id,
         problems=tuple(problems),
         tensors=len(manifest.tensors),
-        tiles=sum(len(e.tiles) for e in manifest.tensors.values()),
+        tiles=sum(e.num_tiles for e in manifest.tensors.values()),
         files=len(manifest.files),
         bytes_checked=checked,
         seconds=time.monotonic() - t0,
@@ -243,12 +249,28 @@ def verify(path: str, *, storage: Storage | None = None, threads: int | None = N
     return report
 
 
-def _tiles_by_file(manifest: Manifest) -> dict[str, list[tuple[str, Tile]]]:
-    out: dict[str, list[tuple[str, Tile]]] = {}
+_Group = tuple[str, TensorEntry, np.ndarray]
+"""Tiles of one tensor in one file: (tensor name, entry, tile indices into its table)."""
+
+
+def _tiles_by_file(manifest: Manifest) -> dict[int, list[_Group]]:
+    """File index -> the tiles stored in it, as index arrays (no per-tile objects)."""
+    out: dict[int, list[_Group]] = {}
     for fqn, entry in manifest.tensors.items():
-        for tile in entry.tiles:
-            out.setdefault(tile.file, []).append((fqn, tile))
+        fidx = entry.table.file
+        if not len(fidx):
+            continue
+        order = np.argsort(fidx, kind="stable")
+        files, starts = np.unique(fidx[order], return_index=True)
+        for f, group in zip(files.tolist(), np.split(order, starts[1:])):
+            out.setdefault(f, []).append((fqn, entry, group))
     return out
+
+
+def _iter_tiles(groups: list[_Group]) -> Iterator[tuple[str, Tile]]:
+    for fqn, entry, idx in groups:
+        for i in idx.tolist():
+            yield fqn, entry.tile(i)
 
 
 def _check_coverage(manifest: Manifest) -> list[Problem]:
@@ -260,27 +282,28 @@ def _check_coverage(manifest: Manifest) -> list[Problem]:
                 Problem(ProblemKind.COVERAGE, f"tensor '{fqn}': shape {list(shape)} is implausibly large", tensor=fqn)
             )
             continue
-        # Python integers first: int64 arithmetic on hostile coordinates could wrap around.
-        outside = next((t for t in entry.tiles if any(o + n > s for o, n, s in zip(t.offsets, t.lengths, shape))), None)
-        if outside is not None:
+        table = entry.table
+        nd = len(shape)
+        # The decoder keeps coordinates below 2**62, so these sums cannot wrap in int64.
+        outside = np.flatnonzero((table.offsets + table.lengths > np.asarray(shape, dtype=np.int64)).any(axis=1)) if nd else []
+        if len(outside):
+            t = entry.tile(int(outside[0]))
             problems.append(
                 Problem(
                     ProblemKind.COVERAGE,
-                    f"tensor '{fqn}': tile {Box(outside.offsets, outside.lengths)} in '{outside.file}' lies outside "
-                    f"its shape {list(shape)}",
+                    f"tensor '{fqn}': tile {Box(t.offsets, t.lengths)} in '{t.file}' lies outside its shape {list(shape)}",
                     tensor=fqn,
-                    file=outside.file,
+                    file=t.file,
                 )
             )
             continue
-        boxes = sorted({(t.offsets, t.lengths) for t in entry.tiles})  # identical boxes are replicas
-        nd = len(shape)
-        offsets = np.array([b[0] for b in boxes], dtype=np.int64).reshape(len(boxes), nd)
-        lengths = np.array([b[1] for b in boxes], dtype=np.int64).reshape(len(boxes), nd)
+        boxes = np.concatenate([table.offsets, table.lengths], axis=1).reshape(len(table), 2 * nd)
+        if len(boxes):  # identical boxes are replicas
+            boxes = np.unique(boxes, axis=0) if nd else boxes[:1]
         try:
-            check_box_coverage(fqn, shape, offsets, lengths)
+            check_box_coverage(fqn, shape, boxes[:, :nd], boxes[:, nd:])
         except CoverageError as e:
-            files = sorted({t.file for t in entry.tiles})
+            files = [table.paths[i] for i in np.unique(table.file)[:5].tolist()]
             where = (
                 f" (tiles in {', '.join(repr(f) for f in files[:4])}{' ...' if len(files) > 4 else ''})"
                 if files
@@ -305,13 +328,13 @@ def _check_values(manifest: Manifest, problems: list[Problem]) -> list[str]:
     return pickled
 
 
-def _names(tiles: list[tuple[str, Tile]], limit: int = 5) -> str:
-    names = sorted({fqn for fqn, _ in tiles})
+def _names(groups: list[_Group], limit: int = 5) -> str:
+    names = sorted({fqn for fqn, _, _ in groups})
     shown = ", ".join(f"'{n}'" for n in names[:limit])
     return shown + (f" ... ({len(names)} tensors)" if len(names) > limit else "")
 
 
-def _check_file(store: Storage, manifest: Manifest, entry: FileEntry, tiles: list[tuple[str, Tile]]) -> _FileResult:
+def _check_file(store: Storage, manifest: Manifest, entry: FileEntry, tiles: list[_Group]) -> _FileResult:
     out = _FileResult()
     where = f"file '{entry.path}' (written by rank {entry.rank})"
 
@@ -350,7 +373,7 @@ def _saved_names(manifest: Manifest) -> dict[str, str]:
 
 
 def _check_header(
-    store: Storage, entry: FileEntry, size: int, tiles: list[tuple[str, Tile]], problem: _Report, saved: dict[str, str]
+    store: Storage, entry: FileEntry, size: int, tiles: list[_Group], problem: _Report, saved: dict[str, str]
 ) -> None:
     where = f"file '{entry.path}' (written by rank {entry.rank})"
     try:
@@ -370,12 +393,16 @@ def _check_header(
         problem(ProblemKind.HEADER, f"{where} is not a valid safetensors file: {type(e).__name__}: {e}")
         return
     base = 8 + n
-    for fqn, tile in tiles:
+    mismatched = 0
+    for fqn, tile in _iter_tiles(tiles):
         key = tile_key(saved.get(fqn, fqn), Box(tile.offsets, tile.lengths))
         info = header.get(key)
         want = [tile.byte_offset - base, tile.byte_offset - base + tile.nbytes]
         got = info.get("data_offsets") if isinstance(info, dict) else None
         if got != want:
+            mismatched += 1
+            if mismatched > _MAX_PROBLEMS_PER_FILE:  # counted, summarised below: memory stays bounded
+                continue
             found = "has no entry" if info is None else f"has data_offsets {got!r:.60}"
             problem(
                 ProblemKind.HEADER,
@@ -384,15 +411,37 @@ def _check_header(
                 f"{tile.byte_offset + tile.nbytes}) of the file); the manifest does not match the data",
                 fqn,
             )
+    if mismatched > _MAX_PROBLEMS_PER_FILE:
+        problem(
+            ProblemKind.HEADER,
+            f"{where}: {mismatched - _MAX_PROBLEMS_PER_FILE} more tile(s) disagree with the file's safetensors header",
+        )
 
 
-def _segments(manifest: Manifest, tiles: list[tuple[str, Tile]]) -> Iterator[_Segment]:
+def _segments(manifest: Manifest, groups: list[_Group]) -> Iterator[_Segment]:
+    """Every checksum chunk of the file's tiles in file order, from arrays (bounded memory)."""
     chunk = manifest.chunk_bytes
-    for fqn, tile in tiles:
-        for k, expected in enumerate(tile.checksums):
-            a = tile.byte_offset + k * chunk
-            b = min(a + chunk, tile.byte_offset + tile.nbytes)
-            yield _Segment(a, b, expected, fqn, tile, k)
+    cols: list[tuple[np.ndarray, ...]] = []
+    for g, (_, entry, idx) in enumerate(groups):
+        t = entry.table
+        counts = t.chunks[idx]
+        tile = np.repeat(idx, counts)  # one row per chunk
+        k = np.arange(len(tile), dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
+        cols.append((np.full(len(tile), g, dtype=np.int64), tile, k, t.byte_offset[tile] + k * chunk))
+    if not cols:
+        return
+    group, tile, k, start = (np.concatenate(c) for c in zip(*cols))
+    order = np.argsort(start, kind="stable")
+    current: tuple[int, int] = (-1, -1)
+    t_obj: Tile | None = None
+    for j in order.tolist():
+        g, i, kk = int(group[j]), int(tile[j]), int(k[j])
+        fqn, entry, _ = groups[g]
+        if (g, i) != current:
+            current, t_obj = (g, i), entry.tile(i)
+        assert t_obj is not None
+        a = t_obj.byte_offset + kk * chunk
+        yield _Segment(a, min(a + chunk, t_obj.byte_offset + t_obj.nbytes), t_obj.checksums[kk], fqn, t_obj, kk)
 
 
 def _check_checksums(
@@ -400,7 +449,7 @@ def _check_checksums(
     manifest: Manifest,
     entry: FileEntry,
     size: int,
-    tiles: list[tuple[str, Tile]],
+    tiles: list[_Group],
     buf: bytearray,
     problem: _Report,
     out: _FileResult,
@@ -408,14 +457,19 @@ def _check_checksums(
     where = f"file '{entry.path}' (written by rank {entry.rank})"
     view = memoryview(buf)
     block = (0, 0)  # file bytes currently in ``buf``
-    bad: dict[tuple[str, tuple[int, ...]], list[_Segment]] = {}
+    # Per damaged tile: its first bad chunk and how many; reported for the first
+    # _MAX_PROBLEMS_PER_FILE tiles, counted for the rest (memory stays bounded).
+    bad: dict[tuple[str, tuple[int, ...]], list] = {}
+    more_bad = 0
     cut: set[tuple[str, tuple[int, ...]]] = set()
-    for seg in sorted(_segments(manifest, tiles), key=lambda s: (s.start, s.stop)):
+    for seg in _segments(manifest, tiles):
         key = (seg.fqn, seg.tile.offsets)
         if key in cut:
             continue
         if seg.stop > size:
             cut.add(key)
+            if len(cut) > _MAX_PROBLEMS_PER_FILE:
+                continue
             problem(
                 ProblemKind.FILE_SIZE,
                 f"tensor '{seg.fqn}' tile {Box(seg.tile.offsets, seg.tile.lengths)}: its bytes "
@@ -440,17 +494,25 @@ def _check_checksums(
             problem(ProblemKind.READ, f"reading {where} at byte {pos} failed: {type(e).__name__}: {e}", seg.fqn)
             return
         if hasher.intdigest() != seg.expected:
-            bad.setdefault(key, []).append(seg)
-    for (fqn, _), segs in bad.items():
-        tile = segs[0].tile
-        first = segs[0]
+            if key in bad:
+                bad[key][1] += 1
+            elif len(bad) < _MAX_PROBLEMS_PER_FILE:
+                bad[key] = [seg, 1]
+            else:
+                more_bad += 1
+    for (fqn, _), (first, count) in bad.items():
+        tile = first.tile
         problem(
             ProblemKind.CHECKSUM,
             f"tensor '{fqn}' tile {Box(tile.offsets, tile.lengths)} in {where}: checksum mismatch in "
-            f"{len(segs)} of {len(tile.checksums)} chunk(s), first at file bytes [{first.start}, {first.stop}); "
+            f"{count} of {len(tile.checksums)} chunk(s), first at file bytes [{first.start}, {first.stop}); "
             "the data is corrupted (or the manifest's offsets or checksums are wrong)",
             fqn,
         )
+    if more_bad:
+        problem(ProblemKind.CHECKSUM, f"{where}: {more_bad} more chunk(s) of other tiles do not match their checksums")
+    if len(cut) > _MAX_PROBLEMS_PER_FILE:
+        problem(ProblemKind.FILE_SIZE, f"{where}: {len(cut) - _MAX_PROBLEMS_PER_FILE} more tile(s) run past its end")
 
 
 def _unreferenced(store: Storage, manifest: Manifest) -> list[str]:

@@ -478,10 +478,16 @@ def _mismatch_target(kind: str) -> dict:
         t["m"]["c"] = 0
     elif kind == "value_vs_tensor":
         t["k"] = torch.zeros(1)
+    elif kind == "expanded":  # every element of the target is one memory location
+        t["m"]["c"] = torch.zeros(1).expand(5)
+    elif kind == "shared_storage":  # two targets overlap in memory
+        t["m"]["c"] = t["a"][2:7]
     return t
 
 
-@pytest.mark.parametrize("kind", ["shape", "dtype", "missing", "unexpected", "tensor_vs_value", "value_vs_tensor"])
+@pytest.mark.parametrize(
+    "kind", ["shape", "dtype", "missing", "unexpected", "tensor_vs_value", "value_vs_tensor", "expanded", "shared_storage"]
+)
 def test_a_failed_validation_leaves_every_target_untouched(tmp_path, kind: str) -> None:
     path = str(tmp_path / "ckpt")
     saved = {
@@ -515,3 +521,234 @@ def test_verify_reports_any_manifest_the_decoder_cannot_take(valid: tuple[str, d
     _write_manifest(ckpt, json.dumps(doc).encode())
     (p,) = verify(ckpt).problems
     assert p.kind == ProblemKind.MANIFEST and p.file == MANIFEST_NAME
+
+
+def test_tied_targets_that_are_one_view_still_load(tmp_path) -> None:
+    path = str(tmp_path / "ckpt")
+    w = torch.arange(6, dtype=torch.float32)
+    tessera.save(path, {"embed.weight": w, "head.weight": w})
+    tied = torch.zeros(6)
+    tessera.load(path, {"embed.weight": tied, "head.weight": tied}, options=NO_TIMINGS)
+    assert torch.equal(tied, w)
+
+
+def test_interleaved_but_disjoint_views_load(tmp_path) -> None:
+    path = str(tmp_path / "ckpt")
+    cols = {f"c{i}": torch.arange(4, dtype=torch.float32) + 10 * i for i in range(3)}
+    tessera.save(path, cols)
+    fused = torch.zeros(4, 3)
+    tessera.load(path, {f"c{i}": fused[:, i] for i in range(3)}, options=NO_TIMINGS)
+    assert torch.equal(fused, torch.stack([cols[f"c{i}"] for i in range(3)], dim=1))
+
+
+def _split_tiles_with_a_gap(path: str) -> None:
+    """Rewrite the single tile of 'w' (8 floats) as [0, 4) and [5, 8): element 4 is in no tile."""
+    import xxhash
+
+    mpath = os.path.join(path, MANIFEST_NAME)
+    doc = json.loads(open(mpath, "rb").read())
+    f, _, _, off, _ = doc["tensors"]["w"]["tiles"][0]
+    data = open(os.path.join(path, doc["files"][f]["path"]), "rb").read()
+
+    def tile(start: int, n: int) -> list:
+        b = off + 4 * start
+        return [f, [start], [n], b, [f"{xxhash.xxh3_64_intdigest(data[b : b + 4 * n]):016x}"]]
+
+    doc["tensors"]["w"]["tiles"] = [tile(0, 4), tile(5, 3)]
+    _write_manifest(path, json.dumps(doc).encode())
+
+
+def _load_half_with_a_gap(rank: int, world: int, path: str) -> dict:
+    target = {"w": tessera.ShardedTensor(torch.full((4,), -1.0), (8,), (4 * rank,))}
+    try:
+        tessera.load(path, target, options=NO_TIMINGS)
+        kind, message = "no error", ""
+    except tessera.CheckpointError as e:
+        kind, message = type(e).__name__, str(e)
+    return {"kind": kind, "message": message, "untouched": torch.equal(target["w"].local, torch.full((4,), -1.0))}
+
+
+def test_a_coverage_gap_on_one_rank_stops_every_rank_before_it_writes(tmp_path) -> None:
+    from tests.dist_utils import run_distributed
+
+    path = str(tmp_path / "ckpt")
+    tessera.save(path, {"w": torch.arange(8, dtype=torch.float32)})
+    _split_tiles_with_a_gap(path)
+    out = run_distributed(_load_half_with_a_gap, 2, path)
+    for rank, o in enumerate(out):
+        assert o["kind"] == "CorruptCheckpointError" and "'w'" in o["message"], (rank, o)
+        assert "rank 1" in o["message"], (rank, o)
+        assert o["untouched"], f"rank {rank} wrote into its target before every rank had validated"
+
+
+def _alias_on_rank1(rank: int, world: int, path: str) -> dict:
+    a = torch.full((4,), -1.0)
+    b = torch.zeros(1).expand(4) if rank == 1 else torch.full((4,), -1.0)
+    try:
+        tessera.load(path, {"a": a, "b": b}, options=NO_TIMINGS)
+        kind = "no error"
+    except tessera.StateMismatchError as e:
+        kind = type(e).__name__
+    return {"kind": kind, "untouched": torch.equal(a, torch.full((4,), -1.0))}
+
+
+def test_an_aliased_target_on_one_rank_stops_every_rank_before_it_writes(tmp_path) -> None:
+    from tests.dist_utils import run_distributed
+
+    path = str(tmp_path / "ckpt")
+    tessera.save(path, {"a": torch.arange(4, dtype=torch.float32), "b": torch.ones(4)})
+    out = run_distributed(_alias_on_rank1, 2, path)
+    assert [o["kind"] for o in out] == ["StateMismatchError"] * 2, out
+    assert all(o["untouched"] for o in out), out
+
+
+# --------------------------------------------------------------------------------------
+# Decoding is bounded by the bytes read (issue #10, item 7)
+
+
+def _b64z(arr) -> str:
+    import base64
+    import zlib
+
+    import numpy as np
+
+    return base64.b64encode(zlib.compress(np.ascontiguousarray(arr).tobytes(), 9)).decode()
+
+
+def _table_doc(doc: dict, name: str, shape: list[int], count: int, lengths: int, chunks: int) -> dict:
+    """A tile table of ``count`` tiles at offset 0 with the given lengths and chunk counts (compresses to almost nothing)."""
+    import numpy as np
+
+    doc = copy.deepcopy(doc)
+    zeros = np.zeros(count, dtype="<i8")
+    doc["tensors"][name] = {
+        "dtype": "uint8",
+        "shape": shape,
+        "tile_table": {
+            "count": count, "file": _b64z(zeros), "offsets": _b64z(zeros), "lengths": _b64z(np.full(count, lengths, "<i8")),
+            "byte_offset": _b64z(zeros), "chunks": _b64z(np.full(count, chunks, "<i8")),
+            "checksums": _b64z(np.zeros(count * chunks, dtype="<u8")),
+        },
+    }
+    return doc
+
+
+def _peak(fn) -> int:
+    tracemalloc.start()
+    try:
+        fn()
+        return tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
+@pytest.mark.parametrize(
+    ("shape", "count", "lengths", "chunks", "match"),
+    [
+        ([0], 1 << 24, 0, 0, "tile_table.count"),  # 16.7 M zero-length tiles (the issue's 0.87 MB manifest)
+        ([1], 1 << 22, 1, 1, "tile_table.count"),  # 4 M one-byte tiles, each with a compressible checksum
+        ([1], 1 << 12, 1, 1 << 16, r"tile_table.chunks"),  # few tiles declaring 268 M checksums
+    ],
+    ids=["zero-length-16.7M", "tiny-4M", "many-checksums"],
+)
+def test_a_compressed_tile_table_cannot_size_allocations(valid: tuple[str, dict], ckpt: str, shape, count, lengths, chunks, match) -> None:
+    data = json.dumps(_table_doc(valid[1], "z", shape, count, lengths, chunks)).encode()
+    assert len(data) < 4 << 20
+    with _time_limit(30):
+        peak = _peak(lambda: _expect_manifest_error(data, match))
+        assert peak < 8 * len(data) + (4 << 20), f"refusing a {len(data)}-byte manifest allocated {peak / 2**20:.1f} MiB"
+        _write_manifest(ckpt, data)
+        with pytest.raises(tessera.ManifestError, match=match):
+            tessera.load(ckpt, _blank(), options=NO_TIMINGS)
+        (p,) = verify(ckpt).problems
+        assert p.kind == ProblemKind.MANIFEST and "tile_table" in p.message
+
+
+def _expect_manifest_error(data: bytes, match: str) -> None:
+    with pytest.raises(tessera.ManifestError, match=match):
+        decode(data)
+
+
+def test_zero_length_tiles_are_refused(valid: tuple[str, dict]) -> None:
+    data = json.dumps(_table_doc(valid[1], "z", [4, 0], 17, 0, 0)).encode()
+    doc = json.loads(data)
+    import numpy as np
+
+    doc["tensors"]["z"]["tile_table"]["offsets"] = _b64z(np.zeros(34, dtype="<i8"))  # 17 tiles x 2 dims
+    doc["tensors"]["z"]["tile_table"]["lengths"] = _b64z(np.zeros(34, dtype="<i8"))
+    with pytest.raises(tessera.ManifestError, match="hold no element"):
+        decode(json.dumps(doc).encode())
+
+
+def test_an_oversized_manifest_is_refused_before_it_is_read(ckpt: str) -> None:
+    path = os.path.join(ckpt, MANIFEST_NAME)
+    with open(path, "r+b") as f:
+        f.truncate(int(1.06 * (1 << 30)))  # sparse: no disk used, but 1.06 GiB if read
+    with _time_limit(20):
+        peak = _peak(lambda: _expect_read_error(ckpt))
+        assert peak < 1 << 20, f"the size check read {peak / 2**20:.1f} MiB of the manifest"
+        (p,) = verify(ckpt).problems
+        assert p.kind == ProblemKind.MANIFEST and "limit" in p.message
+        with pytest.raises(tessera.ManifestError, match="size"):
+            tessera.load(ckpt, _blank(), options=NO_TIMINGS)
+
+
+def _expect_read_error(path: str) -> None:
+    with pytest.raises(tessera.ManifestError, match=r"size \d+ bytes is over the 1073741824-byte limit"):
+        tessera.read_manifest(path)
+
+
+def test_a_manifest_that_is_a_directory_is_a_manifest_error(tmp_path) -> None:
+    os.makedirs(tmp_path / "ckpt" / MANIFEST_NAME)
+    with pytest.raises(tessera.ManifestError, match="not a regular file"):
+        tessera.load(str(tmp_path / "ckpt"), {"w": torch.zeros(1)}, options=NO_TIMINGS)
+    assert verify(str(tmp_path / "ckpt")).problems[0].kind == ProblemKind.MANIFEST
+
+
+def test_a_file_entry_naming_a_directory_is_a_typed_error(valid: tuple[str, dict], ckpt: str) -> None:
+    doc = copy.deepcopy(valid[1])
+    doc["files"][0]["path"] = "data"  # a directory; its recorded size still covers the tiles
+    _write_manifest(ckpt, json.dumps(doc).encode())
+    with pytest.raises(tessera.CorruptCheckpointError, match="'data'.*not a regular file"):
+        tessera.load(ckpt, _blank(), options=NO_TIMINGS)
+    problems = verify(ckpt).problems
+    assert problems and all(p.file == "data" for p in problems if p.file)
+
+
+def test_verify_memory_stays_bounded_with_many_tiles(tmp_path) -> None:
+    # 20 000 real one-element tiles (a FlatShard-like layout written by hand): verify keeps
+    # per-tile arrays, not per-tile objects.
+    import numpy as np
+    import xxhash
+
+    path = str(tmp_path / "ckpt")
+    n = 20_000
+    tessera.save(path, {"w": torch.arange(n, dtype=torch.int32)})
+    doc = json.loads(Path(path, MANIFEST_NAME).read_bytes())
+    f, _, _, off, _ = doc["tensors"]["w"]["tiles"][0]
+    raw = Path(path, doc["files"][f]["path"]).read_bytes()
+    checks = np.array([xxhash.xxh3_64_intdigest(raw[off + 4 * i : off + 4 * i + 4]) for i in range(n)], dtype="<u8")
+    doc["tensors"]["w"] = {
+        "dtype": "int32", "shape": [n],
+        "tile_table": {
+            "count": n, "file": _b64z(np.full(n, f, "<i8")), "offsets": _b64z(np.arange(n, dtype="<i8")),
+            "lengths": _b64z(np.ones(n, "<i8")), "byte_offset": _b64z(off + 4 * np.arange(n, dtype="<i8")),
+            "chunks": _b64z(np.ones(n, "<i8")), "checksums": _b64z(checks),
+        },
+    }
+    data = json.dumps(doc).encode()
+    _write_manifest(path, data)
+    target = {"w": torch.zeros(n, dtype=torch.int32)}
+    tessera.load(path, target, options=NO_TIMINGS)
+    assert torch.equal(target["w"], torch.arange(n, dtype=torch.int32))
+    report = None
+
+    def run() -> None:
+        nonlocal report
+        report = verify(path, threads=1)
+
+    peak = _peak(run)
+    assert report is not None and report.tiles == n and report.bytes_checked == 4 * n
+    # Only the data file's header disagrees (it names one tile): every checksum matches.
+    assert {p.kind for p in report.problems} == {ProblemKind.HEADER}
+    assert peak < 16 * len(data) + (4 << 20), f"verify of {n} tiles peaked at {peak / 2**20:.1f} MiB"
