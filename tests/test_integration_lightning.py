@@ -37,15 +37,22 @@ pytestmark = pytest.mark.interop
 class TinyModule(pl.LightningModule):
     """Two linear layers (uneven dims, so FSDP shards are uneven) trained with Adam."""
 
-    def __init__(self, fsdp2: bool = False) -> None:
+    def __init__(self, wrap: str = "") -> None:
         super().__init__()
         self.save_hyperparameters()
-        self.fsdp2 = fsdp2
+        self.wrap = wrap
         self.net = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 3))
         self.losses: list[float] = []
 
     def configure_model(self) -> None:
-        if self.fsdp2:
+        if self.wrap == "fsdp" and not isinstance(self.net, torch.distributed.fsdp.FullyShardedDataParallel):
+            # Lightning passes FSDP1 device_id=None on the CPU, which torch 2.13 refuses; a
+            # module wrapped here is taken as it is.
+            from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+            from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+            self.net = FSDP(self.net, auto_wrap_policy=ModuleWrapPolicy({torch.nn.Linear}), device_id=torch.device("cpu"))
+        if self.wrap == "fsdp2":
             from torch.distributed.fsdp import fully_shard
 
             for layer in self.net:
@@ -120,7 +127,8 @@ def _fit(rank: int, world: int, kind: str, ckpt_dir: str, resume: str | None, as
             RANK=str(rank), LOCAL_RANK=str(rank), GROUP_RANK="0", WORLD_SIZE=str(world),
             LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT="1",
         )
-    pl.seed_everything(1 if resume else 0, workers=True)  # a resumed job starts from other weights
+    pl.seed_everything(0)  # also the seed of Lightning's DistributedSampler shuffling
+    torch.manual_seed(1 if resume else 0)  # a resumed job starts from other weights
     record = _Record()
     ckpt = pl.callbacks.ModelCheckpoint(dirpath=ckpt_dir, filename="{epoch}", save_top_k=-1, save_on_train_epoch_end=True)
     trainer = pl.Trainer(
@@ -134,7 +142,7 @@ def _fit(rank: int, world: int, kind: str, ckpt_dir: str, resume: str | None, as
         enable_progress_bar=False,
         enable_model_summary=False,
     )
-    module = TinyModule(fsdp2=kind == "fsdp2")
+    module = TinyModule(wrap=kind if kind in ("fsdp", "fsdp2") else "")
     loader = torch.utils.data.DataLoader(_dataset(), batch_size=2)
     trainer.fit(module, loader, ckpt_path=resume)
     return {
@@ -148,7 +156,9 @@ def _fit(rank: int, world: int, kind: str, ckpt_dir: str, resume: str | None, as
     }
 
 
-def _steps_per_epoch(world: int) -> int:
+def _steps_per_epoch(world: int, kind: str) -> int:
+    if kind in ("single", "fsdp2"):  # Lightning adds no DistributedSampler under ModelParallelStrategy
+        return len(_dataset()) // 2
     per_rank = -(-len(_dataset()) // world)  # DistributedSampler pads
     return -(-per_rank // 2)
 
@@ -254,7 +264,7 @@ def test_ddp_plugin_rank0_save_resumes_on_3(tmp_path):
     assert manifest.world_size == 1  # written by rank 0 alone
     resumed = _run("ddp_plugin", 3, str(tmp_path / "b"), str(tmp_path / "a" / "epoch=0.ckpt"))
     for r in resumed:
-        assert r["start_step"] == 2 and r["end_step"] == 2 + _steps_per_epoch(3)
+        assert r["start_step"] == 2 and r["end_step"] == 2 + _steps_per_epoch(3, "ddp_plugin")
         _assert_same_state(first[0]["saved"], r["start"])
 
 
@@ -269,13 +279,15 @@ def test_strategy_saves_collectively_and_resumes_on_other_device_counts(tmp_path
     assert "state_dict.net.0.weight" in manifest.tensors
     assert "optimizer_states.0.state.net.0.weight.exp_avg" in manifest.tensors
     # Same device count: the same loss curve as the uninterrupted run, bit-exact.
+    saved_step = first[0]["saved_step"]
+    assert saved_step == _steps_per_epoch(2, kind)
     same = _run(kind, 2, str(tmp_path / "b"), path)
-    assert same[0]["start_step"] == 2 and same[0]["losses"] == first[0]["losses"][2:]
     _assert_same_state(first[0]["saved"], same[0]["start"])
+    assert same[0]["start_step"] == saved_step and same[0]["losses"] == first[0]["losses"][saved_step:]
     # Other device counts: the same state, and training continues to the end.
     # One process resumes under TesseraDDPStrategy whatever saved: the keys are the same.
     for world, target in ((3, kind), (1, "ddp")):
         resumed = _run(target, world, str(tmp_path / f"w{world}"), path)
         for r in resumed:
-            assert r["start_step"] == 2 and r["end_step"] == 2 + _steps_per_epoch(world)
+            assert r["start_step"] == saved_step and r["end_step"] == saved_step + _steps_per_epoch(world, target)
             _assert_same_state(first[0]["saved"], r["start"])
