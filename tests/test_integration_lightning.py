@@ -257,37 +257,52 @@ def test_single_process_trainer_resumes(tmp_path):
     assert resumed["lr_end"] == first["lr_end"]
 
 
-def test_ddp_plugin_rank0_save_resumes_on_3(tmp_path):
-    """Lightning's own DDPStrategy + the plugin: rank 0 writes, 3 processes resume."""
-    first = _run("ddp_plugin", 2, str(tmp_path / "a"))
-    manifest = tessera.read_manifest(str(tmp_path / "a" / "epoch=0.ckpt"))
-    assert manifest.world_size == 1  # written by rank 0 alone
-    resumed = _run("ddp_plugin", 3, str(tmp_path / "b"), str(tmp_path / "a" / "epoch=0.ckpt"))
-    for r in resumed:
-        assert r["start_step"] == 2 and r["end_step"] == 2 + _steps_per_epoch(3, "ddp_plugin")
-        _assert_same_state(first[0]["saved"], r["start"])
+def _fit_many(rank: int, world: int, runs: list[tuple]) -> list[dict]:
+    """Several Trainer runs, one after the other, in the same processes (spawning is slow)."""
+    return [_fit(rank, world, *run) for run in runs]
 
 
-@pytest.mark.parametrize("kind", ["ddp", "fsdp", "fsdp2"])
-def test_strategy_saves_collectively_and_resumes_on_other_device_counts(tmp_path, kind):
-    first = _run(kind, 2, str(tmp_path / "a"))
-    path = str(tmp_path / "a" / "epoch=0.ckpt")
-    manifest = tessera.read_manifest(path)
-    assert manifest.world_size == 2
-    writers = {tile.file.split("/")[-1].split("-")[0] for e in manifest.tensors.values() for tile in e.tiles}
-    assert len(writers) == 2  # both ranks wrote tiles
-    assert "state_dict.net.0.weight" in manifest.tensors
-    assert "optimizer_states.0.state.net.0.weight.exp_avg" in manifest.tensors
-    # Same device count: the same loss curve as the uninterrupted run, bit-exact.
-    saved_step = first[0]["saved_step"]
-    assert saved_step == _steps_per_epoch(2, kind)
-    same = _run(kind, 2, str(tmp_path / "b"), path)
-    _assert_same_state(first[0]["saved"], same[0]["start"])
-    assert same[0]["start_step"] == saved_step and same[0]["losses"] == first[0]["losses"][saved_step:]
-    # Other device counts: the same state, and training continues to the end.
-    # One process resumes under TesseraDDPStrategy whatever saved: the keys are the same.
-    for world, target in ((3, kind), (1, "ddp")):
-        resumed = _run(target, world, str(tmp_path / f"w{world}"), path)
-        for r in resumed:
-            assert r["start_step"] == saved_step and r["end_step"] == saved_step + _steps_per_epoch(world, target)
-            _assert_same_state(first[0]["saved"], r["start"])
+KINDS = ("ddp_plugin", "ddp", "fsdp", "fsdp2")
+
+
+def test_trainers_save_on_2_and_resume_on_2_3_and_1(tmp_path):
+    """Every strategy saves on 2 processes; resumes on 2 (same losses), 3 and 1 (same state).
+
+    ``ddp_plugin`` is Lightning's own DDPStrategy with the plugin (rank 0 writes the
+    checkpoint alone); ``ddp``/``fsdp``/``fsdp2`` are the Tessera* strategies (all ranks write
+    their shards). One process resumes every checkpoint of a Tessera* strategy under
+    TesseraDDPStrategy: the keys are the same in every strategy.
+    """
+    ckpt = {k: str(tmp_path / k / "epoch=0.ckpt") for k in KINDS}
+    first = run_distributed(_fit_many, 2, [(k, str(tmp_path / k), None) for k in KINDS], timeout=600)
+    for i, kind in enumerate(KINDS):
+        manifest = tessera.read_manifest(ckpt[kind])
+        writers = {tile.file.split("/")[-1].split("-")[0] for e in manifest.tensors.values() for tile in e.tiles}
+        if kind == "ddp_plugin":
+            assert manifest.world_size == 1 and "optimizer_states.0.state.0.exp_avg" in manifest.tensors
+            continue
+        assert manifest.world_size == 2 and len(writers) == 2, kind  # both ranks wrote tiles
+        assert {"state_dict.net.0.weight", "optimizer_states.0.state.net.0.weight.exp_avg"} <= set(manifest.tensors)
+        assert first[0][i]["saved_step"] == _steps_per_epoch(2, kind)
+
+    def resume(world: int, targets: dict[str, str]) -> list[list[dict]]:
+        runs = [(targets[k], str(tmp_path / f"{k}-on{world}"), ckpt[k]) for k in KINDS]
+        return run_distributed(_fit_many, world, runs, timeout=600)
+
+    # Same device count: the same state and the same loss curve as the uninterrupted run, bit-exact.
+    same = resume(2, {k: k for k in KINDS})
+    for i, kind in enumerate(KINDS):
+        saved_step = first[0][i]["saved_step"]
+        for rank in range(2):
+            _assert_same_state(first[rank][i]["saved"], same[rank][i]["start"])
+            assert same[rank][i]["start_step"] == saved_step, kind
+            assert same[rank][i]["losses"] == first[rank][i]["losses"][saved_step:], kind
+    # Other device counts: the same state, and training continues to the end of the epoch.
+    for world, targets in ((3, {k: k for k in KINDS}), (1, {**{k: "ddp" for k in KINDS}, "ddp_plugin": "ddp_plugin"})):
+        resumed = resume(world, targets)
+        for i, kind in enumerate(KINDS):
+            saved_step = first[0][i]["saved_step"]
+            for r in (job[i] for job in resumed):
+                _assert_same_state(first[0][i]["saved"], r["start"])
+                assert r["start_step"] == saved_step, (kind, world)
+                assert r["end_step"] == saved_step + _steps_per_epoch(world, targets[kind]), (kind, world)

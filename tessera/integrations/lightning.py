@@ -61,6 +61,7 @@ METADATA_KEY = "lightning"
 """Key of the manifest metadata that records the checkpoint dict's nesting."""
 _FORMAT = 1
 MANIFEST = "manifest.json"
+_RANK_GROUPS: dict[tuple[int, int], Any] = {}
 
 
 class TesseraCheckpointIO(CheckpointIO):
@@ -102,7 +103,6 @@ class TesseraCheckpointIO(CheckpointIO):
         self.save_options = save_options or SaveOptions()
         self.load_options = load_options
         self._pending: PendingSave | None = None
-        self._local_group: Any = None
 
     # ----------------------------------------------------------------------------------
     # CheckpointIO
@@ -253,9 +253,13 @@ class TesseraCheckpointIO(CheckpointIO):
         """
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
             return None
-        if self._local_group is None:
-            self._local_group = dist.new_group([dist.get_rank()], backend="gloo", use_local_synchronization=True)
-        return self._local_group
+        key = (id(dist.group.WORLD), dist.get_rank())
+        group = _RANK_GROUPS.get(key)
+        if group is None:
+            # One per process and job: a second group of the same ranks would get the same name.
+            group = dist.new_group([dist.get_rank()], backend="gloo", use_local_synchronization=True)
+            _RANK_GROUPS[key] = group
+        return group
 
 
 # --------------------------------------------------------------------------------------
