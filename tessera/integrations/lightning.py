@@ -412,6 +412,15 @@ class _TesseraStrategyMixin:
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         """Nothing to do: ``load_checkpoint`` filled the optimizers in place."""
 
+    def teardown(self) -> None:
+        """Wait for an asynchronous save in flight, then tear the strategy down.
+
+        ``ModelParallelStrategy.teardown`` does not tear its ``CheckpointIO`` down, so the
+        wait happens here for every strategy.
+        """
+        self.checkpoint_io.teardown()
+        super().teardown()  # type: ignore[misc]
+
     def remove_checkpoint(self, filepath: _PATH) -> None:
         """Rank 0 deletes the checkpoint directory."""
         if self.is_global_zero:
