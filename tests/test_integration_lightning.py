@@ -243,6 +243,20 @@ def test_plain_tessera_checkpoint_is_refused_with_a_clear_error(tmp_path):
         TesseraCheckpointIO().load_checkpoint(tmp_path / "c")
 
 
+def test_checkpoints_of_the_two_modes_are_told_apart(tmp_path):
+    """A plugin checkpoint (rank 0, index-keyed) and a strategy one (FQN-keyed) are refused across."""
+    model = torch.nn.Linear(2, 2)
+    io = TesseraCheckpointIO()
+    io.save_checkpoint({"state_dict": model.state_dict(), "epoch": 0}, tmp_path / "plugin")
+    with pytest.raises(tessera.StateMismatchError, match="Lightning's own strategies"):
+        io._load(str(tmp_path / "plugin"), sharded={"state_dict": tessera.ModelState(model)}, strict=True,
+                 process_group=None)
+    io._save({"epoch": 0}, str(tmp_path / "strategy"), None, sharded={"state_dict": tessera.ModelState(model)},
+             process_group=None)
+    with pytest.raises(tessera.StateMismatchError, match="Tessera\\* strategy"):
+        io.load_checkpoint(tmp_path / "strategy")
+
+
 # --------------------------------------------------------------------------------------
 # Real Trainer runs
 

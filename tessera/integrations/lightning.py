@@ -209,6 +209,12 @@ class TesseraCheckpointIO(CheckpointIO):
             entry = manifest.tensors.get(fqn)
             state[fqn] = torch.empty(entry.shape, dtype=dtype_from_name(entry.dtype)) if entry is not None else None
         saved_sharded: dict[str, int | None] = meta.get("sharded", {})
+        if "state_dict" in sharded and "state_dict" not in saved_sharded:
+            raise StateMismatchError(
+                f"checkpoint {path} was saved by TesseraCheckpointIO under one of Lightning's own strategies "
+                "(rank 0 wrote the whole state, optimizer state keyed by index); a Tessera* strategy loads only "
+                "checkpoints saved by a Tessera* strategy. Resume it with Lightning's own strategy and the plugin"
+            )
         for key, obj in sharded.items():
             if key not in saved_sharded:
                 continue  # e.g. a weights-only checkpoint has no optimizer states
