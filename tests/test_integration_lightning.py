@@ -222,6 +222,17 @@ def test_encode_tree_roundtrip_lightning_like_dict(tmp_path):
     assert not (tmp_path / "c.ckpt").exists()
 
 
+def test_async_save_defers_removal_until_the_new_checkpoint_commits(tmp_path):
+    io = TesseraCheckpointIO(async_save=True)
+    io.save_checkpoint({"w": torch.ones(3), "epoch": 0}, tmp_path / "a")
+    io.save_checkpoint({"w": torch.full((3,), 2.0), "epoch": 1}, tmp_path / "b")  # waits for "a" first
+    io.remove_checkpoint(tmp_path / "a")  # ModelCheckpoint does this right after saving "b"
+    io.teardown()
+    assert not (tmp_path / "a").exists()
+    loaded = io.load_checkpoint(tmp_path / "b")
+    assert loaded["epoch"] == 1 and torch.equal(loaded["w"], torch.full((3,), 2.0))
+
+
 def test_encode_tree_is_pure_json_skeleton():
     tree, leaves = encode_tree({"x": [torch.ones(1), (torch.zeros(1), 2)], "y": {"z": 1}})
     assert tree == ["d", [["x", ["l", [["v", "x.0"], ["t", [["v", "x.1.0"], ["v", "x.1.1"]]]]]], ["y", ["v", "y"]]]]

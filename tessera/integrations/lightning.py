@@ -103,6 +103,7 @@ class TesseraCheckpointIO(CheckpointIO):
         self.save_options = save_options or SaveOptions()
         self.load_options = load_options
         self._pending: PendingSave | None = None
+        self._doomed: list[str] = []
 
     # ----------------------------------------------------------------------------------
     # CheckpointIO
@@ -135,10 +136,16 @@ class TesseraCheckpointIO(CheckpointIO):
     def remove_checkpoint(self, path: _PATH) -> None:
         """Delete the checkpoint at ``path``: its manifest first (un-committing it), then the rest.
 
-        Called by rank 0 (e.g. by ``ModelCheckpoint`` when ``save_top_k`` drops a checkpoint).
+        Called by rank 0 (e.g. by ``ModelCheckpoint`` when ``save_top_k`` drops a checkpoint,
+        right after a save). While an asynchronous save is in flight the deletion is deferred
+        until that save has committed, so a crash never leaves no checkpoint at all, and the
+        training loop does not wait for the write.
         """
-        self._wait()
-        url = str(path)
+        self._doomed.append(str(path))
+        if self._pending is None or self._pending.done():
+            self._wait()
+
+    def _delete(self, url: str) -> None:
         store = storage_for(url)
         files = store.list("")
         if MANIFEST in files:
@@ -166,6 +173,7 @@ class TesseraCheckpointIO(CheckpointIO):
         process_group: Any,
     ) -> None:
         t0 = time.monotonic()
+        self._wait()  # tessera would wait for the previous save anyway; then deferred deletions
         rest = {k: v for k, v in checkpoint.items() if k not in sharded}
         tree, leaves = encode_tree(rest)
         state: dict[str, object] = dict(leaves)
@@ -246,9 +254,13 @@ class TesseraCheckpointIO(CheckpointIO):
         return decode_tree(meta["tree"], state)
 
     def _wait(self) -> None:
+        """Wait for the save in flight, then carry out the deletions deferred behind it."""
         pending, self._pending = self._pending, None
         if pending is not None:
             pending.wait()
+        doomed, self._doomed = self._doomed, []
+        for url in doomed:
+            self._delete(url)
 
     def _rank_group(self) -> Any:
         """A process group of this rank only (None without torch.distributed).
