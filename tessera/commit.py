@@ -230,8 +230,31 @@ def clean_up(store: Storage, claim: Claim, live_before: set[str], path: str) -> 
         doomed += store.list(LOAD_TIMINGS_DIR)
         doomed.append(claim.marker)
         store.delete(doomed)
+        remove_empty_dirs = getattr(store, "remove_empty_dirs", None)
+        if callable(remove_empty_dirs):  # filesystems: directories of saves killed before their first file
+            remove_empty_dirs(DATA_DIR)
     except Exception as e:  # noqa: BLE001 - the new checkpoint is committed; garbage is harmless
         logger.warning("could not remove files of older saves under %s: %s", path, e)
+
+
+def superseded(store: Storage, claim: Claim, path: str) -> ConcurrentSaveError | None:
+    """The error to report if another save committed since :func:`claim` (fenced backends only).
+
+    A save that lost the race may fail before it publishes (the winner's cleanup removed its
+    files mid-write); this names that cause instead of the missing file it led to.
+    """
+    if not claim.fenced:
+        return None
+    try:
+        current = store.version(MANIFEST_NAME)  # type: ignore[attr-defined]
+    except Exception:  # noqa: BLE001 - the original failure stands
+        return None
+    if current == claim.expected:
+        return None
+    return ConcurrentSaveError(
+        f"not committing {path}: another save committed it while this one ran (two jobs are saving to one "
+        "path); the other save's checkpoint stands and this save's files were removed"
+    )
 
 
 def may_have_committed(store: Storage, claim: Claim) -> bool:

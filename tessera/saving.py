@@ -386,7 +386,7 @@ def _write_and_commit(
         if not world.is_coordinator and written:
             # Rank 0 removed what it can see; files on this rank's node-local storage too.
             _delete_quietly(store, [w.path for w in written])
-        for own in (error, commit_error):
+        for own in (commit_error, error):
             if own is not None and set(failures) == {world.rank}:
                 raise own
         dist.raise_failures(world, failures, f"saving checkpoint {path}")
@@ -417,9 +417,15 @@ def _commit(
     files = [f for rep in reports for f, _, _ in rep.files]
     if failures:
         commit.abandon(store, claim, files, path)
+        superseded = commit.superseded(store, claim, path)
+        if superseded is not None:  # the real cause: another save committed and removed our files
+            return {"failures": {0: dist.error_text(0, superseded)}}, superseded
         return {"failures": failures}, None
     published = False
     try:
+        superseded = commit.superseded(store, claim, path)
+        if superseded is not None:
+            raise superseded
         commit.check_files(store, claim, reports, path)
         live_before = commit.live_saves(store)
         manifest = _build_manifest(world, entry, reports, claim.save_id, opts)

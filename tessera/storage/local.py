@@ -94,14 +94,13 @@ class FileStorage:
             StorageError: if the file cannot be created or written (ENOSPC included).
         """
         full = self._abs(path)
-        self._makedirs(os.path.dirname(full))
         try:
-            fd = os.open(full, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            fd = self._create(full)
             target = full
         except FileExistsError:
             target = f"{full}.tmp-{uuid.uuid4().hex}"
             try:
-                fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+                fd = self._create(target)
             except OSError as e:
                 raise StorageError(f"cannot create {target}: {e}") from e
         except OSError as e:
@@ -129,6 +128,21 @@ class FileStorage:
             except OSError as e:
                 self._unlink_quietly(target)
                 raise StorageError(f"replacing {full} failed: {e}") from e
+
+    def _create(self, full: str) -> int:
+        """Create ``full`` exclusively, with its directories.
+
+        Retried if a directory vanishes in between: another save's cleanup removes
+        directories it left empty (``data/``, ``.tessera-saves/``), which may be ones just made.
+        """
+        for attempt in range(8):
+            try:
+                self._makedirs(os.path.dirname(full))
+                return os.open(full, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            except FileNotFoundError:
+                if attempt == 7:
+                    raise
+        raise AssertionError("unreachable")
 
     @staticmethod
     def _unlink_quietly(full: str) -> None:
@@ -170,7 +184,7 @@ class FileStorage:
                 os.unlink(tmp)
 
     def _write_new(self, full: str, data: bytes) -> None:
-        fd = os.open(full, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        fd = self._create(full)
         try:
             view = memoryview(data).cast("B")
             while len(view):
@@ -261,6 +275,17 @@ class FileStorage:
                         continue
                     out[os.path.relpath(e.path, self.root).replace(os.sep, "/")] = size
         return out
+
+    def remove_empty_dirs(self, prefix: str) -> None:
+        """Remove empty directories under ``prefix`` (left by saves killed between creating a
+        directory and their first file). A writer that races with this retries (:meth:`_create`)."""
+        base = self._abs(prefix)
+        for dirpath, dirnames, filenames in os.walk(base, topdown=False):
+            if dirpath != base and not dirnames and not filenames:
+                try:
+                    os.rmdir(dirpath)
+                except OSError:
+                    pass
 
     def location(self) -> str:
         """Where this backend stores, as one comparable string (the absolute directory)."""
