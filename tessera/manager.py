@@ -536,15 +536,23 @@ class CheckpointManager:
             step = _check_step(step)
             return StepLoadResult(step, self._load_step(step, state, kwargs), {})
 
-        listing: tuple[list[tuple[int, bool]] | None, str | None] = (None, None)
+        listing: tuple[list[tuple[int, bool]] | None, Any] = (None, None)
+        own: BaseException | None = None
         if world.is_coordinator:
             try:
                 listing = (sorted(self._scan().items(), reverse=True), None)
             except Exception as e:  # noqa: BLE001 - shared with every rank below
-                listing = (None, f"listing {self.root} failed: {dist.error_text(0, e)}")
+                own = e
+                listing = (None, dist.error_text(0, e))
         candidates, error = dist.broadcast(world, listing, "listing checkpoint steps")
-        if error is not None or candidates is None:
-            raise CheckpointError(error or f"listing {self.root} failed")
+        if error is not None:  # rank 0's failure record, untouched
+            if own is not None and not world.distributed:
+                if isinstance(own, CheckpointError):
+                    raise own
+                raise StorageError(f"listing the steps under {self.root} failed: {type(own).__name__}: {own}") from own
+            dist.raise_failures(world, {0: error}, f"listing the steps under {self.root}")
+        if candidates is None:
+            raise CheckpointError(f"listing {self.root} failed")
         skipped: dict[int, str] = {}
         for s, committed in candidates:
             if not committed:
@@ -666,5 +674,6 @@ def _is_skippable(e: BaseException) -> bool:
     if isinstance(e, DistributedError):
         if not e.failures:
             return False
-        return all(text.split(":", 1)[0] in _SKIPPABLE for text in e.failures.values())
+        # str() of a failure record is "TypeName: message", whether it is a str or a record object.
+        return all(str(text).split(":", 1)[0] in _SKIPPABLE for text in e.failures.values())
     return type(e).__name__ in _SKIPPABLE

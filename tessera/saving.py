@@ -290,8 +290,8 @@ def _exchange_plans(world: World, ctx: _SaveContext, local: Any, opts: SaveOptio
             payloads = [(None, None, dist.error_text(0, e))] * world.size
             metas = None
     plan_id, rank_plan, plan_error = dist.scatter(world, payloads, "distributing save plans")
-    if plan_error is not None:
-        raise CheckpointError(f"planning the save failed (on rank 0): {plan_error}")
+    if plan_error is not None:  # rank 0's failure record, passed on untouched
+        dist.raise_failures(world, {0: plan_error}, "planning the save")
     layouts = _layouts(rank_plan, world.rank)
     entry = _CachedPlan(plan_id, local.fingerprint, rank_plan, layouts, metas if world.is_coordinator else None)
     ctx.remember(entry)

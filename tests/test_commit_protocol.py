@@ -63,7 +63,8 @@ class RecordingStorage(FileStorage):
         self.writes: list[str] = []
 
     def write_file(self, path: str, chunks) -> None:  # type: ignore[no-untyped-def]
-        self.writes.append(path)
+        if path.startswith("data/"):  # not the manifest's temporary file
+            self.writes.append(path)
         super().write_file(path, chunks)
 
 
