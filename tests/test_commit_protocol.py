@@ -32,7 +32,7 @@ from tessera.storage import FileStorage, MemoryTierStorage
 from tessera.verify import verify
 from tests.crash_worker import check_state, empty_state, gated_save, make_state, start
 from tests.dist_utils import run_distributed
-from tests.s3_server import moto_endpoint, s3_bucket, s3_options  # noqa: F401 - fixtures
+from tests.s3_server import FaultProxy, fault_proxy, moto_endpoint, s3_bucket, s3_options  # noqa: F401 - fixtures
 
 REPO = Path(__file__).resolve().parents[1]
 NO_TIMINGS = tessera.LoadOptions(record_timings=False)
@@ -186,6 +186,46 @@ def test_s3_commit_refuses_a_manifest_changed_since_the_claim(moto_endpoint: str
         store.replace_if(MANIFEST_NAME, b"three", v1)  # stale version
     assert store.read_file(MANIFEST_NAME) == b"two"
     assert store.file_sizes("") == {MANIFEST_NAME: 3}
+
+
+@pytest.mark.s3
+def test_s3_commit_checks_many_files_with_one_listing(fault_proxy: tuple[FaultProxy, str], s3_bucket: str) -> None:  # noqa: F811
+    # The check must stay cheap: one LIST per 1,000 objects, not one HEAD per file. And a
+    # conditional manifest PUT whose answer is lost is recognised as having landed.
+    from tessera.plan import PlanOptions
+
+    proxy, endpoint = fault_proxy
+    url = f"s3://{s3_bucket}/{uuid.uuid4().hex}/ckpt"
+    opts = s3_options(endpoint)
+    state = {f"t{i}": torch.full((8,), float(i)) for i in range(64)}
+    options = tessera.SaveOptions(plan=PlanOptions(files_per_rank=64, min_file_bytes=1))
+    proxy.seen.clear()
+    tessera.save(url, state, storage_options=opts, options=options)
+    files = tessera.read_manifest(url, storage_options=opts).files
+    assert len(files) == 64
+    heads = [p for kind, p in proxy.seen if kind == "head"]
+    lists = [p for kind, p in proxy.seen if kind == "list"]
+    assert all(p.endswith("/manifest.json") for p in heads) and len(heads) <= 3, heads
+    assert len(lists) <= 6, lists  # a constant: check, markers before, data, markers after, timings
+    # The manifest PUT takes effect but its answer is lost: the retry is refused (412), yet
+    # the object holds exactly this save's manifest, so the save succeeds.
+    from tessera.storage import FsspecStorage, RetryOptions
+
+    class LoseTheCommitAnswer(FsspecStorage):
+        def replace_if(self, path: str, data: bytes, expected: str | None) -> None:
+            proxy.inject("put_object", "lose_answer", 1)
+            super().replace_if(path, data, expected)
+
+    store = LoseTheCommitAnswer(url, opts, retry=RetryOptions(max_attempts=4, initial_backoff_s=0.01, max_backoff_s=0.05))
+    state2 = {f"t{i}": torch.full((8,), float(i) + 0.5) for i in range(64)}
+    proxy.seen.clear()
+    result = tessera.save(url, state2, storage=store, options=options)
+    puts = [p for kind, p in proxy.seen if kind == "put_object" and p.endswith("/manifest.json")]
+    assert len(puts) == 2, puts  # the lost attempt and the refused retry
+    assert tessera.read_manifest(url, storage_options=opts).save_id == result.save_id
+    out = {f"t{i}": torch.zeros(8) for i in range(64)}
+    tessera.load(url, out, storage_options=opts, options=NO_TIMINGS)
+    assert torch.equal(out["t63"], state2["t63"])
 
 
 def test_commit_checks_every_file_it_commits(tmp_path: Path) -> None:

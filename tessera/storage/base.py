@@ -48,6 +48,11 @@ class Storage(Protocol):
     def write_file(self, path: str, chunks: Iterable[Buffer]) -> None:
         """Create (or replace) ``path`` with the concatenation of ``chunks``.
 
+        Saves only ever create new names (``data/<save id>/...``). A backend must never
+        truncate an existing file in place: replacing one goes through a new object or a
+        rename, so a reader of the old file never sees it change. A failed write leaves
+        nothing at ``path`` (where the backend can delete it).
+
         The chunks are consumed in order and may be large views of staging memory; a backend
         must not keep references to them after returning. On return the file is durable to
         the backend's guarantee (fsync on local disks, a completed upload on object stores).

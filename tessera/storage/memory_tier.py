@@ -21,9 +21,11 @@ How it works:
   copies nest like the checkpoints: a tier opened on a run's root sees (and its deletes
   reach) the memory copies of the run's step checkpoints.
 * **Save.** ``write_file`` writes to memory only. ``write_atomic("manifest.json")`` commits in
-  memory, then (``auto_persist=True``) schedules the persistence: every file under the memory
-  directory except manifests is copied to the durable backend, several at a time, and the
-  manifest bytes committed in memory are published there last with ``write_atomic``. The
+  memory, then (``auto_persist=True``) schedules the persistence: exactly the files that
+  manifest references are copied to the durable backend, several at a time (never files of an
+  earlier save still in memory: the durable manifest may reference those), their durable sizes
+  are checked, and the manifest bytes committed in memory are published there last,
+  conditionally on the durable manifest being the one there when the persistence started. The
   durable store therefore goes from the old complete checkpoint to the new complete one, with
   the same commit point as a direct save. ``write_atomic`` of any other file (a "latest"
   pointer, timings) writes through to both copies at once.
@@ -46,8 +48,8 @@ How it works:
 * **Crashes.** A crash before the durable commit leaves the durable store at its previous
   checkpoint; the newer memory-only commit is ignored by loads (it can be pushed out with
   :meth:`MemoryTierStorage.persist` by a process restarted on the same node). Files left in
-  memory by a crash are copied by the next persistence and then removed by the save's usual
-  cleanup. The memory directory does not survive a reboot; ``/dev/shm`` counts against RAM.
+  memory by a crash are not copied (no manifest references them) and are removed by the next
+  save's cleanup. The memory directory does not survive a reboot; ``/dev/shm`` counts against RAM.
   At interpreter exit, pending persistence is completed before the process ends.
 
 Multi-node jobs (per-rank persistence): each node has its own ``/dev/shm``, so no single
