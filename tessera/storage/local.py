@@ -203,7 +203,7 @@ class FileStorage:
             st = os.stat(self._abs(path))
         except FileNotFoundError:
             return None
-        return f"{st.st_ino}-{st.st_mtime_ns}-{st.st_size}"
+        return f"{st.st_dev}-{st.st_ino}-{st.st_mtime_ns}-{st.st_ctime_ns}-{st.st_size}"
 
     def replace_if(self, path: str, data: bytes, expected: str | None) -> None:
         """Publish ``data`` at ``path`` atomically, only if its :meth:`version` is ``expected``.
