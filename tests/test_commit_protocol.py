@@ -273,18 +273,44 @@ def test_ranks_that_pass_different_paths_fail_on_every_rank(tmp_path: Path) -> N
 # 4. Full disk
 
 
+DISK_BYTES = 12 << 20
+
+
+def _usage(root: Path) -> int:
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(root) for f in fs)
+
+
 @pytest.fixture
-def small_disk(tmp_path: Path):
-    """A 12 MiB tmpfs (skipped where mounting is not allowed)."""
+def small_disk(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """A 12 MiB filesystem: a real tmpfs where mounting is allowed (root), else a directory
+    whose writes fail with ENOSPC, at the ``os.write`` call, once its files would exceed 12 MiB."""
     mnt = tmp_path / "disk"
     mnt.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=12m", "tmpfs", str(mnt)], capture_output=True)
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.decode().strip()}")
-    try:
-        yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
+    mount = ["mount", "-t", "tmpfs", "-o", f"size={DISK_BYTES}", "tmpfs", str(mnt)]
+    use_tmpfs = os.environ.get("TESSERA_TEST_NO_TMPFS") != "1"  # to exercise the fallback
+    if use_tmpfs and subprocess.run(mount, capture_output=True).returncode == 0:
+        try:
+            yield mnt
+        finally:
+            subprocess.run(["umount", "-l", str(mnt)], check=False)
+        return
+    real_write = os.write
+
+    def write(fd: int, data) -> int:  # type: ignore[no-untyped-def]
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            target = ""
+        if target.startswith(str(mnt) + "/") and _usage(mnt) + len(memoryview(data).cast("B")) > DISK_BYTES:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real_write(fd, data)
+
+    monkeypatch.setattr(os, "write", write)
+    yield mnt
+
+
+def _free(mnt: Path) -> int:
+    return shutil.disk_usage(mnt).free if os.path.ismount(mnt) else DISK_BYTES - _usage(mnt)
 
 
 def _mb_state(mb: float, k: int) -> dict:
@@ -295,11 +321,11 @@ def test_full_disk_save_leaves_nothing_behind(small_disk: Path) -> None:
     # Reproduction 4: the failed save left its partial data file, the disk stayed full, and
     # every later save failed too.
     tessera.save(str(small_disk / "a"), _mb_state(4, 1))
-    free = shutil.disk_usage(small_disk).free
+    free = _free(small_disk)
     with pytest.raises(StorageError, match="No space left on device"):
         tessera.save(str(small_disk / "b"), _mb_state(9, 2))
     assert _tree(str(small_disk / "b")) in ([], [".tessera-lock"])
-    assert shutil.disk_usage(small_disk).free == free
+    assert _free(small_disk) == free
     tessera.save(str(small_disk / "c"), _mb_state(4, 3))  # fits in what is left
     state = {"w": torch.zeros((1 << 20,)), "k": 0}
     tessera.load(str(small_disk / "c"), state, options=NO_TIMINGS)
