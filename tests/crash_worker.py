@@ -317,7 +317,9 @@ def save_loop(
         elif mode == "contended":
             try:
                 tessera.save(target, state)
-            except (ConcurrentSaveError, CommitCheckError):
+            except tessera.CheckpointError as e:
+                if not _fenced(e):
+                    raise
                 _log(progress, f"lost {k}")
                 continue
         elif mgr is None:
@@ -333,9 +335,18 @@ def save_loop(
         mgr.close()
 
 
-def rank_save_loop(rank: int, world: int, target: str, progress_dir: str, mode: str) -> None:
+def _fenced(e: BaseException) -> bool:
+    """Whether a save failed because another writer of the path won (on this rank or rank 0)."""
+    if isinstance(e, (ConcurrentSaveError, CommitCheckError)):
+        return True
+    failures = getattr(e, "failures", None) or {}
+    names = ("ConcurrentSaveError", "CommitCheckError")
+    return bool(failures) and all(str(f).startswith(names) for f in failures.values())
+
+
+def rank_save_loop(rank: int, world: int, target: str, progress_dir: str, mode: str, first: int = 1) -> None:
     """:func:`save_loop` as one rank of :func:`start_ranks` (progress in ``progress_dir/<rank>``)."""
-    save_loop(target, os.path.join(progress_dir, str(rank)), mode, rank=rank, world=world)
+    save_loop(target, os.path.join(progress_dir, str(rank)), mode, first=first, rank=rank, world=world)
 
 
 def _forkserver() -> multiprocessing.context.BaseContext:

@@ -343,3 +343,46 @@ def test_two_writers_one_path_killed_at_random(tmp_path) -> None:
     for trial in range(8):
         lost += _contended_trial(tmp_path, trial, rng, run_s=rng.uniform(0.5, 3.0))[1]
     print(f"two writers: {lost} saves fenced off")
+
+
+def _check_rank_state(path: str, ranges: list[tuple[int, int]]) -> int:
+    state = empty_state()
+    tessera.load(path, state, options=NO_TIMINGS)
+    k = check_state(state)  # the whole state of one iteration of one group, never a mix
+    assert any(lo <= k <= hi for lo, hi in ranges), f"loaded {k}, begun ranges {ranges}"
+    return k
+
+
+@pytest.mark.slow
+def test_two_process_groups_one_path(tmp_path) -> None:
+    """Two independent 2-rank jobs (a zombie and its replacement) save to one path at once."""
+    rng = random.Random(41)
+    for trial in range(3):
+        path = str(tmp_path / f"groups-{trial}")
+        dirs = [str(tmp_path / f"groups-{trial}.{g}") for g in range(2)]
+        for d in dirs:
+            os.makedirs(d)
+        groups = [
+            start_ranks(rank_save_loop, 2, path, dirs[g], "contended", 1000 * (g + 1), env={"TESSERA_TIMEOUT_S": "30"})
+            for g in range(2)
+        ]
+        for d in dirs:
+            for r in range(2):
+                wait_for_line(os.path.join(d, str(r)), "ready")
+        groups[0].procs[0].join(rng.uniform(1.0, 3.0))
+        for g in groups:
+            for r in range(2):
+                g.kill(r)
+        for g in groups:
+            out = g.collect(30)
+            assert all(o.status == "died" for o in out), [o.value for o in out if o.status == "error"]
+        ranges = [(1000 * (g + 1), max(read_progress(os.path.join(dirs[g], str(r)))[0] for r in range(2))) for g in range(2)]
+        if os.path.exists(os.path.join(path, MANIFEST_NAME)):
+            assert verify(path).ok, verify(path).summary()
+            _check_rank_state(path, ranges)
+        lost = sum(_read_lost(os.path.join(d, "0")) for d in dirs)
+        done = [read_progress(os.path.join(d, "0"))[1] for d in dirs]
+        print(f"trial {trial}: last done per group {done}, {lost} saves fenced off")
+        tessera.save(path, make_state(3))
+        assert _load_path(path) == 3
+        _no_leftovers(path)
