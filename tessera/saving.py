@@ -2,8 +2,9 @@
 
 Per process group, a :class:`_SaveContext` keeps the cached global plans, the reused host
 staging buffer and the save in flight. Rank 0 commits following :mod:`tessera.commit`: it
-claims the path before any rank writes, checks every reported file, publishes the manifest
-only over the version it claimed, and then removes files of saves that are over.
+claims the path before any rank writes (in the background, so the claim's I/O never adds
+to the stall), checks every reported file, publishes the manifest only over the version it
+claimed, and then removes files of saves that are over.
 """
 
 from __future__ import annotations
@@ -163,9 +164,7 @@ def start_save(
                 store = storage_for(path, storage, storage_options=storage_options)
             except Exception as e:  # reported in the first exchange, like any other rank's error
                 early = e
-        entry, save_id, cached, flat, values, claim, claim_error = _plan_save(
-            world, ctx, path, store, state, allow_pickle, opts, early
-        )
+        entry, save_id, cached, flat, values = _plan_save(world, ctx, path, store, state, allow_pickle, opts, early)
         assert store is not None
         timer.mark("plan")
         staged: list[list[torch.Tensor]] = []
@@ -179,7 +178,7 @@ def start_save(
 
         def finish() -> SaveResult:
             return _write_and_commit(
-                world, store, path, entry, staged, save_id, claim, cached, values, opts, timer, stage_error or claim_error
+                world, store, path, entry, staged, save_id, cached, values, opts, timer, stage_error
             )
 
         future: Future[SaveResult] = Future()
@@ -217,21 +216,17 @@ def _plan_save(
     allow_pickle: bool,
     opts: SaveOptions,
     early: BaseException | None,
-) -> tuple[_CachedPlan, str, bool, FlatState, dict[str, Any], Claim | None, BaseException | None]:
-    """Flatten, agree on the location, claim the path (rank 0), and get this rank's plan.
+) -> tuple[_CachedPlan, str, bool, FlatState, dict[str, Any]]:
+    """Flatten, agree on a save id and on the location, and get this rank's plan.
 
-    Returns ``(plan, save id, plan was cached, flat state, values, claim, claim error)``;
-    the claim is rank 0's only. A claim that failed is reported in the commit exchange
-    (like a write error). If anything fails after rank 0 claimed the path, the claim is
-    abandoned.
+    Returns ``(plan, save id, plan was cached, flat state, values)``. No storage I/O: the
+    path is claimed later, in the background (:func:`_claim`).
     """
     error: BaseException | None = early
     entry = None
     flat = FlatState()
     local = None
     values: dict[str, Any] = {}
-    claim: Claim | None = None
-    save_id: str | None = None
     try:
         if error is not None:
             raise error
@@ -249,30 +244,35 @@ def _plan_save(
         }
     except Exception as e:  # reported on every rank below
         error = e
-    claim_error: BaseException | None = None
-    if error is None and world.is_coordinator:
-        assert store is not None
-        save_id = uuid.uuid4().hex[:16]
+    location = commit.location_of(store) if store is not None else None
+    save_id = uuid.uuid4().hex[:16] if world.is_coordinator else None
+    hello = (entry.plan_id if entry is not None else None, save_id, location)
+    replies = dist.exchange(world, error, hello, "preparing the save")
+    commit.check_locations([h[2] for h in replies], path)
+    save_id = replies[0][1]
+    plan_ids = {h[0] for h in replies}
+    if entry is not None and len(plan_ids) == 1:
+        return entry, save_id, True, flat, values
+    entry = _exchange_plans(world, ctx, local, opts)
+    return entry, save_id, False, flat, values
+
+
+def _claim(world: World, store: Storage, save_id: str, error: BaseException | None) -> tuple[Claim, bool, BaseException | None]:
+    """Rank 0 claims the path; every rank learns whether it may write. Collective, background.
+
+    Returns ``(claim, may write, this rank's error)``. No rank writes a data file before rank
+    0's owner marker exists (the cleanup rule of :mod:`tessera.commit` depends on it). If rank
+    0 could not claim (or failed before), no rank writes, and rank 0's error is reported in
+    the commit exchange like any write error.
+    """
+    claim = Claim(save_id, None, False)
+    if world.is_coordinator and error is None:
         try:
-            claim = commit.claim(store, save_id)  # before any rank can write a byte
-        except Exception as e:  # like a write error: raised by wait(), on every rank
-            claim_error = e
-            claim = Claim(save_id, None, False)
-    try:
-        location = commit.location_of(store) if store is not None else None
-        hello = (entry.plan_id if entry is not None else None, save_id, location)
-        replies = dist.exchange(world, error, hello, "preparing the save")
-        commit.check_locations([h[2] for h in replies], path)
-        save_id = replies[0][1]
-        plan_ids = {h[0] for h in replies}
-        if entry is not None and len(plan_ids) == 1:
-            return entry, save_id, True, flat, values, claim, claim_error
-        entry = _exchange_plans(world, ctx, local, opts)
-        return entry, save_id, False, flat, values, claim, claim_error
-    except BaseException:
-        if claim is not None and claim_error is None and store is not None:
-            commit.abandon(store, claim, [], path)
-        raise
+            claim = commit.claim(store, save_id)
+        except Exception as e:
+            error = e
+    may_write = dist.broadcast(world, world.is_coordinator and error is None, "claiming the checkpoint path")
+    return claim, bool(may_write), error
 
 
 def _exchange_plans(world: World, ctx: _SaveContext, local: Any, opts: SaveOptions) -> _CachedPlan:
@@ -338,25 +338,28 @@ def _write_and_commit(
     entry: _CachedPlan,
     staged: list[list[torch.Tensor]],
     save_id: str,
-    claim: Claim | None,
     cached: bool,
     values: dict[str, Any],
     opts: SaveOptions,
     timer: PhaseTimer,
     stage_error: BaseException | None = None,
 ) -> SaveResult:
-    error: BaseException | None = stage_error
+    claim, may_write, error = _claim(world, store, save_id, stage_error)
     written: list[WrittenFile] = []
     prefix = f"{commit.DATA_DIR}/{save_id}"
     try:
         if error is not None:
             raise error
+        if not may_write:  # rank 0 failed to claim: it reports why; nobody writes
+            raise _NotClaimed
         written = write_files(
             store,
             [(f"{prefix}/{lay.name}", lay, st) for lay, st in zip(entry.layouts, staged)],
             chunk_bytes=opts.chunk_bytes,
             threads=opts.io_threads,
         )
+    except _NotClaimed:
+        pass
     except CheckpointError as e:
         error = e
     except Exception as e:
@@ -377,7 +380,7 @@ def _write_and_commit(
     outcome: dict[str, Any] = {}
     commit_error: BaseException | None = None
     if world.is_coordinator:
-        assert reports is not None and claim is not None
+        assert reports is not None
         outcome, commit_error = _commit(world, store, path, entry, reports, claim, opts)
     outcome = dist.broadcast(world, outcome, "announcing the commit")
     timer.mark("commit")
@@ -397,6 +400,10 @@ def _write_and_commit(
     if world.is_coordinator:
         logger.info("saved %s (%d bytes, %d ranks) in %.3fs", path, outcome["total_bytes"], world.size, timer.total()["total"])
     return SaveResult(path, save_id, my_bytes, outcome["total_bytes"], timer.total(), cached, rank_timings)
+
+
+class _NotClaimed(Exception):
+    """This rank skips writing: rank 0 could not claim the path (and reports why)."""
 
 
 def _commit(
