@@ -2,9 +2,10 @@
 
 Every step a save takes against storage, in order (docs/guarantees.md says why it holds):
 
-1. **Claim** (rank 0, before any rank writes): read the manifest's current version
-   (``Storage.version``), then create the owner marker ``.tessera-saves/<save id>``. All
-   ranks agree on one location, or every rank fails (:func:`check_locations`).
+1. **Claim** (rank 0, in the background, before any rank writes; the others wait for it):
+   read the manifest's current version (``Storage.version``), then create the owner marker
+   ``.tessera-saves/<save id>``. Before that, while planning, all ranks agree on one
+   location, or every rank fails (:func:`check_locations`).
 2. **Write** (every rank): data files only under ``data/<save id>/``, names no committed
    manifest refers to; each fsync'ed, then its directory; a failed write removes its files.
 3. **Check** (rank 0, :func:`check_files`): every file the ranks reported exists where the
