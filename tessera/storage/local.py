@@ -5,9 +5,8 @@ alone truncated), written with large sequential ``os.write`` calls and fsync'ed;
 write removes its partial file. :meth:`FileStorage.sync_dirs` then makes their directory
 entries durable. The manifest is committed by writing a temporary file, fsync,
 ``os.replace`` and an fsync of the directory, so a crash leaves either the old or the new
-manifest. :meth:`FileStorage.replace_if` does the same under an exclusive ``flock`` on
-``<dir>/.tessera-lock`` and only if the manifest is still the version the save started
-from: the fence between two writers of one path (see docs/guarantees.md). Range reads use
+manifest. :meth:`FileStorage.replace_if` does the same under an exclusive ``flock`` of the
+directory and only if the manifest is still the version the save started from: the fence between two writers of one path (see docs/guarantees.md). Range reads use
 ``pread`` on cached descriptors shared by all threads, or a memory map
 (:meth:`FileStorage.map_range`).
 """
@@ -208,8 +207,9 @@ class FileStorage:
     def replace_if(self, path: str, data: bytes, expected: str | None) -> None:
         """Publish ``data`` at ``path`` atomically, only if its :meth:`version` is ``expected``.
 
-        The check and the rename happen under an exclusive ``flock`` of ``<dir>/.tessera-lock``
-        (released by the kernel if the process dies, so it never goes stale). Every writer of
+        The check and the rename happen under an exclusive ``flock`` of the directory (or of
+        ``<dir>/.tessera-lock`` where directories cannot be locked), released by the kernel if
+        the process dies, so it never goes stale. Every writer of
         a manifest through this method takes the same lock, so check-then-replace is atomic
         among them, on one host and on shared filesystems whose ``flock`` is coherent across
         clients (NFSv4, Lustre with ``flock``, GPFS). Temporary files left by writers that
@@ -222,12 +222,8 @@ class FileStorage:
         full = self._abs(path)
         directory = os.path.dirname(full)
         self._makedirs(directory)
+        lock = self._lock(directory, full)
         try:
-            lock = os.open(os.path.join(directory, LOCK_NAME), os.O_RDWR | os.O_CREAT, 0o644)
-        except OSError as e:
-            raise StorageError(f"cannot open the commit lock of {full}: {e}") from e
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX)
             current = self.version(path)
             if current != expected:
                 raise ConcurrentSaveError(
@@ -251,6 +247,27 @@ class FileStorage:
                     self._unlink_quietly(tmp)
         finally:
             os.close(lock)  # releases the flock
+
+    @staticmethod
+    def _lock(directory: str, full: str) -> int:
+        """An exclusive ``flock`` on ``directory`` itself (no file left behind), or, where the
+        filesystem cannot lock a directory (NFS emulates ``flock`` with POSIX locks, which need
+        a writable descriptor), on ``directory/.tessera-lock``. Returns the locked descriptor."""
+        try:
+            fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+        except OSError as e:
+            raise StorageError(f"cannot open {directory} to commit {full}: {e}") from e
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            return fd
+        except OSError:
+            os.close(fd)
+        try:
+            fd = os.open(os.path.join(directory, LOCK_NAME), os.O_RDWR | os.O_CREAT, 0o644)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError as e:
+            raise StorageError(f"cannot take the commit lock of {full}: {e}") from e
+        return fd
 
     def file_sizes(self, prefix: str) -> dict[str, int]:
         """``{relative path: size}`` of every file under ``prefix`` (one directory walk)."""
