@@ -86,6 +86,25 @@ class CollectiveTimeoutError(DistributedError, TimeoutError):
     """A collective phase did not complete in time: a rank died or hangs."""
 
 
+class ConcurrentSaveError(CheckpointError, RuntimeError):
+    """Another save committed to the same checkpoint path while this one ran.
+
+    The two saves were fenced: at most one of them commits, and this one did not. The
+    checkpoint at the path is the other save's, complete.
+    """
+
+
+class LocationMismatchError(CheckpointError, ValueError):
+    """The ranks of one save named different checkpoint locations (paths or storage)."""
+
+
+class CommitCheckError(StorageError):
+    """At commit, a data file was missing or had the wrong size where the manifest would point.
+
+    Nothing was committed; the checkpoint at the path is the previous one.
+    """
+
+
 @dataclass(frozen=True)
 class RankFailure:
     """One rank's failure as it travels to the other ranks (picklable, no traceback).

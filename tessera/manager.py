@@ -30,6 +30,7 @@ from __future__ import annotations
 import atexit
 import logging
 import re
+import sys
 import threading
 import warnings
 import weakref
@@ -121,6 +122,13 @@ def _close_all() -> None:
             manager.close()
         except Exception as e:  # noqa: BLE001 - nobody is left to raise to
             logger.error("checkpoint manager for %s: a pending save failed at exit: %s", manager.root, e)
+            # Straight to stderr too: logging may be unconfigured or go to a file nobody reads.
+            # (An atexit handler cannot change the exit status; Python ignores it.)
+            try:
+                sys.stderr.write(f"tessera: ERROR: checkpoint manager for {manager.root}: a pending save failed at exit: {e}\n")
+                sys.stderr.flush()
+            except Exception:  # noqa: BLE001 - stderr closed
+                pass
 
 
 class CheckpointManager:
@@ -139,6 +147,10 @@ class CheckpointManager:
         storage_options: options of the backend :func:`~tessera.storage.storage_for` builds.
         storage_factory: builds the backend of a URL (a step directory, or ``root``); the
             default is :func:`~tessera.storage.storage_for` with ``storage_options``.
+        retention_before_save: also apply retention *before* each save, keeping room for the
+            step being saved (``keep_last - 1`` older steps), so that a disk that holds
+            ``keep_last`` checkpoints and no more can still take the next one. The newest
+            committed step is never deleted before the new one is committed.
 
     Raises:
         ValueError: for ``keep_last`` or ``keep_every`` below 1.
@@ -172,6 +184,7 @@ class CheckpointManager:
         load_options: LoadOptions | None = None,
         storage_options: Mapping[str, object] | None = None,
         storage_factory: Callable[[str], Storage] | None = None,
+        retention_before_save: bool = False,
     ) -> None:
         for name, value in (("keep_last", keep_last), ("keep_every", keep_every)):
             if value is not None and (type(value) is not int or value < 1):
@@ -194,6 +207,8 @@ class CheckpointManager:
         self._in_flight: set[int] = set()
         self._lock = threading.Lock()
         self._closed = False
+        self.retention_before_save = retention_before_save
+        self._distributed = False
         _OPEN.add(self)
 
     # ------------------------------------------------------------------------------------
@@ -288,6 +303,13 @@ class CheckpointManager:
         url = self.step_url(step)
         store = self._factory(url)
         world = dist.world_for(self.process_group)
+        self._distributed = self._distributed or world.distributed
+        if self.retention_before_save and world.is_coordinator:
+            # Rank 0 makes room before it joins the save; no rank writes before rank 0 joins.
+            try:
+                self.apply_retention(making_room_for=step)
+            except Exception as e:  # noqa: BLE001 - the save itself may still fit
+                logger.warning("retention before saving step %d under %s failed: %s", step, self.root, e)
         with self._lock:
             self._in_flight.add(step)
         kwargs: dict[str, Any] = {
@@ -324,7 +346,7 @@ class CheckpointManager:
             result = inner.wait()
         except BaseException as e:  # noqa: BLE001 - handed to whoever waits
             self._forget(step, store)
-            future.set_exception(e)
+            future.set_exception(self._explain(e, step))
             return
         try:
             self._after_commit(step, store, world)
@@ -378,27 +400,77 @@ class CheckpointManager:
         except Exception as e:  # noqa: BLE001
             logger.warning("step %d is committed but moving %s/%s failed: %s", step, self.root, LATEST_NAME, e)
         try:
-            self._apply_retention(step, found)
+            self._apply_retention(step, found, keep_last=self.keep_last)
         except Exception as e:  # noqa: BLE001 - leftovers only cost space
             logger.warning("retention under %s failed after step %d: %s", self.root, step, e)
 
-    def _apply_retention(self, committed_step: int, found: dict[int, bool]) -> None:
+    def _explain(self, e: BaseException, step: int) -> BaseException:
+        """``e``, or an error saying what to do if the process group went away under the save."""
+        import torch.distributed as tdist
+
+        if not self._distributed or (tdist.is_available() and tdist.is_initialized()):
+            return e
+        out = CheckpointError(
+            f"CheckpointManager({self.root!r}): step {step} was NOT committed: the process group was destroyed "
+            f"while its asynchronous save was still running. Call mgr.close() (or mgr.wait()) before "
+            f"torch.distributed.destroy_process_group(). Cause: {type(e).__name__}: {e}"
+        )
+        out.__cause__ = e
+        return out
+
+    def apply_retention(self, *, making_room_for: int | None = None) -> list[int]:
+        """Rank 0: delete the steps retention does not keep; returns the steps deleted. Not collective.
+
+        Runs after every commit anyway. Call it (or pass ``retention_before_save=True``) to
+        free space *before* a save, e.g. after a save failed on a full disk.
+
+        Args:
+            making_room_for: a step about to be saved: one of the ``keep_last`` places is kept
+                free for it. The newest committed step is kept whatever ``keep_last`` says.
+
+        Example:
+            >>> mgr.apply_retention(making_room_for=step)  # the disk is tight
+        """
+        found = self._scan()
         committed = sorted(s for s, c in found.items() if c)
-        keep = set(committed) if self.keep_last is None else set(committed[-self.keep_last :])
+        if making_room_for is None:
+            if not committed:
+                return []
+            return self._apply_retention(committed[-1], found, keep_last=self.keep_last)
+        keep_last = None if self.keep_last is None else max(1, self.keep_last - 1)
+        newest = committed[-1] if committed else None
+        return self._apply_retention(newest, found, keep_last=keep_last, also_keep=frozenset({making_room_for}))
+
+    def _apply_retention(
+        self,
+        committed_step: int | None,
+        found: dict[int, bool],
+        *,
+        keep_last: int | None,
+        also_keep: frozenset[int] = frozenset(),
+    ) -> list[int]:
+        committed = sorted(s for s, c in found.items() if c)
+        keep = set(committed) if keep_last is None else set(committed[-keep_last:])
         if self.keep_every is not None:
             keep |= {s for s in committed if s % self.keep_every == 0}
         with self._lock:
             keep |= self._in_flight
-        keep.add(committed_step)
+        keep |= set(also_keep)
+        if committed_step is not None:
+            keep.add(committed_step)
+        if committed:
+            keep.add(committed[-1])  # the last good checkpoint survives anything
         pointer = self.pointer_step()
         if pointer is not None:
             keep.add(pointer)
         doomed = [s for s in committed if s not in keep]
         # Leftovers of saves that never committed (a crash); newer ones are left alone,
         # since nothing says their save is over.
-        doomed += [s for s, c in found.items() if not c and s < committed_step and s not in keep]
+        newest = committed_step if committed_step is not None else -1
+        doomed += [s for s, c in found.items() if not c and s < newest and s not in keep]
         for s in sorted(doomed):
             self._delete_step(s)
+        return sorted(doomed)
 
     def _delete_step(self, step: int) -> None:
         name = step_dirname(step)
@@ -464,15 +536,23 @@ class CheckpointManager:
             step = _check_step(step)
             return StepLoadResult(step, self._load_step(step, state, kwargs), {})
 
-        listing: tuple[list[tuple[int, bool]] | None, str | None] = (None, None)
+        listing: tuple[list[tuple[int, bool]] | None, Any] = (None, None)
+        own: BaseException | None = None
         if world.is_coordinator:
             try:
                 listing = (sorted(self._scan().items(), reverse=True), None)
             except Exception as e:  # noqa: BLE001 - shared with every rank below
-                listing = (None, f"listing {self.root} failed: {dist.error_text(0, e)}")
+                own = e
+                listing = (None, dist.error_text(0, e))
         candidates, error = dist.broadcast(world, listing, "listing checkpoint steps")
-        if error is not None or candidates is None:
-            raise CheckpointError(error or f"listing {self.root} failed")
+        if error is not None:  # rank 0's failure record, untouched
+            if own is not None and not world.distributed:
+                if isinstance(own, CheckpointError):
+                    raise own
+                raise StorageError(f"listing the steps under {self.root} failed: {type(own).__name__}: {own}") from own
+            dist.raise_failures(world, {0: error}, f"listing the steps under {self.root}")
+        if candidates is None:
+            raise CheckpointError(f"listing {self.root} failed")
         skipped: dict[int, str] = {}
         for s, committed in candidates:
             if not committed:
@@ -594,5 +674,6 @@ def _is_skippable(e: BaseException) -> bool:
     if isinstance(e, DistributedError):
         if not e.failures:
             return False
-        return all(text.split(":", 1)[0] in _SKIPPABLE for text in e.failures.values())
+        # str() of a failure record is "TypeName: message", whether it is a str or a record object.
+        return all(str(text).split(":", 1)[0] in _SKIPPABLE for text in e.failures.values())
     return type(e).__name__ in _SKIPPABLE

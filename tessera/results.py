@@ -55,10 +55,12 @@ class PendingSave:
     ``done()`` says whether that has happened. Thread-safe.
     """
 
-    def __init__(self, future: Future[SaveResult], stall_s: float) -> None:
+    def __init__(self, future: Future[SaveResult], stall_s: float, *, path: str | None = None) -> None:
         self._future = future
         self.stall_s = stall_s
         """Seconds the caller was blocked by ``async_save``."""
+        self.path = path
+        """The checkpoint being saved (None where unknown)."""
         self._observed = False
 
     def done(self) -> bool:
@@ -72,6 +74,12 @@ class PendingSave:
         """
         self._observed = True
         return self._future.result(timeout)
+
+    def unobserved_error(self) -> BaseException | None:
+        """The background failure of a finished save that nobody has seen (without marking it seen)."""
+        if self._observed or not self._future.done() or self._future.cancelled():
+            return None
+        return self._future.exception()
 
     def _raise_unobserved(self) -> None:
         """Re-raise a background failure nobody has seen yet (called by the next save)."""

@@ -1,13 +1,17 @@
 """Orchestrating a save: flatten -> local plan -> global plan [cached] -> stage -> write -> commit.
 
 Per process group, a :class:`_SaveContext` keeps the cached global plans, the reused host
-staging buffer and the save in flight. Rank 0 commits: it writes the manifest only after
-every rank reported its files durable, and then removes files of older saves.
+staging buffer and the save in flight. Rank 0 commits following :mod:`tessera.commit`: it
+claims the path before any rank writes (in the background, so the claim's I/O never adds
+to the stall), checks every reported file, publishes the manifest only over the version it
+claimed, and then removes files of saves that are over.
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
+import sys
 import threading
 import time
 import uuid
@@ -20,12 +24,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import dist
+from . import commit, dist
+from .commit import LOAD_TIMINGS_DIR, Claim, RankReport
 from .dist import World
 from .dtypes import dtype_from_name, itemsize
-from .errors import CheckpointError, StorageError
+from .errors import CheckpointError, ConcurrentSaveError, StorageError
 from .geometry import Box
-from .manifest import MANIFEST_NAME, FileEntry, Manifest, PerRankEntry, TensorEntry, TileTable, encode
+from .manifest import FileEntry, Manifest, PerRankEntry, TensorEntry, TileTable, encode
 from .options import SaveOptions
 from .plan import RankPlan, build_global_plan, build_local_plan
 from .results import PendingSave, SaveResult
@@ -40,8 +45,7 @@ from .write import WrittenFile, write_files
 
 logger = logging.getLogger(__name__)
 
-LOAD_TIMINGS_DIR = "timings"
-"""Directory (inside a checkpoint) where each load's per-rank timings are kept."""
+__all__ = ["LOAD_TIMINGS_DIR", "start_save", "wait_pending"]
 
 @dataclass
 class _CachedPlan:
@@ -101,6 +105,33 @@ def _wait_previous(ctx: _SaveContext) -> BaseException | None:
     return None
 
 
+@atexit.register
+def _report_unobserved() -> None:
+    """At exit: say on stderr which background saves failed with nobody waiting for them.
+
+    Written straight to stderr, not logged: with no logging configured, or logging to a
+    file, the failure would otherwise go unnoticed. (Python ignores an exit status set by
+    an atexit handler, so the process's exit code cannot be changed from here safely.)
+    Non-daemon save threads have been joined by the time atexit handlers run.
+    """
+    with _CONTEXTS_LOCK:
+        pendings = [ctx.pending for ctx in _CONTEXTS.values() if ctx.pending is not None]
+    for pending in pendings:
+        e = pending.unobserved_error()
+        if e is None:
+            continue
+        pending._observed = True
+        try:
+            sys.stderr.write(
+                f"tessera: ERROR: the asynchronous save to {pending.path} failed in the background and nothing "
+                f"waited for it (call .wait() on the PendingSave); the checkpoint was NOT committed: "
+                f"{type(e).__name__}: {e}\n"
+            )
+            sys.stderr.flush()
+        except Exception:  # noqa: BLE001 - stderr closed: nothing more can be done
+            pass
+
+
 def wait_pending(process_group: Any = None) -> BaseException | None:
     """Block until this process's save in flight (if any) has finished.
 
@@ -133,7 +164,7 @@ def start_save(
                 store = storage_for(path, storage, storage_options=storage_options)
             except Exception as e:  # reported in the first exchange, like any other rank's error
                 early = e
-        entry, save_id, cached, flat, values = _plan_save(world, ctx, state, allow_pickle, opts, early)
+        entry, save_id, cached, flat, values = _plan_save(world, ctx, path, store, state, allow_pickle, opts, early)
         assert store is not None
         timer.mark("plan")
         staged: list[list[torch.Tensor]] = []
@@ -146,7 +177,9 @@ def start_save(
         stall = time.monotonic() - timer.t0
 
         def finish() -> SaveResult:
-            return _write_and_commit(world, store, path, entry, staged, save_id, cached, values, opts, timer, stage_error)
+            return _write_and_commit(
+                world, store, path, entry, staged, save_id, cached, values, opts, timer, stage_error
+            )
 
         future: Future[SaveResult] = Future()
         if stage_error is not None:
@@ -159,7 +192,7 @@ def start_save(
             thread.start()
         else:
             _run_into(future, finish)
-        pending = PendingSave(future, stall)
+        pending = PendingSave(future, stall, path=path)
         if background:
             ctx.pending = pending
         else:
@@ -175,8 +208,20 @@ def _run_into(future: Future[SaveResult], fn: Callable[[], SaveResult]) -> None:
 
 
 def _plan_save(
-    world: World, ctx: _SaveContext, state: object, allow_pickle: bool, opts: SaveOptions, early: BaseException | None
+    world: World,
+    ctx: _SaveContext,
+    path: str,
+    store: Storage | None,
+    state: object,
+    allow_pickle: bool,
+    opts: SaveOptions,
+    early: BaseException | None,
 ) -> tuple[_CachedPlan, str, bool, FlatState, dict[str, Any]]:
+    """Flatten, agree on a save id and on the location, and get this rank's plan.
+
+    Returns ``(plan, save id, plan was cached, flat state, values)``. No storage I/O: the
+    path is claimed later, in the background (:func:`_claim`).
+    """
     error: BaseException | None = early
     entry = None
     flat = FlatState()
@@ -185,6 +230,7 @@ def _plan_save(
     try:
         if error is not None:
             raise error
+        assert store is not None
         flat = flatten(state, rank=world.rank, world_size=world.size, allow_pickle=allow_pickle)
         local = build_local_plan(flat, world.rank)
         entry = ctx.plans.get(local.fingerprint)
@@ -198,13 +244,38 @@ def _plan_save(
         }
     except Exception as e:  # reported on every rank below
         error = e
-    hello = (entry.plan_id if entry is not None else None, uuid.uuid4().hex[:16] if world.is_coordinator else None)
+    location = commit.location_of(store) if store is not None else None
+    save_id = uuid.uuid4().hex[:16] if world.is_coordinator else None
+    hello = (entry.plan_id if entry is not None else None, save_id, location)
     replies = dist.exchange(world, error, hello, "preparing the save")
+    commit.check_locations([h[2] for h in replies], path)
     save_id = replies[0][1]
     plan_ids = {h[0] for h in replies}
     if entry is not None and len(plan_ids) == 1:
         return entry, save_id, True, flat, values
+    entry = _exchange_plans(world, ctx, local, opts)
+    return entry, save_id, False, flat, values
 
+
+def _claim(world: World, store: Storage, save_id: str, error: BaseException | None) -> tuple[Claim, bool, BaseException | None]:
+    """Rank 0 claims the path; every rank learns whether it may write. Collective, background.
+
+    Returns ``(claim, may write, this rank's error)``. No rank writes a data file before rank
+    0's owner marker exists (the cleanup rule of :mod:`tessera.commit` depends on it). If rank
+    0 could not claim (or failed before), no rank writes, and rank 0's error is reported in
+    the commit exchange like any write error.
+    """
+    claim = Claim(save_id, None, False)
+    if world.is_coordinator and error is None:
+        try:
+            claim = commit.claim(store, save_id)
+        except Exception as e:
+            error = e
+    may_write = dist.broadcast(world, world.is_coordinator and error is None, "claiming the checkpoint path")
+    return claim, bool(may_write), error
+
+
+def _exchange_plans(world: World, ctx: _SaveContext, local: Any, opts: SaveOptions) -> _CachedPlan:
     assert local is not None
     locals_ = dist.gather(world, local, "exchanging save plans")
     payloads: list[Any] | None = None
@@ -219,12 +290,12 @@ def _plan_save(
             payloads = [(None, None, dist.error_text(0, e))] * world.size
             metas = None
     plan_id, rank_plan, plan_error = dist.scatter(world, payloads, "distributing save plans")
-    if plan_error is not None:  # the planner's error type (CoverageError, ...) on every rank
+    if plan_error is not None:  # rank 0's failure record: the planner's error type on every rank
         dist.raise_failures(world, {0: plan_error}, "planning the save")
     layouts = _layouts(rank_plan, world.rank)
     entry = _CachedPlan(plan_id, local.fingerprint, rank_plan, layouts, metas if world.is_coordinator else None)
     ctx.remember(entry)
-    return entry, save_id, False, flat, values
+    return entry
 
 
 def _layouts(rank_plan: RankPlan, rank: int) -> list[FileLayout]:
@@ -273,18 +344,22 @@ def _write_and_commit(
     timer: PhaseTimer,
     stage_error: BaseException | None = None,
 ) -> SaveResult:
-    error: BaseException | None = stage_error
+    claim, may_write, error = _claim(world, store, save_id, stage_error)
     written: list[WrittenFile] = []
-    prefix = f"data/{save_id}"
+    prefix = f"{commit.DATA_DIR}/{save_id}"
     try:
         if error is not None:
             raise error
+        if not may_write:  # rank 0 failed to claim: it reports why; nobody writes
+            raise _NotClaimed
         written = write_files(
             store,
             [(f"{prefix}/{lay.name}", lay, st) for lay, st in zip(entry.layouts, staged)],
             chunk_bytes=opts.chunk_bytes,
             threads=opts.io_threads,
         )
+    except _NotClaimed:
+        pass
     except CheckpointError as e:
         error = e
     except Exception as e:
@@ -292,22 +367,30 @@ def _write_and_commit(
         error.__cause__ = e
     timer.mark("write")
     my_bytes = sum(w.nbytes for w in written)
-    report = {
-        "error": None if error is None else dist.error_text(world.rank, error),
-        "files": [(w.path, w.nbytes, [(t.fqn, t.box.offsets, t.box.lengths, t.byte_offset, t.checksums) for t in w.tiles]) for w in written],
-        "values": values,
-        "timings": {**timer.phases, "bytes": my_bytes},
-    }
+    report = RankReport(
+        error=None if error is None else dist.error_text(world.rank, error),
+        files=tuple(
+            (w.path, w.nbytes, [(t.fqn, t.box.offsets, t.box.lengths, t.byte_offset, t.checksums) for t in w.tiles])
+            for w in written
+        ),
+        values=values,
+        timings={**timer.phases, "bytes": my_bytes},
+    )
     reports = dist.gather(world, report, "committing the save")
     outcome: dict[str, Any] = {}
+    commit_error: BaseException | None = None
     if world.is_coordinator:
         assert reports is not None
-        outcome = _commit(world, store, path, entry, reports, save_id, opts)
+        outcome, commit_error = _commit(world, store, path, entry, reports, claim, opts)
     outcome = dist.broadcast(world, outcome, "announcing the commit")
     timer.mark("commit")
     if outcome.get("failures"):
         failures = {int(r): m for r, m in outcome["failures"].items()}
-        dist.raise_failures(world, failures, f"saving checkpoint {path}", own=error)
+        if not world.is_coordinator and written:
+            # Rank 0 removed what it can see; files on this rank's node-local storage too.
+            _delete_quietly(store, [w.path for w in written])
+        own = commit_error if commit_error is not None else error
+        dist.raise_failures(world, failures, f"saving checkpoint {path}", own=own)
     after_commit = getattr(store, "after_commit", None)
     if after_commit is not None:  # e.g. the memory tier: start this rank's copy to durable storage
         after_commit(rank=world.rank, world_size=world.size, save_id=save_id, files=[w.path for w in written])
@@ -317,29 +400,55 @@ def _write_and_commit(
     return SaveResult(path, save_id, my_bytes, outcome["total_bytes"], timer.total(), cached, rank_timings)
 
 
+class _NotClaimed(Exception):
+    """This rank skips writing: rank 0 could not claim the path (and reports why)."""
+
+
 def _commit(
-    world: World, store: Storage, path: str, entry: _CachedPlan, reports: list[dict], save_id: str, opts: SaveOptions
-) -> dict[str, Any]:
-    """Rank 0: write the manifest if every rank succeeded, then drop unreferenced files."""
-    failures = {r: rep["error"] for r, rep in enumerate(reports) if rep["error"] is not None}
+    world: World,
+    store: Storage,
+    path: str,
+    entry: _CachedPlan,
+    reports: list[RankReport],
+    claim: Claim,
+    opts: SaveOptions,
+) -> tuple[dict[str, Any], BaseException | None]:
+    """Rank 0: check, publish and clean up (see :mod:`tessera.commit`).
+
+    Returns:
+        the outcome announced to every rank, and rank 0's own commit error (if any).
+    """
+    failures = {r: rep.error for r, rep in enumerate(reports) if rep.error is not None}
+    files = [f for rep in reports for f, _, _ in rep.files]
     if failures:
-        _delete_quietly(store, [f for rep in reports for f, _, _ in rep["files"]])
-        return {"failures": failures}
+        commit.abandon(store, claim, files, path)
+        superseded = commit.superseded(store, claim, path)
+        if superseded is not None:  # the real cause: another save committed and removed our files
+            return {"failures": {0: dist.error_text(0, superseded)}}, superseded
+        return {"failures": failures}, None
+    published = False
     try:
-        manifest = _build_manifest(world, entry, reports, save_id, opts)
-        store.write_atomic(MANIFEST_NAME, encode(manifest))
+        superseded = commit.superseded(store, claim, path)
+        if superseded is not None:
+            raise superseded
+        commit.check_files(store, claim, reports, path)
+        live_before = commit.live_saves(store)
+        manifest = _build_manifest(world, entry, reports, claim.save_id, opts)
+        data = encode(manifest)
+        published = True  # from here on, a failure may have committed after all
+        commit.publish(store, claim, data, path)
     except Exception as e:
-        _delete_quietly(store, [f for rep in reports for f, _, _ in rep["files"]])
-        return {"failures": {0: dist.error_text(0, e, "committing the manifest failed")}}
-    keep = {f.path for f in manifest.files} | {MANIFEST_NAME}
-    try:
-        stale = [p for p in store.list("data") if p not in keep]
-        stale += [p for p in store.list("") if p.startswith(MANIFEST_NAME + ".tmp")]
-        stale += store.list(LOAD_TIMINGS_DIR)  # timings of loads of the checkpoint just replaced
-        store.delete(stale)
-    except Exception as e:  # the new checkpoint is committed; garbage is harmless
-        logger.warning("could not remove files of older saves under %s: %s", path, e)
-    return {"total_bytes": sum(f.nbytes for f in manifest.files), "timings": manifest.timings["save"]["ranks"]}
+        err: BaseException = e
+        if not isinstance(e, CheckpointError):
+            err = StorageError(f"committing the manifest of {path} failed: {type(e).__name__}: {e}")
+            err.__cause__ = e
+        if not published or isinstance(e, ConcurrentSaveError) or not commit.may_have_committed(store, claim):
+            commit.abandon(store, claim, files, path)
+        else:  # the manifest may have landed: keep its files; the next save cleans them up
+            commit.abandon(store, claim, [], path, keep_data=True)
+        return {"failures": {0: dist.error_text(0, err)}}, err
+    commit.clean_up(store, claim, live_before, path)
+    return {"total_bytes": sum(f.nbytes for f in manifest.files), "timings": manifest.timings["save"]["ranks"]}, None
 
 
 def _delete_quietly(store: Storage, paths: list[str]) -> None:
@@ -349,13 +458,13 @@ def _delete_quietly(store: Storage, paths: list[str]) -> None:
         logger.warning("could not remove files of a failed save: %s", e)
 
 
-def _build_manifest(world: World, entry: _CachedPlan, reports: list[dict], save_id: str, opts: SaveOptions) -> Manifest:
+def _build_manifest(world: World, entry: _CachedPlan, reports: list[RankReport], save_id: str, opts: SaveOptions) -> Manifest:
     assert entry.metas is not None
     # Columns per tensor, gathered from every rank's report; no per-tile objects.
     cols: dict[str, list[list[Any]]] = {m.fqn: [[], [], [], [], [], []] for m in entry.metas}
     files = []
     for rank, rep in enumerate(reports):
-        for fpath, nbytes, ftiles in rep["files"]:
+        for fpath, nbytes, ftiles in rep.files:
             fi = len(files)
             files.append(FileEntry(fpath, rank, nbytes))
             for fqn, offsets, lengths, byte_offset, sums in ftiles:
@@ -372,9 +481,9 @@ def _build_manifest(world: World, entry: _CachedPlan, reports: list[dict], save_
     per_rank: dict[str, list[Any]] = {}
     policies: dict[str, str] = {}
     for rank, rep in enumerate(reports):
-        for k, v in rep["values"]["values"].items():
+        for k, v in rep.values["values"].items():
             values.setdefault(k, v)  # lowest rank wins; plain values are meant to be replicated
-        for k, (v, policy) in rep["values"]["per_rank"].items():
+        for k, (v, policy) in rep.values["per_rank"].items():
             per_rank.setdefault(k, [None] * world.size)[rank] = v
             policies[k] = policy
     for m in entry.metas:
@@ -394,7 +503,7 @@ def _build_manifest(world: World, entry: _CachedPlan, reports: list[dict], save_
         per_rank={k: PerRankEntry(policies[k], tuple(v)) for k, v in per_rank.items()},
         files=tuple(files),
         layout={"world_size": world.size, **opts.layout},
-        timings={"save": {"ranks": {str(r): rep["timings"] for r, rep in enumerate(reports)}}},
+        timings={"save": {"ranks": {str(r): rep.timings for r, rep in enumerate(reports)}}},
         metadata={
             "tessera_version": __version__,
             "torch_version": torch.__version__,

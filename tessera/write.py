@@ -75,15 +75,34 @@ def write_files(
     chunk_bytes: int,
     threads: int,
 ) -> list[WrittenFile]:
-    """Write every ``(path, layout, staged tile bytes)`` and return what was written.
+    """Write every ``(path, layout, staged tile bytes)`` durably and return what was written.
+
+    Durable means: each file fsync'ed by the backend, then (backends with ``sync_dirs``)
+    the directories holding them, so that nothing can refer to a file whose directory
+    entry a power loss could still undo.
+
+    If any file fails, every file of the call (complete or partial) is removed before the
+    error is raised: a failed save leaves nothing behind, so a full disk does not stay full.
 
     Raises:
         StorageError: the first failure (the other files are still attempted to the end).
     """
     if not files:
         return []
-    if len(files) == 1 or threads == 1:
-        return [_write_one(storage, p, lay, st, chunk_bytes) for p, lay, st in files]
-    with ThreadPoolExecutor(max_workers=min(threads, len(files)), thread_name_prefix="tessera-write") as pool:
-        futures = [pool.submit(_write_one, storage, p, lay, st, chunk_bytes) for p, lay, st in files]
-        return [f.result() for f in futures]
+    try:
+        if len(files) == 1 or threads == 1:
+            written = [_write_one(storage, p, lay, st, chunk_bytes) for p, lay, st in files]
+        else:
+            with ThreadPoolExecutor(max_workers=min(threads, len(files)), thread_name_prefix="tessera-write") as pool:
+                futures = [pool.submit(_write_one, storage, p, lay, st, chunk_bytes) for p, lay, st in files]
+                written = [f.result() for f in futures]
+        sync_dirs = getattr(storage, "sync_dirs", None)
+        if callable(sync_dirs):
+            sync_dirs([w.path for w in written])
+    except BaseException:
+        try:
+            storage.delete([p for p, _, _ in files])
+        except Exception as e:  # noqa: BLE001 - the write error is the one to report
+            logger.warning("could not remove the files of a failed write under %s: %s", storage.url, e)
+        raise
+    return written

@@ -8,6 +8,8 @@ injected by a real :class:`~tessera.storage.Storage` backend that wraps :class:`
 * :class:`CrashStorage` SIGKILLs its own process at a chosen storage call (a phase of a save).
 * :func:`save_loop` saves a deterministic state for k = 1, 2, ... and logs ``begin k`` /
   ``done k`` to a progress file, through ``tessera.save`` or a ``CheckpointManager``.
+* :class:`GateStorage` (a :class:`FileStorage`) and :func:`gated_s3` stop a save right before
+  it publishes its manifest until the test opens a gate: two writers overlap on demand.
 * :func:`run_ranks` runs ``fn(rank, world, *args)`` on N gloo ranks and, unlike
   ``tests.dist_utils.run_distributed``, returns what happened to each rank (result, error,
   died, hung) instead of failing on the first dead rank.
@@ -31,8 +33,9 @@ import torch
 import torch.distributed as dist
 
 import tessera
+from tessera.errors import CommitCheckError, ConcurrentSaveError
 from tessera.manager import CheckpointManager
-from tessera.storage import FileStorage
+from tessera.storage import FileStorage, FsspecStorage, MemoryTierStorage
 
 A_NUMEL = 512 * 1024  # 2 MiB of float32
 B_NUMEL = 96 * 1024  # 768 KiB of int64
@@ -160,6 +163,81 @@ class CrashStorage:
 
 
 # --------------------------------------------------------------------------------------
+# Overlapping writers: a backend that pauses right before publishing its manifest
+
+
+def _touch(path: str) -> None:
+    with open(path, "w"):
+        pass
+
+
+def _pass_gate(entered: str, gate: str, timeout: float = 120.0) -> None:
+    _touch(entered)
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(gate):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"gate {gate} never opened")
+        time.sleep(0.01)
+
+
+class GateStorage(FileStorage):
+    """A real :class:`FileStorage` whose manifest publish waits for the file ``gate`` to exist
+    (after creating ``entered``). Everything else is FileStorage's own code."""
+
+    def __init__(self, url: str, *, entered: str, gate: str) -> None:
+        super().__init__(url)
+        self.entered, self.gate = entered, gate
+
+    def write_atomic(self, path: str, data: bytes) -> None:
+        if path == "manifest.json":
+            _pass_gate(self.entered, self.gate)
+        super().write_atomic(path, data)
+
+    def replace_if(self, path: str, data: bytes, expected: str | None) -> None:
+        if path == "manifest.json":
+            _pass_gate(self.entered, self.gate)
+        super().replace_if(path, data, expected)
+
+
+class GateFsspecStorage(FsspecStorage):
+    """:class:`GateStorage` for fsspec URLs (S3 through moto in the tests)."""
+
+    def __init__(self, url: str, storage_options: dict[str, Any], *, entered: str, gate: str) -> None:
+        super().__init__(url, storage_options)
+        self.entered, self.gate = entered, gate
+
+    def write_atomic(self, path: str, data: bytes) -> None:
+        if path == "manifest.json":
+            _pass_gate(self.entered, self.gate)
+        super().write_atomic(path, data)
+
+    def replace_if(self, path: str, data: bytes, expected: str | None) -> None:
+        if path == "manifest.json":
+            _pass_gate(self.entered, self.gate)
+        super().replace_if(path, data, expected)
+
+
+def gated_save(
+    target: str, k: int, entered: str, gate: str, result: str, storage_options: dict[str, Any] | None = None
+) -> None:
+    """Save ``make_state(k)`` to ``target``, pausing before the manifest publish until ``gate``
+    exists; write ``ok`` or ``<ErrorType>: message`` to ``result``."""
+    torch.set_num_threads(1)
+    if storage_options is None:
+        store: Any = GateStorage(target, entered=entered, gate=gate)
+    else:
+        store = GateFsspecStorage(target, storage_options, entered=entered, gate=gate)
+    try:
+        tessera.save(target, make_state(k), storage=store)
+        out = "ok"
+    except BaseException as e:  # noqa: BLE001 - reported to the test
+        out = f"{type(e).__name__}: {e}"
+    with open(result + ".tmp", "w") as f:
+        f.write(out)
+    os.replace(result + ".tmp", result)
+
+
+# --------------------------------------------------------------------------------------
 # Save loops run in a child process until killed
 
 
@@ -208,6 +286,12 @@ def save_loop(
         manager_kwargs: extra CheckpointManager arguments.
         rank, world: with ``world > 1`` (inside :func:`start_ranks`), save this rank's
             part of the state (see :func:`make_rank_state`).
+
+    Modes: ``"path"`` (``tessera.save``), ``"tier"`` (``tessera.save`` through a
+    :class:`MemoryTierStorage` persisting to ``target``, memory copy in ``target + ".mem"``,
+    waiting until durable), ``"contended"`` (``tessera.save`` while another writer saves to
+    the same path: a save fenced off by the other one logs ``lost k`` and the loop goes on),
+    ``"manager"`` and ``"manager_async"``.
     """
     torch.set_num_threads(1)
     factory: Callable[[str], Any] | None = None
@@ -226,7 +310,19 @@ def save_loop(
     for k in range(first, first + count):
         state = make_state(k) if world == 1 else make_rank_state(k, rank, world)
         _log(progress, f"begin {k}")
-        if mgr is None:
+        if mode == "tier":
+            tier = MemoryTierStorage(target, memory_root=target + ".mem")
+            tessera.save(tier.url, state, storage=tier)
+            tier.wait_persisted()
+        elif mode == "contended":
+            try:
+                tessera.save(target, state)
+            except tessera.CheckpointError as e:
+                if not _fenced(e):
+                    raise
+                _log(progress, f"lost {k}")
+                continue
+        elif mgr is None:
             tessera.save(target, state, storage=factory(target) if factory else None)
         else:
             out = mgr.save(k, state)
@@ -239,9 +335,18 @@ def save_loop(
         mgr.close()
 
 
-def rank_save_loop(rank: int, world: int, target: str, progress_dir: str, mode: str) -> None:
+def _fenced(e: BaseException) -> bool:
+    """Whether a save failed because another writer of the path won (on this rank or rank 0)."""
+    if isinstance(e, (ConcurrentSaveError, CommitCheckError)):
+        return True
+    failures = getattr(e, "failures", None) or {}
+    names = ("ConcurrentSaveError", "CommitCheckError")
+    return bool(failures) and all(str(f).startswith(names) for f in failures.values())
+
+
+def rank_save_loop(rank: int, world: int, target: str, progress_dir: str, mode: str, first: int = 1) -> None:
     """:func:`save_loop` as one rank of :func:`start_ranks` (progress in ``progress_dir/<rank>``)."""
-    save_loop(target, os.path.join(progress_dir, str(rank)), mode, rank=rank, world=world)
+    save_loop(target, os.path.join(progress_dir, str(rank)), mode, first=first, rank=rank, world=world)
 
 
 def _forkserver() -> multiprocessing.context.BaseContext:

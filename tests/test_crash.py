@@ -254,3 +254,135 @@ def test_two_ranks_one_killed_mid_save(tmp_path, mode: str) -> None:
         what = _two_rank_trial(tmp_path, trial, rng, mode)
         outcomes[what] = outcomes.get(what, 0) + 1
     print(f"two ranks, {mode}: {outcomes}")
+
+
+# --------------------------------------------------------------------------------------
+# The memory tier, killed at random moments (issue #10, item 1)
+
+
+def _tier_trials(tmp_path, n: int, seed: int, max_delay: float) -> dict[str, int]:
+    rng = random.Random(seed)
+    outcomes: dict[str, int] = {}
+    for trial in range(n):
+        target = str(tmp_path / f"tier-{trial}")
+        progress = str(tmp_path / f"tier-{trial}.progress")
+        proc = start(save_loop, target, progress, "tier")
+        wait_for_line(progress, "ready")
+        proc.join(rng.uniform(0.2, max_delay))
+        proc.kill()
+        proc.join()
+        assert proc.exitcode == KILLED, f"trial {trial}: the saver ended by itself ({proc.exitcode})"
+        # The durable copy holds the last persisted save or a newer one, complete: a save's
+        # persistence never rewrote the files of the committed durable checkpoint.
+        what = _check_path_after_kill(target, progress)
+        outcomes[what] = outcomes.get(what, 0) + 1
+    return outcomes
+
+
+def test_memory_tier_killed_at_random_quick(tmp_path) -> None:
+    outcomes = _tier_trials(tmp_path, 3, seed=21, max_delay=1.5)
+    assert sum(outcomes.values()) == 3
+
+
+@pytest.mark.slow
+def test_memory_tier_killed_at_random(tmp_path) -> None:
+    outcomes = _tier_trials(tmp_path, 10, seed=22, max_delay=2.5)
+    print(f"tier: {outcomes}")
+    assert sum(outcomes.values()) == 10
+
+
+# --------------------------------------------------------------------------------------
+# Two independent writers on one path, overlapping, killed at random (issue #10, item 2)
+
+
+def _read_lost(progress: str) -> int:
+    with open(progress) as f:
+        return sum(1 for line in f if line.startswith("lost "))
+
+
+def _contended_trial(tmp_path, trial: int, rng: random.Random, run_s: float) -> tuple[int, int]:
+    path = str(tmp_path / f"contended-{trial}")
+    firsts = (1000, 2000)
+    progress = [str(tmp_path / f"contended-{trial}.{w}") for w in range(2)]
+    procs = [start(save_loop, path, progress[w], "contended", None, firsts[w]) for w in range(2)]
+    for p in progress:
+        wait_for_line(p, "ready")
+    procs[0].join(run_s)
+    victims = list(range(2))
+    rng.shuffle(victims)
+    for w in victims:  # one after the other, at different moments
+        procs[w].kill()
+        procs[w].join()
+        assert procs[w].exitcode == KILLED, f"writer {w} ended by itself ({procs[w].exitcode})"
+        procs[1 - w].join(rng.uniform(0.0, 0.3))
+    ranges = [(firsts[w], read_progress(progress[w])[0]) for w in range(2)]
+    if os.path.exists(os.path.join(path, MANIFEST_NAME)):
+        report = verify(path)
+        assert report.ok, report.summary()
+        k = _load_path(path)  # complete, bit-exact: one writer's whole state, never a mix
+        assert any(lo <= k <= hi for lo, hi in ranges), f"loaded {k}, begun ranges {ranges}"
+    else:
+        assert all(read_progress(p)[1] == 0 for p in progress), "a save returned but nothing is committed"
+    tessera.save(path, make_state(3))  # the path is usable again, and cleaned
+    assert _load_path(path) == 3
+    _no_leftovers(path)
+    assert not os.path.exists(os.path.join(path, ".tessera-saves"))
+    return sum(read_progress(p)[1] > 0 for p in progress), sum(_read_lost(p) for p in progress)
+
+
+def test_two_writers_one_path_quick(tmp_path) -> None:
+    rng = random.Random(31)
+    for trial in range(2):
+        _contended_trial(tmp_path, trial, rng, run_s=2.0)
+
+
+@pytest.mark.slow
+def test_two_writers_one_path_killed_at_random(tmp_path) -> None:
+    rng = random.Random(32)
+    lost = 0
+    for trial in range(8):
+        lost += _contended_trial(tmp_path, trial, rng, run_s=rng.uniform(0.5, 3.0))[1]
+    print(f"two writers: {lost} saves fenced off")
+
+
+def _check_rank_state(path: str, ranges: list[tuple[int, int]]) -> int:
+    state = empty_state()
+    tessera.load(path, state, options=NO_TIMINGS)
+    k = check_state(state)  # the whole state of one iteration of one group, never a mix
+    assert any(lo <= k <= hi for lo, hi in ranges), f"loaded {k}, begun ranges {ranges}"
+    return k
+
+
+@pytest.mark.slow
+def test_two_process_groups_one_path(tmp_path) -> None:
+    """Two independent 2-rank jobs (a zombie and its replacement) save to one path at once."""
+    rng = random.Random(41)
+    for trial in range(3):
+        path = str(tmp_path / f"groups-{trial}")
+        dirs = [str(tmp_path / f"groups-{trial}.{g}") for g in range(2)]
+        for d in dirs:
+            os.makedirs(d)
+        groups = [
+            start_ranks(rank_save_loop, 2, path, dirs[g], "contended", 1000 * (g + 1), env={"TESSERA_TIMEOUT_S": "30"})
+            for g in range(2)
+        ]
+        for d in dirs:
+            for r in range(2):
+                wait_for_line(os.path.join(d, str(r)), "ready")
+        groups[0].procs[0].join(rng.uniform(1.0, 3.0))
+        for g in groups:
+            for r in range(2):
+                g.kill(r)
+        for g in groups:
+            out = g.collect(30)
+            assert all(o.status == "died" for o in out), [o.value for o in out if o.status == "error"]
+        ranges = [(1000 * (g + 1), max(read_progress(os.path.join(dirs[g], str(r)))[0] for r in range(2))) for g in range(2)]
+        if os.path.exists(os.path.join(path, MANIFEST_NAME)):
+            assert verify(path).ok, verify(path).summary()
+            _check_rank_state(path, ranges)
+        lost = sum(_read_lost(os.path.join(d, "0")) for d in dirs)
+        done = [read_progress(os.path.join(d, "0"))[1] for d in dirs]
+        print(f"trial {trial}: last done per group {done}, {lost} saves fenced off")
+        tessera.save(path, make_state(3))
+        assert _load_path(path) == 3
+        _no_leftovers(path)

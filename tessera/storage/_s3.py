@@ -20,7 +20,7 @@ from collections import deque
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, TypeVar
 
-from ..errors import StorageError
+from ..errors import ConcurrentSaveError, StorageError
 from ._retry import RetryOptions, Truncated, acall_with_retry, describe, error_code
 from .base import Buffer
 
@@ -305,6 +305,43 @@ class S3Objects:
         """One PUT of ``data``: readers see the old object or the new one."""
         self._request("committing", rel, "put_object", Key=self._key(rel), Body=data)
 
+    def version(self, rel: str) -> str | None:
+        """The object's ETag (None if it does not exist): one HEAD."""
+        try:
+            return str(self._request("stat of", rel, "head_object", Key=self._key(rel))["ETag"])
+        except FileNotFoundError:
+            return None
+
+    def put_if(self, rel: str, data: bytes, expected: str | None) -> None:
+        """A conditional PUT: ``If-Match: <expected>``, or ``If-None-Match: *`` for a new object.
+
+        The store itself compares and writes in one step, so two writers can never both
+        succeed from the same ``expected``. If an attempt's answer was lost and its retry is
+        refused, the object is checked: if it holds exactly ``data`` (its MD5 ETag), the PUT
+        had succeeded.
+
+        Raises:
+            ConcurrentSaveError: if the object is no longer ``expected``.
+        """
+        condition = {"IfNoneMatch": "*"} if expected is None else {"IfMatch": expected}
+        try:
+            self._request("committing", rel, "put_object", Key=self._key(rel), Body=data, **condition)
+        except StorageError as e:
+            code, status = error_code(e)
+            if code not in ("PreconditionFailed", "ConditionalRequestConflict") and status not in (409, 412):
+                raise
+            if self.version(rel) == f'"{hashlib.md5(data).hexdigest()}"':
+                return  # our own earlier attempt landed
+            raise ConcurrentSaveError(
+                f"not committing {self.url_of(rel)}: another save committed it while this one ran "
+                f"(the conditional PUT was refused: {describe(e)}); two jobs are saving to one path. "
+                "The other save's checkpoint stands"
+            ) from e
+
+    def file_sizes(self, rel_prefix: str) -> dict[str, int]:
+        """``{relative path: size}`` under ``rel_prefix``: one LIST request per 1,000 objects."""
+        return dict(self._run(self._list_sized, rel_prefix))
+
     def read_file(self, rel: str) -> bytes:
         key = self._key(rel)
 
@@ -383,13 +420,13 @@ class S3Objects:
         return self._run(self._retrying, "checking", rel, probe)
 
     def list(self, rel_prefix: str) -> list[str]:
-        return self._run(self._list, rel_prefix)
+        return [name for name, _ in self._run(self._list_sized, rel_prefix)]
 
-    async def _list(self, rel_prefix: str) -> list[str]:
+    async def _list_sized(self, rel_prefix: str) -> list[tuple[str, int]]:
         base = self._key(rel_prefix) if rel_prefix else self.prefix
         list_prefix = base if rel_prefix else (f"{base}/" if base else "")
         strip = f"{self.prefix}/" if self.prefix else ""
-        out: list[str] = []
+        out: list[tuple[str, int]] = []
         token: str | None = None
         while True:
             kwargs: dict[str, object] = {"Prefix": list_prefix}
@@ -402,7 +439,7 @@ class S3Objects:
                     continue  # "directory" placeholder objects made by some tools
                 if rel_prefix and not (name == base or name.startswith(base + "/")):
                     continue  # "data2/x" is not under "data"
-                out.append(name[len(strip) :])
+                out.append((name[len(strip) :], int(obj.get("Size", 0))))
             if not resp.get("IsTruncated"):
                 return sorted(out)
             token = resp.get("NextContinuationToken")

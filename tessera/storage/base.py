@@ -4,10 +4,19 @@ A backend is bound to one checkpoint root (a directory or URL prefix) and is add
 relative POSIX paths such as ``manifest.json`` or ``data/0a1b/0-0.safetensors``.
 
 Call order during a save (every rank holds its own backend object for the same root):
-    1. each rank calls :meth:`Storage.write_file` for the data files it owns;
-    2. after every rank's files are durable, rank 0 alone calls :meth:`Storage.write_atomic`
-       for ``manifest.json``: that call is the commit point;
-    3. rank 0 may then :meth:`Storage.delete` files no committed manifest refers to.
+    1. rank 0 reads the manifest's version (:meth:`CommitStorage.version`) and writes the
+       save's owner marker ``.tessera-saves/<save id>``;
+    2. each rank calls :meth:`Storage.write_file` for the data files it owns, all under
+       ``data/<save id>/`` (names no committed manifest refers to), then
+       :meth:`CommitStorage.sync_dirs` for them;
+    3. after every rank's files are durable, rank 0 alone checks them
+       (:meth:`CommitStorage.file_sizes`, one listing) and publishes ``manifest.json`` with
+       :meth:`CommitStorage.replace_if` (or :meth:`Storage.write_atomic`): the commit point;
+    4. rank 0 may then :meth:`Storage.delete` files of saves that are over (see
+       :mod:`tessera.commit`).
+
+The methods of :class:`CommitStorage` are optional: a backend without them still works, with
+weaker guarantees (no fencing of concurrent writers, one ``size`` call per file at commit).
 During a load every rank calls :meth:`Storage.read_file` (manifest) and
 :meth:`Storage.read_into` (byte ranges), from several threads at once.
 
@@ -25,6 +34,9 @@ from ..errors import ManifestError
 
 Buffer = bytes | bytearray | memoryview
 
+OWNER_MARKER_DIR = ".tessera-saves"
+"""Directory (in a checkpoint) of the owner markers of saves in progress (see tessera.commit)."""
+
 
 @runtime_checkable
 class Storage(Protocol):
@@ -35,6 +47,11 @@ class Storage(Protocol):
 
     def write_file(self, path: str, chunks: Iterable[Buffer]) -> None:
         """Create (or replace) ``path`` with the concatenation of ``chunks``.
+
+        Saves only ever create new names (``data/<save id>/...``). A backend must never
+        truncate an existing file in place: replacing one goes through a new object or a
+        rename, so a reader of the old file never sees it change. A failed write leaves
+        nothing at ``path`` (where the backend can delete it).
 
         The chunks are consumed in order and may be large views of staging memory; a backend
         must not keep references to them after returning. On return the file is durable to
@@ -72,6 +89,31 @@ class Storage(Protocol):
 
     def delete(self, paths: Iterable[str]) -> None:
         """Remove ``paths``; paths that do not exist are ignored."""
+        ...
+
+
+@runtime_checkable
+class CommitStorage(Protocol):
+    """Optional methods the commit protocol uses when a backend has them (see docs/guarantees.md)."""
+
+    def version(self, path: str) -> str | None:
+        """An opaque token that changes whenever ``path`` is replaced; None if it does not exist."""
+        ...
+
+    def replace_if(self, path: str, data: bytes, expected: str | None) -> None:
+        """:meth:`Storage.write_atomic`, but only if :meth:`version` of ``path`` is still ``expected``.
+
+        Raises:
+            tessera.errors.ConcurrentSaveError: if it is not (nothing is written then).
+        """
+        ...
+
+    def file_sizes(self, prefix: str) -> dict[str, int]:
+        """``{relative path: size}`` of every file under ``prefix``, in as few requests as possible."""
+        ...
+
+    def sync_dirs(self, paths: Iterable[str]) -> None:
+        """Make the directory entries of the (already durable) files ``paths`` durable."""
         ...
 
 

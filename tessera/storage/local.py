@@ -1,13 +1,20 @@
 """Local or shared POSIX filesystem backend.
 
-Data files are written with large sequential ``os.write`` calls and fsync'ed; the manifest
-is committed by writing a temporary file, fsync, ``os.replace`` and an fsync of the
-directory, so a crash leaves either the old or the new manifest. Range reads use ``pread``
-on cached descriptors shared by all threads, or a memory map (:meth:`FileStorage.map_range`).
+Data files are created exclusively (``O_EXCL``: an existing file is never reopened, let
+alone truncated), written with large sequential ``os.write`` calls and fsync'ed; a failed
+write removes its partial file. :meth:`FileStorage.sync_dirs` then makes their directory
+entries durable. The manifest is committed by writing a temporary file, fsync,
+``os.replace`` and an fsync of the directory, so a crash leaves either the old or the new
+manifest. :meth:`FileStorage.replace_if` does the same under an exclusive ``flock`` of the
+directory and only if the manifest is still the version the save started from: the fence between two writers of one path (see docs/guarantees.md). Range reads use
+``pread`` on cached descriptors shared by all threads, or a memory map
+(:meth:`FileStorage.map_range`).
 """
 
 from __future__ import annotations
 
+import fcntl
+import logging
 import mmap
 import os
 import threading
@@ -15,8 +22,13 @@ import uuid
 from collections.abc import Iterable
 from urllib.parse import urlparse
 
-from ..errors import StorageError
+from ..errors import ConcurrentSaveError, StorageError
 from .base import Buffer, check_relpath
+
+logger = logging.getLogger(__name__)
+
+LOCK_NAME = ".tessera-lock"
+"""File (next to a manifest) that writers of that manifest ``flock`` while they replace it."""
 
 
 def local_root(url: str) -> str:
@@ -69,12 +81,30 @@ class FileStorage:
             d = os.path.dirname(d)
 
     def write_file(self, path: str, chunks: Iterable[Buffer]) -> None:
+        """Create ``path`` from ``chunks``; durable (fsync) on return when ``durable``.
+
+        The file is created with ``O_EXCL``, so no file that exists (for instance one a
+        committed manifest references) is ever reopened or truncated. If ``path`` exists,
+        the new content goes to a temporary file that then replaces it by rename (readers
+        holding the old file keep reading the old bytes). A failed write removes what it
+        wrote.
+
+        Raises:
+            StorageError: if the file cannot be created or written (ENOSPC included).
+        """
         full = self._abs(path)
-        self._makedirs(os.path.dirname(full))
         try:
-            fd = os.open(full, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            fd = self._create(full)
+            target = full
+        except FileExistsError:
+            target = f"{full}.tmp-{uuid.uuid4().hex}"
+            try:
+                fd = self._create(target)
+            except OSError as e:
+                raise StorageError(f"cannot create {target}: {e}") from e
         except OSError as e:
             raise StorageError(f"cannot create {full}: {e}") from e
+        ok = False
         try:
             for chunk in chunks:
                 view = memoryview(chunk).cast("B")
@@ -83,10 +113,59 @@ class FileStorage:
                     view = view[n:]
             if self.durable:
                 os.fsync(fd)
+            ok = True
         except OSError as e:
             raise StorageError(f"writing {full} failed: {e}") from e
         finally:
             os.close(fd)
+            if not ok:
+                # A partial file must not stay behind: on a full disk it would keep the disk full.
+                self._unlink_quietly(target)
+        if target != full:
+            try:
+                os.replace(target, full)
+            except OSError as e:
+                self._unlink_quietly(target)
+                raise StorageError(f"replacing {full} failed: {e}") from e
+
+    def _create(self, full: str) -> int:
+        """Create ``full`` exclusively, with its directories.
+
+        Retried if a directory vanishes in between: another save's cleanup removes
+        directories it left empty (``data/``, ``.tessera-saves/``), which may be ones just made.
+        """
+        for attempt in range(8):
+            try:
+                self._makedirs(os.path.dirname(full))
+                return os.open(full, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            except FileNotFoundError:
+                if attempt == 7:
+                    raise
+        raise AssertionError("unreachable")
+
+    @staticmethod
+    def _unlink_quietly(full: str) -> None:
+        try:
+            os.unlink(full)
+        except FileNotFoundError:
+            pass
+        except OSError as e:  # the original error matters more
+            logger.warning("could not remove partial file %s: %s", full, e)
+
+    def sync_dirs(self, paths: Iterable[str]) -> None:
+        """Make the directory entries of ``paths`` durable: one fsync per distinct directory.
+
+        Called after the files themselves were fsync'ed and before anything refers to them
+        (the manifest), so that after a power loss a committed manifest never names a file
+        whose directory entry was lost.
+        """
+        if not self.durable:
+            return
+        for d in sorted({os.path.dirname(self._abs(p)) for p in paths}):
+            try:
+                self._fsync_dir(d)
+            except OSError as e:
+                raise StorageError(f"fsync of directory {d} failed: {e}") from e
 
     def write_atomic(self, path: str, data: bytes) -> None:
         full = self._abs(path)
@@ -94,7 +173,7 @@ class FileStorage:
         self._makedirs(directory)
         tmp = f"{full}.tmp-{uuid.uuid4().hex}"
         try:
-            self.write_file(os.path.relpath(tmp, self.root), [data])
+            self._write_new(tmp, data)
             os.replace(tmp, full)
             self._fsync_dir(directory)
         except OSError as e:
@@ -102,6 +181,132 @@ class FileStorage:
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)
+
+    def _write_new(self, full: str, data: bytes) -> None:
+        fd = self._create(full)
+        try:
+            view = memoryview(data).cast("B")
+            while len(view):
+                view = view[os.write(fd, view) :]
+            if self.durable:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def version(self, path: str) -> str | None:
+        """An opaque token of ``path``'s current content (None if absent).
+
+        Every replacement by rename creates a new inode, so the token changes with each commit.
+        """
+        try:
+            st = os.stat(self._abs(path))
+        except FileNotFoundError:
+            return None
+        return f"{st.st_dev}-{st.st_ino}-{st.st_mtime_ns}-{st.st_ctime_ns}-{st.st_size}"
+
+    def replace_if(self, path: str, data: bytes, expected: str | None) -> None:
+        """Publish ``data`` at ``path`` atomically, only if its :meth:`version` is ``expected``.
+
+        The check and the rename happen under an exclusive ``flock`` of the directory (or of
+        ``<dir>/.tessera-lock`` where directories cannot be locked), released by the kernel if
+        the process dies, so it never goes stale. Every writer of
+        a manifest through this method takes the same lock, so check-then-replace is atomic
+        among them, on one host and on shared filesystems whose ``flock`` is coherent across
+        clients (NFSv4, Lustre with ``flock``, GPFS). Temporary files left by writers that
+        crashed are removed while the lock is held.
+
+        Raises:
+            ConcurrentSaveError: if ``path`` changed since ``expected`` was read.
+            StorageError: if writing fails (nothing is published then).
+        """
+        full = self._abs(path)
+        directory = os.path.dirname(full)
+        self._makedirs(directory)
+        lock = self._lock(directory, full)
+        try:
+            current = self.version(path)
+            if current != expected:
+                raise ConcurrentSaveError(
+                    f"not committing {full}: another save committed it while this one ran "
+                    f"(the manifest is no longer the one this save started from); two jobs are saving "
+                    f"to one path. The other save's checkpoint stands; this save's files were removed"
+                )
+            prefix = os.path.basename(full) + ".tmp-"
+            for name in os.listdir(directory):  # leftovers of writers that died mid-commit
+                if name.startswith(prefix):
+                    self._unlink_quietly(os.path.join(directory, name))
+            tmp = f"{full}.tmp-{uuid.uuid4().hex}"
+            try:
+                self._write_new(tmp, data)
+                os.replace(tmp, full)
+                self._fsync_dir(directory)
+            except OSError as e:
+                raise StorageError(f"committing {full} failed: {e}") from e
+            finally:
+                if os.path.exists(tmp):
+                    self._unlink_quietly(tmp)
+        finally:
+            os.close(lock)  # releases the flock
+
+    @staticmethod
+    def _lock(directory: str, full: str) -> int:
+        """An exclusive ``flock`` on ``directory`` itself (no file left behind), or, where the
+        filesystem cannot lock a directory (NFS emulates ``flock`` with POSIX locks, which need
+        a writable descriptor), on ``directory/.tessera-lock``. Returns the locked descriptor."""
+        try:
+            fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+        except OSError as e:
+            raise StorageError(f"cannot open {directory} to commit {full}: {e}") from e
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            return fd
+        except OSError:
+            os.close(fd)
+        try:
+            fd = os.open(os.path.join(directory, LOCK_NAME), os.O_RDWR | os.O_CREAT, 0o644)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError as e:
+            raise StorageError(f"cannot take the commit lock of {full}: {e}") from e
+        return fd
+
+    def file_sizes(self, prefix: str) -> dict[str, int]:
+        """``{relative path: size}`` of every file under ``prefix`` (one directory walk)."""
+        base = self._abs(prefix) if prefix else self.root
+        out: dict[str, int] = {}
+        stack = [base]
+        while stack:
+            d = stack.pop()
+            try:
+                entries = list(os.scandir(d))
+            except FileNotFoundError:
+                continue
+            except NotADirectoryError:
+                continue
+            for e in entries:
+                if e.is_dir(follow_symlinks=False):
+                    stack.append(e.path)
+                elif e.name != LOCK_NAME:
+                    try:
+                        size = e.stat().st_size
+                    except FileNotFoundError:
+                        continue
+                    out[os.path.relpath(e.path, self.root).replace(os.sep, "/")] = size
+        return out
+
+    def remove_empty_dirs(self, prefix: str) -> None:
+        """Remove empty directories under ``prefix`` (left by saves killed between creating a
+        directory and their first file). A writer that races with this retries (:meth:`_create`)."""
+        base = self._abs(prefix)
+        for dirpath, dirnames, filenames in os.walk(base, topdown=False):
+            if dirpath != base and not dirnames and not filenames:
+                try:
+                    os.rmdir(dirpath)
+                except OSError:
+                    pass
+
+    def location(self) -> str:
+        """Where this backend stores, as one comparable string (the absolute directory)."""
+        return "file://" + self.root
 
     def read_file(self, path: str) -> bytes:
         with open(self._abs(path), "rb") as f:
@@ -212,6 +417,8 @@ class FileStorage:
         found = []
         for dirpath, _, files in os.walk(base):
             for name in files:
+                if name == LOCK_NAME:  # the commit lock is not part of the checkpoint
+                    continue
                 found.append(os.path.relpath(os.path.join(dirpath, name), self.root).replace(os.sep, "/"))
         return sorted(found)
 
@@ -228,6 +435,8 @@ class FileStorage:
         for d in sorted(dirs, key=len, reverse=True):
             while d.startswith(self.root) and d != self.root:
                 try:
+                    if os.listdir(d) == [LOCK_NAME]:  # a checkpoint directory being removed whole
+                        os.unlink(os.path.join(d, LOCK_NAME))
                     os.rmdir(d)
                 except OSError:
                     break

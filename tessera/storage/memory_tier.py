@@ -21,9 +21,11 @@ How it works:
   copies nest like the checkpoints: a tier opened on a run's root sees (and its deletes
   reach) the memory copies of the run's step checkpoints.
 * **Save.** ``write_file`` writes to memory only. ``write_atomic("manifest.json")`` commits in
-  memory, then (``auto_persist=True``) schedules the persistence: every file under the memory
-  directory except manifests is copied to the durable backend, several at a time, and the
-  manifest bytes committed in memory are published there last with ``write_atomic``. The
+  memory, then (``auto_persist=True``) schedules the persistence: exactly the files that
+  manifest references are copied to the durable backend, several at a time (never files of an
+  earlier save still in memory: the durable manifest may reference those), their durable sizes
+  are checked, and the manifest bytes committed in memory are published there last,
+  conditionally on the durable manifest being the one there when the persistence started. The
   durable store therefore goes from the old complete checkpoint to the new complete one, with
   the same commit point as a direct save. ``write_atomic`` of any other file (a "latest"
   pointer, timings) writes through to both copies at once.
@@ -46,8 +48,8 @@ How it works:
 * **Crashes.** A crash before the durable commit leaves the durable store at its previous
   checkpoint; the newer memory-only commit is ignored by loads (it can be pushed out with
   :meth:`MemoryTierStorage.persist` by a process restarted on the same node). Files left in
-  memory by a crash are copied by the next persistence and then removed by the save's usual
-  cleanup. The memory directory does not survive a reboot; ``/dev/shm`` counts against RAM.
+  memory by a crash are not copied (no manifest references them) and are removed by the next
+  save's cleanup. The memory directory does not survive a reboot; ``/dev/shm`` counts against RAM.
   At interpreter exit, pending persistence is completed before the process ends.
 
 Multi-node jobs (per-rank persistence): each node has its own ``/dev/shm``, so no single
@@ -85,7 +87,7 @@ from dataclasses import dataclass, field
 
 from .. import _knobs
 from ..errors import StorageError
-from .base import Buffer, Storage, check_relpath
+from .base import OWNER_MARKER_DIR, Buffer, Storage, check_relpath
 from .local import FileStorage
 
 logger = logging.getLogger(__name__)
@@ -127,6 +129,26 @@ def default_memory_root(durable_url: str) -> str:
     return os.path.join(base, "tessera", store, rel)
 
 
+def _manifest_files(manifest: bytes, written: list[str]) -> list[str]:
+    """The data files a committed manifest references (``written`` if it is not a tessera manifest)."""
+    # The tier is the one backend that reads what it stores: it must persist one save's files
+    # and no other's, and only the manifest knows which those are.
+    from ..errors import ManifestError
+    from ..manifest import decode
+
+    try:
+        return [f.path for f in decode(manifest).files]
+    except ManifestError:
+        return [p for p in written if not p.startswith(OWNER_MARKER_DIR + "/")]
+
+
+def _size_or_none(store: Storage, path: str) -> int | None:
+    try:
+        return store.size(path)
+    except FileNotFoundError:
+        return None
+
+
 def _is_manifest(rel: str) -> bool:
     return rel == MANIFEST or rel.endswith("/" + MANIFEST)
 
@@ -153,6 +175,8 @@ class _TierState:
     """Files whose copy failed and that no later copy has replaced: block commits."""
     hooked_save: str | None = None
     """Save id of the last :meth:`MemoryTierStorage.after_commit` (a repeated call is a no-op)."""
+    written: set[str] = field(default_factory=set)
+    """Files written through a tier object since the last commit in memory."""
     own_files: list[str] = field(default_factory=list)
     """Per-rank mode: files this process persisted for the previous save (dropped from memory next time)."""
 
@@ -260,8 +284,9 @@ class MemoryTierStorage:
         """Copy the memory copy to the durable backend in the background.
 
         Args:
-            files: files to copy; ``None`` means every file under the memory directory except
-                ``manifest.json``, snapshotted now.
+            files: files to copy; ``None`` means exactly the files the memory ``manifest.json``
+                references (with ``commit``), or every file under the memory directory except
+                manifests (without).
             commit: after the files, publish the memory ``manifest.json`` (as it is now) to the
                 durable backend with ``write_atomic``, then apply deferred deletes.
 
@@ -277,10 +302,6 @@ class MemoryTierStorage:
             >>> tier.persist().result()  # push a memory-only commit out after a restart  # doctest: +SKIP
         """
         global _LAST_JOB
-        if files is None:
-            snapshot = [p for p in self.memory.list() if not _is_manifest(p) and not _TMP_RE.search(p)]
-        else:
-            snapshot = [check_relpath(p) for p in files]
         manifest: bytes | None = None
         if commit:
             try:
@@ -289,7 +310,22 @@ class MemoryTierStorage:
                 raise StorageError(
                     f"nothing to persist for {self.url}: no {MANIFEST} committed in {self.memory.root}"
                 ) from e
+        if files is not None:
+            snapshot = [check_relpath(p) for p in files]
+        elif manifest is not None:
+            # Exactly the files of the save being persisted: the memory directory may still
+            # hold files of an earlier save (its cleanup comes later), and those may be files
+            # the durable manifest references; copying them again would rewrite committed files.
+            # The manifest says which; for bytes that are not a tessera manifest, the files
+            # written through the tier since its last commit.
+            with self._s.lock:
+                written = sorted(self._s.written)
+            snapshot = _manifest_files(manifest, written)
+        else:
+            snapshot = [p for p in self.memory.list() if not _is_manifest(p) and not _TMP_RE.search(p)]
         with self._s.lock:
+            if manifest is not None:
+                self._s.written.clear()
             future = _persister().submit(self._run_persist, snapshot, manifest)
             self._s.pending = future
             self._s.pending_commit = manifest is not None
@@ -370,9 +406,10 @@ class MemoryTierStorage:
 
     def _run_persist(self, files: list[str], manifest: bytes | None) -> None:
         t0 = time.monotonic()
+        expected = self._durable_version() if manifest is not None else None
         copied = self._copy_files(files)
         if manifest is not None:
-            self._publish(manifest)
+            self._publish(manifest, expected, files)
         logger.info(
             "persisted %s: %d files, %d bytes%s in %.2fs",
             self.url, len(files), copied, ", committed" if manifest is not None else "", time.monotonic() - t0,
@@ -384,6 +421,7 @@ class MemoryTierStorage:
         """Per-rank mode: copy this rank's files, report them; rank 0 then commits for everyone."""
         t0 = time.monotonic()
         markers = f"{MARKER_DIR}/{save_id}"
+        expected = self._durable_version() if rank == 0 else None
         try:
             copied = self._copy_files(files)
         except StorageError as e:
@@ -405,7 +443,7 @@ class MemoryTierStorage:
                 raise StorageError(f"nothing to persist for {self.url}: no {MANIFEST} committed in {self.memory.root}")
             if world_size > 1:
                 self._await_markers(markers, world_size)
-            self._publish(manifest)
+            self._publish(manifest, expected, [])
             if world_size > 1:
                 try:  # this save's markers, and any a rank wrote after an earlier commit gave up
                     self.durable.delete(self.durable.list(MARKER_DIR))
@@ -467,8 +505,18 @@ class MemoryTierStorage:
             time.sleep(delay)
             delay = min(1.0, delay * 1.5)
 
-    def _publish(self, manifest: bytes) -> None:
-        """Commit ``manifest`` in the durable store, then apply the deferred deletes."""
+    def _durable_version(self) -> str | None:
+        version = getattr(self.durable, "version", None)
+        return version(MANIFEST) if callable(version) else None
+
+    def _publish(self, manifest: bytes, expected: str | None, files: list[str]) -> None:
+        """Commit ``manifest`` in the durable store, then apply the deferred deletes.
+
+        ``expected`` is the durable manifest's version when this persistence started: the
+        publish is conditional on it (backends with ``replace_if``), so a save committed
+        straight to the durable store meanwhile is not overwritten. ``files`` (the ones just
+        copied) are checked to be there with their memory sizes first.
+        """
         with self._s.lock:
             missing = sorted(self._s.failed_copies)
         if missing:
@@ -478,8 +526,13 @@ class MemoryTierStorage:
                 f"not committing {self.url}: {len(missing)} file(s) failed to persist earlier "
                 f"({', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}); persist them again first"
             )
+        self._check_durable(files)
         try:
-            self.durable.write_atomic(MANIFEST, manifest)
+            replace_if = getattr(self.durable, "replace_if", None)
+            if callable(replace_if) and callable(getattr(self.durable, "version", None)):
+                replace_if(MANIFEST, manifest, expected)
+            else:
+                self.durable.write_atomic(MANIFEST, manifest)
         except Exception as e:
             logger.error("committing %s to %s failed: %s", MANIFEST, self.durable.url, e)
             raise StorageError(f"persisting {self.url} failed committing {MANIFEST}: {e}") from e
@@ -491,6 +544,30 @@ class MemoryTierStorage:
                 self.durable.delete(deletes)
             except Exception as e:  # garbage left behind is safe; the commit stands
                 logger.warning("deferred delete of %d files under %s failed: %s", len(deletes), self.durable.url, e)
+
+    def _check_durable(self, files: list[str]) -> None:
+        """Every copied file is in the durable store with its memory size (one listing per directory)."""
+        if not files:
+            return
+        file_sizes = getattr(self.durable, "file_sizes", None)
+        found: dict[str, int] = {}
+        for d in sorted({posixpath.dirname(p) for p in files}):
+            if callable(file_sizes):
+                found.update(file_sizes(d))
+        problems = []
+        for p in files:
+            try:
+                want = os.path.getsize(os.path.join(self.memory.root, p))
+            except FileNotFoundError:
+                continue  # deleted from memory since (no manifest needs it)
+            got = found.get(p) if callable(file_sizes) else _size_or_none(self.durable, p)
+            if got != want:
+                problems.append(f"{p}: {'missing' if got is None else f'{got} bytes instead of {want}'}")
+        if problems:
+            raise StorageError(
+                f"not committing {self.url}: {len(problems)} copied file(s) are not in {self.durable.url} as written: "
+                + "; ".join(problems[:5]) + "; the durable checkpoint keeps its previous commit"
+            )
 
     def _copy_files(self, files: list[str]) -> int:
         """Copy ``files`` from memory to the durable backend, ``max_workers`` at a time; bytes copied.
@@ -524,6 +601,13 @@ class MemoryTierStorage:
                 with self._s.lock:
                     self._s.failed_copies.add(jobs[fut])
                 failure = failure or (jobs[fut], e)
+        if failure is None and files:
+            sync_dirs = getattr(self.durable, "sync_dirs", None)
+            if callable(sync_dirs):  # directory entries durable before any manifest names them
+                try:
+                    sync_dirs(files)
+                except Exception as e:  # noqa: BLE001 - reported like a failed copy
+                    failure = (files[0], e)
         if failure is not None:
             path, e = failure
             logger.error(
@@ -634,6 +718,7 @@ class MemoryTierStorage:
         with self._s.lock:
             self._memory_valid = None
             self._s.deleted.discard(rel)
+            self._s.written.add(rel)
             if rel in self._s.deferred_deletes:
                 self._s.deferred_deletes = [p for p in self._s.deferred_deletes if p != rel]
         self.memory.write_file(rel, chunks)
@@ -659,6 +744,9 @@ class MemoryTierStorage:
             self.memory.write_atomic(rel, data)
             self.durable.write_atomic(rel, data)
             return
+        self._commit_manifest(data, None, conditional=False)
+
+    def _commit_manifest(self, data: bytes, expected: str | None, *, conditional: bool) -> None:
         if self.auto_persist:
             # Backpressure: one checkpoint in flight to durable storage per process, whatever
             # its URL, so host memory holds at most the one persisting and the one being saved.
@@ -668,10 +756,50 @@ class MemoryTierStorage:
                 concurrent.futures.wait([previous])
         with self._s.lock:
             self._memory_valid = None
-            self._s.deleted.discard(rel)
-        self.memory.write_atomic(rel, data)
+            self._s.deleted.discard(MANIFEST)
+        if conditional:
+            self.memory.replace_if(MANIFEST, data, expected)
+        else:
+            self.memory.write_atomic(MANIFEST, data)
         if self.auto_persist and not self.per_rank:  # per-rank mode starts in after_commit
             self.persist()
+
+    # -- commit protocol (see tessera.commit) ------------------------------------------------------
+
+    def version(self, path: str) -> str | None:
+        """Version of the memory copy of ``path``: the in-memory commit is the one fenced here.
+
+        The durable publish is fenced separately: it is conditional on the durable manifest
+        being the one that was there when the persistence started.
+        """
+        return self.memory.version(check_relpath(path))
+
+    def replace_if(self, path: str, data: bytes, expected: str | None) -> None:
+        """Commit ``manifest.json`` in memory if its memory version is ``expected``, then persist it.
+
+        Raises:
+            ConcurrentSaveError: another save committed the memory copy meanwhile.
+            ValueError: for any other path.
+        """
+        rel = check_relpath(path)
+        if rel != MANIFEST:
+            raise ValueError(f"{self.url}: replace_if is for {MANIFEST}, not {rel!r}")
+        self._commit_manifest(data, expected, conditional=True)
+
+    def file_sizes(self, prefix: str) -> dict[str, int]:
+        """Sizes of the memory copies under ``prefix`` (what the commit in memory refers to)."""
+        return self.memory.file_sizes(prefix)
+
+    @property
+    def all_files_visible(self) -> bool:
+        """Whether rank 0 sees every rank's files: not in per-rank (multi-node) mode, where each
+        node's files are in its own memory and the durable commit waits for every rank's marker."""
+        return not self.per_rank
+
+    def location(self) -> str:
+        """``tier::`` and the durable backend's location."""
+        loc = getattr(self.durable, "location", None)
+        return TIER_PREFIX + (str(loc()) if callable(loc) else self.durable.url)
 
     def read_file(self, path: str) -> bytes:
         """Content of ``path``; a ``manifest.json`` always comes from the durable backend."""
@@ -751,6 +879,7 @@ class MemoryTierStorage:
             return
         with self._s.lock:
             self._s.deleted.update(rels)
+            self._s.written.difference_update(rels)
             self._s.failed_copies.difference_update(rels)  # no manifest will need them
             self._memory_valid = None
             pending = self._s.pending is not None and not self._s.pending.done()

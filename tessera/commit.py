@@ -1,0 +1,298 @@
+"""The commit protocol: how one save becomes the checkpoint at its path, fenced from others.
+
+Every step a save takes against storage, in order (docs/guarantees.md says why it holds):
+
+1. **Claim** (rank 0, in the background, before any rank writes; the others wait for it):
+   read the manifest's current version (``Storage.version``), then create the owner marker
+   ``.tessera-saves/<save id>``. Before that, while planning, all ranks agree on one
+   location, or every rank fails (:func:`check_locations`).
+2. **Write** (every rank): data files only under ``data/<save id>/``, names no committed
+   manifest refers to; each fsync'ed, then its directory; a failed write removes its files.
+3. **Check** (rank 0, :func:`check_files`): every file the ranks reported exists where the
+   manifest will point, with the reported size: one listing of ``data/<save id>/``.
+4. **Publish** (rank 0, :func:`publish`): ``manifest.json`` replaces the version read in 1,
+   and only that version (``replace_if``: a ``flock``-guarded rename on filesystems, a
+   conditional PUT on S3). If another save committed meanwhile, this one fails with
+   :class:`~tessera.errors.ConcurrentSaveError` and removes only its own files.
+5. **Clean up** (rank 0, :func:`clean_up`): delete the files of saves that can never commit
+   any more: those whose marker existed before step 4 (their version is stale now, so
+   their own step 4 must fail), and those with no marker at all (finished or dead).
+   Saves that started after step 4 are left alone.
+
+A failed save (:func:`abandon`) removes its own files and marker, nothing else.
+
+The hand-off types are frozen dataclasses: :class:`Claim` (what rank 0 holds from 1 to 5)
+and :class:`RankReport` (what each rank tells rank 0 after 2).
+"""
+
+from __future__ import annotations
+
+import logging
+import posixpath
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from .errors import CheckpointError, CommitCheckError, ConcurrentSaveError, LocationMismatchError, StorageError
+from .manifest import MANIFEST_NAME
+from .storage import Storage
+from .storage.base import OWNER_MARKER_DIR
+
+logger = logging.getLogger(__name__)
+
+DATA_DIR = "data"
+MARKER_DIR = OWNER_MARKER_DIR
+"""Owner markers of the saves in progress at a checkpoint path (one empty file per save)."""
+LOAD_TIMINGS_DIR = "timings"
+"""Directory (inside a checkpoint) where each load's per-rank timings are kept."""
+_STAT_THREADS = 16
+
+
+@dataclass(frozen=True)
+class Claim:
+    """Rank 0's hold on a checkpoint path for one save.
+
+    Attributes:
+        save_id: the save's unique id; its files live under ``data/<save_id>/``.
+        expected: the manifest version the save replaces (None: there was none, or the
+            backend has no versions).
+        fenced: whether the backend publishes conditionally (``replace_if``).
+    """
+
+    save_id: str
+    expected: str | None
+    fenced: bool
+
+    @property
+    def data_prefix(self) -> str:
+        return f"{DATA_DIR}/{self.save_id}"
+
+    @property
+    def marker(self) -> str:
+        return f"{MARKER_DIR}/{self.save_id}"
+
+
+@dataclass(frozen=True)
+class RankReport:
+    """What one rank tells rank 0 once its data files are written (or failed).
+
+    Attributes:
+        error: the rank's failure as ``dist.error_text`` made it (untouched), or None.
+        files: ``(path, nbytes, tiles)`` per file it wrote, tiles as the manifest needs them.
+        values: the rank's plain and per-rank values (encoded).
+        timings: the rank's phase durations and byte count.
+    """
+
+    error: Any
+    files: tuple[tuple[str, int, list], ...]
+    values: dict[str, Any]
+    timings: dict[str, float]
+
+
+def location_of(store: Storage) -> str:
+    """The location ``store`` writes to, as one string all ranks can compare."""
+    location = getattr(store, "location", None)
+    return str(location()) if callable(location) else str(store.url)
+
+
+def check_locations(locations: list[str], path: str) -> None:
+    """Raise on every rank if the ranks of one save named different locations.
+
+    Raises:
+        LocationMismatchError: naming each distinct location and the ranks that gave it.
+    """
+    by_location: dict[str, list[int]] = {}
+    for rank, loc in enumerate(locations):
+        by_location.setdefault(loc, []).append(rank)
+    if len(by_location) <= 1:
+        return
+    shown = "; ".join(
+        f"rank{'s' if len(r) > 1 else ''} {_ranks(r)}: {loc}" for loc, r in list(by_location.items())[:6]
+    )
+    raise LocationMismatchError(
+        f"the ranks saving {path!r} do not agree on where the checkpoint is ({len(by_location)} locations: "
+        f"{shown}); every rank must pass the same path, on storage every rank and later loads can reach "
+        "(not a node-local directory per rank). Nothing was written"
+    )
+
+
+def _ranks(ranks: list[int]) -> str:
+    return ", ".join(map(str, ranks[:8])) + (" ..." if len(ranks) > 8 else "")
+
+
+def claim(store: Storage, save_id: str) -> Claim:
+    """Rank 0, before any rank writes: note the manifest's version, then mark the save as live.
+
+    The version is read *before* the marker exists: a save whose marker another save sees
+    started from a version that other save's commit makes stale (see :func:`clean_up`).
+
+    Raises:
+        StorageError: if the manifest's version cannot be read or the marker not written.
+    """
+    version = getattr(store, "version", None)
+    try:
+        expected = version(MANIFEST_NAME) if callable(version) else None
+        fenced = callable(version) and callable(getattr(store, "replace_if", None))
+        c = Claim(save_id, expected, fenced)
+        store.write_file(c.marker, [b""])
+    except CheckpointError:
+        raise
+    except Exception as e:
+        raise StorageError(
+            f"cannot start a save at {location_of(store)}: {type(e).__name__}: {e}"
+        ) from e
+    return c
+
+
+def check_files(store: Storage, claim: Claim, reports: list[RankReport], path: str) -> None:
+    """Rank 0, before publishing: every reported file exists with its reported size.
+
+    One listing of ``data/<save id>/`` (``file_sizes``; on S3 one LIST per 1,000 objects),
+    or one ``size`` per file in threads for backends without it.
+
+    Raises:
+        CommitCheckError: naming the missing or wrong-sized files and the ranks that wrote them.
+    """
+    expected = {f: (n, rank) for rank, rep in enumerate(reports) for f, n, _ in rep.files}
+    if not expected or not getattr(store, "all_files_visible", True):
+        return  # e.g. a per-node memory tier: its durable commit checks every rank's marker
+    found = _sizes(store, claim.data_prefix, list(expected))
+    problems = []
+    for f, (n, rank) in sorted(expected.items(), key=lambda kv: kv[1][1]):
+        got = found.get(f)
+        if got != n:
+            what = "missing" if got is None else f"{got} bytes instead of {n}"
+            problems.append(f"{f} (written by rank {rank}): {what}")
+    if problems:
+        raise CommitCheckError(
+            f"not committing {path}: {len(problems)} of {len(expected)} data file(s) are not where the manifest "
+            f"would point, as rank 0 sees the storage at {location_of(store)}: " + "; ".join(problems[:5])
+            + (" ..." if len(problems) > 5 else "")
+            + ". Causes: ranks writing to different (e.g. node-local) directories, another job deleting files "
+            "at this path, or storage that lost writes. The previous checkpoint is unchanged"
+        )
+
+
+def _sizes(store: Storage, prefix: str, paths: list[str]) -> dict[str, int]:
+    file_sizes = getattr(store, "file_sizes", None)
+    if callable(file_sizes):
+        return dict(file_sizes(prefix))
+
+    def one(p: str) -> tuple[str, int | None]:
+        try:
+            return p, store.size(p)
+        except FileNotFoundError:
+            return p, None
+
+    with ThreadPoolExecutor(min(_STAT_THREADS, len(paths)), thread_name_prefix="tessera-stat") as pool:
+        return {p: n for p, n in pool.map(one, paths) if n is not None}
+
+
+def live_saves(store: Storage) -> set[str]:
+    """Ids of the saves whose owner marker exists at the path."""
+    return {posixpath.basename(p) for p in store.list(MARKER_DIR)}
+
+
+def publish(store: Storage, claim: Claim, data: bytes, path: str) -> None:
+    """Rank 0: publish the manifest, unless another save committed since :func:`claim`.
+
+    Raises:
+        ConcurrentSaveError: another save committed first (nothing was written).
+        StorageError: writing failed (nothing was committed).
+    """
+    if claim.fenced:
+        store.replace_if(MANIFEST_NAME, data, claim.expected)  # type: ignore[attr-defined]
+        return
+    version = getattr(store, "version", None)
+    if callable(version) and version(MANIFEST_NAME) != claim.expected:
+        raise ConcurrentSaveError(
+            f"not committing {path}: another save committed it while this one ran; two jobs are saving "
+            "to one path. The other save's checkpoint stands"
+        )
+    store.write_atomic(MANIFEST_NAME, data)
+
+
+def clean_up(store: Storage, claim: Claim, live_before: set[str], path: str) -> None:
+    """Rank 0, after publishing: remove what no save can commit any more. Never raises.
+
+    ``live_before`` are the markers listed before :func:`publish`. Deleted: files of those
+    saves (they started from a version this commit made stale, so they cannot commit), files
+    of saves with no marker (finished, failed or dead), those markers, this save's marker,
+    and timings of loads of the replaced checkpoint. A save whose marker appeared after
+    ``live_before`` was listed may still commit over this one: its files stay.
+    """
+    ours = claim.save_id
+    try:
+        data = store.list(DATA_DIR)
+        live_now = live_saves(store)  # listed after data: a live save's marker predates its files
+        doomed = [p for p in data if _save_of(p) != ours and (_save_of(p) in live_before or _save_of(p) not in live_now)]
+        doomed += [f"{MARKER_DIR}/{s}" for s in sorted(live_before) if s != ours]
+        doomed += store.list(LOAD_TIMINGS_DIR)
+        doomed.append(claim.marker)
+        store.delete(doomed)
+        remove_empty_dirs = getattr(store, "remove_empty_dirs", None)
+        if callable(remove_empty_dirs):  # filesystems: directories of saves killed before their first file
+            remove_empty_dirs(DATA_DIR)
+    except Exception as e:  # noqa: BLE001 - the new checkpoint is committed; garbage is harmless
+        logger.warning("could not remove files of older saves under %s: %s", path, e)
+
+
+def superseded(store: Storage, claim: Claim, path: str) -> ConcurrentSaveError | None:
+    """The error to report if another save committed since :func:`claim` (fenced backends only).
+
+    A save that lost the race may fail before it publishes (the winner's cleanup removed its
+    files mid-write); this names that cause instead of the missing file it led to.
+    """
+    if not claim.fenced:
+        return None
+    try:
+        current = store.version(MANIFEST_NAME)  # type: ignore[attr-defined]
+    except Exception:  # noqa: BLE001 - the original failure stands
+        return None
+    if current == claim.expected:
+        return None
+    return ConcurrentSaveError(
+        f"not committing {path}: another save committed it while this one ran (two jobs are saving to one "
+        "path); the other save's checkpoint stands and this save's files were removed"
+    )
+
+
+def may_have_committed(store: Storage, claim: Claim) -> bool:
+    """After :func:`publish` raised: whether the manifest may be this save's after all.
+
+    False only when the backend can prove the manifest is still the version claimed (say,
+    the temporary file could not be written on a full disk): then the save's files can go.
+    """
+    version = getattr(store, "version", None)
+    if not callable(version):
+        return True
+    try:
+        return version(MANIFEST_NAME) != claim.expected
+    except Exception:  # noqa: BLE001 - cannot tell: assume it may have
+        return True
+
+
+def abandon(store: Storage, claim: Claim, files: Iterable[str], path: str, *, keep_data: bool = False) -> None:
+    """Rank 0, for a save that will not commit: remove its files and marker only. Never raises.
+
+    With ``keep_data`` only the marker goes (the manifest may refer to the files); without
+    a marker, the files are removed by the next save that commits.
+    """
+    doomed = set() if keep_data else set(files)
+    if not keep_data:
+        try:
+            doomed |= set(store.list(claim.data_prefix))
+        except Exception as e:  # noqa: BLE001
+            logger.debug("listing %s under %s failed: %s", claim.data_prefix, path, e)
+    doomed.add(claim.marker)
+    try:
+        store.delete(sorted(doomed))
+    except Exception as e:  # noqa: BLE001 - the failure being reported matters more
+        logger.warning("could not remove the files of a failed save under %s: %s", path, e)
+
+
+def _save_of(path: str) -> str:
+    """The save id of a data file path (``data/<id>/<file>``); "" for anything else."""
+    parts = path.split("/")
+    return parts[1] if len(parts) >= 3 and parts[0] == DATA_DIR else ""
