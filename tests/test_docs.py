@@ -141,7 +141,15 @@ _SNIPPETS = all_snippets()
 def test_snippet_runs(snippet: Snippet, tmp_path: Path) -> None:
     if snippet.skip is not None:
         pytest.skip(f"marked skip: {snippet.skip}")
-    proc = run_snippet(snippet, tmp_path)
+    try:
+        proc = run_snippet(snippet, tmp_path)
+    except subprocess.TimeoutExpired as e:
+        out, err = (x.decode(errors="replace") if isinstance(x, bytes) else (x or "") for x in (e.stdout, e.stderr))
+        pytest.fail(
+            f"the python block(s) at {snippet.id} ran past {TIMEOUT_S:.0f}s (TESSERA_DOCS_TIMEOUT_S):\n"
+            f"--- stdout ---\n{out[-4000:]}\n--- stderr ---\n{err[-4000:]}",
+            pytrace=False,
+        )
     if proc.returncode != 0:
         where = ", ".join(f"{snippet.file}:{n}" for n in snippet.lines)
         pytest.fail(
