@@ -756,7 +756,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     width = shutil.get_terminal_size((140, 24)).columns if not sys.stdout.isatty() else None
     # No markup: names, values and paths are printed as they are (brackets included).
     out = Console(width=width, highlight=False, markup=False)
-    err = Console(stderr=True, highlight=False, markup=False)
+    err = Console(stderr=True, highlight=False, markup=False, soft_wrap=True)  # messages stay whole lines
     try:
         return int(args.func(args, out))
     except BrokenPipeError:  # e.g. `tessera inspect --json | head`: the reader has what it wanted
