@@ -414,7 +414,7 @@ def _hf_prefix(args: argparse.Namespace, src: str, out: Console) -> str | None:
 
 
 def _print_skipped(out: Console, skipped: Sequence[str], verbose: int) -> None:
-    """One line per reason ("plain value", "per-rank tensor", ...), names with -v."""
+    """One line per reason ("plain value", "per-rank tensor", ...), at most 3 names each; all with -v."""
     if not skipped:
         return
     if verbose:
@@ -426,11 +426,9 @@ def _print_skipped(out: Console, skipped: Sequence[str], verbose: int) -> None:
         m = re.match(r"^(.*) \(([^()]*)\)$", s)
         name, why = (m.group(1), m.group(2)) if m else (s, "other")
         reasons.setdefault(why, []).append(name)
-    parts = []
     for why, names in reasons.items():
-        shown = ", ".join(names[:3]) + (f", ... ({len(names) - 3} more)" if len(names) > 3 else "")
-        parts.append(f"{len(names)} {why}{'s' if len(names) > 1 and not why.endswith('s') else ''} ({shown})")
-    out.print(f"  not converted: {'; '.join(parts)} (-v lists them)")
+        more = f", ... and {len(names) - 3} more (-v lists them)" if len(names) > 3 else ""
+        out.print(f"  skipped {len(names)} ({why}): {', '.join(names[:3])}{more}")
 
 
 def _cmd_convert(args: argparse.Namespace, out: Console) -> int:
