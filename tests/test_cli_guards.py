@@ -131,6 +131,12 @@ def test_to_hf_with_an_explicit_prefix_and_verbose_skips(training_ckpt: str, tmp
     assert "skipped: step (plain value)" in out
     names = load_file(str(tmp_path / "all" / "model.safetensors"))
     assert "model.0.weight" in names and any(n.startswith("optim.state.") for n in names)
+    assert main(["convert", training_ckpt, str(tmp_path / "all.pt"), "--to", "torch", "--prefix", "", "--no-values"]) == EXIT_OK
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if "skipped" in ln]
+    assert lines == [  # one line per reason, three names at most: no flood
+        "  skipped 6 (per-rank value): rng.python.version, rng.python.gauss_next, rng.numpy.algorithm, "
+        "... and 3 more (-v lists them)"
+    ]
 
 
 def test_to_hf_requires_a_prefix_when_it_cannot_tell(tmp_path: Path, capsys) -> None:
