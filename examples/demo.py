@@ -7,12 +7,15 @@
 3. A single process without torch.distributed loads only the model for evaluation.
 
     python examples/demo.py [--dir DIR]
+
+Without ``--dir`` everything goes to a temporary directory that is removed at the end.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import tempfile
 
 import torch
@@ -142,9 +145,20 @@ def _entry(rank: int, fn, world: int, args: tuple) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--dir", default=None)
+    ap.add_argument("--dir", default=None, help="keep the checkpoint here (default: a temporary directory, removed)")
     args = ap.parse_args()
-    root = args.dir or tempfile.mkdtemp(prefix="tessera-demo-")
+    if args.dir:
+        os.makedirs(args.dir, exist_ok=True)
+        run_demo(args.dir)
+        return
+    root = tempfile.mkdtemp(prefix="tessera-demo-")
+    try:
+        run_demo(root)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def run_demo(root: str) -> None:
     ckpt, ref = os.path.join(root, "ckpt"), os.path.join(root, "reference.pt")
 
     run(phase_1, 2, ckpt, ref, os.path.join(root, "a"))

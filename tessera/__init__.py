@@ -5,37 +5,104 @@ Save training state from any parallel layout, load it into any other::
     import tessera
     tessera.save("/ckpt/step100", {"model": model.state_dict(), "step": 100})
     tessera.load("/ckpt/step100", {"model": model.state_dict(), "step": 0})
+
+Importing the package does no work: the public names below are loaded from their modules
+on first use (PEP 562), so that ``tessera --help`` and ``tessera --version`` answer without
+importing torch. ``import tessera`` followed by any attribute behaves as an eager import.
 """
 
-from .adapters import (
-    DataPosition,
-    LoaderState,
-    ModelState,
-    OptimizerState,
-    ReshardableStream,
-    RNGState,
-    reshard_stream_states,
-)
-from .api import LoadResult, PendingSave, SaveResult, async_save, load, read_manifest, save
+from __future__ import annotations
+
+import importlib
+import sys
+import types
+from typing import TYPE_CHECKING, Any
+
 from .errors import (
     CheckpointError,
     CheckpointNotFoundError,
     CollectiveTimeoutError,
+    CommitCheckError,
+    ConcurrentSaveError,
     CorruptCheckpointError,
     CoverageError,
     DistributedError,
+    InvalidStateError,
+    LocationMismatchError,
     ManifestError,
     MissingKeysError,
     PickleNotAllowedError,
     StateMismatchError,
     StorageError,
 )
-from .hf_export import HFSaveResult, save_hf
-from .manager import CheckpointManager, StepLoadResult
-from .options import LoadOptions, SaveOptions
-from .shards import FlatShard, OnResize, ShardedTensor, per_rank
-from .verify import Problem, ProblemKind, VerifyReport, verify
 from .version import __version__
+
+if TYPE_CHECKING:  # what the lazy names below resolve to, for type checkers and IDEs
+    from .adapters import (
+        DataPosition,
+        LoaderState,
+        ModelState,
+        OptimizerState,
+        ReshardableStream,
+        RNGState,
+        reshard_stream_states,
+    )
+    from .api import LoadResult, PendingSave, SaveResult, async_save, load, read_manifest, save
+    from .hf_export import HFSaveResult, save_hf
+    from .manager import CheckpointManager, StepLoadResult
+    from .options import LoadOptions, SaveOptions
+    from .shards import FlatShard, OnResize, ShardedTensor, per_rank
+    from .verify import Problem, ProblemKind, VerifyReport, verify
+
+_LAZY: dict[str, str] = {
+    **dict.fromkeys(
+        ("DataPosition", "LoaderState", "ModelState", "OptimizerState", "ReshardableStream", "RNGState",
+         "reshard_stream_states"),
+        ".adapters",
+    ),
+    **dict.fromkeys(("HFSaveResult", "save_hf"), ".hf_export"),
+    **dict.fromkeys(("LoadResult", "PendingSave", "SaveResult", "async_save", "load", "read_manifest", "save"), ".api"),
+    **dict.fromkeys(("CheckpointManager", "StepLoadResult"), ".manager"),
+    **dict.fromkeys(("LoadOptions", "SaveOptions"), ".options"),
+    **dict.fromkeys(("FlatShard", "OnResize", "ShardedTensor", "per_rank"), ".shards"),
+    **dict.fromkeys(("Problem", "ProblemKind", "VerifyReport", "verify"), ".verify"),
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        # `import tessera; tessera.storage.X` keeps working for subpackages and modules.
+        try:
+            return importlib.import_module(f".{name}", __name__)
+        except ModuleNotFoundError as e:
+            if e.name != f"{__name__}.{name}":
+                raise
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value  # later lookups are plain attribute reads
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
+
+class _Package(types.ModuleType):
+    """The package module: a public name never turns into the submodule of the same name.
+
+    Importing a submodule binds it as an attribute of its package, so the first import of
+    ``tessera.verify`` (the module, from anywhere) would hide the function ``tessera.verify``.
+    """
+
+    def __setattr__(self, name: str, value: object) -> None:
+        if name in _LAZY and isinstance(value, types.ModuleType):
+            return  # resolved by __getattr__ to the public object instead
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package
+
 
 __all__ = [
     "__version__",
@@ -48,9 +115,7 @@ __all__ = [
     "DataPosition",
     "DistributedError",
     "FlatShard",
-    "HFSaveResult",
     "LoadOptions",
-    "LoaderState",
     "LoadResult",
     "ManifestError",
     "MissingKeysError",
@@ -62,7 +127,6 @@ __all__ = [
     "Problem",
     "ProblemKind",
     "RNGState",
-    "ReshardableStream",
     "SaveOptions",
     "SaveResult",
     "ShardedTensor",
@@ -74,8 +138,15 @@ __all__ = [
     "load",
     "per_rank",
     "read_manifest",
-    "reshard_stream_states",
     "save",
-    "save_hf",
     "verify",
+    "CommitCheckError",
+    "ConcurrentSaveError",
+    "InvalidStateError",
+    "LocationMismatchError",
+    "HFSaveResult",
+    "LoaderState",
+    "ReshardableStream",
+    "reshard_stream_states",
+    "save_hf",
 ]

@@ -15,8 +15,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from .loading import load, read_manifest
-from .options import SaveOptions
+from . import loading as _loading
+from ._args import check_path_state
+from .loading import read_manifest
+from .options import LoadOptions, SaveOptions
 from .results import LoadResult, PendingSave, SaveResult
 from .saving import start_save, wait_pending
 from .storage import Storage
@@ -41,7 +43,7 @@ def save(
     new checkpoint, never a mix, also after a crash.
 
     Args:
-        path: directory or URL of the checkpoint.
+        path: directory or URL of the checkpoint (``str`` or ``os.PathLike``).
         state: dict of tensors, DTensors, ShardedTensor/FlatShard, nested containers,
             plain values, per_rank values and Stateful objects.
         process_group: the ranks taking part (default: all). Coordination runs over a
@@ -56,11 +58,14 @@ def save(
         this rank's :class:`SaveResult`.
 
     Raises:
+        TypeError: if ``path`` is not a path or ``state`` not a dict/Stateful (e.g. swapped),
+            before any work.
         CheckpointError: on any rank's failure (the previous checkpoint stays intact).
 
     Example:
         >>> tessera.save("/ckpt/step100", {"model": model.state_dict(), "step": 100})
     """
+    path = check_path_state("tessera.save", path, state)
     pending = start_save(path, state, process_group, storage, allow_pickle, options, storage_options, background=False)
     return pending.wait()
 
@@ -86,4 +91,28 @@ def async_save(
         >>> ...  # keep training
         >>> pending.wait()
     """
+    path = check_path_state("tessera.async_save", path, state)
     return start_save(path, state, process_group, storage, allow_pickle, options, storage_options, background=True)
+
+
+def load(
+    path: str,
+    state: object,
+    *,
+    strict: bool = True,
+    process_group: Any = None,
+    storage: Storage | None = None,
+    allow_pickle: bool = False,
+    cast_dtypes: bool = False,
+    options: LoadOptions | None = None,
+    storage_options: dict[str, Any] | None = None,
+) -> LoadResult:
+    # The docstring is loading.load's (set below): one text for the one function.
+    path = check_path_state("tessera.load", path, state)
+    return _loading.load(
+        path, state, strict=strict, process_group=process_group, storage=storage, allow_pickle=allow_pickle,
+        cast_dtypes=cast_dtypes, options=options, storage_options=storage_options,
+    )  # fmt: skip
+
+
+load.__doc__ = _loading.load.__doc__

@@ -28,17 +28,14 @@ import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
-from rich.console import Console
-from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
-from rich.table import Table
-from rich.text import Text
-
-from .api import read_manifest
 from .errors import CheckpointError
-from .manifest import Manifest
+from .version import __version__
 
+# Nothing here imports torch (nor rich) at module level: `tessera --help` and `--version`
+# answer at once; each command imports what it needs.
 if TYPE_CHECKING:
     import torch
+    from rich.console import Console
 
     from .convert import ConvertResult, Format
     from .trace import RankTiming, Straggler
@@ -87,6 +84,9 @@ def _progress(args: argparse.Namespace, what: str) -> Iterator[Callable[[int, in
     if args.no_progress or not sys.stderr.isatty():
         yield None
         return
+    from rich.console import Console
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
+
     columns = (TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TimeRemainingColumn())
     with Progress(*columns, console=Console(stderr=True), transient=True) as bar:
         task = bar.add_task(what, total=None)
@@ -95,15 +95,6 @@ def _progress(args: argparse.Namespace, what: str) -> Iterator[Callable[[int, in
 
 # --------------------------------------------------------------------------------------
 # inspect
-
-
-def _step(m: Manifest, path: str) -> int | None:
-    for source in (m.metadata, m.values):
-        v = source.get("step")
-        if isinstance(v, int) and not isinstance(v, bool):
-            return v
-    match = re.search(r"step-(\d+)/?$", path)
-    return int(match.group(1)) if match else None
 
 
 def _value_text(encoded: Any, name: str) -> str:
@@ -119,32 +110,116 @@ def _value_text(encoded: Any, name: str) -> str:
 
 
 def inspect_data(path: str) -> dict[str, Any]:
-    """What ``tessera inspect --json`` prints: a JSON-ready description of the checkpoint."""
-    m = read_manifest(path)
-    policies = m.metadata.get("tensor_policies") or {}
-    return {
-        "path": path,
-        "save_id": m.save_id,
-        "format_version": m.version,
-        "created": m.metadata.get("created"),
-        "step": _step(m, path),
-        "world_size": m.world_size,
-        "layout": m.layout,
-        "total_bytes": m.total_bytes,
-        "files": len(m.files),
-        "chunk_bytes": m.chunk_bytes,
-        "tensors": [
-            {"name": n, "dtype": e.dtype, "shape": list(e.shape), "tiles": len(e.tiles),
-             "bytes": sum(t.nbytes for t in e.tiles), **({"per_rank": policies[n]} if n in policies else {})}
-            for n, e in m.tensors.items()
-        ],  # fmt: skip
-        "values": m.values,
-        "per_rank": {k: {"on_resize": v.on_resize, "values": list(v.values)} for k, v in m.per_rank.items()},
-        "metadata": {k: v for k, v in m.metadata.items() if k != "tensor_policies"},
-    }
+    """What ``tessera inspect --json`` prints for a checkpoint (see :func:`tessera.describe.inspect_data`)."""
+    from .describe import inspect_data as describe
+
+    return describe(path)
+
+
+def _not_a_checkpoint(args: argparse.Namespace, out: Console, verb: str) -> int | None:
+    """For a path that is not one tessera checkpoint, say what it is; None for a checkpoint.
+
+    A manager root lists its steps (``verify`` verifies them); a Hugging Face directory is
+    described. A missing path returns None, so the command reports it as before.
+    """
+    from .describe import PathKind, classify_path
+
+    kind = classify_path(args.path)
+    if kind in (PathKind.CHECKPOINT, PathKind.MISSING):
+        return None
+    if kind == PathKind.MANAGER_ROOT:
+        return _manager_root(args, out, verify=verb == "verify")
+    if kind == PathKind.HF:
+        return _hf_directory(args, out, verb)
+    if kind == PathKind.INCOMPLETE:
+        out.print(f"{args.path}: a tessera checkpoint whose save never committed (data/ but no manifest.json); "
+                  "it is never loaded and the next save to this path replaces it")  # fmt: skip
+        return EXIT_PROBLEMS
+    if kind == PathKind.OTHER_FORMAT:
+        from .convert import detect_format
+
+        fmt = detect_format(args.path).value
+        out.print(f"{args.path}: a {fmt} checkpoint, not a tessera one; import it with: tessera convert {args.path} OUT")
+        return EXIT_PROBLEMS
+    return None
+
+
+def _manager_root(args: argparse.Namespace, out: Console, *, verify: bool) -> int:
+    from rich.table import Table
+
+    from .describe import list_steps
+
+    steps = list_steps(args.path)
+    chosen = steps
+    if verify and getattr(args, "step", None) is not None:
+        chosen = [s for s in steps if s.step == args.step]
+        if not chosen:
+            raise UsageError(f"no step {args.step} under {args.path}; it has: {', '.join(str(s.step) for s in steps) or 'none'}")
+    committed = [s for s in chosen if s.committed]
+    if not verify:
+        if args.json:
+            print(_json({"path": args.path, "kind": "manager_root",
+                         "steps": [dataclasses.asdict(s) for s in steps]}))  # fmt: skip
+            return EXIT_OK
+        out.print(f"{args.path}: a checkpoint manager root with {len([s for s in steps if s.committed])} committed step(s)")
+        table = Table(title="steps", title_justify="left")
+        for col in ("step", "state", "path"):
+            table.add_column(col, overflow="fold", justify="right" if col == "step" else "left")
+        for s in steps:
+            state = ("committed" if s.committed else "incomplete (never loaded)") + (", latest" if s.latest else "")
+            table.add_row(str(s.step), state, s.path)
+        out.print(table)
+        if committed:
+            out.print(f"  details of a step: tessera inspect {committed[-1].path}")
+        return EXIT_OK
+    from .verify import verify as verify_one
+
+    results = []
+    ok = True
+    for s in committed:
+        report = verify_one(s.path)
+        ok &= report.ok
+        results.append((s, report))
+        if not args.json:
+            _print_verify(out, s.path, report, args.limit)
+    incomplete = [s.step for s in chosen if not s.committed]
+    if args.json:
+        print(_json({"path": args.path, "kind": "manager_root", "ok": ok, "incomplete_steps": incomplete,
+                     "steps": {str(s.step): _verify_doc(r) for s, r in results}}))  # fmt: skip
+    else:
+        if incomplete:
+            out.print(f"note: incomplete step(s) {', '.join(map(str, incomplete))} (their save never committed; never loaded)")
+        if not committed:
+            out.print(f"{args.path}: a checkpoint manager root with no committed step")
+        else:
+            out.print(f"{len(committed)} step(s) verified under {args.path}: " + ("all OK" if ok else "PROBLEMS found"))
+    return EXIT_OK if ok and committed else EXIT_PROBLEMS
+
+
+def _hf_directory(args: argparse.Namespace, out: Console, verb: str) -> int:
+    from .describe import describe_hf
+
+    hf = describe_hf(args.path)
+    if args.json:
+        print(_json({"kind": "hf", **dataclasses.asdict(hf)}))
+    else:
+        arch = f", {'/'.join(hf.architectures)}" if hf.architectures else (f", {hf.model_type}" if hf.model_type else "")
+        dtypes = ", ".join(f"{n} {d}" for d, n in sorted(hf.dtypes.items()))
+        out.print(
+            f"{args.path}: a Hugging Face safetensors directory{arch}: {hf.tensors} tensors ({dtypes}), "
+            f"{_size(hf.total_bytes)} in {len(hf.files)} file(s); not a tessera checkpoint"
+        )
+        out.print(f"  to compare or load it with tessera: tessera convert {args.path} OUT (--prefix model. to nest it)")
+    return EXIT_OK if verb == "inspect" else EXIT_PROBLEMS
 
 
 def _cmd_inspect(args: argparse.Namespace, out: Console) -> int:
+    from rich.table import Table
+    from rich.text import Text
+
+    other = _not_a_checkpoint(args, out, "inspect")
+    if other is not None:
+        return other
     data = inspect_data(args.path)
     count = len(data["tensors"])
     if args.filter:
@@ -184,32 +259,47 @@ def _cmd_inspect(args: argparse.Namespace, out: Console) -> int:
 # verify
 
 
-def _cmd_verify(args: argparse.Namespace, out: Console) -> int:
-    from .verify import verify
+def _verify_doc(report: Any) -> dict[str, Any]:
+    doc = dataclasses.asdict(report)
+    doc["ok"] = report.ok
+    doc["problems"] = [{**dataclasses.asdict(p), "kind": p.kind.value} for p in report.problems]
+    return doc
 
-    report = verify(args.path)
-    if args.json:
-        doc = dataclasses.asdict(report)
-        doc["ok"] = report.ok
-        doc["problems"] = [{**dataclasses.asdict(p), "kind": p.kind.value} for p in report.problems]
-        print(_json(doc))
-        return EXIT_OK if report.ok else EXIT_PROBLEMS
+
+def _print_verify(out: Console, path: str, report: Any, limit: int) -> None:
+    from rich.text import Text
+
     head = (
         f"{report.tensors} tensors, {report.tiles} tiles, {report.files} files, "
         f"{_size(report.bytes_checked)} checked in {report.seconds:.2f}s"
     )
     if report.ok:
-        out.print(Text.assemble(("OK", "green"), f" {args.path}: {head}"))
+        out.print(Text.assemble(("OK", "green"), f" {path}: {head}"))
     else:
-        out.print(Text.assemble(("FAILED", "red"), f" {args.path}: {len(report.problems)} problem(s); {head}"))
-        for p in report.problems[: args.limit]:  # each message names the tensor, file and rank
+        out.print(Text.assemble(("FAILED", "red"), f" {path}: {len(report.problems)} problem(s); {head}"))
+        for p in report.problems[:limit]:  # each message names the tensor, file and rank
             out.print(Text.assemble("  ", (p.kind.value, "bold"), f": {p.message}"))
-        if len(report.problems) > args.limit:
-            out.print(f"... and {len(report.problems) - args.limit} more (--limit)")
+        if len(report.problems) > limit:
+            out.print(f"... and {len(report.problems) - limit} more (--limit)")
     if report.unreferenced_files:
         out.print(f"note: {len(report.unreferenced_files)} unreferenced file(s) under data/ (left by an unfinished save; harmless)")
     if report.pickled_values:
         out.print(f"note: values stored with pickle (load needs allow_pickle=True): {', '.join(report.pickled_values)}")
+
+
+def _cmd_verify(args: argparse.Namespace, out: Console) -> int:
+    from .verify import verify
+
+    other = _not_a_checkpoint(args, out, "verify")
+    if other is not None:
+        return other
+    if args.step is not None:
+        raise UsageError(f"--step applies to a checkpoint manager root; {args.path} is one checkpoint")
+    report = verify(args.path)
+    if args.json:
+        print(_json(_verify_doc(report)))
+    else:
+        _print_verify(out, args.path, report, args.limit)
     return EXIT_OK if report.ok else EXIT_PROBLEMS
 
 
@@ -218,10 +308,32 @@ def _cmd_verify(args: argparse.Namespace, out: Console) -> int:
 
 
 def _cmd_diff(args: argparse.Namespace, out: Console) -> int:
+    from rich.table import Table
+    from rich.text import Text
+
+    from . import convert as cv
     from .convert.compare import diff_checkpoints
 
-    with _progress(args, "comparing") as cb:
-        report = diff_checkpoints(args.a, args.b, atol=args.atol, rtol=args.rtol, progress=cb)
+    with contextlib.ExitStack() as stack:
+        paths = []
+        for side in (args.a, args.b):
+            try:
+                fmt = cv.detect_format(side)
+            except ValueError as e:
+                raise UsageError(str(e)) from e
+            if fmt != cv.Format.TESSERA:
+                # Another format (an HF export, a torch.save file...): read it through a
+                # temporary tessera checkpoint, names as they are.
+                tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix=".tessera-diff-"))
+                _import(args, fmt, side, os.path.join(tmp, "ckpt"), None, None)
+                side = os.path.join(tmp, "ckpt")
+            paths.append(side)
+        with _progress(args, "comparing") as cb:
+            report = diff_checkpoints(
+                paths[0], paths[1], atol=args.atol, rtol=args.rtol, progress=cb,
+                strip_a=args.strip, strip_b=args.strip_b, prefix=args.prefix,
+            )  # fmt: skip
+        report = dataclasses.replace(report, a=args.a, b=args.b)
     if args.json:
         doc = dataclasses.asdict(report)
         doc["identical"] = report.identical
@@ -258,6 +370,67 @@ def _cmd_diff(args: argparse.Namespace, out: Console) -> int:
 # convert
 
 
+def _check_output(args: argparse.Namespace, fmt: Format) -> None:
+    """Refuse to write into an existing, non-empty output unless ``--force``; with it, make room.
+
+    A tessera destination is replaced atomically by the save itself; any other output
+    (a file, an HF or DCP directory) is removed first, so no stale file mixes in.
+    """
+    from . import convert as cv
+
+    dst = args.dst
+    if "://" in dst:
+        return  # object stores: the exporters replace their own files
+    exists = os.path.isfile(dst) or (os.path.isdir(dst) and bool(os.listdir(dst)))
+    if not exists:
+        return
+    if not args.force:
+        raise UsageError(f"{dst} exists and is not empty; pass --force to replace it")
+    if fmt == cv.Format.TESSERA:
+        return
+    if os.path.isdir(dst):
+        from .describe import PathKind, classify_path
+
+        if classify_path(dst) in (PathKind.CHECKPOINT, PathKind.MANAGER_ROOT):
+            raise UsageError(f"{dst} holds tessera checkpoints; refusing to delete them to write {fmt.value} (choose another output)")
+        shutil.rmtree(dst)
+    else:
+        os.remove(dst)
+
+
+def _hf_prefix(args: argparse.Namespace, src: str, out: Console) -> str | None:
+    """The prefix to export to Hugging Face: ``--prefix``, or the detected model prefix."""
+    if args.prefix is not None:
+        return args.prefix
+    from .api import read_manifest
+    from .describe import detect_model_prefix
+
+    names = list(read_manifest(src).tensors)
+    prefix, why = detect_model_prefix(names)
+    if prefix is None:
+        raise UsageError(f"--to hf exports a model; {why}")
+    out.print(f"exporting the model only: {why} (--prefix chooses another)" if prefix else f"note: {why}")
+    return prefix
+
+
+def _print_skipped(out: Console, skipped: Sequence[str], verbose: int) -> None:
+    """One line per reason ("plain value", "per-rank tensor", ...), at most 3 names each; all with -v."""
+    if not skipped:
+        return
+    if verbose:
+        for s in skipped:
+            out.print(f"  skipped: {s}")
+        return
+    reasons: dict[str, list[str]] = {}
+    for s in skipped:
+        m = re.match(r"^(.*) \(([^()]*)\)$", s)
+        name, why = (m.group(1), m.group(2)) if m else (s, "other")
+        reasons.setdefault(why, []).append(name)
+    for why, names in reasons.items():
+        more = f", ... and {len(names) - 3} more (-v lists them)" if len(names) > 3 else ""
+        out.print(f"  skipped {len(names)} ({why}): {', '.join(names[:3])}{more}")
+
+
 def _cmd_convert(args: argparse.Namespace, out: Console) -> int:
     from . import convert as cv
     from .convert._common import parse_dtype, parse_size
@@ -274,6 +447,9 @@ def _cmd_convert(args: argparse.Namespace, out: Console) -> int:
         shard = parse_size(args.max_shard_size)
     except ValueError as e:
         raise UsageError(str(e)) from e
+    if os.path.abspath(args.src) == os.path.abspath(args.dst):
+        raise UsageError("the source and the destination are the same path")
+    _check_output(args, dst_fmt)
     if src_fmt != cv.Format.TESSERA and dst_fmt != cv.Format.TESSERA:
         # Two steps through a temporary tessera checkpoint next to the destination (or in the
         # system's temporary directory when the destination is a URL).
@@ -284,32 +460,35 @@ def _cmd_convert(args: argparse.Namespace, out: Console) -> int:
         try:
             first = _import(args, src_fmt, args.src, tmp, None, None)
             out.print(f"read {first.tensors} tensors from {args.src} ({src_fmt.value})")
-            result = _export(args, dst_fmt, tmp, args.dst, dtype, shard)
+            prefix = _hf_prefix(args, tmp, out) if dst_fmt == cv.Format.HF else args.prefix
+            result = _export(args, dst_fmt, tmp, args.dst, dtype, shard, prefix)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     elif src_fmt == cv.Format.TESSERA:
-        result = _export(args, dst_fmt, args.src, args.dst, dtype, shard)
+        prefix = _hf_prefix(args, args.src, out) if dst_fmt == cv.Format.HF else args.prefix
+        result = _export(args, dst_fmt, args.src, args.dst, dtype, shard, prefix)
     else:
         result = _import(args, src_fmt, args.src, args.dst, dtype, args.prefix)
     out.print(
         f"wrote {result.tensors} tensors and {result.values} values ({_size(result.bytes)}, {result.files} file(s)) "
         f"to {args.dst} ({dst_fmt.value}) in {result.seconds:.2f}s"
     )
-    for s in result.skipped:
-        out.print(f"  skipped: {s}")
+    _print_skipped(out, result.skipped, args.verbose)
     return EXIT_OK
 
 
-def _export(args: argparse.Namespace, fmt: Format, src: str, dst: str, dtype: torch.dtype | None, shard: int) -> ConvertResult:
+def _export(
+    args: argparse.Namespace, fmt: Format, src: str, dst: str, dtype: torch.dtype | None, shard: int, prefix: str | None
+) -> ConvertResult:
     from . import convert as cv
 
     with _progress(args, f"writing {fmt.value}") as cb:
         if fmt == cv.Format.HF:
-            return cv.export_hf(src, dst, max_shard_size=shard, dtype=dtype, prefix=args.prefix, progress=cb)
+            return cv.export_hf(src, dst, max_shard_size=shard, dtype=dtype, prefix=prefix, progress=cb)
         if fmt == cv.Format.TORCH:
-            return cv.export_torch_save(src, dst, dtype=dtype, prefix=args.prefix, include_values=not args.no_values, progress=cb)
+            return cv.export_torch_save(src, dst, dtype=dtype, prefix=prefix, include_values=not args.no_values, progress=cb)
         if fmt == cv.Format.DCP:
-            return cv.export_dcp(src, dst, dtype=dtype, prefix=args.prefix, include_values=not args.no_values, progress=cb)
+            return cv.export_dcp(src, dst, dtype=dtype, prefix=prefix, include_values=not args.no_values, progress=cb)
         if fmt == cv.Format.DEEPSPEED:
             model_prefix = args.prefix if args.prefix is not None else "model."
             return cv.export_deepspeed_universal(src, dst, tag=args.tag, model_prefix=model_prefix, progress=cb)
@@ -363,6 +542,8 @@ class _RuleAction(argparse.Action):
 
 
 def _cmd_rename(args: argparse.Namespace, out: Console) -> int:
+    from rich.table import Table
+
     from .convert.rename import rename_tensors
 
     if not args.rules:
@@ -388,25 +569,33 @@ def _cmd_rename(args: argparse.Namespace, out: Console) -> int:
 
 def _cmd_trace(args: argparse.Namespace, out: Console) -> int:
     from . import trace
+    from .api import read_manifest
 
     m = read_manifest(args.path)
-    ops = trace.operations(m)
-    if not ops:
-        out.print(f"{args.path}: the manifest records no per-rank timings")
+    sources: dict[str, tuple[list[RankTiming], str]] = {op: (trace.rank_timings(m, op), "") for op in trace.operations(m)}
+    records = trace.load_records(args.path)
+    if records and "load" not in sources:
+        last = records[-1]
+        earlier = f"; {len(records) - 1} earlier load(s) recorded" if len(records) > 1 else ""
+        sources["load"] = (last.timings, f"the newest load, {last.created}, {last.name}{earlier}")
+    if not sources:
+        out.print(f"{args.path}: no per-rank timings recorded (no save timings in the manifest, no timings/load-*.json)")
         return EXIT_PROBLEMS
-    chosen = ops if args.op == "all" else [args.op]
-    if args.op != "all" and args.op not in ops:
-        raise UsageError(f"no timings for '{args.op}' in {args.path}; it has: {', '.join(ops)}")
+    chosen = list(sources) if args.op == "all" else [args.op]
+    if args.op != "all" and args.op not in sources:
+        raise UsageError(f"no timings for '{args.op}' in {args.path}; it has: {', '.join(sources)}")
     found: dict[str, list[Straggler]] = {}
     doc: dict[str, Any] = {}
     for op in chosen:
-        timings = trace.rank_timings(m, op)
-        slow = trace.find_stragglers(timings, args.factor)
+        timings, note = sources[op]
+        slow = trace.find_stragglers(timings, args.factor, args.min_gap)
         found[op] = slow
-        doc[op] = {"ranks": [dataclasses.asdict(t) | {"total": t.total} for t in timings],
+        doc[op] = {"ranks": [dataclasses.asdict(t) | {"total": t.total, "blocked": trace.blocked_seconds(op, t)} for t in timings],
                    "stragglers": [dataclasses.asdict(s) | {"factor": s.factor} for s in slow]}  # fmt: skip
+        if note:
+            doc[op]["source"] = note
         if not args.json:
-            _trace_table(out, op, timings, slow, args.factor)
+            _trace_table(out, op, timings, slow, args.factor, args.min_gap, note)
         if args.png:
             png = args.png if len(chosen) == 1 else re.sub(r"(\.png)?$", f"-{op}.png", args.png, count=1)
             trace.plot_timeline(timings, png, title=f"tessera {op} of {args.path} ({m.save_id})", stragglers=slow)
@@ -414,7 +603,7 @@ def _cmd_trace(args: argparse.Namespace, out: Console) -> int:
                 out.print(f"wrote timeline {png}")
     if args.chrome:
         with open(args.chrome, "w") as f:
-            json.dump(trace.chrome_trace(m, chosen), f)
+            json.dump(trace.chrome_trace(m, [op for op in chosen if op in trace.operations(m)]), f)
         if not args.json:
             out.print(f"wrote Chrome/Perfetto trace {args.chrome} (open in ui.perfetto.dev or chrome://tracing)")
     if args.json:
@@ -423,30 +612,45 @@ def _cmd_trace(args: argparse.Namespace, out: Console) -> int:
     return EXIT_PROBLEMS if args.fail_on_stragglers and any_slow else EXIT_OK
 
 
-def _trace_table(out: Console, op: str, timings: list[RankTiming], slow: list[Straggler], factor: float) -> None:
+def _trace_table(
+    out: Console, op: str, timings: list[RankTiming], slow: list[Straggler], factor: float, min_gap: float, note: str
+) -> None:
+    from rich.table import Table
+
+    from .trace import BLOCKING_PHASES, blocked_seconds
+
     phases = list(dict.fromkeys(p for t in timings for p in t.phases))
+    blocking = BLOCKING_PHASES.get(op)
     by_rank: dict[int, list[Straggler]] = {}
     for s in slow:
         by_rank.setdefault(s.rank, []).append(s)
-    table = Table(title=f"{op}: {len(timings)} rank(s), seconds per phase", title_justify="left")
+    title = f"{op}: {len(timings)} rank(s), seconds per phase" + (f" ({note})" if note else "")
+    table = Table(title=title, title_justify="left")
     table.add_column("rank", justify="right")
     for p in phases:
-        table.add_column(p, justify="right")
-    for col in ("total", "bytes", "straggler"):
+        table.add_column(p + ("*" if blocking is not None and p in blocking else ""), justify="right")
+    for col in ("total", "blocked", "bytes", "straggler"):
         table.add_column(col, justify="right" if col != "straggler" else "left")
     for t in timings:
-        flags = ", ".join(f"{s.phase} {s.factor:.1f}x median" for s in by_rank.get(t.rank, []))
+        flags = ", ".join(f"{s.phase} {s.factor:.1f}x median (+{s.seconds - s.median:.2f}s)" for s in by_rank.get(t.rank, []))
         style = "red" if flags else None
         table.add_row(
-            str(t.rank), *(f"{t.phases.get(p, 0.0):.3f}" for p in phases), f"{t.total:.3f}", _size(t.nbytes), flags, style=style
-        )
+            str(t.rank), *(f"{t.phases.get(p, 0.0):.3f}" for p in phases), f"{t.total:.3f}",
+            f"{blocked_seconds(op, t):.3f}", _size(t.nbytes), flags, style=style,
+        )  # fmt: skip
     out.print(table)
+    if blocking is None:
+        out.print(f"  blocked: the training loop waits for the whole {op}")
+    else:
+        marked = ", ".join(f"{p}*" for p in blocking)
+        out.print(f"  blocked: {marked} (the stall of async_save); a synchronous save blocks for its total")
     if timings:
         worst = max(timings, key=lambda t: t.total)
         median = statistics.median(t.total for t in timings)
+        rule = f"over {factor}x the median and {min_gap:g}s above it"
         out.print(
             f"  median total {median:.3f}s, slowest rank {worst.rank} ({worst.total:.3f}s); "
-            + (f"{len(by_rank)} straggler rank(s) over {factor}x median" if by_rank else f"no rank over {factor}x median")
+            + (f"{len(by_rank)} straggler rank(s) {rule}" if by_rank else f"no straggler (none {rule})")
         )
 
 
@@ -457,19 +661,21 @@ def _trace_table(out: Console, op: str, timings: list[RankTiming], slow: list[St
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``tessera`` command."""
     p = argparse.ArgumentParser(prog="tessera", description="Inspect, verify, compare, convert and trace tessera checkpoints.")
+    p.add_argument("--version", action="version", version=f"tessera {__version__}")
     p.add_argument("-v", "--verbose", action="count", default=0, help="log more (-vv: debug)")
     p.add_argument("--no-progress", action="store_true", help="never draw progress bars")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    s = sub.add_parser("inspect", help="list tensors, values, layout and metadata")
+    s = sub.add_parser("inspect", help="list tensors, values, layout and metadata (or a manager root's steps)")
     s.add_argument("path")
     s.add_argument("--json", action="store_true", help="print JSON for machines")
     s.add_argument("--filter", metavar="REGEX", help="only tensors whose name matches")
     s.set_defaults(func=_cmd_inspect)
 
     s = sub.add_parser("verify", help="check every checksum, file and tensor coverage (exit 1 on any problem)")
-    s.add_argument("path")
+    s.add_argument("path", help="a checkpoint, or a manager root (every committed step is verified)")
     s.add_argument("--json", action="store_true")
+    s.add_argument("--step", type=int, help="under a manager root: verify only this step")
     s.add_argument("--limit", type=int, default=50, help="problems listed at most (default 50)")
     s.set_defaults(func=_cmd_verify)
 
@@ -478,8 +684,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("b")
     s.add_argument("--atol", type=float, default=0.0, help="absolute tolerance (default 0: exact)")
     s.add_argument("--rtol", type=float, default=0.0, help="relative tolerance (default 0: exact)")
+    s.add_argument("--strip", metavar="P", help="compare A's names under P, without P (e.g. model. for a model export); leave out the rest of A")
+    s.add_argument("--strip-b", metavar="P", help="the same for B")
+    s.add_argument("--prefix", metavar="P", help="compare only names under P (after --strip), in both")
     s.add_argument("--json", action="store_true")
-    s.set_defaults(func=_cmd_diff)
+    s.set_defaults(func=_cmd_diff, allow_pickle=False, tag=None, spec=None)
 
     s = sub.add_parser(
         "convert",
@@ -491,8 +700,18 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("dst")
     formats = ["tessera", "hf", "dcp", "torch", "deepspeed", "megatron"]
     s.add_argument("--from", dest="src_format", choices=formats, help="source format (default: detected)")
-    s.add_argument("--to", dest="dst_format", choices=["tessera", "hf", "dcp", "torch", "deepspeed"], help="destination format (default: tessera; deepspeed: a universal checkpoint)")
-    s.add_argument("--prefix", help="name prefix to select and strip (export) or to prepend (import), e.g. 'model.'")
+    s.add_argument(
+        "--to",
+        dest="dst_format",
+        choices=["tessera", "hf", "dcp", "torch", "deepspeed"],
+        help="destination format (default: tessera; deepspeed: a universal checkpoint)",
+    )
+    s.add_argument(
+        "--prefix",
+        help="name prefix to select and strip (export) or to prepend (import), e.g. 'model.'; "
+        "--to hf detects the model's prefix when not given ('' exports every tensor)",
+    )
+    s.add_argument("--force", action="store_true", help="replace an existing, non-empty output")
     s.add_argument("--dtype", help="cast floating-point tensors (bf16, fp16, fp32)")
     s.add_argument("--max-shard-size", default="5GB", help="largest safetensors shard for --to hf (default 5GB)")
     s.add_argument("--no-values", action="store_true", help="leave plain values out (torch, dcp)")
@@ -511,8 +730,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("trace", help="per-rank, per-phase timings: stragglers, Chrome trace, PNG timeline")
     s.add_argument("path")
-    s.add_argument("--op", default="save", help="operation: save (default), load, convert or all")
+    s.add_argument("--op", default="save", help="operation: save (default), load (the newest recorded load), convert or all")
     s.add_argument("--factor", type=float, default=1.5, help="a straggler is slower than this times the median (default 1.5)")
+    s.add_argument("--min-gap", type=float, default=0.25, metavar="SECONDS",
+                   help="... and slower than the median by at least this (default 0.25)")  # fmt: skip
     s.add_argument("--chrome", metavar="OUT.json", help="write a Chrome/Perfetto trace")
     s.add_argument("--png", metavar="OUT.png", help="write a timeline plot")
     s.add_argument("--json", action="store_true")
@@ -533,13 +754,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as e:  # argparse: --help (0) or a usage error (2)
         return int(e.code or 0) if not isinstance(e.code, str) else EXIT_USAGE
+    from rich.console import Console
+
     level = logging.WARNING if args.verbose == 0 else logging.INFO if args.verbose == 1 else logging.DEBUG
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("tessera").setLevel(level)
     width = shutil.get_terminal_size((140, 24)).columns if not sys.stdout.isatty() else None
     # No markup: names, values and paths are printed as they are (brackets included).
     out = Console(width=width, highlight=False, markup=False)
-    err = Console(stderr=True, highlight=False, markup=False)
+    err = Console(stderr=True, highlight=False, markup=False, soft_wrap=True)  # messages stay whole lines
     try:
         return int(args.func(args, out))
     except BrokenPipeError:  # e.g. `tessera inspect --json | head`: the reader has what it wanted

@@ -10,6 +10,7 @@ Every helper here is collective over the group: all ranks must call it in the sa
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import logging
 import threading
@@ -27,7 +28,31 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 _GROUPS: dict[object, Any] = {}
+_OWNED: list[Any] = []  # the gloo groups tessera created (not a caller's group used as is)
 _GROUPS_LOCK = threading.Lock()
+
+
+@atexit.register
+def _release_groups() -> None:
+    """At exit, destroy tessera's own gloo groups and drop every reference to a group.
+
+    ``dist.destroy_process_group()`` unregisters every group, but tessera's cache kept the
+    coordination group's object alive until interpreter finalization, and a
+    ``ProcessGroupGloo`` destroyed then (its worker threads still holding work, the
+    interpreter half torn down) can abort the process with "terminate called without an
+    active exception". atexit runs after non-daemon threads (a background commit) are
+    joined, while the interpreter is still whole, so the groups are torn down cleanly here.
+    """
+    with _GROUPS_LOCK:
+        owned = list(_OWNED)
+        _OWNED.clear()
+        _GROUPS.clear()
+    for group in owned:
+        try:
+            if dist.is_initialized():
+                dist.destroy_process_group(group)
+        except Exception as e:  # noqa: BLE001 - already destroyed with the default group, say
+            logger.debug("destroying tessera's coordination group at exit: %s", e)
 
 
 @dataclass(frozen=True)
@@ -87,6 +112,7 @@ def world_for(process_group: Any = None) -> World:
                         f"rank {dist.get_rank()}: creating tessera's coordination group failed; another rank died "
                         f"or hangs (timeout {_knobs.collective_timeout_s():.0f}s, TESSERA_TIMEOUT_S): {e}"
                     ) from e
+                _OWNED.append(group)
             _GROUPS[key] = group
     return World(dist.get_rank(group), dist.get_world_size(group), group)
 

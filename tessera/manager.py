@@ -40,7 +40,7 @@ from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import api, dist
+from . import _args, api, dist
 from .api import LoadResult, PendingSave, SaveResult
 from .errors import (
     CheckpointError,
@@ -295,6 +295,7 @@ class CheckpointManager:
         Example:
             >>> mgr.save(100, {"model": model.state_dict(), "step": 100})
         """
+        _args.check_manager_save(step, state)
         step = _check_step(step)
         if self._closed:
             raise ValueError(f"CheckpointManager({self.root!r}) is closed")
@@ -521,6 +522,7 @@ class CheckpointManager:
             >>> loaded = mgr.load({"model": model.state_dict(), "step": 0})
             >>> print(f"resumed from step {loaded.step}")
         """
+        _args.check_manager_load(state, step)
         if self._closed:
             raise ValueError(f"CheckpointManager({self.root!r}) is closed")
         self._wait_previous()

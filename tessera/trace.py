@@ -1,11 +1,18 @@
-"""Where save and load time went: per-rank, per-phase timings from a manifest.
+"""Where save and load time went: per-rank, per-phase timings from a checkpoint.
 
 Every save records, per rank, the seconds each phase took and the bytes written
-(``manifest.timings["save"]["ranks"][rank] = {"plan": s, "stage": s, "write": s, ...,
-"bytes": n}``); other operations (``"load"``, ``"convert"``) use the same shape. This
-module turns them into a table with stragglers flagged, a Chrome/Perfetto trace
-(``chrome://tracing``, https://ui.perfetto.dev) and a PNG timeline. Phases of a rank ran one
-after another, so each rank's timeline starts at 0 and lays its phases end to end.
+(``manifest.timings["save"]["ranks"][rank] = {"plan": s, "stage": s, "write": s, "bytes": n}``);
+conversions record ``"convert"`` the same way. Every load writes its per-rank timings
+(``{"metadata": s, "plan": s, "read": s, "values": s, "total": s, "bytes": n}``) to
+``timings/load-<UTC time>-<id>.json`` inside the checkpoint it read (see
+:class:`tessera.LoadOptions`); :func:`load_records` reads them back. This module turns
+them into a table with stragglers flagged, a Chrome/Perfetto trace (``chrome://tracing``,
+https://ui.perfetto.dev) and a PNG timeline. Phases of a rank ran one after another, so
+each rank's timeline starts at 0 and lays its phases end to end.
+
+What blocked training: a load blocks the training loop for all of its phases; a save
+blocks it for ``plan`` and ``stage`` (the stall of ``async_save``), and for everything
+when it is synchronous (``tessera.save``). :data:`BLOCKING_PHASES` names them.
 """
 
 from __future__ import annotations
@@ -19,8 +26,15 @@ from .manifest import Manifest
 
 logger = logging.getLogger(__name__)
 
-PHASE_ORDER = ("metadata", "plan", "stage", "read", "write", "values", "commit")
+PHASE_ORDER = ("metadata", "plan", "stage", "read", "broadcast", "write", "values", "commit")
 """Known phases, in the order they run; other phases follow in the order recorded."""
+
+BLOCKING_PHASES: dict[str, tuple[str, ...] | None] = {"save": ("plan", "stage"), "load": None, "convert": None}
+"""Per operation, the phases during which the training loop waits (None: all of them).
+For ``save`` these are the stall of ``async_save``; a synchronous save blocks throughout."""
+
+MIN_GAP_S = 0.25
+"""Default absolute gap to the median (seconds) below which no rank is called a straggler."""
 
 
 @dataclass(frozen=True)
@@ -80,6 +94,65 @@ def rank_timings(manifest: Manifest, op: str = "save") -> list[RankTiming]:
     ranks = manifest.timings.get(op, {}).get("ranks") if isinstance(manifest.timings.get(op), dict) else None
     if not isinstance(ranks, dict):
         raise KeyError(f"the manifest has no per-rank timings for '{op}' (it has: {', '.join(operations(manifest)) or 'none'})")
+    return _rank_list(ranks)
+
+
+def find_stragglers(timings: list[RankTiming], factor: float = 1.5, min_gap_s: float = MIN_GAP_S) -> list[Straggler]:
+    """Ranks slower than the median rank by both ``factor`` times and ``min_gap_s`` seconds.
+
+    Checked overall and per phase. Both gaps are needed: a relative one alone flags noise
+    on short operations (a rank taking 60 ms where the others took 20 ms), an absolute one
+    alone flags every rank of a long save that is a few percent slow.
+
+    Example:
+        >>> find_stragglers(rank_timings(manifest), factor=2.0, min_gap_s=1.0)
+    """
+    if len(timings) < 2:
+        return []
+    out = []
+    phases = ["total"] + list(dict.fromkeys(p for t in timings for p in t.phases))
+    for phase in phases:
+        values = {t.rank: (t.total if phase == "total" else t.phases.get(phase, 0.0)) for t in timings}
+        med = statistics.median(values.values())
+        for rank, v in values.items():
+            if v > factor * med and v - med >= min_gap_s:
+                out.append(Straggler(rank, phase, v, med))
+    return out
+
+
+def blocked_seconds(op: str, timing: RankTiming) -> float:
+    """Seconds of ``timing`` during which the training loop waited (see :data:`BLOCKING_PHASES`).
+
+    Example:
+        >>> blocked_seconds("save", RankTiming(0, {"plan": 0.1, "stage": 0.2, "write": 3.0}))
+        0.30000000000000004
+    """
+    phases = BLOCKING_PHASES.get(op)
+    if phases is None:
+        return timing.total
+    return sum(v for p, v in timing.phases.items() if p in phases)
+
+
+@dataclass(frozen=True)
+class LoadRecord:
+    """The per-rank timings of one load of a checkpoint (``timings/load-*.json``).
+
+    Attributes:
+        name: the record's path inside the checkpoint.
+        created: when the load finished (UTC, ISO 8601).
+        world_size: how many ranks loaded.
+        timings: each rank's phases.
+    """
+
+    name: str
+    created: str
+    world_size: int
+    timings: list[RankTiming]
+
+
+def _rank_list(ranks: object) -> list[RankTiming]:
+    if not isinstance(ranks, dict):
+        return []
     out = []
     for r, t in ranks.items():
         if not isinstance(t, dict):
@@ -91,24 +164,32 @@ def rank_timings(manifest: Manifest, op: str = "save") -> list[RankTiming]:
     return sorted(out, key=lambda t: t.rank)
 
 
-def find_stragglers(timings: list[RankTiming], factor: float = 1.5, min_seconds: float = 0.01) -> list[Straggler]:
-    """Ranks slower than ``factor`` times the median, overall and per phase.
+def load_records(path: str, storage: Any = None) -> list[LoadRecord]:
+    """Every recorded load of the checkpoint at ``path``, oldest first.
 
-    A phase shorter than ``min_seconds`` on the slow rank is ignored (noise).
+    Records of loads of an earlier checkpoint saved at the same path are removed by the
+    save that replaced it; unreadable records are skipped (logged at DEBUG).
 
     Example:
-        >>> find_stragglers(rank_timings(manifest), factor=2.0)
+        >>> [r.created for r in load_records("/ckpt/step100")]
     """
-    if len(timings) < 2:
-        return []
+    import json
+
+    from .saving import LOAD_TIMINGS_DIR
+    from .storage import storage_for
+
+    store = storage_for(path, storage)
     out = []
-    phases = ["total"] + list(dict.fromkeys(p for t in timings for p in t.phases))
-    for phase in phases:
-        values = {t.rank: (t.total if phase == "total" else t.phases.get(phase, 0.0)) for t in timings}
-        med = statistics.median(values.values())
-        for rank, v in values.items():
-            if v >= min_seconds and v > factor * med:
-                out.append(Straggler(rank, phase, v, med))
+    for name in sorted(n for n in store.list(LOAD_TIMINGS_DIR) if n.endswith(".json")):
+        try:
+            doc = json.loads(store.read_file(name))
+        except (OSError, ValueError) as e:
+            logger.debug("skipping load record %s: %s", name, e)
+            continue
+        if isinstance(doc, dict):
+            timings = _rank_list(doc.get("ranks"))
+            if timings:
+                out.append(LoadRecord(name, str(doc.get("created", "")), int(doc.get("world_size", len(timings))), timings))
     return out
 
 

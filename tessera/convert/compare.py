@@ -101,8 +101,17 @@ def diff_checkpoints(
     storage_b: Storage | None = None,
     block_bytes: int = 16 << 20,
     progress: ProgressFn | None = None,
+    strip_a: str | None = None,
+    strip_b: str | None = None,
+    prefix: str | None = None,
 ) -> DiffReport:
     """Compare checkpoints ``a`` and ``b``: names, shapes, dtypes, values.
+
+    Names can be mapped first, to compare a training checkpoint with an export of its
+    model (``tessera convert ... --prefix model.`` strips ``model.``): ``strip_a="model."``
+    compares A's entries under ``model.``, without it, with B's; A's other entries are left
+    out. ``prefix`` then keeps only the (mapped) names under it, on both sides. Reported
+    names are the mapped ones.
 
     Two elements are equal when their bits are equal (so NaN equals the same NaN), or when
     ``|a - b| <= atol + rtol * max(|a|, |b|)``. With the default tolerances of 0, any
@@ -114,6 +123,8 @@ def diff_checkpoints(
         storage_a, storage_b: backends to use instead of choosing them from the paths.
         block_bytes: most bytes of one tensor read at once from each checkpoint.
         progress: called with ``(done_bytes, total_bytes)``.
+        strip_a, strip_b: compare only the entries of A (of B) under this prefix, without it.
+        prefix: compare only the entries (after stripping) whose name starts with this.
 
     Returns:
         A :class:`DiffReport`; ``report.identical`` when nothing differs.
@@ -129,14 +140,18 @@ def diff_checkpoints(
     t0 = time.monotonic()
     sa = CheckpointSource(a, storage=storage_a)
     sb = CheckpointSource(b, storage=storage_b)
-    ma, mb = sa.manifest, sb.manifest
+    # {compared name: stored name} per side, for tensors, values and per-rank values.
+    ta, tb = _names(sa.manifest.tensors, strip_a, prefix), _names(sb.manifest.tensors, strip_b, prefix)
+    va, vb = _names(sa.manifest.values, strip_a, prefix), _names(sb.manifest.values, strip_b, prefix)
+    pa, pb = _names(sa.manifest.per_rank, strip_a, prefix), _names(sb.manifest.per_rank, strip_b, prefix)
     report = DiffReport(a, b)
     common = []
-    for name in sorted(set(ma.tensors) | set(mb.tensors)):
-        ea, eb = ma.tensors.get(name), mb.tensors.get(name)
+    for name in sorted(set(ta) | set(tb)):
+        ea = sa.manifest.tensors[ta[name]] if name in ta else None
+        eb = sb.manifest.tensors[tb[name]] if name in tb else None
         if ea is None or eb is None:
-            other = mb if ea is None else ma
-            if name in other.values or name in other.per_rank:
+            other_values = (vb, pb) if ea is None else (va, pa)
+            if name in other_values[0] or name in other_values[1]:
                 report.tensors.append(EntryDiff(name, DiffKind.KIND, f"a tensor in {'B' if ea is None else 'A'}, a value in the other"))
             else:
                 kind = DiffKind.ONLY_B if ea is None else DiffKind.ONLY_A
@@ -149,28 +164,46 @@ def diff_checkpoints(
             report.tensors.append(EntryDiff(name, DiffKind.DTYPE, f"{ea.dtype} vs {eb.dtype}"))
         else:
             common.append(name)
-    prog = Progress(sum(sa.nbytes(n) for n in common), progress)
+    prog = Progress(sum(sa.nbytes(ta[n]) for n in common), progress)
     same = 0
     for name in common:
-        d = _diff_tensor(sa, sb, name, atol, rtol, block_bytes, prog)
+        d = _diff_tensor(sa, sb, name, ta[name], tb[name], atol, rtol, block_bytes, prog)
         if d is None:
             same += 1
         else:
             report.tensors.append(d)
-    same_values = _diff_values(ma.values, mb.values, "", report, sa, sb)
+    ma, mb = sa.manifest, sb.manifest
+    same_values = _diff_values({k: ma.values[o] for k, o in va.items()}, {k: mb.values[o] for k, o in vb.items()}, "", report, ta, tb)
     same_values += _diff_values(
-        {k: list(v.values) for k, v in ma.per_rank.items()}, {k: list(v.values) for k, v in mb.per_rank.items()}, "per-rank ", report, sa, sb
-    )
+        {k: list(ma.per_rank[o].values) for k, o in pa.items()}, {k: list(mb.per_rank[o].values) for k, o in pb.items()},
+        "per-rank ", report, ta, tb,
+    )  # fmt: skip
     return dataclasses.replace(
         report, same_tensors=same, same_values=same_values, bytes_compared=prog.done, seconds=time.monotonic() - t0
     )
 
 
+def _names(entries: object, strip: str | None, prefix: str | None) -> dict[str, str]:
+    """``{compared name: stored name}``: under ``strip`` (removed), then under ``prefix``."""
+    out = {}
+    for n in entries:  # type: ignore[attr-defined]
+        if strip:
+            if not n.startswith(strip) or len(n) == len(strip):
+                continue
+            key = n[len(strip) :]
+        else:
+            key = n
+        if not prefix or key.startswith(prefix):
+            out[key] = n
+    return out
+
+
 def _diff_tensor(
-    sa: CheckpointSource, sb: CheckpointSource, name: str, atol: float, rtol: float, block_bytes: int, prog: Progress
-) -> EntryDiff | None:
-    dtype = sa.dtype(name)
-    shape = sa.shape(name)
+    sa: CheckpointSource, sb: CheckpointSource, name: str, name_a: str, name_b: str, atol: float, rtol: float,
+    block_bytes: int, prog: Progress,
+) -> EntryDiff | None:  # fmt: skip
+    dtype = sa.dtype(name_a)
+    shape = sa.shape(name_a)
     size = torch.empty((), dtype=dtype).element_size()
     max_abs = 0.0
     max_rel = 0.0
@@ -178,8 +211,8 @@ def _diff_tensor(
     for box in split_box(Box.whole(shape), size, block_bytes):
         if box.is_empty():
             continue
-        xa = sa.read(name, box)
-        xb = sb.read(name, box)
+        xa = sa.read(name_a, box)
+        xb = sb.read(name_b, box)
         prog.advance(box.numel * size)
         if torch.equal(as_bytes(xa.contiguous()), as_bytes(xb.contiguous())):
             continue
@@ -211,7 +244,7 @@ def _compare(xa: torch.Tensor, xb: torch.Tensor, atol: float, rtol: float) -> tu
     return float(diff.max()), float(rel.max()), bad
 
 
-def _diff_values(va: dict, vb: dict, what: str, report: DiffReport, sa: CheckpointSource, sb: CheckpointSource) -> int:
+def _diff_values(va: dict, vb: dict, what: str, report: DiffReport, tensors_a: dict, tensors_b: dict) -> int:
     same = 0
     for name in sorted(set(va) | set(vb)):
         if name in va and name in vb:
@@ -219,7 +252,7 @@ def _diff_values(va: dict, vb: dict, what: str, report: DiffReport, sa: Checkpoi
                 same += 1
             else:
                 report.values.append(EntryDiff(name, DiffKind.VALUES, f"{what}{_show(va[name], name)} vs {_show(vb[name], name)}"))
-        elif name not in (sb.manifest.tensors if name in va else sa.manifest.tensors):
+        elif name not in (tensors_b if name in va else tensors_a):
             kind = DiffKind.ONLY_A if name in va else DiffKind.ONLY_B
             report.values.append(EntryDiff(name, kind, f"{what}{_show(va.get(name, vb.get(name)), name)}"))
     return same

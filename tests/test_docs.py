@@ -1,0 +1,211 @@
+"""Every ```python block of README.md and docs/*.md runs as written.
+
+Each block runs in a fresh Python process whose working directory is an empty temporary
+directory, with the repository importable (``PYTHONPATH``). Two markers, on the line
+before a block (blank lines in between are allowed), change that:
+
+* ``<!-- snippet: skip (reason) -->``: the block is not run. The reason is required, so a
+  reader knows why (needs torchrun, S3, a GPU, ...).
+* ``<!-- snippet: continue -->``: the block continues the previous block of the same file
+  (it shares its names); they run together, as one program, in one process.
+
+A block that continues a skipped block is skipped with it. Any other ``snippet:`` marker
+is an error, as is a ``skip`` without a reason or a ``continue`` with no block before it.
+Tests are named ``file:line`` (the line of the first block's opening fence).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+TIMEOUT_S = float(os.environ.get("TESSERA_DOCS_TIMEOUT_S", "300"))  # generous: the machine may be shared
+
+_MARKER = re.compile(r"^\s*<!--\s*snippet:\s*(.*?)\s*-->\s*$")
+_FENCE = re.compile(r"^(\s*)(`{3,}|~{3,})\s*([\w+-]*)")
+
+
+class SnippetMarkerError(ValueError):
+    """A ``<!-- snippet: ... -->`` marker that is malformed or misplaced."""
+
+
+@dataclass
+class Snippet:
+    """One program: a block and the blocks that continue it."""
+
+    file: str
+    line: int
+    code: str
+    skip: str | None = None
+    lines: list[int] = field(default_factory=list)
+
+    @property
+    def id(self) -> str:
+        return f"{self.file}:{self.line}"
+
+
+def extract(text: str, file: str) -> list[Snippet]:
+    """The runnable programs of one Markdown file, in order.
+
+    Raises:
+        SnippetMarkerError: for an unknown marker, a ``skip`` without a reason, or a
+            ``continue`` with no earlier block in the file.
+    """
+    lines = text.splitlines()
+    out: list[Snippet] = []
+    marker: tuple[str, int] | None = None  # (marker text, its line) waiting for a block
+    i = 0
+    while i < len(lines):
+        line = lines[i]
+        m = _MARKER.match(line)
+        if m:
+            marker = (m.group(1), i + 1)
+            i += 1
+            continue
+        fence = _FENCE.match(line)
+        if fence is None:
+            if line.strip():
+                marker = None  # a marker applies only to the block right after it
+            i += 1
+            continue
+        indent, ticks, lang = fence.groups()
+        start = i + 1
+        body: list[str] = []
+        i += 1
+        while i < len(lines) and not lines[i].strip().startswith(ticks[0] * len(ticks)):
+            body.append(lines[i][len(indent) :] if lines[i].startswith(indent) else lines[i])
+            i += 1
+        i += 1  # the closing fence
+        if lang != "python":
+            if marker is not None:
+                raise SnippetMarkerError(f"{file}:{marker[1]}: a snippet marker before a ```{lang} block (only ```python blocks run)")
+            continue
+        code = "\n".join(body) + "\n"
+        kind = marker[0] if marker else ""
+        if kind == "continue":
+            if not out:
+                raise SnippetMarkerError(f"{file}:{marker[1]}: 'snippet: continue' with no earlier python block")
+            prev = out[-1]
+            prev.code += f"\n# --- {file}:{start} ---\n" + code
+            prev.lines.append(start)
+        elif kind.startswith("skip"):
+            reason = re.fullmatch(r"skip\s*\((.+)\)", kind)
+            if reason is None or not reason.group(1).strip():
+                raise SnippetMarkerError(f"{file}:{marker[1]}: 'snippet: skip' needs a reason: <!-- snippet: skip (why) -->")
+            out.append(Snippet(file, start, code, skip=reason.group(1).strip(), lines=[start]))
+        elif kind:
+            raise SnippetMarkerError(f"{file}:{marker[1]}: unknown snippet marker {kind!r} (use 'skip (reason)' or 'continue')")
+        else:
+            out.append(Snippet(file, start, code, lines=[start]))
+        marker = None
+    return out
+
+
+def documented_files() -> list[Path]:
+    return [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+
+
+def all_snippets() -> list[Snippet]:
+    out: list[Snippet] = []
+    for path in documented_files():
+        out += extract(path.read_text(encoding="utf-8"), str(path.relative_to(REPO)))
+    return out
+
+
+def run_snippet(snippet: Snippet, tmp: Path) -> subprocess.CompletedProcess[str]:
+    """Run ``snippet`` in a fresh process, in the empty directory ``tmp/cwd``."""
+    tmp.mkdir(parents=True, exist_ok=True)
+    script = tmp / "snippet.py"
+    script.write_text(snippet.code, encoding="utf-8")
+    cwd = tmp / "cwd"
+    cwd.mkdir()
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [env.get("PYTHONPATH")])])
+    env.setdefault("OMP_NUM_THREADS", "1")
+    return subprocess.run(
+        [sys.executable, str(script)], cwd=cwd, env=env, capture_output=True, text=True, timeout=TIMEOUT_S
+    )
+
+
+_SNIPPETS = all_snippets()
+
+
+@pytest.mark.parametrize("snippet", _SNIPPETS, ids=[s.id for s in _SNIPPETS])
+def test_snippet_runs(snippet: Snippet, tmp_path: Path) -> None:
+    if snippet.skip is not None:
+        pytest.skip(f"marked skip: {snippet.skip}")
+    try:
+        proc = run_snippet(snippet, tmp_path)
+    except subprocess.TimeoutExpired as e:
+        out, err = (x.decode(errors="replace") if isinstance(x, bytes) else (x or "") for x in (e.stdout, e.stderr))
+        pytest.fail(
+            f"the python block(s) at {snippet.id} ran past {TIMEOUT_S:.0f}s (TESSERA_DOCS_TIMEOUT_S):\n"
+            f"--- stdout ---\n{out[-4000:]}\n--- stderr ---\n{err[-4000:]}",
+            pytrace=False,
+        )
+    if proc.returncode != 0:
+        where = ", ".join(f"{snippet.file}:{n}" for n in snippet.lines)
+        pytest.fail(
+            f"the python block(s) at {where} failed (exit {proc.returncode}):\n"
+            f"--- stdout ---\n{proc.stdout[-4000:]}\n--- stderr ---\n{proc.stderr[-4000:]}",
+            pytrace=False,
+        )
+
+
+# ------------------------------------------------------------------------------------------
+# The extractor itself
+
+
+def test_every_doc_page_is_collected() -> None:
+    names = {p.name for p in documented_files()}
+    assert "README.md" in names and "manager.md" in names and "format.md" in names
+
+
+def test_extract_honours_skip_and_continue() -> None:
+    text = "\n".join([
+        "# t", "```python", "a = 1", "```",
+        "<!-- snippet: continue -->", "```python", "assert a == 1", "```",
+        "text", "<!-- snippet: skip (needs torchrun) -->", "", "```python", "boom()", "```",
+        "<!-- snippet: continue -->", "```python", "boom_again()", "```",
+        "```bash", "echo hi", "```",
+        "```python", "b = 2", "```",
+    ])  # fmt: skip
+    got = extract(text, "x.md")
+    assert [(s.line, s.skip, s.lines) for s in got] == [(2, None, [2, 6]), (12, "needs torchrun", [12, 16]), (22, None, [22])]
+    assert got[0].code.startswith("a = 1\n") and "assert a == 1" in got[0].code
+    assert "boom_again()" in got[1].code
+    assert got[2].code == "b = 2\n"
+
+
+def test_marker_applies_only_to_the_next_block() -> None:
+    got = extract("<!-- snippet: skip (why) -->\nsome text\n```python\nx = 1\n```\n", "x.md")
+    assert got[0].skip is None
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("<!-- snippet: skip -->\n```python\nx\n```\n", "needs a reason"),
+        ("<!-- snippet: skip () -->\n```python\nx\n```\n", "needs a reason"),
+        ("<!-- snippet: continue -->\n```python\nx\n```\n", "no earlier python block"),
+        ("<!-- snippet: run-later -->\n```python\nx\n```\n", "unknown snippet marker"),
+        ("<!-- snippet: skip (why) -->\n```bash\nls\n```\n", "before a ```bash block"),
+    ],
+)
+def test_malformed_markers_are_errors(text: str, message: str) -> None:
+    with pytest.raises(SnippetMarkerError, match=re.escape(message)):
+        extract(text, "x.md")
+
+
+def test_a_failing_snippet_fails(tmp_path: Path) -> None:
+    proc = run_snippet(Snippet("x.md", 1, "import tessera\nraise SystemExit(3)\n"), tmp_path / "a")
+    assert proc.returncode == 3
+    proc = run_snippet(Snippet("x.md", 1, "import os, tessera\nprint(os.listdir('.'))\n"), tmp_path / "b")
+    assert proc.returncode == 0 and proc.stdout.strip() == "[]"
