@@ -7,6 +7,7 @@ left for ranks that failed differently (and for timeouts).
 
 from __future__ import annotations
 
+import errno
 import os
 
 import pytest
@@ -111,13 +112,17 @@ def test_single_process_raises_the_same_types(tmp_path) -> None:
 
 
 class _ManifestWriteFails(FileStorage):
-    def write_atomic(self, path, data):
-        raise tessera.StorageError(f"injected: No space left on device writing {path}")
+    """The disk fills up exactly when the manifest is published (through the fenced replace_if)."""
+
+    def replace_if(self, path, data, expected):
+        if path == "manifest.json":
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+        return super().replace_if(path, data, expected)
 
 
 def test_a_failed_manifest_write_in_one_process_is_a_storage_error(tmp_path) -> None:
     path = str(tmp_path / "c")
-    with pytest.raises(tessera.StorageError, match="committing the manifest failed.*No space left") as info:
+    with pytest.raises(tessera.StorageError, match="committing the manifest.*failed.*No space left") as info:
         tessera.save(path, {"w": torch.ones(4)}, storage=_ManifestWriteFails(path))
     assert not isinstance(info.value, tessera.DistributedError)
     assert not os.path.exists(os.path.join(path, "manifest.json"))
