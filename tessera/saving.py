@@ -173,7 +173,8 @@ def start_save(
         staged: list[list[torch.Tensor]] = []
         stage_error: BaseException | None = None
         staged_event: threading.Event | None = None
-        returned: threading.Event | None = None
+        # The background report waits for the caller's stall, known once this returns.
+        returned = threading.Event() if background else None
         if not overlap:
             try:
                 staged = _stage(entry, flat, ctx, world, copy=background)
@@ -183,7 +184,7 @@ def start_save(
 
             def finish() -> SaveResult:
                 return _write_and_commit(
-                    world, store, path, entry, staged, save_id, cached, values, opts, timer, stage_error
+                    world, store, path, entry, staged, save_id, cached, values, opts, timer, stage_error, returned
                 )
 
         else:
@@ -191,7 +192,6 @@ def start_save(
             after = ready_event(sources)
             reference = _fingerprints(sources) if opts.check_staging else None
             staged_event = threading.Event()
-            returned = threading.Event()
 
             def finish() -> SaveResult:
                 copy_error: BaseException | None = None
@@ -214,27 +214,27 @@ def start_save(
         future: Future[SaveResult] = Future()
         if stage_error is not None:
             timer.stall = time.monotonic() - timer.t0
+            if returned is not None:
+                returned.set()
             _run_into(future, finish)  # join the peers' commit exchange now, then raise here
             future.result()
         if background:
             # Not a daemon: at interpreter exit Python waits for the commit to finish (bounded
             # by TESSERA_TIMEOUT_S if a peer is gone) instead of killing it half-way.
             thread = threading.Thread(target=_run_into, args=(future, finish), name="tessera-save", daemon=False)
-            if not overlap:
-                timer.stall = time.monotonic() - timer.t0
             thread.start()
         else:
             _run_into(future, finish)
-        stall = time.monotonic() - timer.t0
         parts = {k: timer.phases[k] for k in ("wait_previous", "plan", "stage", "schedule") if k in timer.phases}
-        pending = PendingSave(future, stall, path=path, staged_event=staged_event, stall_parts=parts)
-        if returned is not None:
-            timer.stall = stall
+        pending = PendingSave(future, 0.0, path=path, staged_event=staged_event, stall_parts=parts)
+        if overlap:
+            _install_gates([obj for obj, _ in flat.statefuls], pending)
+        pending.stall_s = time.monotonic() - timer.t0
+        if returned is not None and not returned.is_set():
+            timer.stall = pending.stall_s
             returned.set()
         if background:
             ctx.pending = pending
-            if overlap:
-                _install_gates([obj for obj, _ in flat.statefuls], pending)
         else:
             pending._observed = True
         return pending
