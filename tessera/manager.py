@@ -139,8 +139,9 @@ class CheckpointManager:
         root: directory or URL holding one subdirectory per step.
         keep_last: keep at most this many of the newest committed steps (None: keep all).
         keep_every: also keep every step divisible by this (e.g. 1000), whatever ``keep_last``.
-        async_save: default of :meth:`save`: return once the state is staged in host memory
-            and write in the background.
+        async_save: default of :meth:`save`: return once the save is planned; copy to host
+            memory, write and commit in the background (see :func:`tessera.async_save` for
+            when the state may change: ``PendingSave.wait_staged``).
         process_group: the ranks taking part (default: all).
         allow_pickle: store and load values that need pickle (see :func:`tessera.save`).
         save_options: passed to every save.
