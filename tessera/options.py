@@ -47,9 +47,9 @@ class SaveOptions:
     ``TESSERA_STAGING``). ``tessera.save`` always stages before it writes."""
     check_staging: bool = field(default_factory=_knobs.check_staging)
     """Debug: detect tensors modified before :meth:`PendingSave.wait_staged` returned
-    (knob ``TESSERA_CHECK_STAGING=1``). At ``async_save`` the version counter and a CRC32 of
-    each saved tensor are taken (one extra read of the bytes, blocking); after the
-    background copy both are checked, and a mismatch fails the save on every rank with a
+    (knob ``TESSERA_CHECK_STAGING=1``). At ``async_save`` each saved tensor's version counter
+    and, for CPU tensors, a CRC32 of its bytes are taken (one extra read, blocking); after
+    the background copy both are checked, and a mismatch fails the save on every rank with a
     :class:`~tessera.errors.StagingMutationError` naming the tensor. Off by default."""
 
     def __post_init__(self) -> None:
