@@ -8,6 +8,7 @@ every time instead of by chance; the copy itself is the real one.
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 import time
@@ -237,6 +238,24 @@ def test_stall_counts_the_wait_for_the_previous_save(tmp_path: Path, monkeypatch
     if staging is tessera.StagingMode.BACKGROUND:
         assert "copy" in ranks[0].phases  # the background copy, not blocking
         assert blocked_seconds("save", ranks[0]) < ranks[0].total
+
+
+def test_trace_marks_what_blocked_training(tmp_path: Path, monkeypatch, capsys) -> None:
+    from tessera.cli import EXIT_OK, main
+
+    _slow_writes(monkeypatch, 0.3)
+    tessera.async_save(str(tmp_path / "a"), {"w": torch.ones(100)})
+    second = tessera.async_save(str(tmp_path / "b"), {"w": torch.ones(100)})
+    second.wait()
+    capsys.readouterr()
+    assert main(["trace", str(tmp_path / "b"), "--op", "save", "--json"]) == EXIT_OK
+    rank0 = json.loads(capsys.readouterr().out)["save"]["ranks"][0]
+    assert list(rank0["phases"])[:4] == ["wait_previous", "plan", "schedule", "copy"]
+    assert rank0["blocked"] == pytest.approx(sum(second.stall_parts.values()))
+    assert rank0["blocked"] > 0.2 and rank0["blocked"] < rank0["total"]  # the wait for "a" blocked; the copy did not
+    assert main(["trace", str(tmp_path / "b"), "--op", "save"]) == EXIT_OK
+    out = capsys.readouterr().out
+    assert "wait_previous*" in out and "schedule*" in out and "copy*" not in out
 
 
 def test_manager_stall_counts_its_own_wait(tmp_path: Path, monkeypatch) -> None:
