@@ -33,6 +33,7 @@ from .errors import (
     MissingKeysError,
     PickleNotAllowedError,
     StateMismatchError,
+    StagingMutationError,
     StorageError,
 )
 from .version import __version__
@@ -50,7 +51,7 @@ if TYPE_CHECKING:  # what the lazy names below resolve to, for type checkers and
     from .api import LoadResult, PendingSave, SaveResult, async_save, load, read_manifest, save
     from .hf_export import HFSaveResult, save_hf
     from .manager import CheckpointManager, StepLoadResult
-    from .options import LoadOptions, SaveOptions
+    from .options import LoadOptions, SaveOptions, StagingMode
     from .shards import FlatShard, OnResize, ShardedTensor, per_rank
     from .verify import Problem, ProblemKind, VerifyReport, verify
 
@@ -63,7 +64,7 @@ _LAZY: dict[str, str] = {
     **dict.fromkeys(("HFSaveResult", "save_hf"), ".hf_export"),
     **dict.fromkeys(("LoadResult", "PendingSave", "SaveResult", "async_save", "load", "read_manifest", "save"), ".api"),
     **dict.fromkeys(("CheckpointManager", "StepLoadResult"), ".manager"),
-    **dict.fromkeys(("LoadOptions", "SaveOptions"), ".options"),
+    **dict.fromkeys(("LoadOptions", "SaveOptions", "StagingMode"), ".options"),
     **dict.fromkeys(("FlatShard", "OnResize", "ShardedTensor", "per_rank"), ".shards"),
     **dict.fromkeys(("Problem", "ProblemKind", "VerifyReport", "verify"), ".verify"),
 }
@@ -149,4 +150,6 @@ __all__ = [
     "ReshardableStream",
     "reshard_stream_states",
     "save_hf",
+    "StagingMode",
+    "StagingMutationError",
 ]

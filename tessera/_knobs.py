@@ -37,3 +37,13 @@ def chunk_bytes() -> int:
 def verify_checksums() -> bool:
     """Whether loads verify checksums (``TESSERA_VERIFY=0`` turns it off; default on)."""
     return os.environ.get("TESSERA_VERIFY", "1") not in ("0", "false", "no")
+
+
+def staging_mode() -> str:
+    """How ``async_save`` stages (``TESSERA_STAGING``: ``background`` (default) or ``blocking``)."""
+    return os.environ.get("TESSERA_STAGING", "") or "background"
+
+
+def check_staging() -> bool:
+    """Debug check of async saves' sources after staging (``TESSERA_CHECK_STAGING=1``; default off)."""
+    return os.environ.get("TESSERA_CHECK_STAGING", "0") not in ("", "0", "false", "no")

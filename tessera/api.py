@@ -80,15 +80,24 @@ def async_save(
     options: SaveOptions | None = None,
     storage_options: dict[str, Any] | None = None,
 ) -> PendingSave:
-    """Like :func:`save`, but return once this rank's bytes are staged in host memory.
+    """Like :func:`save`, but return once the save is planned; copy, write and commit in the background.
 
-    Writing and the commit run on a background thread; the training loop may modify the
-    state as soon as this returns. Call ``.wait()`` before relying on the checkpoint; an
-    error in the background is raised there, and by the next save if nobody waited.
+    The copy of this rank's bytes to host memory runs in the background (CPU: a copy
+    thread; CUDA: a side stream into reused pinned memory, after the work queued on the
+    current stream), then the writes and the commit. The saved tensors must not change
+    until ``pending.wait_staged()`` returns: :class:`~tessera.OptimizerState` and
+    :class:`~tessera.ModelState` in ``state`` hold ``optimizer.step()`` and the forward
+    pass until then by themselves; tensors changed any other way need the call. Changing
+    them earlier is a bug of the caller (``SaveOptions(check_staging=True)`` detects it);
+    ``SaveOptions(staging=StagingMode.BLOCKING)`` copies before returning instead.
+    ``pending.stall_s`` is the whole time this call blocked, including the wait for the
+    previous save (at most one is in flight per process); ``pending.stall_parts`` splits it.
+    Call ``.wait()`` before relying on the checkpoint; an error in the background (the
+    copy's too) is raised there, and by the next save if nobody waited.
 
     Example:
-        >>> pending = tessera.async_save("/ckpt/step100", state)
-        >>> ...  # keep training
+        >>> pending = tessera.async_save("/ckpt/step100", {"model": ModelState(m), "optim": OptimizerState(m, opt)})
+        >>> ...  # keep training: opt.step() waits for the copy if it still runs
         >>> pending.wait()
     """
     path = check_path_state("tessera.async_save", path, state)

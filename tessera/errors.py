@@ -94,6 +94,13 @@ class ConcurrentSaveError(CheckpointError, RuntimeError):
     """
 
 
+class StagingMutationError(CheckpointError, RuntimeError):
+    """A saved tensor was modified before the save's staging gate (``PendingSave.wait_staged``).
+
+    Raised only with the debug check (``SaveOptions.check_staging``); the save is not committed.
+    """
+
+
 class LocationMismatchError(CheckpointError, ValueError):
     """The ranks of one save named different checkpoint locations (paths or storage)."""
 

@@ -32,6 +32,7 @@ import logging
 import re
 import sys
 import threading
+import time
 import warnings
 import weakref
 from collections.abc import Callable, Mapping
@@ -138,8 +139,9 @@ class CheckpointManager:
         root: directory or URL holding one subdirectory per step.
         keep_last: keep at most this many of the newest committed steps (None: keep all).
         keep_every: also keep every step divisible by this (e.g. 1000), whatever ``keep_last``.
-        async_save: default of :meth:`save`: return once the state is staged in host memory
-            and write in the background.
+        async_save: default of :meth:`save`: return once the save is planned; copy to host
+            memory, write and commit in the background (see :func:`tessera.async_save` for
+            when the state may change: ``PendingSave.wait_staged``).
         process_group: the ranks taking part (default: all).
         allow_pickle: store and load values that need pickle (see :func:`tessera.save`).
         save_options: passed to every save.
@@ -299,7 +301,9 @@ class CheckpointManager:
         step = _check_step(step)
         if self._closed:
             raise ValueError(f"CheckpointManager({self.root!r}) is closed")
+        t0 = time.monotonic()  # the stall counts the wait for the previous save too
         self._wait_previous()
+        waited = time.monotonic() - t0
         background = self.async_save if async_save is None else async_save
         url = self.step_url(step)
         store = self._factory(url)
@@ -337,7 +341,12 @@ class CheckpointManager:
         )
         self._thread = thread
         thread.start()
-        self._pending = PendingSave(future, inner.stall_s)
+        stall = time.monotonic() - t0
+        parts = dict(inner.stall_parts)
+        parts["wait_previous"] = parts.get("wait_previous", 0.0) + waited
+        parts["prepare"] = max(0.0, stall - sum(parts.values()))  # storage, retention, threads
+        # The gate is the inner save's: wait_staged() here waits for the same copy.
+        self._pending = PendingSave(future, stall, path=url, staged_event=inner._staged, stall_parts=parts)
         return self._pending
 
     def _finish(

@@ -3,10 +3,28 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any
 
 from . import _knobs
 from .plan import PlanOptions
+
+
+class StagingMode(str, Enum):
+    """When ``async_save`` copies the state to host memory.
+
+    ``BACKGROUND``: ``async_save`` returns once the save is planned and the copy scheduled;
+    the copy runs in the background (CPU tensors: a copy thread; CUDA tensors: a side stream
+    into reused pinned memory, after the training stream's queued work). Until
+    :meth:`PendingSave.wait_staged` returns, the saved tensors must not be modified:
+    :class:`~tessera.OptimizerState`, :class:`~tessera.ModelState` and
+    :class:`~tessera.CheckpointManager` wait for it themselves before ``optimizer.step()``,
+    a forward pass, and the next save or load.
+    ``BLOCKING``: ``async_save`` returns after the copy (the state may change at once).
+    """
+
+    BACKGROUND = "background"
+    BLOCKING = "blocking"
 
 
 @dataclass(frozen=True)
@@ -24,8 +42,18 @@ class SaveOptions:
     in the manifest for information; loading never depends on it."""
     metadata: dict[str, Any] = field(default_factory=dict)
     """User metadata stored in the manifest (JSON values)."""
+    staging: StagingMode = field(default_factory=lambda: _staging_mode(_knobs.staging_mode()))
+    """When ``async_save`` copies to host memory (:class:`StagingMode`; knob
+    ``TESSERA_STAGING``). ``tessera.save`` always stages before it writes."""
+    check_staging: bool = field(default_factory=_knobs.check_staging)
+    """Debug: detect tensors modified before :meth:`PendingSave.wait_staged` returned
+    (knob ``TESSERA_CHECK_STAGING=1``). At ``async_save`` each saved tensor's version counter
+    and, for CPU tensors, a CRC32 of its bytes are taken (one extra read, blocking); after
+    the background copy both are checked, and a mismatch fails the save on every rank with a
+    :class:`~tessera.errors.StagingMutationError` naming the tensor. Off by default."""
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "staging", _staging_mode(self.staging))
         if self.io_threads < 1:
             raise ValueError(f"SaveOptions.io_threads must be >= 1, got {self.io_threads}")
         if self.chunk_bytes < 4096:
@@ -56,3 +84,11 @@ class LoadOptions:
             raise ValueError(f"LoadOptions.io_threads must be >= 1, got {self.io_threads}")
         if self.max_read_bytes < 1 << 16:
             raise ValueError(f"LoadOptions.max_read_bytes must be >= 65536, got {self.max_read_bytes}")
+
+
+def _staging_mode(value: object) -> StagingMode:
+    try:
+        return StagingMode(value)
+    except ValueError:
+        choices = ", ".join(repr(m.value) for m in StagingMode)
+        raise ValueError(f"SaveOptions.staging (or TESSERA_STAGING) must be one of {choices}, got {value!r}") from None

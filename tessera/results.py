@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -49,19 +50,59 @@ class LoadResult:
 
 
 class PendingSave:
-    """A save whose bytes are staged and being written in the background.
+    """A save in flight: its bytes are being copied to host memory and written in the background.
 
-    ``wait()`` blocks until the checkpoint is committed (or raises what went wrong);
-    ``done()`` says whether that has happened. Thread-safe.
+    ``wait_staged()`` blocks until the saved tensors may be modified again (their bytes are
+    in host memory) and ``staged()`` says whether they may; ``wait()`` blocks until the
+    checkpoint is committed (or raises what went wrong) and ``done()`` says whether that has
+    happened. Thread-safe.
+
+    Modifying a saved tensor before ``wait_staged()`` returns is a bug of the caller: the
+    checkpoint may hold the new bytes, or a mix. ``tessera.OptimizerState``,
+    ``tessera.ModelState`` and ``tessera.CheckpointManager`` wait themselves before
+    ``optimizer.step()``, a forward pass and the next save or load;
+    ``SaveOptions(check_staging=True)`` detects the bug.
     """
 
-    def __init__(self, future: Future[SaveResult], stall_s: float, *, path: str | None = None) -> None:
+    def __init__(
+        self,
+        future: Future[SaveResult],
+        stall_s: float,
+        *,
+        path: str | None = None,
+        staged_event: threading.Event | None = None,
+        stall_parts: dict[str, float] | None = None,
+    ) -> None:
         self._future = future
+        self._staged = staged_event
         self.stall_s = stall_s
-        """Seconds the caller was blocked by ``async_save``."""
+        """Seconds the call that started this save blocked the caller, all of it: the wait
+        for the previous save, planning, and staging (or scheduling the background copy)."""
+        self.stall_parts: dict[str, float] = dict(stall_parts or {})
+        """``stall_s`` by part, in seconds: ``wait_previous`` (the save before it),
+        ``plan``, ``stage`` (the copy to host memory, when it blocked) or ``schedule``
+        (when the copy runs in the background), and for a manager's save ``prepare`` (its
+        own work: storage, retention). The parts add up to at most ``stall_s``."""
         self.path = path
         """The checkpoint being saved (None where unknown)."""
         self._observed = False
+
+    def staged(self) -> bool:
+        """Whether the saved tensors may be modified (their bytes are in host memory, or the save is over)."""
+        return self._staged is None or self._staged.is_set() or self._future.done()
+
+    def wait_staged(self, timeout: float | None = None) -> None:
+        """Block until the saved tensors may be modified. Cheap once staged.
+
+        A failure of the copy does not raise here; ``wait()`` (or the next save) raises it.
+
+        Raises:
+            TimeoutError: if ``timeout`` seconds passed first.
+        """
+        if self._staged is None or self._staged.is_set():
+            return
+        if not self._staged.wait(timeout) and not self._future.done():
+            raise TimeoutError(f"the save to {self.path} was not staged within {timeout} s")
 
     def done(self) -> bool:
         return self._future.done()

@@ -15,6 +15,7 @@ import sys
 import threading
 import time
 import uuid
+import zlib
 from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import wait as wait_futures
@@ -28,13 +29,13 @@ from . import commit, dist
 from .commit import LOAD_TIMINGS_DIR, Claim, RankReport
 from .dist import World
 from .dtypes import dtype_from_name, itemsize
-from .errors import CheckpointError, ConcurrentSaveError, StorageError
+from .errors import CheckpointError, ConcurrentSaveError, StagingMutationError, StorageError
 from .geometry import Box
 from .manifest import FileEntry, Manifest, PerRankEntry, TensorEntry, TileTable, encode
-from .options import SaveOptions
+from .options import SaveOptions, StagingMode
 from .plan import RankPlan, build_global_plan, build_local_plan
 from .results import PendingSave, SaveResult
-from .stage import StagingBuffer
+from .stage import StagingBuffer, as_bytes, ready_event
 from .state import FlatState, TensorPiece, dotted_parents, flatten, is_empty_container
 from .storage import Storage, storage_for
 from .tilefile import FileLayout, layout_file
@@ -153,10 +154,11 @@ def start_save(
     background: bool,
 ) -> PendingSave:
     opts = options or SaveOptions()
+    timer = PhaseTimer()  # before the wait for the previous save: the stall counts it
     ctx = _context(process_group)
     with ctx.lock:
         early = _wait_previous(ctx)
-        timer = PhaseTimer()
+        timer.mark("wait_previous")
         world = dist.world_for(process_group)
         store: Storage | None = None
         if early is None:
@@ -167,22 +169,53 @@ def start_save(
         entry, save_id, cached, flat, values = _plan_save(world, ctx, path, store, state, allow_pickle, opts, early)
         assert store is not None
         timer.mark("plan")
+        overlap = background and opts.staging is StagingMode.BACKGROUND
         staged: list[list[torch.Tensor]] = []
         stage_error: BaseException | None = None
-        try:
-            staged = _stage(entry, flat, ctx, world, copy=background)
-        except Exception as e:  # reported in the commit exchange, so that every rank hears of it
-            stage_error = e
-        timer.mark("stage")
-        stall = time.monotonic() - timer.t0
+        staged_event: threading.Event | None = None
+        # The background report waits for the caller's stall, known once this returns.
+        returned = threading.Event() if background else None
+        if not overlap:
+            try:
+                staged = _stage(entry, flat, ctx, world, copy=background)
+            except Exception as e:  # reported in the commit exchange, so that every rank hears of it
+                stage_error = e
+            timer.mark("stage")
 
-        def finish() -> SaveResult:
-            return _write_and_commit(
-                world, store, path, entry, staged, save_id, cached, values, opts, timer, stage_error
-            )
+            def finish() -> SaveResult:
+                return _write_and_commit(
+                    world, store, path, entry, staged, save_id, cached, values, opts, timer, stage_error, returned
+                )
 
+        else:
+            sources, names = _sources(entry, flat)
+            after = ready_event(sources)
+            reference = _fingerprints(sources) if opts.check_staging else None
+            staged_event = threading.Event()
+
+            def finish() -> SaveResult:
+                copy_error: BaseException | None = None
+                out: list[list[torch.Tensor]] = []
+                try:
+                    out = _stage_sources(entry, sources, ctx, world, copy=True, after=after)
+                    if reference is not None:
+                        _check_unchanged(sources, names, out, reference, world, path)
+                except Exception as e:  # reported in the commit exchange, so that every rank hears of it
+                    copy_error = e
+                finally:
+                    sources.clear()  # let the caller's tensors go
+                    staged_event.set()
+                timer.mark("copy")
+                return _write_and_commit(
+                    world, store, path, entry, out, save_id, cached, values, opts, timer, copy_error, returned
+                )
+
+            timer.mark("schedule")
         future: Future[SaveResult] = Future()
         if stage_error is not None:
+            timer.stall = time.monotonic() - timer.t0
+            if returned is not None:
+                returned.set()
             _run_into(future, finish)  # join the peers' commit exchange now, then raise here
             future.result()
         if background:
@@ -192,7 +225,14 @@ def start_save(
             thread.start()
         else:
             _run_into(future, finish)
-        pending = PendingSave(future, stall, path=path)
+        parts = {k: timer.phases[k] for k in ("wait_previous", "plan", "stage", "schedule") if k in timer.phases}
+        pending = PendingSave(future, 0.0, path=path, staged_event=staged_event, stall_parts=parts)
+        if overlap:
+            _install_gates([obj for obj, _ in flat.statefuls], pending)
+        pending.stall_s = time.monotonic() - timer.t0
+        if returned is not None and not returned.is_set():
+            timer.stall = pending.stall_s
+            returned.set()
         if background:
             ctx.pending = pending
         else:
@@ -314,13 +354,24 @@ def _source(pieces: dict[str, list[TensorPiece]], fqn: str, box: Box) -> torch.T
     raise CheckpointError(f"internal error: no local piece of '{fqn}' holds box {box}")
 
 
-def _stage(entry: _CachedPlan, flat: FlatState, ctx: _SaveContext, world: World, *, copy: bool) -> list[list[torch.Tensor]]:
+def _sources(entry: _CachedPlan, flat: FlatState) -> tuple[list[torch.Tensor], list[str]]:
+    """The tensors this rank writes, in the plan's slot order, and their names."""
     pieces: dict[str, list[TensorPiece]] = {}
     for p in flat.tensors:
         pieces.setdefault(p.fqn, []).append(p)
-    sources = [_source(pieces, s.fqn, s.box) for lay in entry.layouts for s in lay.slots]
+    slots = [s for lay in entry.layouts for s in lay.slots]
+    return [_source(pieces, s.fqn, s.box) for s in slots], [s.fqn for s in slots]
+
+
+def _stage(entry: _CachedPlan, flat: FlatState, ctx: _SaveContext, world: World, *, copy: bool) -> list[list[torch.Tensor]]:
+    return _stage_sources(entry, _sources(entry, flat)[0], ctx, world, copy=copy)
+
+
+def _stage_sources(
+    entry: _CachedPlan, sources: list[torch.Tensor], ctx: _SaveContext, world: World, *, copy: bool, after: object | None = None
+) -> list[list[torch.Tensor]]:
     try:
-        flat_staged = ctx.staging.stage(sources, copy=copy)
+        flat_staged = ctx.staging.stage(sources, copy=copy, after=after)
     except Exception as e:
         raise CheckpointError(f"rank {world.rank}: staging tensors to host memory failed: {e}") from e
     out = []
@@ -329,6 +380,50 @@ def _stage(entry: _CachedPlan, flat: FlatState, ctx: _SaveContext, world: World,
         out.append(flat_staged[i : i + len(lay.slots)])
         i += len(lay.slots)
     return out
+
+
+def _fingerprints(sources: list[torch.Tensor]) -> list[tuple[int, int | None]]:
+    """Debug check: each source's version counter and, for CPU tensors, the CRC32 of its bytes."""
+    out = []
+    for src in sources:
+        crc = zlib.crc32(as_bytes(src.contiguous()).numpy()) if src.device.type == "cpu" else None
+        out.append((src._version, crc))
+    return out
+
+
+def _check_unchanged(
+    sources: list[torch.Tensor],
+    names: list[str],
+    staged: list[list[torch.Tensor]],
+    reference: list[tuple[int, int | None]],
+    world: World,
+    path: str,
+) -> None:
+    """Raise if a source changed between ``async_save`` and the end of its copy (a missing gate).
+
+    Raises:
+        StagingMutationError: naming the first tensor that changed.
+    """
+    flat_staged = [t for per_file in staged for t in per_file]
+    for src, name, host, (version, crc) in zip(sources, names, flat_staged, reference):
+        changed = src._version != version
+        if not changed and crc is not None:
+            changed = zlib.crc32(host.numpy()) != crc
+        if changed:
+            raise StagingMutationError(
+                f"rank {world.rank}: tensor '{name}' was modified after async_save({path!r}) returned and before "
+                f"its bytes were staged (PendingSave.wait_staged()); the checkpoint would not hold the state at "
+                f"the time of the call, so the save is abandoned. Call wait_staged() (or step through "
+                f"tessera.OptimizerState) before modifying saved tensors"
+            )
+
+
+def _install_gates(statefuls: list[object], pending: PendingSave) -> None:
+    """Let Stateful objects that know how (``_tessera_gate``) hold their mutations until staged."""
+    for obj in statefuls:
+        gate = getattr(obj, "_tessera_gate", None)
+        if callable(gate):
+            gate(pending)
 
 
 def _write_and_commit(
@@ -343,6 +438,7 @@ def _write_and_commit(
     opts: SaveOptions,
     timer: PhaseTimer,
     stage_error: BaseException | None = None,
+    returned: threading.Event | None = None,
 ) -> SaveResult:
     claim, may_write, error = _claim(world, store, save_id, stage_error)
     written: list[WrittenFile] = []
@@ -367,6 +463,11 @@ def _write_and_commit(
         error.__cause__ = e
     timer.mark("write")
     my_bytes = sum(w.nbytes for w in written)
+    if returned is not None:
+        returned.wait()  # the caller's stall is known once async_save has returned
+    timings: dict[str, float] = {**timer.phases, "bytes": my_bytes}
+    if timer.stall is not None:
+        timings["stall"] = timer.stall
     report = RankReport(
         error=None if error is None else dist.error_text(world.rank, error),
         files=tuple(
@@ -374,7 +475,7 @@ def _write_and_commit(
             for w in written
         ),
         values=values,
-        timings={**timer.phases, "bytes": my_bytes},
+        timings=timings,
     )
     reports = dist.gather(world, report, "committing the save")
     outcome: dict[str, Any] = {}

@@ -1,9 +1,12 @@
 """Staging: copy the bytes a rank writes into host memory it owns.
 
-This is the only part of a save that blocks training. Staging memory is one buffer per
-process, allocated at the size the plan needs and reused by later saves with the same
-plan; it is pinned when tensors live on an accelerator, and device-to-host copies run on a
-separate CUDA stream that first waits for the training stream. A synchronous save of CPU
+Until it is done the saved tensors must not change. ``async_save`` runs it in the background
+by default (see :class:`tessera.StagingMode`): the caller records where its CUDA streams are
+(:func:`ready_event`, an event on the current stream) and returns; a copy thread then copies.
+Staging memory is one buffer per process, allocated at the size the plan needs and reused
+by later saves with the same plan; it is pinned when tensors live on an accelerator, and
+device-to-host copies run on a separate CUDA stream that first waits for the caller's event
+(or, called in the caller's thread, for its current stream). A synchronous save of CPU
 tensors skips staging altogether and writes straight from the tensors.
 """
 
@@ -48,13 +51,16 @@ class StagingBuffer:
     def release(self) -> None:
         self._buf = None
 
-    def stage(self, sources: Sequence[torch.Tensor], *, copy: bool) -> list[torch.Tensor]:
+    def stage(self, sources: Sequence[torch.Tensor], *, copy: bool, after: object | None = None) -> list[torch.Tensor]:
         """Host byte views (1-D uint8) of ``sources``, in order.
 
         Args:
             sources: the tensors to write (any device, any strides).
             copy: always copy into the staging buffer (async saves); when False, contiguous
                 CPU tensors are used in place.
+            after: a CUDA event from :func:`ready_event`, recorded by the thread that owns
+                the tensors; device copies wait for it. None: they wait for the current
+                stream of the calling thread.
         """
         out: list[torch.Tensor | None] = [None] * len(sources)
         todo = []
@@ -73,7 +79,7 @@ class StagingBuffer:
             on_device = [sources[i] for i in todo if sources[i].device.type != "cpu"]
             pin = bool(on_device) and torch.cuda.is_available()
             buf = self._ensure(pos, pin)
-            stream = self._copy_stream(on_device)
+            stream = self._copy_stream(on_device, after)
             ctx = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
             with ctx:
                 for i, off in zip(todo, offsets):
@@ -86,13 +92,31 @@ class StagingBuffer:
                 stream.synchronize()
         return out  # type: ignore[return-value]  # every entry is filled above
 
-    def _copy_stream(self, on_device: list[torch.Tensor]) -> object | None:
+    def _copy_stream(self, on_device: list[torch.Tensor], after: object | None) -> object | None:
         if not on_device or not torch.cuda.is_available() or on_device[0].device.type != "cuda":
             return None
         if self._stream is None:
             self._stream = torch.cuda.Stream(device=on_device[0].device)
         stream = self._stream
-        # Copies must see every kernel the training loop queued so far.
-        stream.wait_stream(torch.cuda.current_stream(on_device[0].device))  # type: ignore[attr-defined]
+        # Copies must see every kernel the training loop queued before the save.
+        if after is not None:
+            stream.wait_event(after)  # type: ignore[attr-defined]
+        else:
+            stream.wait_stream(torch.cuda.current_stream(on_device[0].device))  # type: ignore[attr-defined]
         return stream
+
+
+def ready_event(sources: Sequence[torch.Tensor]) -> object | None:
+    """An event on the caller's current CUDA stream, for copies made from another thread.
+
+    CUDA streams are per thread: a copy thread's current stream is not the training loop's,
+    so the loop records where its stream is before handing the tensors over. None when no
+    source is on a CUDA device.
+    """
+    device = next((s.device for s in sources if s.device.type == "cuda"), None)
+    if device is None or not torch.cuda.is_available():
+        return None
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(device))
+    return event
 

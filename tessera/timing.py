@@ -12,6 +12,8 @@ class PhaseTimer:
         self.t0 = time.monotonic()
         self.last = self.t0
         self.phases: dict[str, float] = {}
+        self.stall: float | None = None
+        """Seconds the caller was blocked (an async save's stall), once known."""
 
     def mark(self, phase: str) -> None:
         """Charge the time since the previous mark to ``phase``."""

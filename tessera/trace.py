@@ -1,7 +1,8 @@
 """Where save and load time went: per-rank, per-phase timings from a checkpoint.
 
 Every save records, per rank, the seconds each phase took and the bytes written
-(``manifest.timings["save"]["ranks"][rank] = {"plan": s, "stage": s, "write": s, "bytes": n}``);
+(``manifest.timings["save"]["ranks"][rank] = {"wait_previous": s, "plan": s, "stage": s, "write": s,
+"bytes": n}``, and for ``async_save`` ``"stall"``: the seconds the call blocked);
 conversions record ``"convert"`` the same way. Every load writes its per-rank timings
 (``{"metadata": s, "plan": s, "read": s, "values": s, "total": s, "bytes": n}``) to
 ``timings/load-<UTC time>-<id>.json`` inside the checkpoint it read (see
@@ -11,8 +12,10 @@ https://ui.perfetto.dev) and a PNG timeline. Phases of a rank ran one after anot
 each rank's timeline starts at 0 and lays its phases end to end.
 
 What blocked training: a load blocks the training loop for all of its phases; a save
-blocks it for ``plan`` and ``stage`` (the stall of ``async_save``), and for everything
-when it is synchronous (``tessera.save``). :data:`BLOCKING_PHASES` names them.
+blocks it for ``wait_previous`` (the save before it), ``plan``, and ``stage`` (the copy to
+host memory when it blocks) or ``schedule`` (when the copy runs in the background, as
+``copy``, which does not block): together the stall of ``async_save``; a synchronous save
+(``tessera.save``) blocks for everything. :data:`BLOCKING_PHASES` names them.
 """
 
 from __future__ import annotations
@@ -26,10 +29,16 @@ from .manifest import Manifest
 
 logger = logging.getLogger(__name__)
 
-PHASE_ORDER = ("metadata", "plan", "stage", "read", "broadcast", "write", "values", "commit")
+PHASE_ORDER = (
+    "metadata", "wait_previous", "plan", "stage", "schedule", "copy", "read", "broadcast", "write", "values", "commit",
+)
 """Known phases, in the order they run; other phases follow in the order recorded."""
 
-BLOCKING_PHASES: dict[str, tuple[str, ...] | None] = {"save": ("plan", "stage"), "load": None, "convert": None}
+BLOCKING_PHASES: dict[str, tuple[str, ...] | None] = {
+    "save": ("wait_previous", "plan", "stage", "schedule"),
+    "load": None,
+    "convert": None,
+}
 """Per operation, the phases during which the training loop waits (None: all of them).
 For ``save`` these are the stall of ``async_save``; a synchronous save blocks throughout."""
 
@@ -157,7 +166,7 @@ def _rank_list(ranks: object) -> list[RankTiming]:
     for r, t in ranks.items():
         if not isinstance(t, dict):
             continue
-        phases = {k: float(v) for k, v in t.items() if k not in ("bytes", "total") and isinstance(v, (int, float))}
+        phases = {k: float(v) for k, v in t.items() if k not in ("bytes", "total", "stall") and isinstance(v, (int, float))}
         known = [p for p in PHASE_ORDER if p in phases]
         ordered = {p: phases[p] for p in known + [p for p in phases if p not in PHASE_ORDER]}
         out.append(RankTiming(int(r), ordered, int(t.get("bytes", 0) or 0)))

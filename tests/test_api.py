@@ -181,11 +181,16 @@ def test_per_rank_values_single_process(tmp_path) -> None:
     assert torch.equal(target["rng"].value, rng) and target["pos"].value == 17
 
 
-def test_async_save_snapshots_at_return(tmp_path) -> None:
+@pytest.mark.parametrize("staging", list(tessera.StagingMode))
+def test_async_save_snapshots_at_the_gate(tmp_path, staging: tessera.StagingMode) -> None:
     w = torch.arange(1000, dtype=torch.float32)
     state = {"w": w, "step": 1}
-    pending = tessera.async_save(str(tmp_path), state)
-    w.add_(1)  # training continues right away
+    pending = tessera.async_save(str(tmp_path), state, options=tessera.SaveOptions(staging=staging))
+    if staging is tessera.StagingMode.BLOCKING:
+        assert pending.staged()  # the old behaviour: staged before returning
+    pending.wait_staged()
+    assert pending.staged()
+    w.add_(1)  # training continues once the gate is passed
     state["step"] = 2
     result = pending.wait()
     assert pending.done() and result.total_bytes > 4000

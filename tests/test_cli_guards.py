@@ -273,7 +273,8 @@ def test_trace_reads_load_timings(training_ckpt: str, tmp_path: Path, capsys) ->
     rank0 = doc["load"]["ranks"][0]
     assert rank0["blocked"] == pytest.approx(rank0["total"])
     save0 = doc["save"]["ranks"][0]
-    assert save0["blocked"] == pytest.approx(save0["phases"]["plan"] + save0["phases"]["stage"])
+    phases = save0["phases"]
+    assert save0["blocked"] == pytest.approx(phases["wait_previous"] + phases["plan"] + phases["stage"])
 
 
 def test_a_straggler_needs_an_absolute_and_a_relative_gap() -> None:

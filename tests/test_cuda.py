@@ -15,7 +15,8 @@ def test_async_save_of_cuda_tensors_stages_into_reused_pinned_memory(tmp_path) -
     w = torch.randn(1024, 1024, device="cuda")
     state = {"w": w, "b": torch.arange(10, device="cuda")}
     pending = tessera.async_save(str(tmp_path / "a"), state)
-    w.mul_(0)  # queued on the training stream after the staging copy: must not be saved
+    pending.wait_staged()
+    w.mul_(0)  # queued on the training stream after the gate: must not be saved
     pending.wait()
     target = {"w": torch.zeros(1024, 1024, device="cuda"), "b": torch.zeros(10, dtype=torch.int64, device="cuda")}
     tessera.load(str(tmp_path / "a"), target)

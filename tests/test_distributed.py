@@ -39,7 +39,8 @@ def _cached_async(rank: int, world: int, root: str) -> list[bool]:
         w.fill_(step * 10 + rank)
         state = {"w": tessera.ShardedTensor(w, (6 * world, 4), (6 * rank, 0)), "step": step}
         pending = tessera.async_save(os.path.join(root, f"s{step}"), state)
-        w.fill_(-1)  # mutate right after the stall: must not reach the checkpoint
+        pending.wait_staged()
+        w.fill_(-1)  # mutate right after the gate: must not reach the checkpoint
         cached.append(pending.wait().plan_cached)
     for step in range(3):
         full = {"w": torch.zeros(6 * world, 4), "step": None}

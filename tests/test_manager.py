@@ -89,6 +89,7 @@ def test_save_and_resume_bit_exact(root: str, async_save: bool) -> None:
             out = mgr.save(step, state)
             if async_save:
                 assert isinstance(out, tessera.PendingSave)
+                out.wait_staged()
                 state["model"]["w"].add_(1000)  # training continues; the save keeps its snapshot
                 state["step"] = -5
             else:

@@ -18,6 +18,7 @@ import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
+from typing import Any
 
 import torch
 from torch import nn
@@ -28,6 +29,7 @@ from ..errors import MissingKeysError, StateMismatchError
 from ..geometry import Box
 from ..shards import FlatShard, ShardedTensor
 from . import _torch_compat
+from ._gate import StagingGate
 
 logger = logging.getLogger(__name__)
 
@@ -229,6 +231,17 @@ class ModelState:
         self._model = model
         _as_modules(model)  # validate early
         self._handed: dict[str, object] = {}
+        self._gate = StagingGate()
+
+    def _tessera_gate(self, pending: Any) -> None:
+        """Called by ``async_save``: a forward pass waits until ``pending`` has staged.
+
+        A forward pass may change buffers in place (batch norm's running statistics); a
+        forward pre-hook on the model as given (outside any compiled region) holds it until
+        the saved bytes are in host memory. Parameters change in ``optimizer.step()``, which
+        :class:`~tessera.OptimizerState` gates.
+        """
+        self._gate.arm(pending, list(_as_modules(self._model)), lambda m, hook: m.register_forward_pre_hook(hook))
 
     def state_dict(self) -> dict[str, object]:
         """This rank's part of every parameter and persistent buffer, by FQN (no copies)."""

@@ -34,6 +34,7 @@ from ..errors import StateMismatchError
 from ..manifest import Manifest
 from ..values import decode_value, is_plain
 from . import _torch_compat
+from ._gate import StagingGate
 from .model import ModelLayout, ParamEntry, ParamView, collect
 
 logger = logging.getLogger(__name__)
@@ -76,6 +77,15 @@ class OptimizerState:
         self._prepared = False
         self._load_fresh = False
         self._targets: dict[tuple[str, Any], _Target] = {}
+        self._gate = StagingGate()
+
+    def _tessera_gate(self, pending: Any) -> None:
+        """Called by ``async_save``: ``optimizer.step()`` waits until ``pending`` has staged.
+
+        The step mutates the parameters and the optimizer state in place; a step pre-hook
+        holds it until their bytes are in host memory (:meth:`tessera.PendingSave.wait_staged`).
+        """
+        self._gate.arm(pending, self._optimizers, lambda opt, hook: opt.register_step_pre_hook(hook))
 
     # ----------------------------------------------------------------------------------
     # Stateful

@@ -100,6 +100,7 @@ def save_state(
     result: SaveResult | PendingSave
     if async_save:
         result = api.async_save(path, state, **save_kwargs)
+        result.wait_staged()  # raw state dicts: nothing else holds the loop back until staged
     else:
         result = api.save(path, state, **save_kwargs)
     if accelerator.is_main_process:

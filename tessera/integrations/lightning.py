@@ -195,6 +195,7 @@ class TesseraCheckpointIO(CheckpointIO):
         )
         if self.async_save:
             self._pending = api.async_save(path, state, **kwargs)
+            self._pending.wait_staged()  # Lightning steps the raw optimizer next: stage first
             logger.info("staged checkpoint %s in %.3fs (writing in the background)", path, self._pending.stall_s)
         else:
             self._pending = None

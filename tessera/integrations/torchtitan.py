@@ -138,7 +138,9 @@ class TesseraCheckpointManager(CheckpointManager):
         else:
             state = self._tessera_state(state_dict)
         if async_mode in (AsyncMode.ASYNC, AsyncMode.ASYNC_WITH_PINNED_MEM):
-            return _PendingFuture(api.async_save(checkpoint_id, state))
+            pending = api.async_save(checkpoint_id, state)
+            pending.wait_staged()  # torchtitan steps the optimizer next: stage first
+            return _PendingFuture(pending)
         api.save(checkpoint_id, state)
         return None
 
