@@ -513,8 +513,13 @@ def _import(
                 allow_pickle=args.allow_pickle, progress=cb,
             )  # fmt: skip
         if fmt == cv.Format.MEGATRON:
+            if cv.is_torch_dist(src):  # Megatron-Core's own format describes itself: no spec needed
+                return cv.import_torch_dist(src, dst, dtype=dtype, progress=cb)
             if not args.spec:
-                raise UsageError("--from megatron needs --spec LAYOUT_SPEC (the JSON layout spec of the files)")
+                raise UsageError(
+                    "--from megatron needs --spec LAYOUT_SPEC (the JSON layout spec of the per-rank files); "
+                    "torch_dist checkpoints need none"
+                )
             return cv.import_megatron(
                 src, dst, spec=args.spec, prefix=prefix if prefix is not None else "model.", dtype=dtype,
                 allow_pickle=args.allow_pickle, progress=cb,

@@ -165,6 +165,18 @@ def test_native_checkpoint_names_are_megatron_keys(gpt_ckpt: str) -> None:
     assert "common" in native.values and "common" in converted.values
 
 
+def test_cli_detects_torch_dist_and_converts_it_like_the_api(gpt_ckpt: str, tmp_path) -> None:
+    from tessera.cli import main
+    from tessera.convert import Format, detect_format, diff_checkpoints
+
+    # Megatron's torch_dist is DCP plus common.pt and metadata.json: never mistaken for plain DCP
+    # (which would drop common.pt), and it needs no layout spec.
+    assert detect_format(f"{gpt_ckpt}/mcore") is Format.MEGATRON
+    assert main(["convert", f"{gpt_ckpt}/mcore", str(tmp_path / "cli")]) == 0
+    report = diff_checkpoints(f"{gpt_ckpt}/converted", str(tmp_path / "cli"))
+    assert report.identical and report.same_tensors > 0 and report.same_values > 0, report
+
+
 # ----------------------------------------------------------------------------------------
 # The layout spec (legacy per-rank files) on a real MoE model: EP ranks' local state dicts.
 

@@ -37,7 +37,7 @@ from .dcp import export_dcp, import_dcp
 from .deepspeed import import_deepspeed
 from .deepspeed_universal import export_deepspeed_universal
 from .hf import export_hf, import_hf
-from .megatron import import_megatron, load_spec
+from .megatron import import_megatron, import_torch_dist, is_torch_dist, load_spec
 from .rename import RenameRule, rename_tensors
 from .torch_save import export_torch_save, import_torch_save
 
@@ -71,6 +71,8 @@ def detect_format(path: str) -> Format:
         raise ValueError(f"cannot tell the format of file {path}; pass --from")
     if "://" in path or os.path.isfile(os.path.join(path, "manifest.json")):
         return Format.TESSERA
+    if is_torch_dist(path):  # Megatron-Core's torch_dist: DCP files plus common.pt and metadata.json
+        return Format.MEGATRON
     if os.path.isfile(os.path.join(path, ".metadata")):
         return Format.DCP
     if os.path.isdir(path):
@@ -101,6 +103,7 @@ __all__ = [
     "import_deepspeed",
     "import_hf",
     "import_megatron",
+    "import_torch_dist",
     "import_torch_save",
     "load_spec",
     "parse_dtype",

@@ -245,6 +245,31 @@ class _TorchDistPlanner:
         pass
 
 
+def is_torch_dist(path: str) -> bool:
+    """Whether ``path`` is a Megatron-Core ``torch_dist`` checkpoint (an ``iter_*`` directory,
+    or a checkpoint root whose tracker names one), not a plain torch DCP directory.
+
+    Megatron writes ``metadata.json`` with ``sharded_backend: torch_dist`` (and ``common.pt``)
+    beside DCP's ``.metadata``; plain DCP has neither.
+    """
+    tracker = os.path.join(path, TRACKER)
+    if os.path.isfile(tracker):
+        with open(tracker) as f:
+            it = f.read().strip()
+        if it == "release" or it.isdigit():
+            path = os.path.join(path, "release" if it == "release" else f"iter_{int(it):07d}")
+    if not os.path.isfile(os.path.join(path, ".metadata")):
+        return False
+    meta = os.path.join(path, "metadata.json")
+    if os.path.isfile(meta):
+        try:
+            with open(meta) as f:
+                return json.load(f).get("sharded_backend") == "torch_dist"
+        except (OSError, ValueError, AttributeError):
+            return False
+    return os.path.isfile(os.path.join(path, "common.pt"))
+
+
 def import_torch_dist(
     src: str,
     path: str,
