@@ -88,7 +88,7 @@ from dataclasses import dataclass, field
 from .. import _knobs
 from ..errors import StorageError
 from .base import OWNER_MARKER_DIR, Buffer, Storage, check_relpath
-from .local import FileStorage
+from .local import FileStorage, local_root
 
 logger = logging.getLogger(__name__)
 
@@ -119,7 +119,7 @@ def default_memory_root(durable_url: str) -> str:
         logger.warning("no writable /dev/shm; the memory tier uses %s, which may be on disk", base)
     scheme, sep, rest = durable_url.partition("://")
     if not sep or scheme == "file":
-        store, path = "local", os.path.abspath(rest if sep else durable_url)
+        store, path = "local", os.path.realpath(local_root(durable_url))  # one copy per directory, however reached
     else:
         authority, _, path = rest.partition("/")
         digest = hashlib.sha256(f"{scheme}://{authority}".encode()).hexdigest()[:8]
