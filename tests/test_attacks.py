@@ -141,3 +141,40 @@ def test_a_manifest_naming_one_thing_twice_is_refused(tmp_path: Path, edit, mess
     assert torch.equal(state["a"], torch.zeros(4)) and state["v"] == 0  # nothing was written
     report = verify(path)
     assert not report.ok and message in report.summary(), report.summary()
+
+
+# --------------------------------------------------------------------------------------
+# Loads into targets that share memory are refused before a byte is written
+
+
+def _targets_sharing_memory(kind: str) -> dict[str, torch.Tensor]:
+    if kind == "views of two dtypes":  # before: loaded, 'a' half-overwritten by 'b'
+        x = torch.zeros(2, dtype=torch.int32)
+        return {"a": x.view(torch.int16), "b": x}
+    # Two large contiguous views of one buffer: before, too large for the exact check, they were
+    # let through; the load wrote one over the other and blamed the checkpoint (checksum mismatch).
+    big = torch.zeros(5_000_000, dtype=torch.int8)
+    return {"a": big[:3_000_000], "b": big[2_000_000:]}
+
+
+@pytest.mark.parametrize("kind", ["views of two dtypes", "large overlapping views"])
+def test_targets_sharing_memory_are_refused_before_loading(tmp_path: Path, kind: str) -> None:
+    path = str(tmp_path / "ck")
+    if kind == "views of two dtypes":
+        tessera.save(path, {"a": torch.arange(4, dtype=torch.int16), "b": torch.arange(2, dtype=torch.int32) + 7})
+    else:
+        tessera.save(path, {"a": torch.ones(3_000_000, dtype=torch.int8), "b": torch.full((3_000_000,), 2, dtype=torch.int8)})
+    state = _targets_sharing_memory(kind)
+    with pytest.raises(tessera.StateMismatchError, match="'a' and 'b': the targets share memory"):
+        tessera.load(path, state, options=NO_TIMINGS)
+    assert not state["a"].any() and not state["b"].any()  # nothing was written
+
+
+def test_interleaved_views_of_one_matrix_still_load(tmp_path: Path) -> None:
+    path = str(tmp_path / "ck")
+    tessera.save(path, {"l": torch.ones(4, 2), "r": torch.full((4, 2), 2.0), "i": torch.arange(3, dtype=torch.int16)})
+    m = torch.zeros(4, 5)
+    x = torch.zeros(4, dtype=torch.int16)  # 'i' in the first 6 bytes of x; a float32 'r' cannot overlap it
+    tessera.load(path, {"l": m[:, :2], "r": m[:, 3:], "i": x[:3]}, options=NO_TIMINGS)
+    assert torch.equal(m, torch.tensor([[1.0, 1.0, 0.0, 2.0, 2.0]] * 4))
+    assert torch.equal(x, torch.tensor([0, 1, 2, 0], dtype=torch.int16))
