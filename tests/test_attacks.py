@@ -178,3 +178,37 @@ def test_interleaved_views_of_one_matrix_still_load(tmp_path: Path) -> None:
     tessera.load(path, {"l": m[:, :2], "r": m[:, 3:], "i": x[:3]}, options=NO_TIMINGS)
     assert torch.equal(m, torch.tensor([[1.0, 1.0, 0.0, 2.0, 2.0]] * 4))
     assert torch.equal(x, torch.tensor([0, 1, 2, 0], dtype=torch.int16))
+
+
+# --------------------------------------------------------------------------------------
+# A state that cannot be stored: one tessera type, in one process and on every rank
+
+
+def _save_meta(rank: int, world: int, path: str) -> str:
+    try:
+        tessera.save(path, {"w": torch.empty(4, device="meta")})
+    except Exception as e:  # noqa: BLE001 - compared by the test
+        return type(e).__name__
+    return "saved"
+
+
+@pytest.mark.parametrize(
+    "state",
+    [
+        {"w": torch.empty(4, device="meta")},
+        {"w": torch.zeros(2).to_sparse()},
+        {("a", "b"): torch.zeros(1)},
+        {"p": tessera.per_rank(tessera.per_rank(1))},
+    ],
+    ids=["meta", "sparse", "tuple key", "nested per_rank"],
+)
+def test_a_state_that_cannot_be_stored_is_an_invalid_state_error(tmp_path: Path, state: dict) -> None:
+    # Before: bare ValueError / TypeError (not CheckpointErrors), and DistributedError on
+    # every rank of a multi-rank save; still both builtins, as before.
+    with pytest.raises(tessera.InvalidStateError) as info:
+        tessera.save(str(tmp_path / "ck"), state)
+    assert isinstance(info.value, (ValueError)) and isinstance(info.value, TypeError)
+
+
+def test_a_state_that_cannot_be_stored_is_the_same_type_on_every_rank(tmp_path: Path) -> None:
+    assert run_distributed(_save_meta, 2, str(tmp_path / "ck")) == ["InvalidStateError"] * 2
