@@ -460,7 +460,7 @@ class FileStorage:
             try:
                 os.unlink(full)
                 dirs.add(os.path.dirname(full))
-            except FileNotFoundError:
+            except (FileNotFoundError, NotADirectoryError):  # absent: nothing to delete
                 pass
         # Remove directories left empty (e.g. an old save generation), deepest first.
         for d in sorted(dirs, key=len, reverse=True):
