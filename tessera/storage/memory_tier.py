@@ -861,7 +861,9 @@ class MemoryTierStorage:
     def list(self, prefix: str = "") -> list[str]:
         """Files under ``prefix`` in either copy; a ``manifest.json`` as :meth:`exists` says."""
         committing = self._committing()
-        durable = self.durable.list(prefix)
+        # Temporary files of a publish in progress (the persistence thread's, in the durable
+        # store) are no files of the checkpoint: listed, retention could delete one mid-rename.
+        durable = [p for p in self.durable.list(prefix) if not _TMP_RE.search(p)]
         memory = [p for p in self.memory.list(prefix) if not _is_manifest(p) and not _TMP_RE.search(p)]
         if committing and (not prefix or check_relpath(prefix) == MANIFEST):
             memory.append(MANIFEST)
