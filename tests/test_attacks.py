@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import tessera
-from tessera.errors import ConcurrentSaveError, ManifestError
+from tessera.errors import ManifestError
 from tessera.manifest import MANIFEST_NAME
 from tessera.verify import verify
 from tests.crash_worker import check_state, empty_state, gated_save, make_state, start
