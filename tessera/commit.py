@@ -27,6 +27,7 @@ and :class:`RankReport` (what each rank tells rank 0 after 2).
 
 from __future__ import annotations
 
+import inspect
 import logging
 import posixpath
 from collections.abc import Iterable
@@ -202,7 +203,10 @@ def publish(store: Storage, claim: Claim, data: bytes, path: str) -> None:
         StorageError: writing failed (nothing was committed).
     """
     if claim.fenced:
-        store.replace_if(MANIFEST_NAME, data, claim.expected)  # type: ignore[attr-defined]
+        if _takes_owner(store.replace_if):  # type: ignore[attr-defined]  # fenced against retention too
+            store.replace_if(MANIFEST_NAME, data, claim.expected, owner=claim.marker)  # type: ignore[attr-defined]
+        else:
+            store.replace_if(MANIFEST_NAME, data, claim.expected)  # type: ignore[attr-defined]
         return
     version = getattr(store, "version", None)
     if callable(version) and version(MANIFEST_NAME) != claim.expected:
@@ -211,6 +215,17 @@ def publish(store: Storage, claim: Claim, data: bytes, path: str) -> None:
             "to one path. The other save's checkpoint stands"
         )
     store.write_atomic(MANIFEST_NAME, data)
+
+
+def _takes_owner(replace_if: Any) -> bool:
+    """Whether a backend's ``replace_if`` checks the save's owner marker (``owner=``) under its
+    fence, as :meth:`FileStorage.replace_if <tessera.storage.FileStorage.replace_if>` does
+    (a subclass overriding it with the base signature, without ``**kwargs``, does not)."""
+    try:
+        params = inspect.signature(replace_if).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any(p.name == "owner" or p.kind is p.VAR_KEYWORD for p in params)
 
 
 def clean_up(store: Storage, claim: Claim, live_before: set[str], path: str) -> None:

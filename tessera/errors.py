@@ -51,11 +51,13 @@ class MissingKeysError(StateMismatchError, KeyError):
         return str(self.args[0]) if self.args else ""
 
 
-class InvalidStateError(CheckpointError, ValueError):
+class InvalidStateError(CheckpointError, ValueError, TypeError):
     """The state passed to ``save`` or ``load`` cannot be named or encoded.
 
-    Two of its entries flatten to the same name (``{"a.b": x, "a": {"b": y}}``), or it is
-    nested deeper than tessera follows.
+    Two of its entries flatten to the same name (``{"a.b": x, "a": {"b": y}}``), it is
+    nested deeper than tessera follows, or an entry cannot be stored (a key that is not a
+    str or int, a meta, sparse or quantized tensor, a nested ``per_rank()``...). Both a
+    ``ValueError`` and a ``TypeError``, as the builtin these cases raised before.
     """
 
 

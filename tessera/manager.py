@@ -51,6 +51,7 @@ from .errors import (
     StorageError,
 )
 from .manifest import MANIFEST_NAME
+from .storage.base import OWNER_MARKER_DIR
 from .options import LoadOptions, SaveOptions
 from .storage import Storage, storage_for
 
@@ -484,10 +485,22 @@ class CheckpointManager:
 
     def _delete_step(self, step: int) -> None:
         name = step_dirname(step)
-        files = self._root_store.list(name)  # relative to root: "step-.../data/..."
         manifest = f"{name}/{MANIFEST_NAME}"
+        uncommit = getattr(self._root_store, "uncommit", None)
+        version = getattr(self._root_store, "version", None)
+        expected = version(manifest) if callable(uncommit) and callable(version) else None
+        files = self._root_store.list(name)  # relative to root: "step-.../data/..."
         # Un-commit first: a deletion cut short must not leave a "committed" step without data.
-        self._root_store.delete([manifest])
+        if callable(uncommit) and callable(version):
+            # Fenced (filesystems): under the step's commit lock, and only if no save committed
+            # it meanwhile; the owner markers go with the manifest, so a save still writing
+            # into this step (another job's) can no longer publish over the files deleted next.
+            markers = [f for f in files if f.startswith(f"{name}/{OWNER_MARKER_DIR}/")]
+            if not uncommit(manifest, expected, markers):
+                logger.info("not deleting step %d under %s: a save committed it meanwhile", step, self.root)
+                return
+        else:
+            self._root_store.delete([manifest])
         self._root_store.delete([f for f in files if f != manifest])
         logger.info("deleted step %d under %s (%d files)", step, self.root, len(files))
 

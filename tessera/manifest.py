@@ -334,7 +334,9 @@ def _decode(data: bytes) -> Manifest:
     if len(data) > MAX_MANIFEST_BYTES:
         raise _fail(f"size {len(data)} bytes is over the {MAX_MANIFEST_BYTES}-byte limit")
     try:
-        doc = json.loads(data)
+        doc = json.loads(data, object_pairs_hook=_unique_keys)
+    except ManifestError:
+        raise
     except (ValueError, UnicodeDecodeError) as e:
         raise _fail(f"not valid JSON ({e}); the file is truncated or not a tessera manifest") from None
     doc = _dict(doc, "the top level")
@@ -356,11 +358,14 @@ def _decode(data: bytes) -> Manifest:
     if not isinstance(raw_files, list):
         raise _fail("files must be a list")
     files = []
+    seen_paths: set[str] = set()
     for i, f in enumerate(raw_files):
         f = _dict(f, f"files[{i}]")
-        files.append(
-            FileEntry(check_relpath(f.get("path")), _int(f.get("rank"), "file rank"), _int(f.get("bytes"), "file bytes"))
-        )
+        entry = FileEntry(check_relpath(f.get("path")), _int(f.get("rank"), "file rank"), _int(f.get("bytes"), "file bytes"))
+        if entry.path in seen_paths:
+            raise _fail(f"files[{i}]: file {entry.path!r} is listed twice")
+        seen_paths.add(entry.path)
+        files.append(entry)
 
     tensors: dict[str, TensorEntry] = {}
     # Shared by every tensor: per-tensor copies would cost tensors x files.
@@ -388,12 +393,16 @@ def _decode(data: bytes) -> Manifest:
             raise _fail(f"per_rank '{name}' must have on_resize and one value per saving rank")
         per_rank[name] = PerRankEntry(v["on_resize"], tuple(vals))
 
+    values = _dict(doc.get("values", {}), "values")
+    for name in (set(tensors) & set(values)) | ((set(tensors) | set(values)) & set(per_rank)):
+        where = [s for s, d in (("tensors", tensors), ("values", values), ("per_rank", per_rank)) if name in d]
+        raise _fail(f"name {name!r:.200} appears in both {where[0]} and {where[1]}; names must be unique")
     return Manifest(
         save_id=save_id,
         world_size=world_size,
         chunk_bytes=chunk_bytes,
         tensors=tensors,
-        values=_dict(doc.get("values", {}), "values"),
+        values=values,
         per_rank=per_rank,
         files=tuple(files),
         layout=_dict(doc.get("layout", {}), "layout"),
@@ -401,6 +410,16 @@ def _decode(data: bytes) -> Manifest:
         metadata=_dict(doc.get("metadata", {}), "metadata"),
         version=version,
     )
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object as a dict, refusing a key given twice (JSON parsers disagree on which wins)."""
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen: set[str] = set()
+        dup = next(k for k, _ in pairs if k in seen or seen.add(k))  # type: ignore[func-returns-value]
+        raise _fail(f"key {dup!r:.200} appears twice in one JSON object")
+    return out
 
 
 def _int_array(values: Any, what: str, ndim: int) -> np.ndarray:

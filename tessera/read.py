@@ -177,30 +177,46 @@ def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether two views whose memory ranges intersect share an element.
+    """Whether two views whose memory ranges intersect share a byte.
 
-    Settled exactly, one byte per element, for views of one element size and alignment up
-    to :data:`_EXACT_OVERLAP_ELEMENTS` elements (strided column blocks of one matrix
-    interleave without overlapping); larger or mixed views that only interleave are let
-    through rather than refused on a guess.
+    Two dense views (no holes: contiguous, or a permutation of it) share one as soon as their
+    byte ranges meet, whatever their size or dtype. Otherwise the question is settled
+    exactly, one mark per byte, for views of up to :data:`_EXACT_OVERLAP_ELEMENTS` elements
+    (strided column blocks of one matrix interleave without overlapping, and views of
+    different dtypes are compared byte by byte); larger strided views that only interleave
+    are let through rather than refused on a guess.
     """
-    size = a.element_size()
-    if b.element_size() != size or (a.data_ptr() - b.data_ptr()) % size:
+    ranges = [(t.data_ptr(), t.data_ptr() + _extent(t) * t.element_size()) for t in (a, b)]
+    if not (ranges[0][0] < ranges[1][1] and ranges[1][0] < ranges[0][1]):
         return False
-    base = min(a.data_ptr(), b.data_ptr())
-    span = (max(a.data_ptr() + _extent(a) * size, b.data_ptr() + _extent(b) * size) - base) // size
+    if _dense(a) and _dense(b):
+        return True
+    base = min(r[0] for r in ranges)
+    span = max(r[1] for r in ranges) - base
     if max(a.numel(), b.numel()) > _EXACT_OVERLAP_ELEMENTS or span > 4 * _EXACT_OVERLAP_ELEMENTS:
         logger.debug("targets of %d and %d elements interleave in memory; too large to check for overlap", a.numel(), b.numel())
         return False
     marks = np.zeros(span, dtype=np.uint8)
     for t in (a, b):
-        offsets = np.full(1, (t.data_ptr() - base) // size, dtype=np.int64)
+        size = t.element_size()
+        offsets = np.full(1, t.data_ptr() - base, dtype=np.int64)
         for n, st in zip(t.shape, t.stride()):
-            offsets = (offsets[:, None] + np.arange(n, dtype=np.int64) * st).reshape(-1)
+            offsets = (offsets[:, None] + np.arange(n, dtype=np.int64) * (st * size)).reshape(-1)
+        offsets = (offsets[:, None] + np.arange(size, dtype=np.int64)).reshape(-1)
         if t is b:
             return bool(marks[offsets].any())
         marks[offsets] = 1
     return False
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """Whether ``t``'s elements fill its memory range without holes (any dimension order)."""
+    expected = 1
+    for s, n in sorted((s, n) for n, s in zip(t.shape, t.stride()) if n > 1):
+        if s != expected:
+            return False
+        expected *= n
+    return True
 
 
 def _split_for_reads(rel: Box, tile_lengths: tuple[int, ...], size: int, max_bytes: int) -> list[Box]:

@@ -147,19 +147,19 @@ class _Flattener:
             raise _too_deep(fqn)
         if isinstance(value, PerRank):
             if per_rank is not None:
-                raise TypeError(f"'{fqn}': per_rank() values cannot be nested")
+                raise InvalidStateError(f"'{fqn}': per_rank() values cannot be nested")
             self.visit(value.value, fqn, value.on_resize, where=where, depth=depth + 1)
         elif isinstance(value, torch.Tensor):
             self.claim(fqn, where)
             self.tensor(value, fqn, per_rank)
         elif isinstance(value, (ShardedTensor, FlatShard)):
             if per_rank is not None:
-                raise TypeError(f"'{fqn}': a {type(value).__name__} cannot be per_rank(); it already names its box")
+                raise InvalidStateError(f"'{fqn}': a {type(value).__name__} cannot be per_rank(); it already names its box")
             self.claim(fqn, where)
             self.shard(value, fqn)
         elif isinstance(value, MultiShard):
             if per_rank is not None:
-                raise TypeError(f"'{fqn}': a MultiShard cannot be per_rank(); it already names its boxes")
+                raise InvalidStateError(f"'{fqn}': a MultiShard cannot be per_rank(); it already names its boxes")
             self.claim(fqn, where)
             for s in value.shards:
                 self.shard(s, fqn)
@@ -170,7 +170,7 @@ class _Flattener:
                 prepare(self.manifest, fqn)
             sd = value.state_dict()
             if not isinstance(sd, dict):
-                raise TypeError(f"'{fqn}': {type(value).__name__}.state_dict() returned {type(sd).__name__}, not a dict")
+                raise InvalidStateError(f"'{fqn}': {type(value).__name__}.state_dict() returned {type(sd).__name__}, not a dict")
             # A state dict is a structure, not a value: its keys are names even when it holds
             # no tensor (a fresh optimizer saves the same keys as a trained one, minus state).
             self.visit(sd, fqn, per_rank, container=True, where=f"{where}.state_dict()", depth=depth + 1)
@@ -180,7 +180,7 @@ class _Flattener:
             seen: set[str] = set()
             for k, v in items:
                 if not isinstance(k, (str, int)):
-                    raise TypeError(f"'{fqn}': key {k!r} must be a str or int to form a tensor name")
+                    raise InvalidStateError(f"'{fqn}': key {k!r} must be a str or int to form a tensor name")
                 name = join(fqn, k)
                 if name in seen:
                     raise InvalidStateError(f"two keys of '{fqn}' map to the same name '{name}' ({where})")
@@ -192,7 +192,7 @@ class _Flattener:
 
     def plain(self, value: object, fqn: str, per_rank: OnResize | None) -> None:
         if not fqn:
-            raise TypeError("the state must be a dict (or an object with state_dict()), not a plain value")
+            raise InvalidStateError("the state must be a dict (or an object with state_dict()), not a plain value")
         if not self.for_load:
             encode_value(value, fqn, allow_pickle=self.allow_pickle)  # validate before any I/O
         else:
@@ -204,15 +204,15 @@ class _Flattener:
 
     def tensor(self, t: torch.Tensor, fqn: str, per_rank: OnResize | None) -> None:
         if t.is_meta:
-            raise ValueError(f"tensor '{fqn}' is on the meta device and has no data; materialize it first")
+            raise InvalidStateError(f"tensor '{fqn}' is on the meta device and has no data; materialize it first")
         if t.is_sparse or t.layout != torch.strided and not _torch_private.is_dtensor(t):
-            raise TypeError(f"tensor '{fqn}' has layout {t.layout}; only dense (strided) tensors can be stored")
+            raise InvalidStateError(f"tensor '{fqn}' has layout {t.layout}; only dense (strided) tensors can be stored")
         if t.is_quantized:
-            raise TypeError(f"tensor '{fqn}' is quantized; dequantize it before saving")
+            raise InvalidStateError(f"tensor '{fqn}' is quantized; dequantize it before saving")
         dtype_name(t.dtype)
         if _torch_private.is_dtensor(t):
             if per_rank is not None:
-                raise TypeError(f"'{fqn}': a DTensor cannot be per_rank()")
+                raise InvalidStateError(f"'{fqn}': a DTensor cannot be per_rank()")
             box = _torch_private.dtensor_local_box(t, fqn)
             local = _torch_private.local_tensor(t).detach()  # shares memory: loads still fill the DTensor
             self.add(TensorPiece(fqn, tuple(t.shape), t.dtype, box, local))
@@ -266,7 +266,7 @@ def flatten(
     """
     f = _Flattener(rank, world_size, for_load=for_load, allow_pickle=allow_pickle, manifest=manifest)
     if not isinstance(state, dict) and not is_stateful(state):
-        raise TypeError(f"state must be a dict or an object with state_dict()/load_state_dict(), got {type(state).__name__}")
+        raise InvalidStateError(f"state must be a dict or an object with state_dict()/load_state_dict(), got {type(state).__name__}")
     try:
         f.visit(state, "", None)
     except RecursionError:  # e.g. a Stateful whose state_dict() nests deeply in its own way

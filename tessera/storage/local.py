@@ -204,8 +204,9 @@ class FileStorage:
             return None
         return f"{st.st_dev}-{st.st_ino}-{st.st_mtime_ns}-{st.st_ctime_ns}-{st.st_size}"
 
-    def replace_if(self, path: str, data: bytes, expected: str | None) -> None:
-        """Publish ``data`` at ``path`` atomically, only if its :meth:`version` is ``expected``.
+    def replace_if(self, path: str, data: bytes, expected: str | None, *, owner: str | None = None) -> None:
+        """Publish ``data`` at ``path`` atomically, only if its :meth:`version` is ``expected``
+        (and, with ``owner``, only if that file, the save's owner marker, still exists).
 
         The check and the rename happen under an exclusive ``flock`` of the directory (or of
         ``<dir>/.tessera-lock`` where directories cannot be locked), released by the kernel if
@@ -216,7 +217,8 @@ class FileStorage:
         crashed are removed while the lock is held.
 
         Raises:
-            ConcurrentSaveError: if ``path`` changed since ``expected`` was read.
+            ConcurrentSaveError: if ``path`` changed since ``expected`` was read, or ``owner``
+                is gone (another job's retention removed this unfinished save: see :meth:`uncommit`).
             StorageError: if writing fails (nothing is published then).
         """
         full = self._abs(path)
@@ -230,6 +232,12 @@ class FileStorage:
                     f"not committing {full}: another save committed it while this one ran "
                     f"(the manifest is no longer the one this save started from); two jobs are saving "
                     f"to one path. The other save's checkpoint stands; this save's files were removed"
+                )
+            if owner is not None and not os.path.exists(self._abs(owner)):
+                raise ConcurrentSaveError(
+                    f"not committing {full}: this save's owner marker {owner} was removed while it ran "
+                    "(another job's CheckpointManager deleted this unfinished checkpoint as a leftover, "
+                    "with some of its files); two jobs are saving under one root. Nothing was committed"
                 )
             prefix = os.path.basename(full) + ".tmp-"
             for name in os.listdir(directory):  # leftovers of writers that died mid-commit
@@ -247,6 +255,28 @@ class FileStorage:
                     self._unlink_quietly(tmp)
         finally:
             os.close(lock)  # releases the flock
+
+    def uncommit(self, manifest: str, expected: str | None, markers: Iterable[str]) -> bool:
+        """Start deleting the checkpoint of ``manifest`` (retention): under the commit lock of
+        :meth:`replace_if`, if the manifest's :meth:`version` is still ``expected`` (None: still
+        absent), delete it and the owner ``markers`` of the saves found there, and return True.
+
+        Afterwards none of those saves can publish (:meth:`replace_if` checks its marker under
+        the same lock), so their data files may be deleted. Returns False, deleting nothing, if
+        a save committed ``manifest`` since ``expected`` was read.
+        """
+        full = self._abs(manifest)
+        directory = os.path.dirname(full)
+        if not os.path.isdir(directory):
+            return expected is None
+        lock = self._lock(directory, full)
+        try:
+            if self.version(manifest) != expected:
+                return False
+            self.delete([manifest, *markers])
+            return True
+        finally:
+            os.close(lock)
 
     @staticmethod
     def _lock(directory: str, full: str) -> int:
@@ -305,8 +335,9 @@ class FileStorage:
                     pass
 
     def location(self) -> str:
-        """Where this backend stores, as one comparable string (the absolute directory)."""
-        return "file://" + self.root
+        """Where this backend stores, as one comparable string: the directory with symlinks
+        resolved, so ranks that reach one directory through different links agree."""
+        return "file://" + os.path.realpath(self.root)
 
     def read_file(self, path: str) -> bytes:
         with open(self._abs(path), "rb") as f:
@@ -429,7 +460,7 @@ class FileStorage:
             try:
                 os.unlink(full)
                 dirs.add(os.path.dirname(full))
-            except FileNotFoundError:
+            except (FileNotFoundError, NotADirectoryError):  # absent: nothing to delete
                 pass
         # Remove directories left empty (e.g. an old save generation), deepest first.
         for d in sorted(dirs, key=len, reverse=True):

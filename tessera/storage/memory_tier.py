@@ -88,7 +88,7 @@ from dataclasses import dataclass, field
 from .. import _knobs
 from ..errors import StorageError
 from .base import OWNER_MARKER_DIR, Buffer, Storage, check_relpath
-from .local import FileStorage
+from .local import FileStorage, local_root
 
 logger = logging.getLogger(__name__)
 
@@ -119,7 +119,7 @@ def default_memory_root(durable_url: str) -> str:
         logger.warning("no writable /dev/shm; the memory tier uses %s, which may be on disk", base)
     scheme, sep, rest = durable_url.partition("://")
     if not sep or scheme == "file":
-        store, path = "local", os.path.abspath(rest if sep else durable_url)
+        store, path = "local", os.path.realpath(local_root(durable_url))  # one copy per directory, however reached
     else:
         authority, _, path = rest.partition("/")
         digest = hashlib.sha256(f"{scheme}://{authority}".encode()).hexdigest()[:8]
@@ -861,7 +861,9 @@ class MemoryTierStorage:
     def list(self, prefix: str = "") -> list[str]:
         """Files under ``prefix`` in either copy; a ``manifest.json`` as :meth:`exists` says."""
         committing = self._committing()
-        durable = self.durable.list(prefix)
+        # Temporary files of a publish in progress (the persistence thread's, in the durable
+        # store) are no files of the checkpoint: listed, retention could delete one mid-rename.
+        durable = [p for p in self.durable.list(prefix) if not _TMP_RE.search(p)]
         memory = [p for p in self.memory.list(prefix) if not _is_manifest(p) and not _TMP_RE.search(p)]
         if committing and (not prefix or check_relpath(prefix) == MANIFEST):
             memory.append(MANIFEST)
