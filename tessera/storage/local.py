@@ -171,16 +171,22 @@ class FileStorage:
         full = self._abs(path)
         directory = os.path.dirname(full)
         self._makedirs(directory)
+        self._replace_with(full, data)
+
+    def _replace_with(self, full: str, data: bytes) -> None:
+        """Atomically make ``full`` hold ``data``: a durable temporary file, a rename, then the
+        directory fsync'ed, so the new name is durable when this returns (and nothing partial is
+        ever visible under ``full``)."""
         tmp = f"{full}.tmp-{uuid.uuid4().hex}"
         try:
             self._write_new(tmp, data)
             os.replace(tmp, full)
-            self._fsync_dir(directory)
+            self._fsync_dir(os.path.dirname(full))
         except OSError as e:
             raise StorageError(f"committing {full} failed: {e}") from e
         finally:
             if os.path.exists(tmp):
-                os.unlink(tmp)
+                self._unlink_quietly(tmp)
 
     def _write_new(self, full: str, data: bytes) -> None:
         fd = self._create(full)
@@ -243,16 +249,7 @@ class FileStorage:
             for name in os.listdir(directory):  # leftovers of writers that died mid-commit
                 if name.startswith(prefix):
                     self._unlink_quietly(os.path.join(directory, name))
-            tmp = f"{full}.tmp-{uuid.uuid4().hex}"
-            try:
-                self._write_new(tmp, data)
-                os.replace(tmp, full)
-                self._fsync_dir(directory)
-            except OSError as e:
-                raise StorageError(f"committing {full} failed: {e}") from e
-            finally:
-                if os.path.exists(tmp):
-                    self._unlink_quietly(tmp)
+            self._replace_with(full, data)
         finally:
             os.close(lock)  # releases the flock
 
