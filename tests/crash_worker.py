@@ -327,8 +327,11 @@ def save_loop(
         else:
             out = mgr.save(k, state)
             if isinstance(out, tessera.PendingSave):
+                # Training goes on once the copy to host is done (the gate: raw tensors are not
+                # gated by hooks, so the loop waits for it); the save must not see the change.
+                out.wait_staged()
                 a = state["model"]["a"]
-                (a if isinstance(a, torch.Tensor) else a.local).add_(1.0)  # training goes on; the save must not see it
+                (a if isinstance(a, torch.Tensor) else a.local).add_(1.0)
                 out.wait()
         _log(progress, f"done {k}")
     if mgr is not None:
