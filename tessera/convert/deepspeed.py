@@ -144,22 +144,23 @@ SAFE_GLOBALS: list[tuple[Any, str]] = [
 in a file still needs ``allow_pickle=True``."""
 
 
+def _torch_load(path: str, *, weights_only: bool) -> Any:
+    """``torch.load`` memory-mapped, falling back to a plain read for the legacy (non-zip) format."""
+    try:
+        return torch.load(path, map_location="cpu", mmap=True, weights_only=weights_only)
+    except RuntimeError as e:
+        if "mmap" not in str(e):
+            raise
+        return torch.load(path, map_location="cpu", weights_only=weights_only)
+
+
 def _load(path: str, allow_pickle: bool) -> Any:
     """A DeepSpeed ``*.pt`` file: safe unpickling with :data:`SAFE_GLOBALS`, or full unpickling if allowed."""
     if allow_pickle:
-        try:
-            return torch.load(path, map_location="cpu", mmap=True, weights_only=False)
-        except RuntimeError as e:
-            if "mmap" not in str(e):
-                raise
-            return torch.load(path, map_location="cpu", weights_only=False)  # legacy (non-zip) format
+        return _torch_load(path, weights_only=False)
     with torch.serialization.safe_globals(SAFE_GLOBALS):
         try:
-            return torch.load(path, map_location="cpu", mmap=True, weights_only=True)
-        except RuntimeError as e:
-            if "mmap" not in str(e):
-                raise
-            return torch.load(path, map_location="cpu", weights_only=True)  # legacy (non-zip) format
+            return _torch_load(path, weights_only=True)
         except pickle.UnpicklingError as e:  # weights_only refused an object: anything else propagates as is
             raise CheckpointError(
                 f"{path} holds objects outside DeepSpeed's usual checkpoint contents ({e}); pass allow_pickle=True "
