@@ -154,8 +154,8 @@ def worker(rank: int, world: int, store: str, args: argparse.Namespace, results:
     for trial in range(args.repeat):
         tdir = os.path.join(args.dir, f"tessera-{trial}")
         ddir = os.path.join(args.dir, f"dcp-{trial}")
-        add("save_tessera", timed(lambda: tessera.save(tdir, src)))
-        add("save_dcp", timed(lambda: dcp.save(src, checkpoint_id=ddir)))
+        add("save_tessera", timed(lambda: tessera.save(tdir, src)))  # noqa: B023 - called at once
+        add("save_dcp", timed(lambda: dcp.save(src, checkpoint_id=ddir)))  # noqa: B023 - called at once
 
         # Async: the stall is the time until the state may change again (the call returns,
         # then wait_staged: the copy to host memory runs in the background); also recorded,
@@ -238,8 +238,10 @@ def report(ranks: list[dict[str, list[float]]], args: argparse.Namespace) -> Non
         ("load resharded Shard(0)->Shard(1), cold cache", "load_cold_tessera", "load_cold_dcp"),
         ("async_save stall (until the state may change)", "stall_tessera", "stall_dcp"),
     ]
-    print(f"\n{len(ranks)} processes, {gb:.2f} GB of fp32 DTensors ({rank_bytes / 1e6:.0f} MB per rank), "
-          f"{args.tensors} tensors, medians of {args.repeat}\n")
+    print(
+        f"\n{len(ranks)} processes, {gb:.2f} GB of fp32 DTensors ({rank_bytes / 1e6:.0f} MB per rank), "
+        f"{args.tensors} tensors, medians of {args.repeat}\n"
+    )
     print("| operation | tessera | DCP | DCP / tessera |")
     print("|---|---|---|---|")
     for label, tk, dk in rows:
@@ -252,11 +254,15 @@ def report(ranks: list[dict[str, list[float]]], args: argparse.Namespace) -> Non
     print(f"- async stall / DCP sync save: 1/{med('save_dcp') / med('stall_tessera'):.1f}")
     print(f"- async stall / memcpy of the rank's bytes: {med('stall_tessera') / memcpy:.2f}x")
     peak = lambda k: max(max(r[k]) for r in ranks) / 1e6  # noqa: E731
-    print(f"- peak extra host memory during load (RSS, max over ranks and trials): tessera {peak('load_mem_tessera'):.0f} MB, "
-          f"DCP {peak('load_mem_dcp'):.0f} MB; anonymous memory only: tessera {peak('load_anon_tessera'):.0f} MB, "
-          f"DCP {peak('load_anon_dcp'):.0f} MB; bytes a rank receives: {rank_bytes / 1e6:.0f} MB")
-    print(f"- peak extra host memory during async save: tessera {peak('async_mem_tessera'):.0f} MB "
-          f"(one staging copy of the rank's bytes is {rank_bytes / 1e6:.0f} MB)")
+    print(
+        f"- peak extra host memory during load (RSS, max over ranks and trials): tessera {peak('load_mem_tessera'):.0f} MB, "
+        f"DCP {peak('load_mem_dcp'):.0f} MB; anonymous memory only: tessera {peak('load_anon_tessera'):.0f} MB, "
+        f"DCP {peak('load_anon_dcp'):.0f} MB; bytes a rank receives: {rank_bytes / 1e6:.0f} MB"
+    )
+    print(
+        f"- peak extra host memory during async save: tessera {peak('async_mem_tessera'):.0f} MB "
+        f"(one staging copy of the rank's bytes is {rank_bytes / 1e6:.0f} MB)"
+    )
 
 
 def main() -> None:

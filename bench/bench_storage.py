@@ -197,8 +197,10 @@ def report(ranks: list[dict[str, list[float]]], args: argparse.Namespace) -> Non
         "s3": "s3:// on loopback moto",
         "memory": "memory:// (fsspec)",
     }
-    print(f"\n{len(ranks)} processes, {gb * 1e3:.0f} MB of fp32 DTensors Shard(0) in {args.tensors} tensors, "
-          f"medians of {args.repeat} (slowest rank per trial)\n")
+    print(
+        f"\n{len(ranks)} processes, {gb * 1e3:.0f} MB of fp32 DTensors Shard(0) in {args.tensors} tensors, "
+        f"medians of {args.repeat} (slowest rank per trial)\n"
+    )
     print("| backend | save returns | until durable | load Shard(0) -> Shard(1) |")
     print("|---|---|---|---|")
     for b in args.backends:

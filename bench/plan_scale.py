@@ -51,7 +51,9 @@ def manifest_for(plan, ranks: int) -> Manifest:
         pos = 4096
         for fqn, box, _ in rp.items():
             n = box.numel * 2
-            tiles[fqn].append(Tile(path, box.offsets, box.lengths, pos, n, (0x1234567890ABCDEF,) * max(1, -(-n // (4 << 20)))))
+            tiles[fqn].append(
+                Tile(path, box.offsets, box.lengths, pos, n, (0x1234567890ABCDEF,) * max(1, -(-n // (4 << 20))))
+            )
             pos += n
     tensors = {m.fqn: TensorEntry(m.dtype, m.shape, tuple(tiles[m.fqn])) for m in plan.metas}
     return Manifest("0123456789abcdef", ranks, 4 << 20, tensors, files=tuple(files))
@@ -82,7 +84,9 @@ def main() -> None:
     parse_s = time.monotonic() - t0
     boxes = sum(len(lp.boxes) for lp in plans)
     tiles = sum(len(rp.rows) for rp in plan.rank_plans)
-    print(f"| ranks | tensors | boxes held | tiles written | global plan (median of {args.repeat}) | manifest | encode | decode + validate | bytes/rank max/mean |")
+    print(
+        f"| ranks | tensors | boxes held | tiles written | global plan (median of {args.repeat}) | manifest | encode | decode + validate | bytes/rank max/mean |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     print(
         f"| {args.ranks} | {args.tensors} | {boxes:,} | {tiles:,} | {sorted(times)[len(times) // 2]:.2f} s | "

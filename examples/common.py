@@ -134,6 +134,7 @@ def train(
 
         def loss_fn(m: nn.Module, idx: list[int]) -> torch.Tensor:
             return F.mse_loss(m(x[idx]), y[idx])
+
     pending = None
     while state["step"] < args.steps:
         idx = data.batch_indices(num_samples, args.batch, dp_rank, dp_size)

@@ -63,8 +63,11 @@ def phase(rank: int, world: int, store: str, args: argparse.Namespace, resume: b
         if not resume:
             tessera.save(args.ckpt, {"data": tessera.LoaderState(loader), "step": args.steps})
             prefetched, tokens = tessera.LoaderState(loader).stream.in_flight()
-            print(f"rank {rank}/{world}: read {len(seen)} tokens, in flight: {len(prefetched)} prefetched "
-                  f"documents, {len(tokens)} packer tokens", flush=True)
+            print(
+                f"rank {rank}/{world}: read {len(seen)} tokens, in flight: {len(prefetched)} prefetched "
+                f"documents, {len(tokens)} packer tokens",
+                flush=True,
+            )
         else:
             print(f"rank {rank}/{world}: resumed, read {len(seen)} tokens to the end", flush=True)
         with open(os.path.join(args.ckpt + "-seen", f"{'after' if resume else 'before'}-{rank}.json"), "w") as f:
@@ -95,7 +98,9 @@ def main() -> None:
     expected = Counter(t for d in DOCS for t in d)
     got = Counter(seen)
     if got != expected:
-        raise SystemExit(f"mismatch: {sum((expected - got).values())} tokens lost, {sum((got - expected).values())} repeated")
+        raise SystemExit(
+            f"mismatch: {sum((expected - got).values())} tokens lost, {sum((got - expected).values())} repeated"
+        )
     print(f"saved on {args.save_world} ranks, resumed on {args.resume_world}: all {len(seen)} tokens seen exactly once")
 
 

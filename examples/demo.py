@@ -110,8 +110,10 @@ def phase_1(rank: int, world: int, ckpt: str, out: str) -> None:
     result = pending.wait()
     if rank == 0:
         print(f"[2 ranks, FSDP2] trained steps 1-20: loss {first[0]:.3f} -> {first[-1]:.3f}")
-        print(f"[2 ranks, FSDP2] async_save stalled training for {pending.stall_s * 1e3:.1f} ms; "
-              f"committed {result.total_bytes / 1e6:.2f} MB in {result.timings['total']:.2f} s")
+        print(
+            f"[2 ranks, FSDP2] async_save stalled training for {pending.stall_s * 1e3:.1f} ms; "
+            f"committed {result.total_bytes / 1e6:.2f} MB in {result.timings['total']:.2f} s"
+        )
         torch.save(rest, out)
 
 
@@ -123,8 +125,10 @@ def phase_2(rank: int, world: int, ckpt: str, ref: str) -> None:
     if rank == 0:
         reference = torch.load(ref)
         worst = max(abs(a - b) for a, b in zip(resumed, reference))
-        print(f"[3 ranks, FSDP2] resumed at step {target['step']} (read {res.bytes_read / 1e6:.2f} MB on rank 0); "
-              f"steps 21-40 loss {resumed[0]:.4f} -> {resumed[-1]:.4f}")
+        print(
+            f"[3 ranks, FSDP2] resumed at step {target['step']} (read {res.bytes_read / 1e6:.2f} MB on rank 0); "
+            f"steps 21-40 loss {resumed[0]:.4f} -> {resumed[-1]:.4f}"
+        )
         print(f"[3 ranks, FSDP2] max |loss difference| vs the uninterrupted 2-rank run: {worst:.2e}")
         assert worst < 1e-4, "resumed run diverged from the uninterrupted one"
 
@@ -164,8 +168,10 @@ def run_demo(root: str) -> None:
     run(phase_1, 2, ckpt, ref, os.path.join(root, "a"))
     m = tessera.read_manifest(ckpt)
     tiles = sum(len(e.tiles) for e in m.tensors.values())
-    print(f"checkpoint {ckpt}: {len(m.tensors)} global tensors in {tiles} tiles across {len(m.files)} files, "
-          f"values {sorted(m.values)}")
+    print(
+        f"checkpoint {ckpt}: {len(m.tensors)} global tensors in {tiles} tiles across {len(m.files)} files, "
+        f"values {sorted(m.values)}"
+    )
     run(phase_2, 3, ckpt, ref, os.path.join(root, "b"))
 
     model = TinyGPT()  # 3. one process, no torch.distributed: evaluate the saved model

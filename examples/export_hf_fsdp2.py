@@ -33,8 +33,13 @@ import tessera
 
 def build(args) -> LlamaForCausalLM:
     config = LlamaConfig(
-        vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.hidden * 11 // 4,
-        num_hidden_layers=args.layers, num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=64,
+        vocab_size=args.vocab,
+        hidden_size=args.hidden,
+        intermediate_size=args.hidden * 11 // 4,
+        num_hidden_layers=args.layers,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        max_position_embeddings=64,
     )
     torch.manual_seed(0)
     return LlamaForCausalLM(config).eval()
@@ -48,7 +53,7 @@ def rss() -> int:
 class PeakRSS:
     """Samples this process's resident memory in a thread; ``peak`` is the highest seen."""
 
-    def __enter__(self) -> "PeakRSS":
+    def __enter__(self) -> PeakRSS:
         self.base = self.peak = rss()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._sample, daemon=True)

@@ -68,10 +68,14 @@ def main() -> None:
     )
     last = os.path.join(args.ckpt, "last.ckpt")
     resume = last if os.path.exists(os.path.join(last, "manifest.json")) else None
-    trainer.fit(Regression(fsdp2=args.strategy == "fsdp2"), torch.utils.data.DataLoader(data, batch_size=8), ckpt_path=resume)
+    trainer.fit(
+        Regression(fsdp2=args.strategy == "fsdp2"), torch.utils.data.DataLoader(data, batch_size=8), ckpt_path=resume
+    )
     if trainer.is_global_zero:
-        print(f"{'resumed from ' + resume if resume else 'started fresh'}; now at epoch {trainer.current_epoch}, "
-              f"step {trainer.global_step}, on {args.devices} processes; last checkpoint: {last}")
+        print(
+            f"{'resumed from ' + resume if resume else 'started fresh'}; now at epoch {trainer.current_epoch}, "
+            f"step {trainer.global_step}, on {args.devices} processes; last checkpoint: {last}"
+        )
 
 
 if __name__ == "__main__":

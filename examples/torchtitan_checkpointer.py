@@ -63,8 +63,13 @@ def train(rank: int, world: int, store: str, folder: str, steps: int, interval: 
     loader = ParallelAwareDataloader(Samples(rank), dp_rank=rank, dp_world_size=world, batch_size=8)
     state = TrainState()
     checkpointer = TesseraCheckpointManager(
-        dataloader=loader, model_parts=[model], optimizers=optimizers, lr_schedulers=schedulers,
-        states={"train_state": state}, sd_adapter=None, base_folder=folder,
+        dataloader=loader,
+        model_parts=[model],
+        optimizers=optimizers,
+        lr_schedulers=schedulers,
+        states={"train_state": state},
+        sd_adapter=None,
+        base_folder=folder,
         checkpoint_config=Checkpoint(enable=True, folder="ckpt", interval=interval, async_mode="async"),
     )
     if checkpointer.load() and rank == 0:
@@ -96,7 +101,9 @@ def main() -> None:
     args = p.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(train, (args.nproc, os.path.join(tmp, "store"), args.folder, args.steps, args.interval), nprocs=args.nproc)
+        mp.spawn(
+            train, (args.nproc, os.path.join(tmp, "store"), args.folder, args.steps, args.interval), nprocs=args.nproc
+        )
 
 
 if __name__ == "__main__":

@@ -28,8 +28,13 @@ SEQ, VOCAB, SAMPLES = 16, 128, 240
 
 def build() -> LlamaForCausalLM:
     config = LlamaConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=SEQ,
         tie_word_embeddings=True,
     )
     torch.manual_seed(0)

@@ -27,7 +27,9 @@ def _is_path(x: object) -> bool:
 
 
 def _is_state(x: object) -> bool:
-    return isinstance(x, Mapping) or (callable(getattr(x, "state_dict", None)) and callable(getattr(x, "load_state_dict", None)))
+    return isinstance(x, Mapping) or (
+        callable(getattr(x, "state_dict", None)) and callable(getattr(x, "load_state_dict", None))
+    )
 
 
 def _is_step(x: object) -> bool:
@@ -90,7 +92,9 @@ def check_manager_save(step: object, state: object) -> None:
     if not _is_step(step):
         problems.append(f"`step` must be an int (the training step), got {_kind(step)}")
     if not _is_state(state):
-        problems.append(f"`state` must be a dict (or an object with state_dict()/load_state_dict()), got {_kind(state)}")
+        problems.append(
+            f"`state` must be a dict (or an object with state_dict()/load_state_dict()), got {_kind(state)}"
+        )
     raise TypeError("CheckpointManager.save(step, state): " + "; ".join(problems))
 
 

@@ -59,7 +59,9 @@ def split_replicated(world: World, targets: list[ReadTarget]) -> tuple[list[Read
         elif not t.box.is_empty():
             skipped += 1
     if skipped:
-        logger.debug("rank %d: %d device or non-contiguous targets are read locally, not broadcast", world.rank, skipped)
+        logger.debug(
+            "rank %d: %d device or non-contiguous targets are read locally, not broadcast", world.rank, skipped
+        )
     everyone = dist.all_gather(world, sorted(mine), "agreeing on replicated load targets")
     common = set(everyone[0]).intersection(*map(set, everyone[1:]))
     if not common:
@@ -97,4 +99,4 @@ def run_broadcasts(world: World, broadcasts: list[Broadcast]) -> None:
     for b in broadcasts:
         src = dist_.get_global_rank(world.group, b.owner)
         raw = b.data.reshape(-1).view(torch.uint8)  # gloo moves bytes of any dtype this way
-        dist._run(world, "broadcasting replicated tensors", lambda: dist_.broadcast(raw, src=src, group=world.group))
+        dist._run(world, "broadcasting replicated tensors", lambda: dist_.broadcast(raw, src=src, group=world.group))  # noqa: B023 - called at once

@@ -139,7 +139,9 @@ def _not_a_checkpoint(args: argparse.Namespace, out: Console, verb: str) -> int 
         from .convert import detect_format
 
         fmt = detect_format(args.path).value
-        out.print(f"{args.path}: a {fmt} checkpoint, not a tessera one; import it with: tessera convert {args.path} OUT")
+        out.print(
+            f"{args.path}: a {fmt} checkpoint, not a tessera one; import it with: tessera convert {args.path} OUT"
+        )
         return EXIT_PROBLEMS
     return None
 
@@ -154,14 +156,18 @@ def _manager_root(args: argparse.Namespace, out: Console, *, verify: bool) -> in
     if verify and getattr(args, "step", None) is not None:
         chosen = [s for s in steps if s.step == args.step]
         if not chosen:
-            raise UsageError(f"no step {args.step} under {args.path}; it has: {', '.join(str(s.step) for s in steps) or 'none'}")
+            raise UsageError(
+                f"no step {args.step} under {args.path}; it has: {', '.join(str(s.step) for s in steps) or 'none'}"
+            )
     committed = [s for s in chosen if s.committed]
     if not verify:
         if args.json:
             print(_json({"path": args.path, "kind": "manager_root",
                          "steps": [dataclasses.asdict(s) for s in steps]}))  # fmt: skip
             return EXIT_OK
-        out.print(f"{args.path}: a checkpoint manager root with {len([s for s in steps if s.committed])} committed step(s)")
+        out.print(
+            f"{args.path}: a checkpoint manager root with {len([s for s in steps if s.committed])} committed step(s)"
+        )
         table = Table(title="steps", title_justify="left")
         for col in ("step", "state", "path"):
             table.add_column(col, overflow="fold", justify="right" if col == "step" else "left")
@@ -188,7 +194,9 @@ def _manager_root(args: argparse.Namespace, out: Console, *, verify: bool) -> in
                      "steps": {str(s.step): _verify_doc(r) for s, r in results}}))  # fmt: skip
     else:
         if incomplete:
-            out.print(f"note: incomplete step(s) {', '.join(map(str, incomplete))} (their save never committed; never loaded)")
+            out.print(
+                f"note: incomplete step(s) {', '.join(map(str, incomplete))} (their save never committed; never loaded)"
+            )
         if not committed:
             out.print(f"{args.path}: a checkpoint manager root with no committed step")
         else:
@@ -203,7 +211,9 @@ def _hf_directory(args: argparse.Namespace, out: Console, verb: str) -> int:
     if args.json:
         print(_json({"kind": "hf", **dataclasses.asdict(hf)}))
     else:
-        arch = f", {'/'.join(hf.architectures)}" if hf.architectures else (f", {hf.model_type}" if hf.model_type else "")
+        arch = (
+            f", {'/'.join(hf.architectures)}" if hf.architectures else (f", {hf.model_type}" if hf.model_type else "")
+        )
         dtypes = ", ".join(f"{n} {d}" for d, n in sorted(hf.dtypes.items()))
         out.print(
             f"{args.path}: a Hugging Face safetensors directory{arch}: {hf.tensors} tensors ({dtypes}), "
@@ -237,7 +247,13 @@ def _cmd_inspect(args: argparse.Namespace, out: Console) -> int:
     out.print(f"  layout {json.dumps(data['layout'])}")
     shown = f"tensors matching '{args.filter}': {len(data['tensors'])} of {count}" if args.filter else "tensors"
     table = Table(title=shown, title_justify="left")
-    for col, justify in (("name", "left"), ("dtype", "left"), ("shape", "left"), ("tiles", "right"), ("bytes", "right")):
+    for col, justify in (
+        ("name", "left"),
+        ("dtype", "left"),
+        ("shape", "left"),
+        ("tiles", "right"),
+        ("bytes", "right"),
+    ):
         table.add_column(col, justify=justify, overflow="fold")  # type: ignore[arg-type]
     for t in sorted(data["tensors"], key=lambda t: t["name"]):
         name = t["name"] + (f" (per-rank, {t['per_rank']})" if "per_rank" in t else "")
@@ -282,7 +298,9 @@ def _print_verify(out: Console, path: str, report: Any, limit: int) -> None:
         if len(report.problems) > limit:
             out.print(f"... and {len(report.problems) - limit} more (--limit)")
     if report.unreferenced_files:
-        out.print(f"note: {len(report.unreferenced_files)} unreferenced file(s) under data/ (left by an unfinished save; harmless)")
+        out.print(
+            f"note: {len(report.unreferenced_files)} unreferenced file(s) under data/ (left by an unfinished save; harmless)"
+        )
     if report.pickled_values:
         out.print(f"note: values stored with pickle (load needs allow_pickle=True): {', '.join(report.pickled_values)}")
 
@@ -358,7 +376,11 @@ def _cmd_diff(args: argparse.Namespace, out: Console) -> int:
         for d in report.values:
             table.add_row(d.name, d.kind.value, d.detail)
         out.print(table)
-    verdict = ("identical", "green") if report.identical else (f"{len(report.tensors)} tensor(s) and {len(report.values)} value(s) differ", "red")
+    verdict = (
+        ("identical", "green")
+        if report.identical
+        else (f"{len(report.tensors)} tensor(s) and {len(report.values)} value(s) differ", "red")
+    )
     out.print(Text.assemble(
         verdict, f": {report.same_tensors} tensors and {report.same_values} values equal; "
         f"{_size(report.bytes_compared)} compared in {report.seconds:.2f}s"
@@ -392,7 +414,9 @@ def _check_output(args: argparse.Namespace, fmt: Format) -> None:
         from .describe import PathKind, classify_path
 
         if classify_path(dst) in (PathKind.CHECKPOINT, PathKind.MANAGER_ROOT):
-            raise UsageError(f"{dst} holds tessera checkpoints; refusing to delete them to write {fmt.value} (choose another output)")
+            raise UsageError(
+                f"{dst} holds tessera checkpoints; refusing to delete them to write {fmt.value} (choose another output)"
+            )
         shutil.rmtree(dst)
     else:
         os.remove(dst)
@@ -486,7 +510,9 @@ def _export(
         if fmt == cv.Format.HF:
             return cv.export_hf(src, dst, max_shard_size=shard, dtype=dtype, prefix=prefix, progress=cb)
         if fmt == cv.Format.TORCH:
-            return cv.export_torch_save(src, dst, dtype=dtype, prefix=prefix, include_values=not args.no_values, progress=cb)
+            return cv.export_torch_save(
+                src, dst, dtype=dtype, prefix=prefix, include_values=not args.no_values, progress=cb
+            )
         if fmt == cv.Format.DCP:
             return cv.export_dcp(src, dst, dtype=dtype, prefix=prefix, include_values=not args.no_values, progress=cb)
         if fmt == cv.Format.DEEPSPEED:
@@ -504,7 +530,9 @@ def _import(
         if fmt == cv.Format.HF:
             return cv.import_hf(src, dst, prefix=prefix, dtype=dtype, progress=cb)
         if fmt == cv.Format.TORCH:
-            return cv.import_torch_save(src, dst, prefix=prefix, dtype=dtype, allow_pickle=args.allow_pickle, progress=cb)
+            return cv.import_torch_save(
+                src, dst, prefix=prefix, dtype=dtype, allow_pickle=args.allow_pickle, progress=cb
+            )
         if fmt == cv.Format.DCP:
             return cv.import_dcp(src, dst, prefix=prefix, dtype=dtype, allow_pickle=args.allow_pickle, progress=cb)
         if fmt == cv.Format.DEEPSPEED:
@@ -534,7 +562,9 @@ def _import(
 class _RuleAction(argparse.Action):
     """Collects --map and --regex rules in the order given."""
 
-    def __call__(self, parser: argparse.ArgumentParser, ns: argparse.Namespace, value: Any, option: str | None = None) -> None:
+    def __call__(
+        self, parser: argparse.ArgumentParser, ns: argparse.Namespace, value: Any, option: str | None = None
+    ) -> None:
         from .convert.rename import RenameRule
 
         try:
@@ -577,14 +607,18 @@ def _cmd_trace(args: argparse.Namespace, out: Console) -> int:
     from .api import read_manifest
 
     m = read_manifest(args.path)
-    sources: dict[str, tuple[list[RankTiming], str]] = {op: (trace.rank_timings(m, op), "") for op in trace.operations(m)}
+    sources: dict[str, tuple[list[RankTiming], str]] = {
+        op: (trace.rank_timings(m, op), "") for op in trace.operations(m)
+    }
     records = trace.load_records(args.path)
     if records and "load" not in sources:
         last = records[-1]
         earlier = f"; {len(records) - 1} earlier load(s) recorded" if len(records) > 1 else ""
         sources["load"] = (last.timings, f"the newest load, {last.created}, {last.name}{earlier}")
     if not sources:
-        out.print(f"{args.path}: no per-rank timings recorded (no save timings in the manifest, no timings/load-*.json)")
+        out.print(
+            f"{args.path}: no per-rank timings recorded (no save timings in the manifest, no timings/load-*.json)"
+        )
         return EXIT_PROBLEMS
     chosen = list(sources) if args.op == "all" else [args.op]
     if args.op != "all" and args.op not in sources:
@@ -637,7 +671,9 @@ def _trace_table(
     for col in ("total", "blocked", "bytes", "straggler"):
         table.add_column(col, justify="right" if col != "straggler" else "left")
     for t in timings:
-        flags = ", ".join(f"{s.phase} {s.factor:.1f}x median (+{s.seconds - s.median:.2f}s)" for s in by_rank.get(t.rank, []))
+        flags = ", ".join(
+            f"{s.phase} {s.factor:.1f}x median (+{s.seconds - s.median:.2f}s)" for s in by_rank.get(t.rank, [])
+        )
         style = "red" if flags else None
         table.add_row(
             str(t.rank), *(f"{t.phases.get(p, 0.0):.3f}" for p in phases), f"{t.total:.3f}",
@@ -665,7 +701,9 @@ def _trace_table(
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``tessera`` command."""
-    p = argparse.ArgumentParser(prog="tessera", description="Inspect, verify, compare, convert and trace tessera checkpoints.")
+    p = argparse.ArgumentParser(
+        prog="tessera", description="Inspect, verify, compare, convert and trace tessera checkpoints."
+    )
     p.add_argument("--version", action="version", version=f"tessera {__version__}")
     p.add_argument("-v", "--verbose", action="count", default=0, help="log more (-vv: debug)")
     p.add_argument("--no-progress", action="store_true", help="never draw progress bars")
@@ -689,7 +727,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("b")
     s.add_argument("--atol", type=float, default=0.0, help="absolute tolerance (default 0: exact)")
     s.add_argument("--rtol", type=float, default=0.0, help="relative tolerance (default 0: exact)")
-    s.add_argument("--strip", metavar="P", help="compare A's names under P, without P (e.g. model. for a model export); leave out the rest of A")
+    s.add_argument(
+        "--strip",
+        metavar="P",
+        help="compare A's names under P, without P (e.g. model. for a model export); leave out the rest of A",
+    )
     s.add_argument("--strip-b", metavar="P", help="the same for B")
     s.add_argument("--prefix", metavar="P", help="compare only names under P (after --strip), in both")
     s.add_argument("--json", action="store_true")
@@ -720,23 +762,36 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--dtype", help="cast floating-point tensors (bf16, fp16, fp32)")
     s.add_argument("--max-shard-size", default="5GB", help="largest safetensors shard for --to hf (default 5GB)")
     s.add_argument("--no-values", action="store_true", help="leave plain values out (torch, dcp)")
-    s.add_argument("--allow-pickle", action="store_true", help="unpickle objects in the source (only for files you trust)")
-    s.add_argument("--tag", help="deepspeed: the global_step directory to read instead of 'latest', or to write (default global_step<N>)")
+    s.add_argument(
+        "--allow-pickle", action="store_true", help="unpickle objects in the source (only for files you trust)"
+    )
+    s.add_argument(
+        "--tag",
+        help="deepspeed: the global_step directory to read instead of 'latest', or to write (default global_step<N>)",
+    )
     s.add_argument("--spec", help="megatron: the layout spec (JSON) describing the files")
     s.set_defaults(func=_cmd_convert)
 
     s = sub.add_parser("rename", help="rename tensors and values by rewriting only the manifest")
     s.add_argument("path")
-    s.add_argument("--map", action=_RuleAction, metavar="OLD=NEW", help="replace the name prefix OLD by NEW (repeatable)")
-    s.add_argument("--regex", action=_RuleAction, metavar="PATTERN=REPL", help="re.sub the first match of PATTERN (repeatable)")
+    s.add_argument(
+        "--map", action=_RuleAction, metavar="OLD=NEW", help="replace the name prefix OLD by NEW (repeatable)"
+    )
+    s.add_argument(
+        "--regex", action=_RuleAction, metavar="PATTERN=REPL", help="re.sub the first match of PATTERN (repeatable)"
+    )
     s.add_argument("--dry-run", action="store_true", help="show the renames without writing")
     s.add_argument("--limit", type=int, default=50, help="renames listed at most")
     s.set_defaults(func=_cmd_rename, rules=[])
 
     s = sub.add_parser("trace", help="per-rank, per-phase timings: stragglers, Chrome trace, PNG timeline")
     s.add_argument("path")
-    s.add_argument("--op", default="save", help="operation: save (default), load (the newest recorded load), convert or all")
-    s.add_argument("--factor", type=float, default=1.5, help="a straggler is slower than this times the median (default 1.5)")
+    s.add_argument(
+        "--op", default="save", help="operation: save (default), load (the newest recorded load), convert or all"
+    )
+    s.add_argument(
+        "--factor", type=float, default=1.5, help="a straggler is slower than this times the median (default 1.5)"
+    )
     s.add_argument("--min-gap", type=float, default=0.25, metavar="SECONDS",
                    help="... and slower than the median by at least this (default 0.25)")  # fmt: skip
     s.add_argument("--chrome", metavar="OUT.json", help="write a Chrome/Perfetto trace")

@@ -108,9 +108,7 @@ def check_locations(locations: list[str], path: str) -> None:
         by_location.setdefault(loc, []).append(rank)
     if len(by_location) <= 1:
         return
-    shown = "; ".join(
-        f"rank{'s' if len(r) > 1 else ''} {_ranks(r)}: {loc}" for loc, r in list(by_location.items())[:6]
-    )
+    shown = "; ".join(f"rank{'s' if len(r) > 1 else ''} {_ranks(r)}: {loc}" for loc, r in list(by_location.items())[:6])
     raise LocationMismatchError(
         f"the ranks saving {path!r} do not agree on where the checkpoint is ({len(by_location)} locations: "
         f"{shown}); every rank must pass the same path, on storage every rank and later loads can reach "
@@ -140,9 +138,7 @@ def claim(store: Storage, save_id: str) -> Claim:
     except CheckpointError:
         raise
     except Exception as e:
-        raise StorageError(
-            f"cannot start a save at {location_of(store)}: {type(e).__name__}: {e}"
-        ) from e
+        raise StorageError(f"cannot start a save at {location_of(store)}: {type(e).__name__}: {e}") from e
     return c
 
 
@@ -168,7 +164,8 @@ def check_files(store: Storage, claim: Claim, reports: list[RankReport], path: s
     if problems:
         raise CommitCheckError(
             f"not committing {path}: {len(problems)} of {len(expected)} data file(s) are not where the manifest "
-            f"would point, as rank 0 sees the storage at {location_of(store)}: " + "; ".join(problems[:5])
+            f"would point, as rank 0 sees the storage at {location_of(store)}: "
+            + "; ".join(problems[:5])
             + (" ..." if len(problems) > 5 else "")
             + ". Causes: ranks writing to different (e.g. node-local) directories, another job deleting files "
             "at this path, or storage that lost writes. The previous checkpoint is unchanged"
@@ -241,7 +238,9 @@ def clean_up(store: Storage, claim: Claim, live_before: set[str], path: str) -> 
     try:
         data = store.list(DATA_DIR)
         live_now = live_saves(store)  # listed after data: a live save's marker predates its files
-        doomed = [p for p in data if _save_of(p) != ours and (_save_of(p) in live_before or _save_of(p) not in live_now)]
+        doomed = [
+            p for p in data if _save_of(p) != ours and (_save_of(p) in live_before or _save_of(p) not in live_now)
+        ]
         doomed += [f"{MARKER_DIR}/{s}" for s in sorted(live_before) if s != ours]
         doomed += store.list(LOAD_TIMINGS_DIR)
         doomed.append(claim.marker)
@@ -249,7 +248,7 @@ def clean_up(store: Storage, claim: Claim, live_before: set[str], path: str) -> 
         remove_empty_dirs = getattr(store, "remove_empty_dirs", None)
         if callable(remove_empty_dirs):  # filesystems: directories of saves killed before their first file
             remove_empty_dirs(DATA_DIR)
-    except Exception as e:  # noqa: BLE001 - the new checkpoint is committed; garbage is harmless
+    except Exception as e:
         logger.warning("could not remove files of older saves under %s: %s", path, e)
 
 
@@ -263,7 +262,7 @@ def superseded(store: Storage, claim: Claim, path: str) -> ConcurrentSaveError |
         return None
     try:
         current = store.version(MANIFEST_NAME)  # type: ignore[attr-defined]
-    except Exception:  # noqa: BLE001 - the original failure stands
+    except Exception:
         return None
     if current == claim.expected:
         return None
@@ -284,7 +283,7 @@ def may_have_committed(store: Storage, claim: Claim) -> bool:
         return True
     try:
         return version(MANIFEST_NAME) != claim.expected
-    except Exception:  # noqa: BLE001 - cannot tell: assume it may have
+    except Exception:
         return True
 
 
@@ -298,12 +297,12 @@ def abandon(store: Storage, claim: Claim, files: Iterable[str], path: str, *, ke
     if not keep_data:
         try:
             doomed |= set(store.list(claim.data_prefix))
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             logger.debug("listing %s under %s failed: %s", claim.data_prefix, path, e)
     doomed.add(claim.marker)
     try:
         store.delete(sorted(doomed))
-    except Exception as e:  # noqa: BLE001 - the failure being reported matters more
+    except Exception as e:
         logger.warning("could not remove the files of a failed save under %s: %s", path, e)
 
 

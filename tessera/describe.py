@@ -108,7 +108,9 @@ def classify_path(path: str, storage_options: dict[str, Any] | None = None) -> P
     if not _is_local(path):
         from .storage import storage_for
 
-        store = storage_for(path.removeprefix("tier::") if path.startswith("tier::") else path, storage_options=storage_options)
+        store = storage_for(
+            path.removeprefix("tier::") if path.startswith("tier::") else path, storage_options=storage_options
+        )
         names = store.list("")
         if MANIFEST_NAME in names:
             return PathKind.CHECKPOINT
@@ -268,7 +270,10 @@ def detect_model_prefix(names: list[str]) -> tuple[str | None, str]:
     others = [g for g in groups if g not in optim and g]
     if len(others) == 1 and "" not in groups:
         return f"{others[0]}.", f"the model's tensors are under '{others[0]}.'; {left} (optimizer state) is left out"
-    return None, f"the checkpoint holds optimizer state and the model's prefix is not clear (groups: {listing}); pass --prefix"
+    return (
+        None,
+        f"the checkpoint holds optimizer state and the model's prefix is not clear (groups: {listing}); pass --prefix",
+    )
 
 
 def _step_of(m: Manifest, path: str) -> int | None:
@@ -308,10 +313,16 @@ def inspect_data(path: str) -> dict[str, Any]:
         "files": len(m.files),
         "chunk_bytes": m.chunk_bytes,
         "tensors": [
-            {"name": n, "dtype": e.dtype, "shape": list(e.shape), "tiles": len(e.tiles),
-             "bytes": sum(t.nbytes for t in e.tiles), **({"per_rank": policies[n]} if n in policies else {})}
+            {
+                "name": n,
+                "dtype": e.dtype,
+                "shape": list(e.shape),
+                "tiles": len(e.tiles),
+                "bytes": sum(t.nbytes for t in e.tiles),
+                **({"per_rank": policies[n]} if n in policies else {}),
+            }
             for n, e in m.tensors.items()
-        ],  # fmt: skip
+        ],
         "values": m.values,
         "per_rank": {k: {"on_resize": v.on_resize, "values": list(v.values)} for k, v in m.per_rank.items()},
         "metadata": {k: v for k, v in m.metadata.items() if k != "tensor_policies"},

@@ -51,7 +51,7 @@ def _release_groups() -> None:
         try:
             if dist.is_initialized():
                 dist.destroy_process_group(group)
-        except Exception as e:  # noqa: BLE001 - already destroyed with the default group, say
+        except Exception as e:
             logger.debug("destroying tessera's coordination group at exit: %s", e)
 
 

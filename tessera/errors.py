@@ -187,7 +187,7 @@ def collective_error(message: str, failures: Mapping[int, RankFailure | str]) ->
     detail = "\n".join(f"  rank {r}: {m}" for r, m in sorted(texts.items()))
     try:
         err = cls(f"{message}\n{detail}")
-    except Exception:  # noqa: BLE001 - a class with another signature: fall back to the generic error
+    except Exception:
         return DistributedError(message, texts)
     err.failures = texts
     return err

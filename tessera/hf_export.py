@@ -180,7 +180,7 @@ def save_hf(
             from .convert.hf import remove_model_files
 
             remove_model_files(out, out_dir)
-    except Exception as e:  # noqa: BLE001 - reported on every rank by the exchange
+    except Exception as e:
         err = e
     everyone = dist.exchange(world, err, metas, f"planning the Hugging Face export to {out_dir}")
     plan = _plan(everyone, prefix=prefix, dtype=dtype, limit=limit, block_bytes=block_bytes, world_size=world.size)
@@ -192,7 +192,7 @@ def save_hf(
         for i in mine:
             out.write_file(plan.files[i], _file_chunks(plan.shards[i], rounds))
             rank_bytes += sum(t.nbytes for t in plan.shards[i])
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         err = e
     rounds.drain()  # the other writers still need this rank's pieces
     dist.exchange(world, err, None, f"writing the Hugging Face shards to {out_dir}")
@@ -209,7 +209,7 @@ def save_hf(
                 out.write_file(INDEX_NAME, [index_bytes(total, weight_map)])
             if hf_config is not None:
                 _write_config(out, hf_config, plan)
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         err = e
     dist.exchange(world, err, None, f"writing the Hugging Face index of {out_dir}")
     if len(files) > 1:
@@ -220,11 +220,22 @@ def save_hf(
     if world.is_coordinator:
         logger.info(
             "wrote %d tensors (%d bytes) to %s in %d file(s) from %d rank(s) in %.2fs",
-            len(plan.tensors), total, out_dir, len(plan.files), world.size, seconds,
+            len(plan.tensors),
+            total,
+            out_dir,
+            len(plan.files),
+            world.size,
+            seconds,
         )
     return HFSaveResult(
-        out_dir, tuple(files), tuple(plan.files[i] for i in mine), len(plan.tensors), total, rank_bytes,
-        rounds.peak_bytes, seconds,
+        out_dir,
+        tuple(files),
+        tuple(plan.files[i] for i in mine),
+        len(plan.tensors),
+        total,
+        rank_bytes,
+        rounds.peak_bytes,
+        seconds,
     )
 
 
@@ -289,11 +300,19 @@ def _plan(
                 if box.is_empty():  # an empty tensor has a header entry and no bytes
                     continue
                 blocks[w].append(_Block(t, box, _sources(t, box, w, n)))
-    return _Plan(tuple(tensors), files, shards, tuple(writers), tuple(tuple(b) for b in blocks),
-                 _schedule(blocks, world_size, send_budget=SEND_BUDGET_BLOCKS * block_bytes))
+    return _Plan(
+        tuple(tensors),
+        files,
+        shards,
+        tuple(writers),
+        tuple(tuple(b) for b in blocks),
+        _schedule(blocks, world_size, send_budget=SEND_BUDGET_BLOCKS * block_bytes),
+    )
 
 
-def _schedule(blocks: list[list[_Block]], world_size: int, *, send_budget: int) -> tuple[tuple[tuple[int, int], ...], ...]:
+def _schedule(
+    blocks: list[list[_Block]], world_size: int, *, send_budget: int
+) -> tuple[tuple[tuple[int, int], ...], ...]:
     """Rounds of (writer, block index): each writer's blocks in order, at most one per round,
     and no rank sending more than ``send_budget`` bytes in a round (a round always takes at
     least one block, so a block larger than the budget still goes through, alone).
@@ -408,7 +427,8 @@ class _Rounds:
                         pos += _padded(n)
             received = torch.empty(sum(out_sizes), dtype=torch.uint8)
             dist._run(
-                self.world, f"exchanging round {self.done - 1} of the Hugging Face export",
+                self.world,
+                f"exchanging round {self.done - 1} of the Hugging Face export",
                 lambda: torch_dist.all_to_all_single(received, send, out_sizes, in_sizes, group=self.world.group),
             )
             del send
@@ -427,7 +447,11 @@ class _Rounds:
                 dst.copy_(received[offsets[owner] : offsets[owner] + n].view(t.dtype).view(part.lengths))
                 offsets[owner] += _padded(n)
         out = buf if t.out_dtype == t.dtype else buf.to(t.out_dtype)
-        held = sum(out_sizes) + buf.numel() * buf.element_size() + (out.numel() * out.element_size() if out is not buf else 0)
+        held = (
+            sum(out_sizes)
+            + buf.numel() * buf.element_size()
+            + (out.numel() * out.element_size() if out is not buf else 0)
+        )
         self.peak_bytes = max(self.peak_bytes, held)
         return mine, out
 

@@ -21,7 +21,7 @@ from .errors import CheckpointError, CheckpointNotFoundError, MissingKeysError, 
 from .geometry import Box
 from .manifest import MANIFEST_NAME, Manifest, decode, read_bytes
 from .options import LoadOptions
-from .read import ReadRequest, ReadTarget, Reader, check_targets, plan_reads
+from .read import Reader, ReadRequest, ReadTarget, check_targets, plan_reads
 from .results import LoadResult
 from .saving import LOAD_TIMINGS_DIR, wait_pending
 from .shards import OnResize
@@ -33,7 +33,9 @@ from .values import decode_value
 logger = logging.getLogger(__name__)
 
 
-def read_manifest(path: str, *, storage: Storage | None = None, storage_options: dict[str, Any] | None = None) -> Manifest:
+def read_manifest(
+    path: str, *, storage: Storage | None = None, storage_options: dict[str, Any] | None = None
+) -> Manifest:
     """Read and validate the committed manifest at ``path`` (no communication).
 
     Example:
@@ -198,7 +200,9 @@ def load(
         timer.mark("broadcast")
     if reads_ok:
         try:
-            restore_values(state, flat, lambda k: decoded[k] if k in decoded else _lookup_value(manifest, k, world, allow_pickle))
+            restore_values(
+                state, flat, lambda k: decoded[k] if k in decoded else _lookup_value(manifest, k, world, allow_pickle)
+            )
             timer.mark("values")
         except Exception as e:
             err = e
@@ -226,7 +230,7 @@ def _record_load_timings(store: Storage, manifest: Manifest, ranks: list[dict[st
     name = f"{LOAD_TIMINGS_DIR}/load-{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}-{uuid.uuid4().hex[:8]}.json"
     try:
         store.write_atomic(name, json.dumps(doc, separators=(",", ":")).encode())
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         logger.debug("could not record load timings at %s: %s", name, e)
 
 
@@ -269,7 +273,9 @@ def _validate(
         if p.per_rank is not None:
             saved_shape = entry.shape[1:]
             if saved_shape != p.shape[1:]:
-                problems.append(f"per-rank tensor '{p.fqn}': checkpoint shape {list(saved_shape)}, state {list(p.shape[1:])}")
+                problems.append(
+                    f"per-rank tensor '{p.fqn}': checkpoint shape {list(saved_shape)}, state {list(p.shape[1:])}"
+                )
                 continue
             policies = manifest.metadata.get("tensor_policies")  # informational metadata: untrusted
             policy = policies.get(p.fqn, p.per_rank.value) if isinstance(policies, dict) else p.per_rank.value
@@ -280,7 +286,9 @@ def _validate(
             targets.append(ReadTarget(p.fqn, box, p.data))
             continue
         if tuple(entry.shape) != tuple(p.shape):
-            problems.append(f"tensor '{p.fqn}': checkpoint has shape {list(entry.shape)}, the state has {list(p.shape)}")
+            problems.append(
+                f"tensor '{p.fqn}': checkpoint has shape {list(entry.shape)}, the state has {list(p.shape)}"
+            )
             continue
         targets.append(ReadTarget(p.fqn, p.box, p.data))
     parents: set[str] | None = None
@@ -300,7 +308,8 @@ def _validate(
     unexpected = sorted(k for k in manifest.keys() if k not in wanted and _in_scope(k, scope))
     if problems:
         raise StateMismatchError(
-            f"rank {world.rank}: the state does not match the checkpoint:\n  " + "\n  ".join(problems[:20])
+            f"rank {world.rank}: the state does not match the checkpoint:\n  "
+            + "\n  ".join(problems[:20])
             + (f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else "")
         )
     if strict and missing:

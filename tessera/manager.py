@@ -51,9 +51,9 @@ from .errors import (
     StorageError,
 )
 from .manifest import MANIFEST_NAME
-from .storage.base import OWNER_MARKER_DIR
 from .options import LoadOptions, SaveOptions
 from .storage import Storage, storage_for
+from .storage.base import OWNER_MARKER_DIR
 
 logger = logging.getLogger(__name__)
 
@@ -122,14 +122,16 @@ def _close_all() -> None:
     for manager in list(_OPEN):
         try:
             manager.close()
-        except Exception as e:  # noqa: BLE001 - nobody is left to raise to
+        except Exception as e:
             logger.error("checkpoint manager for %s: a pending save failed at exit: %s", manager.root, e)
             # Straight to stderr too: logging may be unconfigured or go to a file nobody reads.
             # (An atexit handler cannot change the exit status; Python ignores it.)
             try:
-                sys.stderr.write(f"tessera: ERROR: checkpoint manager for {manager.root}: a pending save failed at exit: {e}\n")
+                sys.stderr.write(
+                    f"tessera: ERROR: checkpoint manager for {manager.root}: a pending save failed at exit: {e}\n"
+                )
                 sys.stderr.flush()
-            except Exception:  # noqa: BLE001 - stderr closed
+            except Exception:
                 pass
 
 
@@ -314,7 +316,7 @@ class CheckpointManager:
             # Rank 0 makes room before it joins the save; no rank writes before rank 0 joins.
             try:
                 self.apply_retention(making_room_for=step)
-            except Exception as e:  # noqa: BLE001 - the save itself may still fit
+            except Exception as e:
                 logger.warning("retention before saving step %d under %s failed: %s", step, self.root, e)
         with self._lock:
             self._in_flight.add(step)
@@ -355,13 +357,13 @@ class CheckpointManager:
     ) -> None:
         try:
             result = inner.wait()
-        except BaseException as e:  # noqa: BLE001 - handed to whoever waits
+        except BaseException as e:
             self._forget(step, store)
             future.set_exception(self._explain(e, step))
             return
         try:
             self._after_commit(step, store, world)
-        except BaseException as e:  # noqa: BLE001 - e.g. the durable copy failed: never lost
+        except BaseException as e:
             self._forget(step, store)
             future.set_exception(e)
             return
@@ -375,7 +377,7 @@ class CheckpointManager:
         if callable(close):
             try:
                 close()
-            except Exception as e:  # noqa: BLE001 - the save itself is settled
+            except Exception as e:
                 logger.warning("closing the storage of %s failed: %s", self.step_url(step), e)
 
     def _after_commit(self, step: int, store: Storage, world: dist.World) -> None:
@@ -402,17 +404,17 @@ class CheckpointManager:
                 ) from e
         try:
             found = self._scan()
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             logger.warning("step %d: not moving %s/%s nor applying retention: %s", step, self.root, LATEST_NAME, e)
             return
         try:
             if step >= max((s for s, c in found.items() if c), default=step):
                 self._root_store.write_atomic(LATEST_NAME, (step_dirname(step) + "\n").encode())
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             logger.warning("step %d is committed but moving %s/%s failed: %s", step, self.root, LATEST_NAME, e)
         try:
             self._apply_retention(step, found, keep_last=self.keep_last)
-        except Exception as e:  # noqa: BLE001 - leftovers only cost space
+        except Exception as e:
             logger.warning("retention under %s failed after step %d: %s", self.root, step, e)
 
     def _explain(self, e: BaseException, step: int) -> BaseException:
@@ -565,7 +567,7 @@ class CheckpointManager:
         if world.is_coordinator:
             try:
                 listing = (sorted(self._scan().items(), reverse=True), None)
-            except Exception as e:  # noqa: BLE001 - shared with every rank below
+            except Exception as e:
                 own = e
                 listing = (None, dist.error_text(0, e))
         candidates, error = dist.broadcast(world, listing, "listing checkpoint steps")
@@ -673,7 +675,7 @@ class CheckpointManager:
             return
         try:
             self.close()
-        except Exception as e:  # noqa: BLE001 - do not hide the error already propagating
+        except Exception as e:
             logger.error("closing the checkpoint manager for %s after an error: %s", self.root, e)
 
     def __repr__(self) -> str:

@@ -12,8 +12,8 @@ import binascii
 import json
 import math
 import zlib
-from itertools import chain
 from dataclasses import dataclass, field
+from itertools import chain
 from typing import Any
 
 import numpy as np
@@ -106,8 +106,12 @@ class TileTable:
         out = []
         pos = 0
         for fi, o, ln, bo, nb, k in zip(
-            self.file.tolist(), self.offsets.tolist(), self.lengths.tolist(), self.byte_offset.tolist(),
-            self.nbytes.tolist(), self.chunks.tolist(),
+            self.file.tolist(),
+            self.offsets.tolist(),
+            self.lengths.tolist(),
+            self.byte_offset.tolist(),
+            self.nbytes.tolist(),
+            self.chunks.tolist(),
         ):
             out.append(Tile(self.paths[fi], tuple(o), tuple(ln), bo, nb, tuple(sums[pos : pos + k])))
             pos += k
@@ -122,9 +126,16 @@ class TensorEntry:
     unless someone asks for ``tiles``.
     """
 
-    __slots__ = ("dtype", "shape", "_tiles", "_table", "_starts")
+    __slots__ = ("_starts", "_table", "_tiles", "dtype", "shape")
 
-    def __init__(self, dtype: str, shape: tuple[int, ...], tiles: tuple[Tile, ...] | None = None, *, table: TileTable | None = None) -> None:
+    def __init__(
+        self,
+        dtype: str,
+        shape: tuple[int, ...],
+        tiles: tuple[Tile, ...] | None = None,
+        *,
+        table: TileTable | None = None,
+    ) -> None:
         if (tiles is None) == (table is None):
             raise ValueError("TensorEntry needs exactly one of tiles and table")
         self.dtype = dtype
@@ -160,8 +171,12 @@ class TensorEntry:
             self._starts = np.concatenate([np.zeros(1, dtype=np.int64), np.cumsum(t.chunks)])
         start = int(self._starts[i])
         return Tile(
-            t.paths[int(t.file[i])], tuple(t.offsets[i].tolist()), tuple(t.lengths[i].tolist()), int(t.byte_offset[i]),
-            int(t.nbytes[i]), tuple(t.checksums[start : start + int(t.chunks[i])].tolist()),
+            t.paths[int(t.file[i])],
+            tuple(t.offsets[i].tolist()),
+            tuple(t.lengths[i].tolist()),
+            int(t.byte_offset[i]),
+            int(t.nbytes[i]),
+            tuple(t.checksums[start : start + int(t.chunks[i])].tolist()),
         )
 
     def __eq__(self, other: object) -> bool:
@@ -228,7 +243,13 @@ def encode(m: Manifest) -> bytes:
             entry["tile_table"] = _encode_table(e.table, file_index)
         else:
             entry["tiles"] = [
-                [file_index[t.file], list(t.offsets), list(t.lengths), t.byte_offset, [f"{c:016x}" for c in t.checksums]]
+                [
+                    file_index[t.file],
+                    list(t.offsets),
+                    list(t.lengths),
+                    t.byte_offset,
+                    [f"{c:016x}" for c in t.checksums],
+                ]
                 for t in e.tiles
             ]
         tensors[name] = entry
@@ -308,7 +329,9 @@ def read_bytes(store: Storage, source: str) -> bytes:
     except (IsADirectoryError, NotADirectoryError) as e:
         raise ManifestError(f"{source}: invalid manifest: not a regular file ({type(e).__name__})") from None
     if size > MAX_MANIFEST_BYTES:
-        raise ManifestError(f"{source}: invalid manifest: size {size} bytes is over the {MAX_MANIFEST_BYTES}-byte limit")
+        raise ManifestError(
+            f"{source}: invalid manifest: size {size} bytes is over the {MAX_MANIFEST_BYTES}-byte limit"
+        )
     if len(data) > MAX_MANIFEST_BYTES:
         raise ManifestError(
             f"{source}: invalid manifest: size {len(data)} bytes is over the {MAX_MANIFEST_BYTES}-byte limit"
@@ -361,7 +384,9 @@ def _decode(data: bytes) -> Manifest:
     seen_paths: set[str] = set()
     for i, f in enumerate(raw_files):
         f = _dict(f, f"files[{i}]")
-        entry = FileEntry(check_relpath(f.get("path")), _int(f.get("rank"), "file rank"), _int(f.get("bytes"), "file bytes"))
+        entry = FileEntry(
+            check_relpath(f.get("path")), _int(f.get("rank"), "file rank"), _int(f.get("bytes"), "file bytes")
+        )
         if entry.path in seen_paths:
             raise _fail(f"files[{i}]: file {entry.path!r} is listed twice")
         seen_paths.add(entry.path)
@@ -389,7 +414,11 @@ def _decode(data: bytes) -> Manifest:
     for name, v in _dict(doc.get("per_rank", {}), "per_rank").items():
         v = _dict(v, f"per_rank '{name}'")
         vals = v.get("values")
-        if v.get("on_resize") not in ("error", "keep", "modulo") or not isinstance(vals, list) or len(vals) != world_size:
+        if (
+            v.get("on_resize") not in ("error", "keep", "modulo")
+            or not isinstance(vals, list)
+            or len(vals) != world_size
+        ):
             raise _fail(f"per_rank '{name}' must have on_resize and one value per saving rank")
         per_rank[name] = PerRankEntry(v["on_resize"], tuple(vals))
 
@@ -457,8 +486,15 @@ class _Budget:
 
 
 def _decode_tiles(
-    name: str, entry: dict, shape: tuple[int, ...], size: int, files: list[FileEntry], paths: tuple[str, ...],
-    file_sizes: np.ndarray, chunk_bytes: int, budget: _Budget,
+    name: str,
+    entry: dict,
+    shape: tuple[int, ...],
+    size: int,
+    files: list[FileEntry],
+    paths: tuple[str, ...],
+    file_sizes: np.ndarray,
+    chunk_bytes: int,
+    budget: _Budget,
 ) -> TileTable:
     """Parse a tensor's tiles (list or table form) and validate them column by column."""
     what = f"tensor '{name}'"
@@ -516,7 +552,14 @@ def _tile_lists(what: str, raw: Any, nd: int) -> _Columns:
     n = len(raw)
     if not raw:
         z = np.zeros(0, dtype=np.int64)
-        return z, np.zeros((0, nd), dtype=np.int64), np.zeros((0, nd), dtype=np.int64), z, z, np.zeros(0, dtype=np.uint64)
+        return (
+            z,
+            np.zeros((0, nd), dtype=np.int64),
+            np.zeros((0, nd), dtype=np.int64),
+            z,
+            z,
+            np.zeros(0, dtype=np.uint64),
+        )
     try:
         ok = set(map(len, raw)) == {5} and all(isinstance(t, list) for t in raw)
     except TypeError:

@@ -255,10 +255,16 @@ def _unify_metas(local_plans: list[LocalPlan]) -> tuple[list[TensorMeta], dict[i
 def _check_coverage(
     metas: list[TensorMeta], uniq: np.ndarray, nd: int, local_plans: list[LocalPlan], remap: dict[int, np.ndarray]
 ) -> None:
-    flat_parts = [np.column_stack([remap[lp.rank][lp.flats[:, 0]], lp.flats[:, 1:]]) for lp in local_plans if len(lp.flats)]
+    flat_parts = [
+        np.column_stack([remap[lp.rank][lp.flats[:, 0]], lp.flats[:, 1:]]) for lp in local_plans if len(lp.flats)
+    ]
     flats = np.concatenate(flat_parts) if flat_parts else np.zeros((0, 3), dtype=np.int64)
     flat_tensors = set(np.unique(flats[:, 0]).tolist())
-    bounds = np.searchsorted(uniq[:, 0], np.arange(len(metas) + 1)) if len(uniq) else np.zeros(len(metas) + 1, dtype=np.int64)
+    bounds = (
+        np.searchsorted(uniq[:, 0], np.arange(len(metas) + 1))
+        if len(uniq)
+        else np.zeros(len(metas) + 1, dtype=np.int64)
+    )
     for t, m in enumerate(metas):
         k = len(m.shape)
         rows = uniq[bounds[t] : bounds[t + 1]]

@@ -91,7 +91,9 @@ class _TileIndex:
         try:
             check_box_coverage(fqn, self.manifest.tensors[fqn].shape, offs, lens)
         except CoverageError as e:
-            raise CorruptCheckpointError(f"rank {rank}: {e}; the manifest is inconsistent (run `tessera verify`)") from e
+            raise CorruptCheckpointError(
+                f"rank {rank}: {e}; the manifest is inconsistent (run `tessera verify`)"
+            ) from e
         self._covered.add(fqn)
 
     def arrays(self, fqn: str) -> tuple[np.ndarray, np.ndarray]:
@@ -144,7 +146,9 @@ def check_targets(targets: Sequence[ReadTarget], rank: int) -> None:
         if d.numel() == 0:
             continue
         if d.is_inference() and not torch.is_inference_mode_enabled():
-            problems.append(f"tensor '{t.fqn}' is an inference tensor; load it outside torch.inference_mode() into a normal tensor")
+            problems.append(
+                f"tensor '{t.fqn}' is an inference tensor; load it outside torch.inference_mode() into a normal tensor"
+            )
             continue
         if _self_overlaps(d):
             problems.append(
@@ -194,7 +198,9 @@ def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
     base = min(r[0] for r in ranges)
     span = max(r[1] for r in ranges) - base
     if max(a.numel(), b.numel()) > _EXACT_OVERLAP_ELEMENTS or span > 4 * _EXACT_OVERLAP_ELEMENTS:
-        logger.debug("targets of %d and %d elements interleave in memory; too large to check for overlap", a.numel(), b.numel())
+        logger.debug(
+            "targets of %d and %d elements interleave in memory; too large to check for overlap", a.numel(), b.numel()
+        )
         return False
     marks = np.zeros(span, dtype=np.uint8)
     for t in (a, b):
@@ -247,7 +253,10 @@ def _split_for_reads(rel: Box, tile_lengths: tuple[int, ...], size: int, max_byt
         for lo in range(0, n, per):
             hi = min(n, lo + per)
             pieces.append(
-                Box(b.offsets[:d] + (b.offsets[d] + lo,) + b.offsets[d + 1 :], b.lengths[:d] + (hi - lo,) + b.lengths[d + 1 :])
+                Box(
+                    b.offsets[:d] + (b.offsets[d] + lo,) + b.offsets[d + 1 :],
+                    b.lengths[:d] + (hi - lo,) + b.lengths[d + 1 :],
+                )
             )
         stack.extend(reversed(pieces))
     return out
@@ -353,7 +362,14 @@ class Reader:
     """
 
     def __init__(
-        self, storage: Storage, manifest: Manifest, *, rank: int, verify: bool = True, threads: int = 4, mmap: bool = True
+        self,
+        storage: Storage,
+        manifest: Manifest,
+        *,
+        rank: int,
+        verify: bool = True,
+        threads: int = 4,
+        mmap: bool = True,
     ) -> None:
         self.storage = storage
         self.manifest = manifest
@@ -378,7 +394,9 @@ class Reader:
         else:
             # Largest first keeps the pool busy to the end.
             ordered = sorted(requests, key=lambda r: -r.nbytes)
-            with ThreadPoolExecutor(max_workers=min(self.threads, len(requests)), thread_name_prefix="tessera-read") as pool:
+            with ThreadPoolExecutor(
+                max_workers=min(self.threads, len(requests)), thread_name_prefix="tessera-read"
+            ) as pool:
                 for f in [pool.submit(self._execute, r) for r in ordered]:
                     f.result()
         return ReadStats(total, len(requests), time.monotonic() - t0)
@@ -450,7 +468,9 @@ class Reader:
                 f"rank {self.rank}: data file {self._file(req.file)} of tensor(s) {_names(req)} is not a regular file "
                 f"({type(e).__name__}); the manifest does not match the checkpoint's files"
             )
-        return CorruptCheckpointError(f"rank {self.rank}: reading {self._file(req.file)} for tensor(s) {_names(req)}: {e}")
+        return CorruptCheckpointError(
+            f"rank {self.rank}: reading {self._file(req.file)} for tensor(s) {_names(req)}: {e}"
+        )
 
     def _verify(self, req: ReadRequest, data: torch.Tensor, start: int) -> None:
         self._verify_view(req, memoryview(data.numpy()))
@@ -482,4 +502,3 @@ class Reader:
 
 def _names(req: ReadRequest) -> str:
     return ", ".join(sorted({f"'{c.fqn}'" for c in req.copies}))
-

@@ -48,6 +48,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["LOAD_TIMINGS_DIR", "start_save", "wait_pending"]
 
+
 @dataclass
 class _CachedPlan:
     plan_id: str
@@ -101,7 +102,7 @@ def _wait_previous(ctx: _SaveContext) -> BaseException | None:
     wait_futures([pending._future])
     try:
         pending._raise_unobserved()
-    except BaseException as e:  # noqa: BLE001 - handed to the next exchange
+    except BaseException as e:
         return e
     return None
 
@@ -129,7 +130,7 @@ def _report_unobserved() -> None:
                 f"{type(e).__name__}: {e}\n"
             )
             sys.stderr.flush()
-        except Exception:  # noqa: BLE001 - stderr closed: nothing more can be done
+        except Exception:
             pass
 
 
@@ -243,7 +244,7 @@ def start_save(
 def _run_into(future: Future[SaveResult], fn: Callable[[], SaveResult]) -> None:
     try:
         future.set_result(fn())
-    except BaseException as e:  # noqa: BLE001 - handed to the waiter, never lost
+    except BaseException as e:
         future.set_exception(e)
 
 
@@ -297,7 +298,9 @@ def _plan_save(
     return entry, save_id, False, flat, values
 
 
-def _claim(world: World, store: Storage, save_id: str, error: BaseException | None) -> tuple[Claim, bool, BaseException | None]:
+def _claim(
+    world: World, store: Storage, save_id: str, error: BaseException | None
+) -> tuple[Claim, bool, BaseException | None]:
     """Rank 0 claims the path; every rank learns whether it may write. Collective, background.
 
     Returns ``(claim, may write, this rank's error)``. No rank writes a data file before rank
@@ -348,7 +351,10 @@ def _layouts(rank_plan: RankPlan, rank: int) -> list[FileLayout]:
 
 def _source(pieces: dict[str, list[TensorPiece]], fqn: str, box: Box) -> torch.Tensor:
     for p in pieces.get(fqn, ()):
-        if all(po <= bo and bo + bn <= po + pn for po, pn, bo, bn in zip(p.box.offsets, p.box.lengths, box.offsets, box.lengths)):
+        if all(
+            po <= bo and bo + bn <= po + pn
+            for po, pn, bo, bn in zip(p.box.offsets, p.box.lengths, box.offsets, box.lengths)
+        ):
             rel = box.relative_to(p.box)
             return p.data[rel.slices()] if p.data.dim() else p.data
     raise CheckpointError(f"internal error: no local piece of '{fqn}' holds box {box}")
@@ -363,12 +369,20 @@ def _sources(entry: _CachedPlan, flat: FlatState) -> tuple[list[torch.Tensor], l
     return [_source(pieces, s.fqn, s.box) for s in slots], [s.fqn for s in slots]
 
 
-def _stage(entry: _CachedPlan, flat: FlatState, ctx: _SaveContext, world: World, *, copy: bool) -> list[list[torch.Tensor]]:
+def _stage(
+    entry: _CachedPlan, flat: FlatState, ctx: _SaveContext, world: World, *, copy: bool
+) -> list[list[torch.Tensor]]:
     return _stage_sources(entry, _sources(entry, flat)[0], ctx, world, copy=copy)
 
 
 def _stage_sources(
-    entry: _CachedPlan, sources: list[torch.Tensor], ctx: _SaveContext, world: World, *, copy: bool, after: object | None = None
+    entry: _CachedPlan,
+    sources: list[torch.Tensor],
+    ctx: _SaveContext,
+    world: World,
+    *,
+    copy: bool,
+    after: object | None = None,
 ) -> list[list[torch.Tensor]]:
     try:
         flat_staged = ctx.staging.stage(sources, copy=copy, after=after)
@@ -497,7 +511,9 @@ def _write_and_commit(
         after_commit(rank=world.rank, world_size=world.size, save_id=save_id, files=[w.path for w in written])
     rank_timings = {int(r): t for r, t in outcome.get("timings", {}).items()} if world.is_coordinator else {}
     if world.is_coordinator:
-        logger.info("saved %s (%d bytes, %d ranks) in %.3fs", path, outcome["total_bytes"], world.size, timer.total()["total"])
+        logger.info(
+            "saved %s (%d bytes, %d ranks) in %.3fs", path, outcome["total_bytes"], world.size, timer.total()["total"]
+        )
     return SaveResult(path, save_id, my_bytes, outcome["total_bytes"], timer.total(), cached, rank_timings)
 
 
@@ -559,7 +575,9 @@ def _delete_quietly(store: Storage, paths: list[str]) -> None:
         logger.warning("could not remove files of a failed save: %s", e)
 
 
-def _build_manifest(world: World, entry: _CachedPlan, reports: list[RankReport], save_id: str, opts: SaveOptions) -> Manifest:
+def _build_manifest(
+    world: World, entry: _CachedPlan, reports: list[RankReport], save_id: str, opts: SaveOptions
+) -> Manifest:
     assert entry.metas is not None
     # Columns per tensor, gathered from every rank's report; no per-tile objects.
     cols: dict[str, list[list[Any]]] = {m.fqn: [[], [], [], [], [], []] for m in entry.metas}
@@ -616,8 +634,14 @@ def _build_manifest(world: World, entry: _CachedPlan, reports: list[RankReport],
 
 
 def _table(
-    paths: tuple[str, ...], meta: Any, file: list[int], offsets: list, lengths: list, byte_offset: list[int],
-    chunks: list[int], sums: list[int],
+    paths: tuple[str, ...],
+    meta: Any,
+    file: list[int],
+    offsets: list,
+    lengths: list,
+    byte_offset: list[int],
+    chunks: list[int],
+    sums: list[int],
 ) -> TileTable:
     """A tensor's tile table, tiles sorted by their offsets."""
     n, nd = len(file), len(meta.shape)
@@ -633,6 +657,12 @@ def _table(
     sum_order = np.arange(total) - np.repeat(new_starts, new_counts) + np.repeat(starts[order], new_counts)
     nbytes = (lens.prod(axis=1) if nd else np.ones(n, dtype=np.int64)) * itemsize(dtype_from_name(meta.dtype))
     return TileTable(
-        paths, np.array(file, dtype=np.int64)[order], offs[order], lens[order], np.array(byte_offset, dtype=np.int64)[order],
-        nbytes[order], new_counts, sum_arr[sum_order],
+        paths,
+        np.array(file, dtype=np.int64)[order],
+        offs[order],
+        lens[order],
+        np.array(byte_offset, dtype=np.int64)[order],
+        nbytes[order],
+        new_counts,
+        sum_arr[sum_order],
     )

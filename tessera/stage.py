@@ -119,4 +119,3 @@ def ready_event(sources: Sequence[torch.Tensor]) -> object | None:
     event = torch.cuda.Event()
     event.record(torch.cuda.current_stream(device))
     return event
-

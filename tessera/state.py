@@ -140,7 +140,13 @@ class _Flattener:
             )
 
     def visit(
-        self, value: object, fqn: str, per_rank: OnResize | None, *, container: bool = False, where: str = "state",
+        self,
+        value: object,
+        fqn: str,
+        per_rank: OnResize | None,
+        *,
+        container: bool = False,
+        where: str = "state",
         depth: int = 0,
     ) -> None:
         if depth > MAX_DEPTH:
@@ -154,7 +160,9 @@ class _Flattener:
             self.tensor(value, fqn, per_rank)
         elif isinstance(value, (ShardedTensor, FlatShard)):
             if per_rank is not None:
-                raise InvalidStateError(f"'{fqn}': a {type(value).__name__} cannot be per_rank(); it already names its box")
+                raise InvalidStateError(
+                    f"'{fqn}': a {type(value).__name__} cannot be per_rank(); it already names its box"
+                )
             self.claim(fqn, where)
             self.shard(value, fqn)
         elif isinstance(value, MultiShard):
@@ -170,7 +178,9 @@ class _Flattener:
                 prepare(self.manifest, fqn)
             sd = value.state_dict()
             if not isinstance(sd, dict):
-                raise InvalidStateError(f"'{fqn}': {type(value).__name__}.state_dict() returned {type(sd).__name__}, not a dict")
+                raise InvalidStateError(
+                    f"'{fqn}': {type(value).__name__}.state_dict() returned {type(sd).__name__}, not a dict"
+                )
             # A state dict is a structure, not a value: its keys are names even when it holds
             # no tensor (a fresh optimizer saves the same keys as a trained one, minus state).
             self.visit(sd, fqn, per_rank, container=True, where=f"{where}.state_dict()", depth=depth + 1)
@@ -205,7 +215,7 @@ class _Flattener:
     def tensor(self, t: torch.Tensor, fqn: str, per_rank: OnResize | None) -> None:
         if t.is_meta:
             raise InvalidStateError(f"tensor '{fqn}' is on the meta device and has no data; materialize it first")
-        if t.is_sparse or t.layout != torch.strided and not _torch_private.is_dtensor(t):
+        if t.is_sparse or (t.layout != torch.strided and not _torch_private.is_dtensor(t)):
             raise InvalidStateError(f"tensor '{fqn}' has layout {t.layout}; only dense (strided) tensors can be stored")
         if t.is_quantized:
             raise InvalidStateError(f"tensor '{fqn}' is quantized; dequantize it before saving")
@@ -266,7 +276,9 @@ def flatten(
     """
     f = _Flattener(rank, world_size, for_load=for_load, allow_pickle=allow_pickle, manifest=manifest)
     if not isinstance(state, dict) and not is_stateful(state):
-        raise InvalidStateError(f"state must be a dict or an object with state_dict()/load_state_dict(), got {type(state).__name__}")
+        raise InvalidStateError(
+            f"state must be a dict or an object with state_dict()/load_state_dict(), got {type(state).__name__}"
+        )
     try:
         f.visit(state, "", None)
     except RecursionError:  # e.g. a Stateful whose state_dict() nests deeply in its own way

@@ -53,7 +53,9 @@ class FileLayout:
         return len(self.header) + sum(s.nbytes for s in self.slots)
 
 
-def layout_file(name: str, tiles: Sequence[tuple[str, Box, torch.dtype]], metadata: dict[str, str] | None = None) -> FileLayout:
+def layout_file(
+    name: str, tiles: Sequence[tuple[str, Box, torch.dtype]], metadata: dict[str, str] | None = None
+) -> FileLayout:
     """Lay out ``tiles`` (``(fqn, box, dtype)``) in one safetensors file, largest item size first."""
     entries: dict[str, object] = {"__metadata__": {"format": "pt", "producer": "tessera", **(metadata or {})}}
     tiles = sorted(tiles, key=lambda t: -itemsize(t[2]))  # stable: keeps order within a size

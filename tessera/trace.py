@@ -30,7 +30,17 @@ from .manifest import Manifest
 logger = logging.getLogger(__name__)
 
 PHASE_ORDER = (
-    "metadata", "wait_previous", "plan", "stage", "schedule", "copy", "read", "broadcast", "write", "values", "commit",
+    "metadata",
+    "wait_previous",
+    "plan",
+    "stage",
+    "schedule",
+    "copy",
+    "read",
+    "broadcast",
+    "write",
+    "values",
+    "commit",
 )
 """Known phases, in the order they run; other phases follow in the order recorded."""
 
@@ -102,7 +112,9 @@ def rank_timings(manifest: Manifest, op: str = "save") -> list[RankTiming]:
     """
     ranks = manifest.timings.get(op, {}).get("ranks") if isinstance(manifest.timings.get(op), dict) else None
     if not isinstance(ranks, dict):
-        raise KeyError(f"the manifest has no per-rank timings for '{op}' (it has: {', '.join(operations(manifest)) or 'none'})")
+        raise KeyError(
+            f"the manifest has no per-rank timings for '{op}' (it has: {', '.join(operations(manifest)) or 'none'})"
+        )
     return _rank_list(ranks)
 
 
@@ -166,7 +178,9 @@ def _rank_list(ranks: object) -> list[RankTiming]:
     for r, t in ranks.items():
         if not isinstance(t, dict):
             continue
-        phases = {k: float(v) for k, v in t.items() if k not in ("bytes", "total", "stall") and isinstance(v, (int, float))}
+        phases = {
+            k: float(v) for k, v in t.items() if k not in ("bytes", "total", "stall") and isinstance(v, (int, float))
+        }
         known = [p for p in PHASE_ORDER if p in phases]
         ordered = {p: phases[p] for p in known + [p for p in phases if p not in PHASE_ORDER]}
         out.append(RankTiming(int(r), ordered, int(t.get("bytes", 0) or 0)))
@@ -198,7 +212,9 @@ def load_records(path: str, storage: Any = None) -> list[LoadRecord]:
         if isinstance(doc, dict):
             timings = _rank_list(doc.get("ranks"))
             if timings:
-                out.append(LoadRecord(name, str(doc.get("created", "")), int(doc.get("world_size", len(timings))), timings))
+                out.append(
+                    LoadRecord(name, str(doc.get("created", "")), int(doc.get("world_size", len(timings))), timings)
+                )
     return out
 
 
@@ -215,7 +231,9 @@ def chrome_trace(manifest: Manifest, ops: list[str] | None = None) -> dict[str, 
     for pid, op in enumerate(ops if ops is not None else operations(manifest)):
         events.append({"name": "process_name", "ph": "M", "pid": pid, "tid": 0, "args": {"name": f"tessera {op}"}})
         for t in rank_timings(manifest, op):
-            events.append({"name": "thread_name", "ph": "M", "pid": pid, "tid": t.rank, "args": {"name": f"rank {t.rank}"}})
+            events.append(
+                {"name": "thread_name", "ph": "M", "pid": pid, "tid": t.rank, "args": {"name": f"rank {t.rank}"}}
+            )
             ts = 0.0
             for phase, seconds in t.phases.items():
                 events.append({
@@ -262,7 +280,9 @@ def plot_timeline(
         for row, t in enumerate(timings):
             start = 0.0
             for phase, seconds in t.phases.items():
-                ax.barh(row, seconds, left=start, color=colors[phase], label=phase if row == 0 else None, edgecolor="white")
+                ax.barh(
+                    row, seconds, left=start, color=colors[phase], label=phase if row == 0 else None, edgecolor="white"
+                )
                 start += seconds
         ax.set_yticks(range(len(timings)))
         ax.set_yticklabels([f"rank {t.rank}" for t in timings])

@@ -79,12 +79,16 @@ def _encode(value: object, name: str, allow_pickle: bool, depth: int) -> Any:
     d = depth + 1
     if isinstance(value, list):
         return [_encode(v, name, allow_pickle, d) for v in value]
-    if isinstance(value, tuple) and type(value) is tuple or isinstance(value, torch.Size):
+    if (isinstance(value, tuple) and type(value) is tuple) or isinstance(value, torch.Size):
         return {"__tuple__": [_encode(v, name, allow_pickle, d) for v in value]}
     if type(value) is dict:
         if all(isinstance(k, str) and k not in _TAGS for k in value):
             return {k: _encode(v, name, allow_pickle, d) for k, v in value.items()}
-        return {"__dict__": [[_encode(k, name, allow_pickle, d), _encode(v, name, allow_pickle, d)] for k, v in value.items()]}
+        return {
+            "__dict__": [
+                [_encode(k, name, allow_pickle, d), _encode(v, name, allow_pickle, d)] for k, v in value.items()
+            ]
+        }
     if isinstance(value, (bytes, bytearray)):
         return {"__bytes__": base64.b64encode(bytes(value)).decode("ascii")}
     if isinstance(value, torch.dtype):
@@ -123,12 +127,15 @@ def _decode(data: Any, name: str, allow_pickle: bool, depth: int) -> Any:
     if not isinstance(data, dict):
         raise ManifestError(f"value '{name}': unexpected JSON type {type(data).__name__}")
     if len(data) == 1:
-        (tag, inner), = data.items()
+        ((tag, inner),) = data.items()
         try:
             if tag == "__tuple__":
                 return tuple(_decode(v, name, allow_pickle, d) for v in inner)
             if tag == "__dict__":
-                return {_hashable(_decode(k, name, allow_pickle, d), name): _decode(v, name, allow_pickle, d) for k, v in inner}
+                return {
+                    _hashable(_decode(k, name, allow_pickle, d), name): _decode(v, name, allow_pickle, d)
+                    for k, v in inner
+                }
             if tag == "__bytes__":
                 return base64.b64decode(inner, validate=True)
             if tag == "__float__":

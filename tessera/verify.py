@@ -201,7 +201,7 @@ def verify(path: str, *, storage: Storage | None = None, threads: int | None = N
         return VerifyReport(
             path, None, (Problem(ProblemKind.MANIFEST, msg, file=MANIFEST_NAME),), seconds=time.monotonic() - t0
         )
-    except Exception as e:  # noqa: BLE001 - reported
+    except Exception as e:
         msg = f"{path}: reading {MANIFEST_NAME} failed: {type(e).__name__}: {e}"
         return VerifyReport(
             path, None, (Problem(ProblemKind.READ, msg, file=MANIFEST_NAME),), seconds=time.monotonic() - t0
@@ -212,7 +212,7 @@ def verify(path: str, *, storage: Storage | None = None, threads: int | None = N
         return VerifyReport(
             path, None, (Problem(ProblemKind.MANIFEST, str(e), file=MANIFEST_NAME),), seconds=time.monotonic() - t0
         )
-    except Exception as e:  # noqa: BLE001 - a decoder bug must not hide the verdict: the manifest is bad
+    except Exception as e:
         msg = f"{path}/{MANIFEST_NAME}: invalid manifest ({type(e).__name__} in the decoder: {e})"
         return VerifyReport(
             path, None, (Problem(ProblemKind.MANIFEST, msg, file=MANIFEST_NAME),), seconds=time.monotonic() - t0
@@ -227,7 +227,9 @@ def verify(path: str, *, storage: Storage | None = None, threads: int | None = N
     with ThreadPoolExecutor(
         max_workers=min(n, max(1, len(manifest.files))), thread_name_prefix="tessera-verify"
     ) as pool:
-        futures = [pool.submit(_check_file, store, manifest, f, by_file.get(i, [])) for i, f in enumerate(manifest.files)]
+        futures = [
+            pool.submit(_check_file, store, manifest, f, by_file.get(i, [])) for i, f in enumerate(manifest.files)
+        ]
         for fut in futures:
             res = fut.result()
             problems += res.problems
@@ -285,7 +287,11 @@ def _check_coverage(manifest: Manifest) -> list[Problem]:
         table = entry.table
         nd = len(shape)
         # The decoder keeps coordinates below 2**62, so these sums cannot wrap in int64.
-        outside = np.flatnonzero((table.offsets + table.lengths > np.asarray(shape, dtype=np.int64)).any(axis=1)) if nd else []
+        outside = (
+            np.flatnonzero((table.offsets + table.lengths > np.asarray(shape, dtype=np.int64)).any(axis=1))
+            if nd
+            else []
+        )
         if len(outside):
             t = entry.tile(int(outside[0]))
             problems.append(
@@ -350,7 +356,7 @@ def _check_file(store: Storage, manifest: Manifest, entry: FileEntry, tiles: lis
             tiles[0][0] if tiles else None,
         )
         return out
-    except Exception as e:  # noqa: BLE001 - reported
+    except Exception as e:
         problem(ProblemKind.READ, f"{where}: cannot stat it: {type(e).__name__}: {e}", tiles[0][0] if tiles else None)
         return out
     if size != entry.nbytes:
@@ -389,7 +395,7 @@ def _check_header(
         header = json.loads(bytes(raw))
         if not isinstance(header, dict):
             raise TypeError("the header is not a JSON object")
-    except Exception as e:  # noqa: BLE001 - reported
+    except Exception as e:
         problem(ProblemKind.HEADER, f"{where} is not a valid safetensors file: {type(e).__name__}: {e}")
         return
     base = 8 + n
@@ -490,7 +496,7 @@ def _check_checksums(
                 hasher.update(view[pos - block[0] : stop - block[0]])
                 out.bytes_checked += stop - pos
                 pos = stop
-        except Exception as e:  # noqa: BLE001 - reported, then this file is given up
+        except Exception as e:
             problem(ProblemKind.READ, f"reading {where} at byte {pos} failed: {type(e).__name__}: {e}", seg.fqn)
             return
         if hasher.intdigest() != seg.expected:
@@ -519,6 +525,6 @@ def _unreferenced(store: Storage, manifest: Manifest) -> list[str]:
     referenced = {f.path for f in manifest.files}
     try:
         return [p for p in store.list("data") if p not in referenced]
-    except Exception as e:  # noqa: BLE001 - informational only
+    except Exception as e:
         logger.debug("listing data/ under %s failed: %s", store.url, e)
         return []

@@ -47,7 +47,9 @@ def checksum_chunks(data: memoryview, chunk_bytes: int) -> Iterator[tuple[memory
         yield c, xxhash.xxh3_64_intdigest(c)
 
 
-def _write_one(storage: Storage, path: str, layout: FileLayout, staged: Sequence[torch.Tensor], chunk_bytes: int) -> WrittenFile:
+def _write_one(
+    storage: Storage, path: str, layout: FileLayout, staged: Sequence[torch.Tensor], chunk_bytes: int
+) -> WrittenFile:
     t0 = time.monotonic()
     tiles: list[WrittenTile] = []
 
@@ -102,7 +104,7 @@ def write_files(
     except BaseException:
         try:
             storage.delete([p for p, _, _ in files])
-        except Exception as e:  # noqa: BLE001 - the write error is the one to report
+        except Exception as e:
             logger.warning("could not remove the files of a failed write under %s: %s", storage.url, e)
         raise
     return written

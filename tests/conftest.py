@@ -17,7 +17,6 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-
 _MISSING = pytest.StashKey[str]()
 
 

@@ -230,7 +230,7 @@ def gated_save(
     try:
         tessera.save(target, make_state(k), storage=store)
         out = "ok"
-    except BaseException as e:  # noqa: BLE001 - reported to the test
+    except BaseException as e:
         out = f"{type(e).__name__}: {e}"
     with open(result + ".tmp", "w") as f:
         f.write(out)
@@ -296,7 +296,10 @@ def save_loop(
     torch.set_num_threads(1)
     factory: Callable[[str], Any] | None = None
     if crash is not None:
-        factory = lambda url: CrashStorage(url, **crash)
+
+        def factory(url: str) -> Any:
+            return CrashStorage(url, **crash)
+
     mgr = None
     if mode.startswith("manager"):
         kwargs = {"keep_last": 2, "keep_every": 5, "async_save": mode == "manager_async"}
@@ -421,7 +424,7 @@ def _rank_main(
         )
         t0 = time.monotonic()
         out: tuple[str, Any] = ("ok", fn(rank, world, *args))
-    except BaseException as e:  # noqa: BLE001 - reported to the parent
+    except BaseException as e:
         out = (
             "error",
             {

@@ -32,7 +32,7 @@ def _worker(rank: int, world_size: int, store_path: str, result_dir: str, fn: Ca
             result = ("ok", fn(rank, world_size, *args))
         finally:
             dist.destroy_process_group()
-    except BaseException:  # noqa: BLE001 - reported to the parent
+    except BaseException:
         result = ("error", traceback.format_exc())
     with open(out_path, "wb") as f:
         pickle.dump(result, f)

@@ -23,10 +23,18 @@ CASES: dict[str, dict[str, Any]] = {
     "z3_bf16": {"stage": 3, "dtype": "bf16"},
     "z1_bf16_optimizer": {"stage": 1, "dtype": "bf16", "grad_accum_dtype": "fp32"},  # BF16_Optimizer
     "z2_bf16_aligned": {"stage": 2, "dtype": "bf16", "zero": {"parameter_alignment": True}},
-    "z1_fp32_aligned_round_robin": {"stage": 1, "dtype": "fp32", "zero": {"parameter_alignment": True, "round_robin_gradients": True}},
+    "z1_fp32_aligned_round_robin": {
+        "stage": 1,
+        "dtype": "fp32",
+        "zero": {"parameter_alignment": True, "round_robin_gradients": True},
+    },
     # Elastic checkpoints keep per-group state without padding and no hyperparameters.
     "z2_fp32_elastic": {"stage": 2, "dtype": "fp32", "zero": {"elastic_checkpoint": True}, "no_param_groups": True},
-    "z3_fp32_sub_groups": {"stage": 3, "dtype": "fp32", "zero": {"sub_group_size": 40}},  # several flat groups per param group
+    "z3_fp32_sub_groups": {
+        "stage": 3,
+        "dtype": "fp32",
+        "zero": {"sub_group_size": 40},
+    },  # several flat groups per param group
 }
 """The configurations trained; every one has tied, frozen and two groups of parameters."""
 
@@ -162,10 +170,20 @@ def resume_cases(rank: int, world: int, jobs: list[tuple[str, str]]) -> list[dic
         engine = engine_for(CASES[name], seed=99, universal=True)
         engine.load_checkpoint(load_dir)
         loaded = full_state(engine)
-        groups = [{k: v for k, v in g.items() if k in ("lr", "weight_decay", "betas", "eps")} for g in engine.optimizer.param_groups]
+        groups = [
+            {k: v for k, v in g.items() if k in ("lr", "weight_decay", "betas", "eps")}
+            for g in engine.optimizer.param_groups
+        ]
         train(engine, 1, seed=2)
-        out.append({"loaded": loaded, "groups": groups, "steps": sorted(set(_steps(engine))), "stepped": full_state(engine),
-                    "global_steps": engine.global_steps})
+        out.append(
+            {
+                "loaded": loaded,
+                "groups": groups,
+                "steps": sorted(set(_steps(engine))),
+                "stepped": full_state(engine),
+                "global_steps": engine.global_steps,
+            }
+        )
         del engine
     return out
 

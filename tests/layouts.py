@@ -33,7 +33,7 @@ def truth(shape: tuple[int, ...], dtype: torch.dtype, seed: int = 0) -> torch.Te
     n = math.prod(shape)
     base = torch.arange(n, dtype=torch.float64).reshape(shape) * 3 + seed
     if dtype == torch.bool:
-        return (base.to(torch.int64) % 3 == 0)
+        return base.to(torch.int64) % 3 == 0
     if dtype.is_floating_point and torch.finfo(dtype).bits <= 16:
         return (base % 251).to(dtype)  # exactly representable
     return base.to(dtype)
@@ -76,8 +76,12 @@ def hold(layout: str, full: torch.Tensor, rank: int, world: int) -> object:
             placements = [Shard(0), Shard(1)] if layout == "dt_2d" else [Shard(0), Shard(0)]
         else:
             device_mesh = mesh((world,))
-            placements = {"dt_shard0": [Shard(0)], "dt_shard1": [Shard(full.dim() - 1)], "dt_replicate": [Replicate()]}[layout]
-        return DTensor.from_local(_local_of(full, device_mesh, placements), device_mesh, placements, shape=full.shape, stride=full.stride())
+            placements = {"dt_shard0": [Shard(0)], "dt_shard1": [Shard(full.dim() - 1)], "dt_replicate": [Replicate()]}[
+                layout
+            ]
+        return DTensor.from_local(
+            _local_of(full, device_mesh, placements), device_mesh, placements, shape=full.shape, stride=full.stride()
+        )
     if layout == "sharded_uneven":
         b = _uneven_bounds(full.shape[0], world)
         local = full[b[rank] : b[rank + 1]].clone()
@@ -124,7 +128,12 @@ def local_part(value: object) -> torch.Tensor:
 
 def zeros_like_held(layout: str, full: torch.Tensor, rank: int, world: int) -> object:
     """A target under ``layout`` whose local memory is zero."""
-    held = hold(layout, torch.zeros_like(full) if full.dtype != torch.bool else torch.zeros(full.shape, dtype=torch.bool), rank, world)
+    held = hold(
+        layout,
+        torch.zeros_like(full) if full.dtype != torch.bool else torch.zeros(full.shape, dtype=torch.bool),
+        rank,
+        world,
+    )
     return held
 
 

@@ -54,7 +54,9 @@ def init_parallel(tp: int = 1, pp: int = 1, ep: int = 1, etp: int | None = None)
     )  # fmt: skip
 
     class CPUMemoryBuffer(mu.GlobalMemoryBuffer):
-        def get_tensor(self, tensor_shape: Any, dtype: torch.dtype, name: str, mem_alloc_context: Any = None) -> torch.Tensor:
+        def get_tensor(
+            self, tensor_shape: Any, dtype: torch.dtype, name: str, mem_alloc_context: Any = None
+        ) -> torch.Tensor:
             n = math.prod(tensor_shape)
             buf = self.buffer.get((name, dtype))
             if buf is None or buf.numel() < n:
@@ -157,7 +159,11 @@ def train(model: torch.nn.Module, optimizer: Any, steps: int) -> None:
 
 def local_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The model's plain local state dict (no ``_extra_state``), cloned."""
-    return {k: v.detach().clone() for k, v in model.state_dict().items() if isinstance(v, torch.Tensor) and "_extra_state" not in k}
+    return {
+        k: v.detach().clone()
+        for k, v in model.state_dict().items()
+        if isinstance(v, torch.Tensor) and "_extra_state" not in k
+    }
 
 
 @contextlib.contextmanager

@@ -18,7 +18,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _draw() -> list[float]:
-    return [random.random(), random.gauss(0, 1), float(np.random.rand()), float(np.random.randn()), torch.rand(()).item()]
+    return [
+        random.random(),
+        random.gauss(0, 1),
+        float(np.random.rand()),
+        float(np.random.randn()),
+        torch.rand(()).item(),
+    ]
 
 
 def test_rng_state_round_trip(tmp_path) -> None:

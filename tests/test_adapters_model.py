@@ -52,7 +52,9 @@ def train(model: nn.Module, opt: torch.optim.Optimizer, start: int, steps: int) 
 
 def opt_state_by_name(model: nn.Module, opt: torch.optim.Optimizer) -> dict:
     names = {id(p): n for n, p in model.named_parameters()}
-    return {names[id(p)]: {k: v.clone() if torch.is_tensor(v) else v for k, v in st.items()} for p, st in opt.state.items()}
+    return {
+        names[id(p)]: {k: v.clone() if torch.is_tensor(v) else v for k, v in st.items()} for p, st in opt.state.items()
+    }
 
 
 def assert_states_equal(a: dict, b: dict) -> None:
@@ -113,7 +115,9 @@ def test_param_groups_restored_by_membership(tmp_path) -> None:
     tessera.save(str(tmp_path), {"optim": OptimizerState(model, opt)})
     # other order, other hyperparameters: restored by which parameters a group holds
     m2 = make(1)
-    opt2 = torch.optim.AdamW([{"params": [m2.emb.weight], "lr": 1.0}, {"params": [m2.mid.weight, m2.mid.bias], "lr": 2.0}])
+    opt2 = torch.optim.AdamW(
+        [{"params": [m2.emb.weight], "lr": 1.0}, {"params": [m2.mid.weight, m2.mid.bias], "lr": 2.0}]
+    )
     tessera.load(str(tmp_path), {"optim": OptimizerState(m2, opt2)})
     assert opt2.param_groups[0]["lr"] == 0.03 and opt2.param_groups[0]["betas"] == (0.9, 0.999)
     assert opt2.param_groups[1]["lr"] == 0.01 and opt2.param_groups[1]["betas"] == (0.8, 0.9)

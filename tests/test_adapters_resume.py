@@ -118,7 +118,9 @@ def build(layout: str, seed: int) -> tuple[nn.Module, torch.optim.Optimizer, int
         from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
         model = FSDP(
-            model, auto_wrap_policy=ModuleWrapPolicy({nn.Linear}), use_orig_params=layout == "fsdp1_orig",
+            model,
+            auto_wrap_policy=ModuleWrapPolicy({nn.Linear}),
+            use_orig_params=layout == "fsdp1_orig",
             device_id=torch.device("cpu"),
         )
     elif layout != "single":
@@ -136,7 +138,9 @@ def build(layout: str, seed: int) -> tuple[nn.Module, torch.optim.Optimizer, int
     return model, opt, dp_rank, dp_size
 
 
-def train(model: nn.Module, opt: torch.optim.Optimizer, start: int, steps: int, dp_rank: int, dp_size: int) -> list[float]:
+def train(
+    model: nn.Module, opt: torch.optim.Optimizer, start: int, steps: int, dp_rank: int, dp_size: int
+) -> list[float]:
     losses = []
     share = GLOBAL_BATCH // dp_size
     for k in range(start, start + steps):
@@ -170,7 +174,10 @@ def full_state(model: nn.Module, opt: torch.optim.Optimizer) -> dict:
         groups.append((sorted(g["params"]), {k: v for k, v in g.items() if k not in ("params", "initial_lr")}))
     return {
         "model": {k: v.detach().clone() for k, v in msd.items()},
-        "optim": {fqn: {k: v.detach().clone() if torch.is_tensor(v) else v for k, v in st.items()} for fqn, st in osd["state"].items()},
+        "optim": {
+            fqn: {k: v.detach().clone() if torch.is_tensor(v) else v for k, v in st.items()}
+            for fqn, st in osd["state"].items()
+        },
         "groups": sorted(groups, key=lambda g: g[0]),
     }
 
@@ -301,7 +308,9 @@ def test_every_framework_writes_the_same_keys(runs: dict) -> None:
     """DDP, FSDP1, FSDP2, TP and 2-D checkpoints name, shape and type every tensor alike."""
     manifests = {name: tessera.read_manifest(os.path.join(runs["root"], name)) for name in SOURCES}
     want = {k: (e.dtype, e.shape) for k, e in manifests["single-1"].tensors.items()}
-    assert "model.frozen.weight" in want and not any(k.startswith(("model.module.", "optim.state.frozen")) for k in want)
+    assert "model.frozen.weight" in want and not any(
+        k.startswith(("model.module.", "optim.state.frozen")) for k in want
+    )
     for name, m in manifests.items():
         assert {k: (e.dtype, e.shape) for k, e in m.tensors.items()} == want, name
         assert _sorted_groups(m.values) == _sorted_groups(manifests["single-1"].values), name

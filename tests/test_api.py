@@ -17,7 +17,13 @@ ALL_DTYPES = sorted(_NAMES.values(), key=str)
 
 def _random(shape: tuple[int, ...], dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
-    raw = torch.randint(0, 256, (int(torch.Size(shape).numel()) * torch.empty((), dtype=dtype).element_size(),), generator=g, dtype=torch.uint8)
+    raw = torch.randint(
+        0,
+        256,
+        (int(torch.Size(shape).numel()) * torch.empty((), dtype=dtype).element_size(),),
+        generator=g,
+        dtype=torch.uint8,
+    )
     if dtype == torch.bool:
         return (raw % 2).bool().reshape(shape)
     return raw.view(dtype).reshape(shape)
@@ -32,7 +38,11 @@ def _zeros(like: torch.Tensor) -> torch.Tensor:
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Bitwise equality for every dtype (NaN payloads included)."""
-    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+    return (
+        a.shape == b.shape
+        and a.dtype == b.dtype
+        and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+    )
 
 
 @pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
@@ -115,7 +125,9 @@ def test_stateful_objects_get_load_state_dict(tmp_path) -> None:
 
 
 def test_strict_errors_name_the_keys(tmp_path) -> None:
-    tessera.save(str(tmp_path), {"model": {"a": torch.ones(2), "b": torch.ones(3)}, "optim": {"m": torch.ones(2)}, "step": 1})
+    tessera.save(
+        str(tmp_path), {"model": {"a": torch.ones(2), "b": torch.ones(3)}, "optim": {"m": torch.ones(2)}, "step": 1}
+    )
     # A subset (only the model) is a normal use.
     res = tessera.load(str(tmp_path), {"model": {"a": torch.zeros(2), "b": torch.zeros(3)}})
     assert res.missing_keys == [] and res.unexpected_keys == []

@@ -30,7 +30,9 @@ def test_swapped_path_and_state(func, tmp_path: Path) -> None:
 @pytest.mark.parametrize("func", [tessera.save, tessera.async_save, tessera.load])
 def test_wrong_types_name_the_argument(func, tmp_path: Path) -> None:
     name = f"tessera.{func.__name__}"
-    with pytest.raises(TypeError, match=re.escape(f"{name}(path, state): `path` must be a str or os.PathLike") + ".*got int"):
+    with pytest.raises(
+        TypeError, match=re.escape(f"{name}(path, state): `path` must be a str or os.PathLike") + ".*got int"
+    ):
         func(5, _state())
     with pytest.raises(TypeError, match=re.escape(f"{name}(path, state): `state` must be a dict") + ".*got Tensor"):
         func(str(tmp_path / "c"), torch.zeros(2))
@@ -50,13 +52,17 @@ def test_path_objects_are_accepted(tmp_path: Path) -> None:
 
 def test_manager_swapped_and_wrong_types(tmp_path: Path) -> None:
     with tessera.CheckpointManager(str(tmp_path / "run")) as mgr:
-        with pytest.raises(TypeError, match=re.escape("CheckpointManager.save(step, state): the arguments are swapped")):
+        with pytest.raises(
+            TypeError, match=re.escape("CheckpointManager.save(step, state): the arguments are swapped")
+        ):
             mgr.save(_state(), 10)
         with pytest.raises(TypeError, match=re.escape("`step` must be an int (the training step), got str")):
             mgr.save("10", _state())
         with pytest.raises(TypeError, match=re.escape("`state` must be a dict") + ".*got list"):
             mgr.save(10, [1, 2])
-        with pytest.raises(TypeError, match=re.escape("CheckpointManager.load(state, step=None): the arguments are swapped")):
+        with pytest.raises(
+            TypeError, match=re.escape("CheckpointManager.load(state, step=None): the arguments are swapped")
+        ):
             mgr.load(10, _state())
         with pytest.raises(TypeError, match=re.escape("got str (the manager's root is given to its constructor)")):
             mgr.load(str(tmp_path / "run"))

@@ -73,7 +73,14 @@ def ckpts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 
 def _load_full(path: str) -> dict[str, torch.Tensor]:
     target = {n: torch.zeros(shape, dtype=dt) for n, (shape, dt, _) in TENSORS.items()}
-    tessera.load(path, {"model": {k[6:]: v for k, v in target.items() if k.startswith("model.")}, "optim": {"step": target["optim.step"]}}, strict=False)
+    tessera.load(
+        path,
+        {
+            "model": {k[6:]: v for k, v in target.items() if k.startswith("model.")},
+            "optim": {"step": target["optim.step"]},
+        },
+        strict=False,
+    )
     return target
 
 
@@ -146,7 +153,9 @@ def test_verify_catches_flipped_byte(ckpts, tmp_path, capsys) -> None:
     assert main(["verify", path, "--json"]) == EXIT_PROBLEMS
     doc = json.loads(capsys.readouterr().out)
     assert doc["ok"] is False
-    assert any(p["kind"] == "checksum" and p["tensor"] == "model.embed" and p["file"] == tile.file for p in doc["problems"])
+    assert any(
+        p["kind"] == "checksum" and p["tensor"] == "model.embed" and p["file"] == tile.file for p in doc["problems"]
+    )
 
 
 def test_verify_catches_missing_file(ckpts, tmp_path, capsys) -> None:
@@ -237,7 +246,9 @@ def test_rename_prefix_and_regex(ckpts, tmp_path, capsys) -> None:
     assert sorted(os.listdir(os.path.join(path, "data", m.save_id))) == files_before
     # The renamed checkpoint loads under the new names, with the same data.
     want = _load_full(ckpts["w4"])
-    got = {"net": {"embed": torch.zeros(13, 6), "proj": torch.zeros(7, 5, dtype=torch.bfloat16), "bias": torch.zeros(9)}}
+    got = {
+        "net": {"embed": torch.zeros(13, 6), "proj": torch.zeros(7, 5, dtype=torch.bfloat16), "bias": torch.zeros(9)}
+    }
     tessera.load(path, got, strict=False)
     assert torch.equal(got["net"]["embed"], want["model.embed"]) and torch.equal(got["net"]["proj"], want["model.proj"])
     assert m.metadata["tile_names"]["net.embed"] == "model.embed"
@@ -337,5 +348,7 @@ def test_module_entry_point_and_exit_codes(ckpts, tmp_path) -> None:
     assert ok.returncode == 0 and "OK" in ok.stdout
     bad = subprocess.run([py, "-m", "tessera.cli", "inspect"], capture_output=True, text=True)
     assert bad.returncode == 2 and "usage" in bad.stderr
-    missing = subprocess.run([py, "-m", "tessera.cli", "verify", str(tmp_path / "none")], capture_output=True, text=True)
+    missing = subprocess.run(
+        [py, "-m", "tessera.cli", "verify", str(tmp_path / "none")], capture_output=True, text=True
+    )
     assert missing.returncode == 1 and "manifest.json" in missing.stdout

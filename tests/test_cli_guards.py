@@ -131,7 +131,10 @@ def test_to_hf_with_an_explicit_prefix_and_verbose_skips(training_ckpt: str, tmp
     assert "skipped: step (plain value)" in out
     names = load_file(str(tmp_path / "all" / "model.safetensors"))
     assert "model.0.weight" in names and any(n.startswith("optim.state.") for n in names)
-    assert main(["convert", training_ckpt, str(tmp_path / "all.pt"), "--to", "torch", "--prefix", "", "--no-values"]) == EXIT_OK
+    assert (
+        main(["convert", training_ckpt, str(tmp_path / "all.pt"), "--to", "torch", "--prefix", "", "--no-values"])
+        == EXIT_OK
+    )
     lines = [ln for ln in capsys.readouterr().out.splitlines() if "skipped" in ln]
     assert lines == [  # one line per reason, three names at most: no flood
         "  skipped 6 (per-rank value): rng.python.version, rng.python.gauss_next, rng.numpy.algorithm, "
@@ -182,16 +185,28 @@ def _manager_root(tmp_path: Path) -> str:
 def test_inspect_and_verify_a_manager_root(tmp_path: Path, capsys) -> None:
     root = _manager_root(tmp_path)
     assert classify_path(root) == PathKind.MANAGER_ROOT
-    assert [(s.step, s.committed, s.latest) for s in list_steps(root)] == [(10, True, False), (20, True, True), (30, False, False)]
+    assert [(s.step, s.committed, s.latest) for s in list_steps(root)] == [
+        (10, True, False),
+        (20, True, True),
+        (30, False, False),
+    ]
     assert main(["inspect", root]) == EXIT_OK
     out = capsys.readouterr().out
-    assert "a checkpoint manager root with 2 committed step(s)" in out and "committed, latest" in out and "incomplete" in out
+    assert (
+        "a checkpoint manager root with 2 committed step(s)" in out
+        and "committed, latest" in out
+        and "incomplete" in out
+    )
     assert main(["inspect", root, "--json"]) == EXIT_OK
     doc = json.loads(capsys.readouterr().out)
     assert [s["step"] for s in doc["steps"]] == [10, 20, 30]
     assert main(["verify", root]) == EXIT_OK
     out = capsys.readouterr().out
-    assert "OK " + os.path.join(root, "step-00000010") in out and "2 step(s) verified" in out and "incomplete step(s) 30" in out
+    assert (
+        "OK " + os.path.join(root, "step-00000010") in out
+        and "2 step(s) verified" in out
+        and "incomplete step(s) 30" in out
+    )
     assert main(["verify", root, "--step", "20", "--json"]) == EXIT_OK
     assert list(json.loads(capsys.readouterr().out)["steps"]) == ["20"]
     assert main(["verify", root, "--step", "99"]) == EXIT_USAGE
@@ -218,7 +233,9 @@ def test_inspect_an_hf_directory_says_what_it_is(training_ckpt: str, tmp_path: P
     capsys.readouterr()
     assert main(["inspect", str(hf)]) == EXIT_OK
     out = capsys.readouterr().out
-    assert "a Hugging Face safetensors directory, TinyForCausalLM: 4 tensors (4 F32)" in out and "manifest.json" not in out
+    assert (
+        "a Hugging Face safetensors directory, TinyForCausalLM: 4 tensors (4 F32)" in out and "manifest.json" not in out
+    )
     assert main(["verify", str(hf)]) == EXIT_PROBLEMS  # nothing tessera can verify
     assert "not a tessera checkpoint" in capsys.readouterr().out
 

@@ -131,7 +131,7 @@ def _overlap(tmp_path: Path, target: str, storage_options: dict | None = None) -
         try:
             tessera.save(target, make_state(3), storage_options=storage_options)
             a = "ok"
-        except Exception as e:  # noqa: BLE001 - compared below
+        except Exception as e:
             a = f"{type(e).__name__}: {e}"
         Path(gate).touch()
         proc.join(120)
@@ -159,7 +159,9 @@ def test_two_writers_on_one_path_never_both_succeed_with_a_broken_checkpoint(tmp
 
 
 @pytest.mark.s3
-def test_two_writers_on_one_s3_path_are_fenced_by_a_conditional_put(tmp_path: Path, moto_endpoint: str, s3_bucket: str) -> None:  # noqa: F811
+def test_two_writers_on_one_s3_path_are_fenced_by_a_conditional_put(
+    tmp_path: Path, moto_endpoint: str, s3_bucket: str
+) -> None:
     url = f"s3://{s3_bucket}/{uuid.uuid4().hex}/ckpt"
     opts = s3_options(moto_endpoint)
     tessera.save(url, make_state(1), storage_options=opts)
@@ -172,7 +174,7 @@ def test_two_writers_on_one_s3_path_are_fenced_by_a_conditional_put(tmp_path: Pa
 
 
 @pytest.mark.s3
-def test_s3_commit_refuses_a_manifest_changed_since_the_claim(moto_endpoint: str, s3_bucket: str) -> None:  # noqa: F811
+def test_s3_commit_refuses_a_manifest_changed_since_the_claim(moto_endpoint: str, s3_bucket: str) -> None:
     from tessera.storage import FsspecStorage
 
     store = FsspecStorage(f"s3://{s3_bucket}/{uuid.uuid4().hex}", s3_options(moto_endpoint))
@@ -189,7 +191,7 @@ def test_s3_commit_refuses_a_manifest_changed_since_the_claim(moto_endpoint: str
 
 
 @pytest.mark.s3
-def test_s3_commit_checks_many_files_with_one_listing(fault_proxy: tuple[FaultProxy, str], s3_bucket: str) -> None:  # noqa: F811
+def test_s3_commit_checks_many_files_with_one_listing(fault_proxy: tuple[FaultProxy, str], s3_bucket: str) -> None:
     # The check must stay cheap: one LIST per 1,000 objects, not one HEAD per file. And a
     # conditional manifest PUT whose answer is lost is recognised as having landed.
     from tessera.plan import PlanOptions
@@ -216,7 +218,9 @@ def test_s3_commit_checks_many_files_with_one_listing(fault_proxy: tuple[FaultPr
             proxy.inject("put_object", "lose_answer", 1)
             super().replace_if(path, data, expected)
 
-    store = LoseTheCommitAnswer(url, opts, retry=RetryOptions(max_attempts=4, initial_backoff_s=0.01, max_backoff_s=0.05))
+    store = LoseTheCommitAnswer(
+        url, opts, retry=RetryOptions(max_attempts=4, initial_backoff_s=0.01, max_backoff_s=0.05)
+    )
     state2 = {f"t{i}": torch.full((8,), float(i) + 0.5) for i in range(64)}
     proxy.seen.clear()
     result = tessera.save(url, state2, storage=store, options=options)
@@ -375,7 +379,9 @@ def _run_script(tmp_path: Path, body: str) -> subprocess.CompletedProcess:
     script = tmp_path / "job.py"
     script.write_text(textwrap.dedent(body))
     env = {**os.environ, "PYTHONPATH": str(REPO), "TESSERA_TIMEOUT_S": "60"}
-    return subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path)
+    return subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path
+    )
 
 
 def test_unwaited_async_failure_is_printed_at_exit(tmp_path: Path) -> None:
@@ -447,7 +453,9 @@ def test_fsync_order_data_then_directories_then_manifest(tmp_path: Path, monkeyp
         full = os.path.join(ckpt, f.path)
         data_sync = events.index(("fsync", full))
         dir_syncs = [i for i, e in enumerate(events) if e == ("fsync", os.path.dirname(full))]
-        assert any(data_sync < i < commit for i in dir_syncs), f"{f.path}'s directory is not fsync'ed between it and the commit"
+        assert any(data_sync < i < commit for i in dir_syncs), (
+            f"{f.path}'s directory is not fsync'ed between it and the commit"
+        )
     assert ("fsync", ckpt) in events[commit + 1 :], "the manifest's directory is not fsync'ed after the commit"
     tmp_syncs = [i for i, (kind, p) in enumerate(events[:commit]) if kind == "fsync" and MANIFEST_NAME + ".tmp-" in p]
     assert tmp_syncs, "the manifest is not fsync'ed before it is published"

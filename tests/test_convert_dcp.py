@@ -36,7 +36,10 @@ class Opaque:
 def test_import_single_process_dcp(tmp_path) -> None:
     state = {
         "model": {n: truth(s, dt) for n, (s, dt) in SHAPES.items()},
-        "optim": {"step": torch.tensor(12.0), "param_groups": [{"lr": 0.1, "betas": (0.9, 0.99), "params": ["model.w"]}]},
+        "optim": {
+            "step": torch.tensor(12.0),
+            "param_groups": [{"lr": 0.1, "betas": (0.9, 0.99), "params": ["model.w"]}],
+        },
         "epoch": 4,
         "cfg": {"name": "run", "sizes": [1, 2]},
     }
@@ -94,7 +97,11 @@ def _dcp_load_dtensors(rank: int, world: int, path: str) -> int:
         placements = [Shard(full.dim() - 1)]  # another layout than the one saved
         zero = torch.zeros_like(full)
         target["model"][n] = DTensor.from_local(
-            torch.chunk(zero, world, dim=placements[0].dim)[rank].clone(), m, placements, shape=full.shape, stride=full.stride()
+            torch.chunk(zero, world, dim=placements[0].dim)[rank].clone(),
+            m,
+            placements,
+            shape=full.shape,
+            stride=full.stride(),
         )
     target["model"]["rep"] = torch.zeros(4)
     dcp.load(target, checkpoint_id=path)
@@ -112,7 +119,10 @@ def test_two_rank_dtensor_dcp_import_then_export_reshards_in_dcp(tmp_path) -> No
     assert main(["convert", src, ck]) == 0  # format detected from .metadata
     m = tessera.read_manifest(ck)
     assert len(m.tensors["model.w"].tiles) == 2  # one tile per saved DCP chunk
-    target = {"model": {n: torch.zeros(s, dtype=dt) for n, (s, dt) in SHAPES.items()} | {"rep": torch.zeros(4)}, "step": 0}
+    target = {
+        "model": {n: torch.zeros(s, dtype=dt) for n, (s, dt) in SHAPES.items()} | {"rep": torch.zeros(4)},
+        "step": 0,
+    }
     tessera.load(ck, target)
     for n, (s, dt) in SHAPES.items():
         assert torch.equal(target["model"][n], truth(s, dt)), n
@@ -135,7 +145,10 @@ def test_export_three_rank_checkpoint_loads_with_dcp(tmp_path) -> None:
     out = str(tmp_path / "dcp")
     r = export_dcp(ck, out)
     assert r.tensors == 3 and r.values == 1
-    target = {"model": {n: torch.zeros(s, dtype=dt) for n, (s, dt) in SHAPES.items()}, "sched": {"last_epoch": 0, "base_lrs": None}}
+    target = {
+        "model": {n: torch.zeros(s, dtype=dt) for n, (s, dt) in SHAPES.items()},
+        "sched": {"last_epoch": 0, "base_lrs": None},
+    }
     dcp.load(target, checkpoint_id=out)
     for n, (s, dt) in SHAPES.items():
         assert torch.equal(target["model"][n], truth(s, dt)), n

@@ -60,7 +60,10 @@ def write_zero_checkpoint(root: str, stage: int, world: int, *, shared: bool = F
         f.write("global_step5")
     param_shapes = [OrderedDict((n, params[n].shape) for n in group) for group in GROUPS]
     shared_params = [["lm_head.weight", "embed.weight"]] if shared else []
-    pgroups = [{"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0, "amsgrad": False, "params": [i]} for i in range(len(GROUPS))]
+    pgroups = [
+        {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0, "amsgrad": False, "params": [i]}
+        for i in range(len(GROUPS))
+    ]
     common = {
         "buffer_names": list(buffers), "param_shapes": param_shapes, "frozen_param_shapes": OrderedDict((n, t.shape) for n, t in frozen.items()),
         "shared_params": shared_params, "lr_scheduler": {"last_epoch": 5, "base_lrs": [1e-3, 1e-3]}, "sparse_tensor_module_names": set(),
@@ -68,12 +71,19 @@ def write_zero_checkpoint(root: str, stage: int, world: int, *, shared: bool = F
         "ds_config": {"zero_optimization": {"stage": stage}, "train_batch_size": 8}, "ds_version": DS_VERSION,
     }  # fmt: skip
     if stage in (1, 2):
-        module = {n: t.to(torch.bfloat16) for n, t in params.items()} | dict(buffers) | {n: t.to(torch.bfloat16) for n, t in frozen.items()}
+        module = (
+            {n: t.to(torch.bfloat16) for n, t in params.items()}
+            | dict(buffers)
+            | {n: t.to(torch.bfloat16) for n, t in frozen.items()}
+        )
         if shared:
             module["lm_head.weight"] = module["embed.weight"]
         # Stage 2 also stores frozen parameters whole (in the model dtype); stage 1 only in the module.
         frags = {n: t.to(torch.bfloat16) for n, t in frozen.items()} if stage == 2 else None
-        torch.save({"module": module, "optimizer": None, "frozen_param_fragments": frags, **common}, os.path.join(d, "mp_rank_00_model_states.pt"))
+        torch.save(
+            {"module": module, "optimizer": None, "frozen_param_fragments": frags, **common},
+            os.path.join(d, "mp_rank_00_model_states.pt"),
+        )
         flats = {}
         for gi, group in enumerate(GROUPS):
             for key, src in (("fp32", None), ("exp_avg", "exp_avg"), ("exp_avg_sq", "exp_avg_sq")):
@@ -92,9 +102,17 @@ def write_zero_checkpoint(root: str, stage: int, world: int, *, shared: bool = F
                 "single_partition_of_fp32_groups": [flats[(gi, "fp32")][r].clone() for gi in range(len(GROUPS))],
                 "zero_stage": stage, "group_paddings": [0, 0], "partition_count": [world] * len(GROUPS), "ds_version": DS_VERSION,
             }  # fmt: skip
-            name = f"bf16_zero_pp_rank_{r}_mp_rank_00_optim_states.pt" if stage == 1 else f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt"
-            torch.save({"optimizer_state_dict": osd, "ds_config": common["ds_config"], "ds_version": DS_VERSION}, os.path.join(d, name))
+            name = (
+                f"bf16_zero_pp_rank_{r}_mp_rank_00_optim_states.pt"
+                if stage == 1
+                else f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt"
+            )
+            torch.save(
+                {"optimizer_state_dict": osd, "ds_config": common["ds_config"], "ds_version": DS_VERSION},
+                os.path.join(d, name),
+            )
         return d
+
     # Stage 3: every parameter partitioned on its own.
     def part(t: torch.Tensor, r: int) -> torch.Tensor:
         n = t.numel()
@@ -173,7 +191,9 @@ def test_zero_checkpoint_resumes_a_plain_torch_run(tmp_path, stage: int) -> None
     model = _TorchModel()
     named = dict(model.named_parameters())
     opt = torch.optim.Adam([{"params": [named[n] for n in g], "lr": 0.5} for g in GROUPS])
-    tessera.load(str(tmp_path / "ck"), {"model": tessera.ModelState(model), "optim": tessera.OptimizerState(model, opt)})
+    tessera.load(
+        str(tmp_path / "ck"), {"model": tessera.ModelState(model), "optim": tessera.OptimizerState(model, opt)}
+    )
     params, buffers, frozen = _model()
     adam = _adam(params)
     for n, t in params.items():
@@ -242,7 +262,9 @@ def test_cli_convert_to_deepspeed_universal(tmp_path) -> None:
     for n, t in params.items():
         assert torch.equal(torch.load(os.path.join(zero, n, "fp32.pt"), weights_only=True)["param"], t), n
         for key in ("exp_avg", "exp_avg_sq"):
-            assert torch.equal(torch.load(os.path.join(zero, n, f"{key}.pt"), weights_only=True)["param"], adam[n][key]), n
+            assert torch.equal(
+                torch.load(os.path.join(zero, n, f"{key}.pt"), weights_only=True)["param"], adam[n][key]
+            ), n
         assert torch.load(os.path.join(zero, n, "step.pt"), weights_only=True).item() == 5.0
     osd = torch.load(os.path.join(zero, "optimizer_state.pt"), weights_only=True)
     assert [g["lr"] for g in osd["param_groups"]] == [1e-3, 1e-3] and osd["param_groups"][0]["params"] == []

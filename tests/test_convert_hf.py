@@ -133,7 +133,7 @@ def test_export_import_bounded_memory(tmp_path) -> None:
         f"""
         import threading, time, torch, tessera
         from tessera.convert import export_hf, import_hf, diff_checkpoints
-        ck, out, back = {ck!r}, {str(tmp_path / 'hf')!r}, {str(tmp_path / 'back')!r}
+        ck, out, back = {ck!r}, {str(tmp_path / "hf")!r}, {str(tmp_path / "back")!r}
         def rss():  # anonymous memory: file pages mapped by safetensors are reclaimable page cache
             with open("/proc/self/status") as f:
                 status = dict(line.split(":", 1) for line in f)

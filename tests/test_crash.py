@@ -170,7 +170,9 @@ def _check_manager_after_kill(root: str, progress: str, pointer_done: int | None
     assert done <= k <= begun, f"resumed from step {k}; {done} was the last committed, {begun} the last begun"
     pointer_done = done if pointer_done is None else pointer_done
     if pointer_done:
-        assert pointer is not None and pointer >= pointer_done, f"latest names {pointer} after step {pointer_done} returned on rank 0"
+        assert pointer is not None and pointer >= pointer_done, (
+            f"latest names {pointer} after step {pointer_done} returned on rank 0"
+        )
     recent = [s for s in steps if s % 5]
     assert len(recent) <= 3, f"retention (keep_last=2, keep_every=5) left {steps}"
     # A fresh manager resumes and its first save clears the dead save's leftovers.
@@ -380,7 +382,9 @@ def test_two_process_groups_one_path(tmp_path) -> None:
         for g in groups:
             out = g.collect(30)
             assert all(o.status == "died" for o in out), [o.value for o in out if o.status == "error"]
-        ranges = [(1000 * (g + 1), max(read_progress(os.path.join(dirs[g], str(r)))[0] for r in range(2))) for g in range(2)]
+        ranges = [
+            (1000 * (g + 1), max(read_progress(os.path.join(dirs[g], str(r)))[0] for r in range(2))) for g in range(2)
+        ]
         if os.path.exists(os.path.join(path, MANIFEST_NAME)):
             assert verify(path).ok, verify(path).summary()
             _check_rank_state(path, ranges)

@@ -24,8 +24,9 @@ SAMPLES = list(range(37))
 
 def _stream(rank: int, world: int, *, pack: bool = True, source=None) -> tessera.ReshardableStream:
     if pack:
-        return tessera.ReshardableStream(DOCS if source is None else source, rank=rank, world_size=world, seed=5,
-                                         prefetch=2, pack_len=6)
+        return tessera.ReshardableStream(
+            DOCS if source is None else source, rank=rank, world_size=world, seed=5, prefetch=2, pack_len=6
+        )
     return tessera.ReshardableStream(SAMPLES, rank=rank, world_size=world, seed=5, prefetch=3, epochs=2)
 
 

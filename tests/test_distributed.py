@@ -105,12 +105,20 @@ def _gap(rank: int, world: int, path: str) -> str:
 
 def _broadcast_load(rank: int, world: int, path: str) -> tuple[int, int]:
     g = torch.Generator().manual_seed(1)
-    state = {"w": torch.randn(1024, 1024, generator=g), "b": torch.randn(7, generator=g), "own": torch.full((4,), float(rank))}
+    state = {
+        "w": torch.randn(1024, 1024, generator=g),
+        "b": torch.randn(7, generator=g),
+        "own": torch.full((4,), float(rank)),
+    }
     state["own"] = tessera.ShardedTensor(state["own"], (4 * world,), (4 * rank,))
     tessera.save(path, state)
     plain = {"w": torch.zeros(1024, 1024), "b": torch.zeros(7)}
     full = tessera.load(path, plain).bytes_read
-    target = {"w": torch.zeros(1024, 1024), "b": torch.zeros(7), "own": tessera.ShardedTensor(torch.zeros(4), (4 * world,), (4 * rank,))}
+    target = {
+        "w": torch.zeros(1024, 1024),
+        "b": torch.zeros(7),
+        "own": tessera.ShardedTensor(torch.zeros(4), (4 * world,), (4 * rank,)),
+    }
     res = tessera.load(path, target, options=tessera.LoadOptions(broadcast_replicated=True))
     assert torch.equal(target["w"], state["w"]) and torch.equal(target["b"], state["b"])
     assert torch.equal(target["own"].local, torch.full((4,), float(rank)))
@@ -149,7 +157,9 @@ def _pipeline_stages(rank: int, world: int, path: str) -> tuple[list[str], list[
     tessera.save(path, full if rank == 0 else {"model": {}})
     mine = {"model": {f"layers.{i}.w": torch.zeros(2) for i in range(4) if i // 2 == rank}}
     res = tessera.load(path, mine)  # strict: nothing is unexpected for the job as a whole
-    assert all(torch.equal(t, torch.full((2,), float(k.split(".")[1]))) for k, t in ((k, v) for k, v in mine["model"].items()))
+    assert all(
+        torch.equal(t, torch.full((2,), float(k.split(".")[1]))) for k, t in ((k, v) for k, v in mine["model"].items())
+    )
     only_first = {"model": {"layers.0.w": torch.zeros(2)}}
     with pytest.raises(tessera.MissingKeysError, match="wanted by no rank.*layers.1.w"):
         tessera.load(path, only_first)

@@ -85,7 +85,9 @@ def extract(text: str, file: str) -> list[Snippet]:
         i += 1  # the closing fence
         if lang != "python":
             if marker is not None:
-                raise SnippetMarkerError(f"{file}:{marker[1]}: a snippet marker before a ```{lang} block (only ```python blocks run)")
+                raise SnippetMarkerError(
+                    f"{file}:{marker[1]}: a snippet marker before a ```{lang} block (only ```python blocks run)"
+                )
             continue
         code = "\n".join(body) + "\n"
         kind = marker[0] if marker else ""
@@ -98,10 +100,14 @@ def extract(text: str, file: str) -> list[Snippet]:
         elif kind.startswith("skip"):
             reason = re.fullmatch(r"skip\s*\((.+)\)", kind)
             if reason is None or not reason.group(1).strip():
-                raise SnippetMarkerError(f"{file}:{marker[1]}: 'snippet: skip' needs a reason: <!-- snippet: skip (why) -->")
+                raise SnippetMarkerError(
+                    f"{file}:{marker[1]}: 'snippet: skip' needs a reason: <!-- snippet: skip (why) -->"
+                )
             out.append(Snippet(file, start, code, skip=reason.group(1).strip(), lines=[start]))
         elif kind:
-            raise SnippetMarkerError(f"{file}:{marker[1]}: unknown snippet marker {kind!r} (use 'skip (reason)' or 'continue')")
+            raise SnippetMarkerError(
+                f"{file}:{marker[1]}: unknown snippet marker {kind!r} (use 'skip (reason)' or 'continue')"
+            )
         else:
             out.append(Snippet(file, start, code, lines=[start]))
         marker = None
@@ -178,7 +184,11 @@ def test_extract_honours_skip_and_continue() -> None:
         "```python", "b = 2", "```",
     ])  # fmt: skip
     got = extract(text, "x.md")
-    assert [(s.line, s.skip, s.lines) for s in got] == [(2, None, [2, 6]), (12, "needs torchrun", [12, 16]), (22, None, [22])]
+    assert [(s.line, s.skip, s.lines) for s in got] == [
+        (2, None, [2, 6]),
+        (12, "needs torchrun", [12, 16]),
+        (22, None, [22]),
+    ]
     assert got[0].code.startswith("a = 1\n") and "assert a == 1" in got[0].code
     assert "boom_again()" in got[1].code
     assert got[2].code == "b = 2\n"

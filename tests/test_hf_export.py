@@ -15,7 +15,6 @@ import torch
 
 import tessera
 from tessera.errors import CoverageError
-
 from tests.dist_utils import run_distributed
 
 transformers = pytest.importorskip("transformers")
@@ -26,8 +25,14 @@ BLOCK = 1024  # bytes: far below every weight matrix, so blocks are assembled fr
 
 def _build(tied: bool = False) -> torch.nn.Module:
     config = transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=32, tie_word_embeddings=tied,
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+        tie_word_embeddings=tied,
     )
     torch.manual_seed(0)
     return transformers.LlamaForCausalLM(config).eval()
@@ -93,8 +98,9 @@ def test_errors(tmp_path):
 
 def test_state_dict_with_prefix(tmp_path):
     model = _build()
-    res = tessera.save_hf(str(tmp_path / "hf"), {"model": tessera.ModelState(model), "step": 3}, prefix="model.",
-                          config=model.config)
+    res = tessera.save_hf(
+        str(tmp_path / "hf"), {"model": tessera.ModelState(model), "step": 3}, prefix="model.", config=model.config
+    )
     assert res.tensors == len(model.state_dict())
     _check_directory(str(tmp_path / "hf"))
 
@@ -175,10 +181,12 @@ def test_ranks_disagreeing_on_a_shape_fail_together(tmp_path):
 
 def _one_rank_cannot_write(rank: int, world: int, out: str, bad: str) -> tuple[str, str]:
     rows = torch.arange(64, dtype=torch.float32).reshape(16, 4)
-    state = {f"w{i}": tessera.ShardedTensor(rows[rank * 8 : rank * 8 + 8] + i, (16, 4), (rank * 8, 0)) for i in range(4)}
+    state = {
+        f"w{i}": tessera.ShardedTensor(rows[rank * 8 : rank * 8 + 8] + i, (16, 4), (rank * 8, 0)) for i in range(4)
+    }
     try:
         tessera.save_hf(out if rank == 0 else bad, state, max_shard_size=300, block_bytes=64)
-    except Exception as e:  # noqa: BLE001 - the test inspects what each rank raised
+    except Exception as e:
         return type(e).__name__, str(e)
     return "no error", ""
 

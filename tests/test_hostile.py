@@ -486,7 +486,8 @@ def _mismatch_target(kind: str) -> dict:
 
 
 @pytest.mark.parametrize(
-    "kind", ["shape", "dtype", "missing", "unexpected", "tensor_vs_value", "value_vs_tensor", "expanded", "shared_storage"]
+    "kind",
+    ["shape", "dtype", "missing", "unexpected", "tensor_vs_value", "value_vs_tensor", "expanded", "shared_storage"],
 )
 def test_a_failed_validation_leaves_every_target_untouched(tmp_path, kind: str) -> None:
     path = str(tmp_path / "ckpt")
@@ -504,7 +505,7 @@ def test_a_failed_validation_leaves_every_target_untouched(tmp_path, kind: str) 
     assert "'m." in str(info.value) or "'k'" in str(info.value)
     assert torch.equal(target["a"], before["a"]) and torch.equal(target["m"]["b"], before["b"])
     assert torch.equal(target["s"].t, torch.zeros(3)) and not target["s"].loaded
-    assert target["k"] == -1 or isinstance(target["k"], torch.Tensor) and torch.equal(target["k"], torch.zeros(1))
+    assert target["k"] == -1 or (isinstance(target["k"], torch.Tensor) and torch.equal(target["k"], torch.zeros(1)))
 
 
 @pytest.mark.parametrize(
@@ -546,9 +547,9 @@ def _split_tiles_with_a_gap(path: str) -> None:
     import xxhash
 
     mpath = os.path.join(path, MANIFEST_NAME)
-    doc = json.loads(open(mpath, "rb").read())
+    doc = json.loads(Path(mpath).read_bytes())
     f, _, _, off, _ = doc["tensors"]["w"]["tiles"][0]
-    data = open(os.path.join(path, doc["files"][f]["path"]), "rb").read()
+    data = Path(path, doc["files"][f]["path"]).read_bytes()
 
     def tile(start: int, n: int) -> list:
         b = off + 4 * start
@@ -625,8 +626,12 @@ def _table_doc(doc: dict, name: str, shape: list[int], count: int, lengths: int,
         "dtype": "uint8",
         "shape": shape,
         "tile_table": {
-            "count": count, "file": _b64z(zeros), "offsets": _b64z(zeros), "lengths": _b64z(np.full(count, lengths, "<i8")),
-            "byte_offset": _b64z(zeros), "chunks": _b64z(np.full(count, chunks, "<i8")),
+            "count": count,
+            "file": _b64z(zeros),
+            "offsets": _b64z(zeros),
+            "lengths": _b64z(np.full(count, lengths, "<i8")),
+            "byte_offset": _b64z(zeros),
+            "chunks": _b64z(np.full(count, chunks, "<i8")),
             "checksums": _b64z(np.zeros(count * chunks, dtype="<u8")),
         },
     }
@@ -651,12 +656,16 @@ def _peak(fn) -> int:
     ],
     ids=["zero-length-16.7M", "tiny-4M", "many-checksums"],
 )
-def test_a_compressed_tile_table_cannot_size_allocations(valid: tuple[str, dict], ckpt: str, shape, count, lengths, chunks, match) -> None:
+def test_a_compressed_tile_table_cannot_size_allocations(
+    valid: tuple[str, dict], ckpt: str, shape, count, lengths, chunks, match
+) -> None:
     data = json.dumps(_table_doc(valid[1], "z", shape, count, lengths, chunks)).encode()
     assert len(data) < 4 << 20
     with _time_limit(30):
         peak = _peak(lambda: _expect_manifest_error(data, match))
-        assert peak < 8 * len(data) + (4 << 20), f"refusing a {len(data)}-byte manifest allocated {peak / 2**20:.1f} MiB"
+        assert peak < 8 * len(data) + (4 << 20), (
+            f"refusing a {len(data)}-byte manifest allocated {peak / 2**20:.1f} MiB"
+        )
         _write_manifest(ckpt, data)
         with pytest.raises(tessera.ManifestError, match=match):
             tessera.load(ckpt, _blank(), options=NO_TIMINGS)
@@ -729,11 +738,16 @@ def test_verify_memory_stays_bounded_with_many_tiles(tmp_path) -> None:
     raw = Path(path, doc["files"][f]["path"]).read_bytes()
     checks = np.array([xxhash.xxh3_64_intdigest(raw[off + 4 * i : off + 4 * i + 4]) for i in range(n)], dtype="<u8")
     doc["tensors"]["w"] = {
-        "dtype": "int32", "shape": [n],
+        "dtype": "int32",
+        "shape": [n],
         "tile_table": {
-            "count": n, "file": _b64z(np.full(n, f, "<i8")), "offsets": _b64z(np.arange(n, dtype="<i8")),
-            "lengths": _b64z(np.ones(n, "<i8")), "byte_offset": _b64z(off + 4 * np.arange(n, dtype="<i8")),
-            "chunks": _b64z(np.ones(n, "<i8")), "checksums": _b64z(checks),
+            "count": n,
+            "file": _b64z(np.full(n, f, "<i8")),
+            "offsets": _b64z(np.arange(n, dtype="<i8")),
+            "lengths": _b64z(np.ones(n, "<i8")),
+            "byte_offset": _b64z(off + 4 * np.arange(n, dtype="<i8")),
+            "chunks": _b64z(np.ones(n, "<i8")),
+            "checksums": _b64z(checks),
         },
     }
     data = json.dumps(doc).encode()

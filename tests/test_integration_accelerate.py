@@ -18,9 +18,9 @@ import torch
 
 pytest.importorskip("accelerate")
 
-import tessera  # noqa: E402
-from tessera.integrations.accelerate import load_state, save_state  # noqa: E402
-from tests.dist_utils import run_distributed  # noqa: E402
+import tessera
+from tessera.integrations.accelerate import load_state, save_state
+from tests.dist_utils import run_distributed
 
 pytestmark = pytest.mark.interop
 
@@ -55,8 +55,9 @@ def _snapshot(accelerator, model, opt, sched) -> dict:
 
 
 def _job(rank: int, world: int, ckpt: str, mode: str, train_steps: int) -> dict:
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT="1")
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT="1"
+    )
     from accelerate import Accelerator
 
     accelerator = Accelerator(cpu=True, gradient_accumulation_steps=1)

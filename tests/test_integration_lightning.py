@@ -51,7 +51,9 @@ class TinyModule(pl.LightningModule):
             from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
             from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
-            self.net = FSDP(self.net, auto_wrap_policy=ModuleWrapPolicy({torch.nn.Linear}), device_id=torch.device("cpu"))
+            self.net = FSDP(
+                self.net, auto_wrap_policy=ModuleWrapPolicy({torch.nn.Linear}), device_id=torch.device("cpu")
+            )
         if self.wrap == "fsdp2":
             from torch.distributed.fsdp import fully_shard
 
@@ -124,18 +126,27 @@ def _fit(rank: int, world: int, kind: str, ckpt_dir: str, resume: str | None, as
     """Train 2 epochs (or resume from ``resume``) under ``kind`` on ``world`` processes."""
     if world > 1:
         os.environ.update(
-            RANK=str(rank), LOCAL_RANK=str(rank), GROUP_RANK="0", WORLD_SIZE=str(world),
-            LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT="1",
+            RANK=str(rank),
+            LOCAL_RANK=str(rank),
+            GROUP_RANK="0",
+            WORLD_SIZE=str(world),
+            LOCAL_WORLD_SIZE=str(world),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT="1",
         )
     pl.seed_everything(0)  # also the seed of Lightning's DistributedSampler shuffling
     torch.manual_seed(1 if resume else 0)  # a resumed job starts from other weights
     record = _Record()
-    ckpt = pl.callbacks.ModelCheckpoint(dirpath=ckpt_dir, filename="{epoch}", save_top_k=-1, save_on_train_epoch_end=True)
+    ckpt = pl.callbacks.ModelCheckpoint(
+        dirpath=ckpt_dir, filename="{epoch}", save_top_k=-1, save_on_train_epoch_end=True
+    )
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=world,
         strategy=_strategy(kind),
-        plugins=[TesseraCheckpointIO(async_save=async_save)] if kind in ("ddp_plugin", "single") or async_save else None,
+        plugins=[TesseraCheckpointIO(async_save=async_save)]
+        if kind in ("ddp_plugin", "single") or async_save
+        else None,
         max_epochs=2,
         logger=False,
         callbacks=[record, ckpt],
@@ -192,10 +203,18 @@ def test_encode_tree_roundtrip_lightning_like_dict(tmp_path):
         "epoch": 3,
         "global_step": 12,
         "state_dict": OrderedDict([("net.0.weight", t), ("net.0.bias", torch.zeros(2))]),
-        "optimizer_states": [{"state": {0: {"step": torch.tensor(4.0), "exp_avg": t + 1}}, "param_groups": [
-            {"lr": 0.1, "betas": (0.9, 0.999), "params": [0, 1], "foreach": None}]}],
-        "callbacks": {"ModelCheckpoint{'monitor': 'val.loss'}": {"best_model_score": torch.tensor(float("inf")),
-                                                                 "best_k_models": {"/a/b.ckpt": torch.tensor(1.5)}}},
+        "optimizer_states": [
+            {
+                "state": {0: {"step": torch.tensor(4.0), "exp_avg": t + 1}},
+                "param_groups": [{"lr": 0.1, "betas": (0.9, 0.999), "params": [0, 1], "foreach": None}],
+            }
+        ],
+        "callbacks": {
+            "ModelCheckpoint{'monitor': 'val.loss'}": {
+                "best_model_score": torch.tensor(float("inf")),
+                "best_k_models": {"/a/b.ckpt": torch.tensor(1.5)},
+            }
+        },
         "hyper_parameters": OrderedDict(hidden=7),
         "loops": {"fit_loop": {"state_dict": {}, "epoch_progress": {"total": {"ready": 3}}}},
         "a.b": 1,
@@ -260,10 +279,16 @@ def test_checkpoints_of_the_two_modes_are_told_apart(tmp_path):
     io = TesseraCheckpointIO()
     io.save_checkpoint({"state_dict": model.state_dict(), "epoch": 0}, tmp_path / "plugin")
     with pytest.raises(tessera.StateMismatchError, match="Lightning's own strategies"):
-        io._load(str(tmp_path / "plugin"), sharded={"state_dict": tessera.ModelState(model)}, strict=True,
-                 process_group=None)
-    io._save({"epoch": 0}, str(tmp_path / "strategy"), None, sharded={"state_dict": tessera.ModelState(model)},
-             process_group=None)
+        io._load(
+            str(tmp_path / "plugin"), sharded={"state_dict": tessera.ModelState(model)}, strict=True, process_group=None
+        )
+    io._save(
+        {"epoch": 0},
+        str(tmp_path / "strategy"),
+        None,
+        sharded={"state_dict": tessera.ModelState(model)},
+        process_group=None,
+    )
     with pytest.raises(tessera.StateMismatchError, match="Tessera\\* strategy"):
         io.load_checkpoint(tmp_path / "strategy")
 

@@ -23,8 +23,8 @@ import torch
 
 pytest.importorskip("torchtitan.components.checkpoint", reason="torchtitan (and triton, which it imports) needed")
 
-import tessera  # noqa: E402
-from tests.dist_utils import run_distributed  # noqa: E402
+import tessera
+from tests.dist_utils import run_distributed
 
 pytestmark = pytest.mark.interop
 
@@ -89,8 +89,14 @@ def _job(rank: int, world: int, base: str, mode: str) -> dict:
     train_state = TrainState()
     config = Checkpoint(enable=True, folder="ckpt", interval=3, async_mode="async" if mode == "save" else "disabled")
     ckpt = TesseraCheckpointManager(
-        dataloader=loader, model_parts=[model], optimizers=optimizers, lr_schedulers=schedulers,
-        states={"train_state": train_state}, checkpoint_config=config, sd_adapter=None, base_folder=base,
+        dataloader=loader,
+        model_parts=[model],
+        optimizers=optimizers,
+        lr_schedulers=schedulers,
+        states={"train_state": train_state},
+        checkpoint_config=config,
+        sd_adapter=None,
+        base_folder=base,
     )
     out: dict = {"losses": []}
     if mode != "save":

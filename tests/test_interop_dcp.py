@@ -11,18 +11,19 @@ training step matches an uninterrupted run.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
+from dist_utils import run_distributed
 
 import tessera
 from tessera.convert import export_dcp, import_dcp
 from tessera.errors import MissingKeysError
 
-from dist_utils import run_distributed
-
-pytestmark = [pytest.mark.interop(), pytest.mark.filterwarnings("ignore::UserWarning"), pytest.mark.filterwarnings("ignore::FutureWarning")]
+pytestmark = [
+    pytest.mark.interop(),
+    pytest.mark.filterwarnings("ignore::UserWarning"),
+    pytest.mark.filterwarnings("ignore::FutureWarning"),
+]
 
 
 class Net(torch.nn.Module):
@@ -38,7 +39,10 @@ class Net(torch.nn.Module):
 
 def _optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
     return torch.optim.AdamW(
-        [{"params": model.fc1.parameters(), "lr": 1e-2}, {"params": model.fc2.parameters(), "lr": 2e-2, "weight_decay": 0.0}],
+        [
+            {"params": model.fc1.parameters(), "lr": 1e-2},
+            {"params": model.fc2.parameters(), "lr": 2e-2, "weight_decay": 0.0},
+        ],
         betas=(0.9, 0.99),
     )
 
@@ -117,7 +121,9 @@ def test_torch_dcp_of_fsdp2_adamw_loads_strictly_and_exports_back(tmp_path) -> N
     model = Net()
     opt = _optimizer(model)
     opt.param_groups[0]["lr"] = opt.param_groups[1]["lr"] = 0.5  # the checkpoint's values must come back
-    result = tessera.load(ts, {"model": tessera.ModelState(model), "optim": tessera.OptimizerState(model, opt)})  # strict
+    result = tessera.load(
+        ts, {"model": tessera.ModelState(model), "optim": tessera.OptimizerState(model, opt)}
+    )  # strict
     assert result.missing_keys == [] and result.unexpected_keys == []
     for k, v in msd.items():
         assert torch.equal(model.state_dict()[k], v), k
@@ -180,7 +186,9 @@ def test_strict_false_without_optimizer_entries_keeps_the_optimizer(tmp_path, ca
     model, opt = _adamw_state()
     before = {id(p): {k: v.clone() for k, v in st.items()} for p, st in opt.state.items()}
     with caplog.at_level("WARNING"):
-        result = tessera.load(path, {"model": tessera.ModelState(model), "optim": tessera.OptimizerState(model, opt)}, strict=False)
+        result = tessera.load(
+            path, {"model": tessera.ModelState(model), "optim": tessera.OptimizerState(model, opt)}, strict=False
+        )
     assert "optim.has_state" in result.missing_keys
     assert "holds no optimizer state" in caplog.text
     assert len(opt.state) == 4

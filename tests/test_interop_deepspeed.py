@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import os
 
+import ds_engine
 import pytest
 import torch
+from dist_utils import run_distributed
 
 import tessera
 from tessera.convert import import_deepspeed
-
-from dist_utils import run_distributed
-import ds_engine
 
 pytestmark = [pytest.mark.interop("deepspeed"), pytest.mark.slow]
 
@@ -148,7 +147,12 @@ def test_export_universal_resumes_real_engine_at_another_dp_size(trained, tmp_pa
         if EXPORT_CASES[case]:
             _ds_own_universal(os.path.join(root, case, ds_engine.TAG), os.path.join(theirs, ds_engine.TAG))
             jobs.append((case, theirs))
-    results = dict(zip(((c, d.rsplit(os.sep, 1)[-1]) for c, d in jobs), run_distributed(ds_engine.resume_cases, 2, jobs, timeout=600)[0]))  # DP 3 -> 2
+    results = dict(
+        zip(
+            ((c, d.rsplit(os.sep, 1)[-1]) for c, d in jobs),
+            run_distributed(ds_engine.resume_cases, 2, jobs, timeout=600)[0],
+        )
+    )  # DP 3 -> 2
     for case, has_reference in EXPORT_CASES.items():
         ours = results[(case, "ours")]
         for name, t in truth[case]["params"].items():
@@ -156,14 +160,18 @@ def test_export_universal_resumes_real_engine_at_another_dp_size(trained, tmp_pa
                 assert torch.equal(ours["loaded"][name][key], t[key]), f"{case}: {key} of {name} after load_universal"
         assert ours["global_steps"] == ds_engine.STEPS + 1
         if case != "z3_fp32":  # ZeRO-3's universal loading gives every group the first group's hyperparameters
-            assert [g["lr"] for g in ours["groups"]] == [1e-2, 2e-2] and [g["weight_decay"] for g in ours["groups"]] == [0.1, 0.0]
+            assert [g["lr"] for g in ours["groups"]] == [1e-2, 2e-2] and [
+                g["weight_decay"] for g in ours["groups"]
+            ] == [0.1, 0.0]
         if not has_reference:
             continue
         theirs = results[(case, "theirs")]
         for name in truth[case]["params"]:
             for key in ("fp32", "exp_avg", "exp_avg_sq"):
                 # One more step: the same as after DeepSpeed's own universal conversion, bit for bit.
-                assert torch.equal(ours["stepped"][name][key], theirs["stepped"][name][key]), f"{case}: {key} of {name} after a step"
+                assert torch.equal(ours["stepped"][name][key], theirs["stepped"][name][key]), (
+                    f"{case}: {key} of {name} after a step"
+                )
         assert ours["groups"] == theirs["groups"] and ours["steps"] == theirs["steps"]
 
 
@@ -195,7 +203,9 @@ def test_import_fp16_shaped_checkpoint_with_dynamic_loss_scaler(trained, tmp_pat
            "optim": {"state": {n: {"exp_avg": torch.zeros_like(t["fp32"])} for n, t in truth["z2_bf16"]["params"].items()}}}  # fmt: skip
     tessera.load(dst, got, strict=False)
     for n, t in truth["z2_bf16"]["params"].items():
-        assert torch.equal(got["model"][n], t["fp32"]) and torch.equal(got["optim"]["state"][n]["exp_avg"], t["exp_avg"])
+        assert torch.equal(got["model"][n], t["fp32"]) and torch.equal(
+            got["optim"]["state"][n]["exp_avg"], t["exp_avg"]
+        )
     frozen = {"model": {"frozen.weight": torch.zeros(6, 7, dtype=torch.float16)}}
     tessera.load(dst, frozen, strict=False)
     assert torch.equal(frozen["model"]["frozen.weight"], truth["z2_bf16"]["module"]["frozen.weight"].half())

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-_TESTS = '''
+_TESTS = """
 import pytest
 
 @pytest.mark.interop("tessera_no_such_framework")
@@ -26,10 +26,10 @@ def test_present():
 
 def test_plain_skip():
     pytest.skip("not an interop test")
-'''
+"""
 
 
-_MODULE = '''
+_MODULE = """
 import pytest
 
 pytest.importorskip("tessera_no_such_framework")
@@ -37,7 +37,7 @@ pytest.importorskip("tessera_no_such_framework")
 
 def test_never_collected():
     pass
-'''
+"""
 
 
 def _run(tmp_path, require: str | None, *, module: bool = True) -> str:
@@ -45,7 +45,9 @@ def _run(tmp_path, require: str | None, *, module: bool = True) -> str:
     (tmp_path / "test_x.py").write_text(_TESTS)
     if module:
         (tmp_path / "test_interop_mod.py").write_text(_MODULE)
-    (tmp_path / "pytest.ini").write_text('[pytest]\nmarkers =\n    interop(*packages): real frameworks\n    cuda: cuda\n')
+    (tmp_path / "pytest.ini").write_text(
+        "[pytest]\nmarkers =\n    interop(*packages): real frameworks\n    cuda: cuda\n"
+    )
     env = {k: v for k, v in os.environ.items() if k != "TESSERA_REQUIRE_INTEROP"}
     if require is not None:
         env["TESSERA_REQUIRE_INTEROP"] = require

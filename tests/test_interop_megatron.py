@@ -22,7 +22,7 @@ import torch
 pytest.importorskip("megatron.core", reason="needs megatron-core (the interop extra)")
 pytest.importorskip("psutil", reason="megatron-core's torch_dist writer needs psutil (the interop extra)")
 
-from tests.dist_utils import run_distributed  # noqa: E402
+from tests.dist_utils import run_distributed
 
 pytestmark = [pytest.mark.interop, pytest.mark.slow]
 
@@ -36,8 +36,9 @@ def _ssd(model: Any, opt: Any, loading: bool, iteration: int = 0) -> dict[str, A
 
 
 def _save(rank: int, world: int, root: str, layout: dict[str, int], experts: int | None) -> dict[str, Any]:
-    import tessera
     from megatron.core import dist_checkpointing
+
+    import tessera
     from tessera.adapters.megatron_core import MegatronCoreState, save_sharded_state_dict
     from tessera.convert.megatron import import_torch_dist
     from tests import mcore_cpu as mc
@@ -83,8 +84,9 @@ def _assert_same(kind: str, ref_model: Any, ref_opt: Any, model: Any, opt: Any) 
 
 
 def _load(rank: int, world: int, root: str, layouts: list[dict[str, int]], experts: int | None) -> list[int]:
-    import tessera
     from megatron.core import dist_checkpointing
+
+    import tessera
     from tessera.adapters.megatron_core import MegatronCoreState, load_sharded_state_dict
     from tests import mcore_cpu as mc
 
@@ -191,8 +193,9 @@ def _moe_spec() -> Any:
 
 
 def _legacy_moe(rank: int, world: int, root: str, targets: list[dict[str, int]]) -> list[int]:
-    import tessera
     from megatron.core import parallel_state as ps
+
+    import tessera
     from tessera.adapters.megatron import global_shapes_from_manifest
     from tessera.adapters.megatron_core import load_sharded_state_dict, save_sharded_state_dict
     from tessera.convert.megatron import import_megatron

@@ -63,7 +63,9 @@ def test_step_directory_names_round_trip_and_sort() -> None:
         assert parse_step_dirname(bad) is None, bad
 
 
-@pytest.mark.parametrize(("bad", "error"), [(-1, ValueError), (1.0, TypeError), ("3", TypeError), (True, TypeError), (None, TypeError)])
+@pytest.mark.parametrize(
+    ("bad", "error"), [(-1, ValueError), (1.0, TypeError), ("3", TypeError), (True, TypeError), (None, TypeError)]
+)
 def test_bad_step_numbers_are_refused(tmp_path, bad, error) -> None:
     mgr = CheckpointManager(str(tmp_path))
     with pytest.raises(error, match="step"):

@@ -20,14 +20,32 @@ import torch
 import torch.nn.functional as F
 
 import tessera
-from tessera.adapters.layout_spec import ExpertStack, Fused, LayerStack, PaddedVocab, PipelineStage, Replicated, Rule, Skip, Split
+from tessera.adapters.layout_spec import (
+    ExpertStack,
+    Fused,
+    LayerStack,
+    PaddedVocab,
+    PipelineStage,
+    Replicated,
+    Rule,
+    Skip,
+    Split,
+)
 from tessera.adapters.megatron import MegatronSpec, global_shapes_from_manifest, gpt_spec
 from tests.dist_utils import run_distributed
 
 L, V, DIV, H, NH, NG, HD, FFN, SEQ = 4, 37, 4, 8, 8, 4, 2, 12, 5
 QG = NH // NG * HD  # query rows per group
-SPEC = gpt_spec(num_layers=L, vocab_size=V, num_attention_heads=NH, num_query_groups=NG, kv_channels=HD,
-                ffn_hidden_size=FFN, swiglu=True, make_vocab_size_divisible_by=DIV)
+SPEC = gpt_spec(
+    num_layers=L,
+    vocab_size=V,
+    num_attention_heads=NH,
+    num_query_groups=NG,
+    kv_channels=HD,
+    ffn_hidden_size=FFN,
+    swiglu=True,
+    make_vocab_size_divisible_by=DIV,
+)
 
 
 # ----------------------------------------------------------------------------------------
@@ -35,19 +53,37 @@ SPEC = gpt_spec(num_layers=L, vocab_size=V, num_attention_heads=NH, num_query_gr
 
 
 def _global_shapes() -> dict[str, tuple[int, ...]]:
-    shapes = {"embedding.word_embeddings.weight": (V, H), "embedding.position_embeddings.weight": (SEQ, H),
-              "decoder.final_layernorm.weight": (H,), "decoder.final_layernorm.bias": (H,), "output_layer.weight": (V, H)}
+    shapes = {
+        "embedding.word_embeddings.weight": (V, H),
+        "embedding.position_embeddings.weight": (SEQ, H),
+        "decoder.final_layernorm.weight": (H,),
+        "decoder.final_layernorm.bias": (H,),
+        "output_layer.weight": (V, H),
+    }
     for i in range(L):
         p = f"decoder.layers.{i}."
-        shapes.update({
-            p + "self_attention.linear_qkv.layer_norm_weight": (H,), p + "self_attention.linear_qkv.layer_norm_bias": (H,),
-            p + "q.weight": (NH * HD, H), p + "k.weight": (NG * HD, H), p + "v.weight": (NG * HD, H),
-            p + "q.bias": (NH * HD,), p + "k.bias": (NG * HD,), p + "v.bias": (NG * HD,),
-            p + "self_attention.linear_proj.weight": (H, NH * HD), p + "self_attention.linear_proj.bias": (H,),
-            p + "mlp.linear_fc1.layer_norm_weight": (H,), p + "mlp.linear_fc1.layer_norm_bias": (H,),
-            p + "gate.weight": (FFN, H), p + "up.weight": (FFN, H), p + "gate.bias": (FFN,), p + "up.bias": (FFN,),
-            p + "mlp.linear_fc2.weight": (H, FFN), p + "mlp.linear_fc2.bias": (H,),
-        })
+        shapes.update(
+            {
+                p + "self_attention.linear_qkv.layer_norm_weight": (H,),
+                p + "self_attention.linear_qkv.layer_norm_bias": (H,),
+                p + "q.weight": (NH * HD, H),
+                p + "k.weight": (NG * HD, H),
+                p + "v.weight": (NG * HD, H),
+                p + "q.bias": (NH * HD,),
+                p + "k.bias": (NG * HD,),
+                p + "v.bias": (NG * HD,),
+                p + "self_attention.linear_proj.weight": (H, NH * HD),
+                p + "self_attention.linear_proj.bias": (H,),
+                p + "mlp.linear_fc1.layer_norm_weight": (H,),
+                p + "mlp.linear_fc1.layer_norm_bias": (H,),
+                p + "gate.weight": (FFN, H),
+                p + "up.weight": (FFN, H),
+                p + "gate.bias": (FFN,),
+                p + "up.bias": (FFN,),
+                p + "mlp.linear_fc2.weight": (H, FFN),
+                p + "mlp.linear_fc2.bias": (H,),
+            }
+        )
     return shapes
 
 
@@ -93,14 +129,25 @@ def megatron_local(g: dict[str, torch.Tensor], tp_rank: int, tp: int, pp_rank: i
         for suffix in ("weight", "bias"):
             q, k, v = (g[gp + f"{n}.{suffix}"] for n in "qkv")
             # TP1 linear_qkv: per query group [q_g; k_g; v_g]; ColumnParallelLinear cuts it in tp row blocks.
-            fused = torch.cat([torch.cat([q[j * QG : (j + 1) * QG], k[j * HD : (j + 1) * HD], v[j * HD : (j + 1) * HD]])
-                               for j in range(NG)])
+            fused = torch.cat(
+                [
+                    torch.cat([q[j * QG : (j + 1) * QG], k[j * HD : (j + 1) * HD], v[j * HD : (j + 1) * HD]])
+                    for j in range(NG)
+                ]
+            )
             out[lp + f"self_attention.linear_qkv.{suffix}"] = chunk(fused, 0)
             # SwiGLU linear_fc1 on rank r: [gate_r; up_r].
-            out[lp + f"mlp.linear_fc1.{suffix}"] = torch.cat([chunk(g[gp + f"gate.{suffix}"], 0), chunk(g[gp + f"up.{suffix}"], 0)])
-        for name in ("self_attention.linear_qkv.layer_norm_weight", "self_attention.linear_qkv.layer_norm_bias",
-                     "mlp.linear_fc1.layer_norm_weight", "mlp.linear_fc1.layer_norm_bias",
-                     "self_attention.linear_proj.bias", "mlp.linear_fc2.bias"):
+            out[lp + f"mlp.linear_fc1.{suffix}"] = torch.cat(
+                [chunk(g[gp + f"gate.{suffix}"], 0), chunk(g[gp + f"up.{suffix}"], 0)]
+            )
+        for name in (
+            "self_attention.linear_qkv.layer_norm_weight",
+            "self_attention.linear_qkv.layer_norm_bias",
+            "mlp.linear_fc1.layer_norm_weight",
+            "mlp.linear_fc1.layer_norm_bias",
+            "self_attention.linear_proj.bias",
+            "mlp.linear_fc2.bias",
+        ):
             out[lp + name] = g[gp + name].clone()
         out[lp + "self_attention.linear_proj.weight"] = chunk(g[gp + "self_attention.linear_proj.weight"], 1)
         out[lp + "mlp.linear_fc2.weight"] = chunk(g[gp + "mlp.linear_fc2.weight"], 1)
@@ -131,7 +178,9 @@ OPT_KEYS = ("exp_avg", "exp_avg_sq")
 
 
 def optimizer_local(tp_rank: int, tp: int, pp_rank: int, pp: int) -> dict[str, dict[str, torch.Tensor]]:
-    moments = {k: megatron_local(truth(10 + i, torch.float32), tp_rank, tp, pp_rank, pp) for i, k in enumerate(OPT_KEYS)}
+    moments = {
+        k: megatron_local(truth(10 + i, torch.float32), tp_rank, tp, pp_rank, pp) for i, k in enumerate(OPT_KEYS)
+    }
     return {n: {**{k: moments[k][n] for k in OPT_KEYS}, "step": torch.tensor(3.0)} for n in moments["exp_avg"]}
 
 
@@ -153,12 +202,19 @@ def reference_forward(g: dict[str, torch.Tensor], tokens: torch.Tensor) -> torch
     x = g["embedding.word_embeddings.weight"][tokens] + g["embedding.position_embeddings.weight"][: len(tokens)]
     for i in range(L):
         p = f"decoder.layers.{i}."
-        h = F.layer_norm(x, (H,), g[p + "self_attention.linear_qkv.layer_norm_weight"], g[p + "self_attention.linear_qkv.layer_norm_bias"])
+        h = F.layer_norm(
+            x,
+            (H,),
+            g[p + "self_attention.linear_qkv.layer_norm_weight"],
+            g[p + "self_attention.linear_qkv.layer_norm_bias"],
+        )
         q, k, v = (F.linear(h, g[p + f"{n}.weight"], g[p + f"{n}.bias"]) for n in "qkv")
         a = _attention(q.view(-1, NH, HD), k.view(-1, NG, HD), v.view(-1, NG, HD))
         x = x + F.linear(a, g[p + "self_attention.linear_proj.weight"], g[p + "self_attention.linear_proj.bias"])
         h = F.layer_norm(x, (H,), g[p + "mlp.linear_fc1.layer_norm_weight"], g[p + "mlp.linear_fc1.layer_norm_bias"])
-        m = F.silu(F.linear(h, g[p + "gate.weight"], g[p + "gate.bias"])) * F.linear(h, g[p + "up.weight"], g[p + "up.bias"])
+        m = F.silu(F.linear(h, g[p + "gate.weight"], g[p + "gate.bias"])) * F.linear(
+            h, g[p + "up.weight"], g[p + "up.bias"]
+        )
         x = x + F.linear(m, g[p + "mlp.linear_fc2.weight"], g[p + "mlp.linear_fc2.bias"])
     x = F.layer_norm(x, (H,), g["decoder.final_layernorm.weight"], g["decoder.final_layernorm.bias"])
     return F.linear(x, g["output_layer.weight"])
@@ -168,7 +224,12 @@ def megatron_tp1_forward(sd: dict[str, torch.Tensor], tokens: torch.Tensor) -> t
     x = sd["embedding.word_embeddings.weight"][tokens] + sd["embedding.position_embeddings.weight"][: len(tokens)]
     for i in range(L):
         p = f"decoder.layers.{i}."
-        h = F.layer_norm(x, (H,), sd[p + "self_attention.linear_qkv.layer_norm_weight"], sd[p + "self_attention.linear_qkv.layer_norm_bias"])
+        h = F.layer_norm(
+            x,
+            (H,),
+            sd[p + "self_attention.linear_qkv.layer_norm_weight"],
+            sd[p + "self_attention.linear_qkv.layer_norm_bias"],
+        )
         mixed = F.linear(h, sd[p + "self_attention.linear_qkv.weight"], sd[p + "self_attention.linear_qkv.bias"])
         mixed = mixed.view(-1, NG, QG + 2 * HD)  # Megatron-core's get_query_key_value_tensors
         q, k, v = mixed.split([QG, HD, HD], dim=-1)
@@ -185,8 +246,12 @@ def test_test_model_is_consistent() -> None:
     """The test's Megatron TP1 model on its own sharding computes the reference output."""
     g = truth(0)
     tokens = torch.tensor([3, 36, 0, 17, 8])
-    torch.testing.assert_close(megatron_tp1_forward(megatron_local(g, 0, 1, 0, 1), tokens), reference_forward(g, tokens),
-                               rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(
+        megatron_tp1_forward(megatron_local(g, 0, 1, 0, 1), tokens),
+        reference_forward(g, tokens),
+        rtol=1e-12,
+        atol=1e-12,
+    )
 
 
 # ----------------------------------------------------------------------------------------
@@ -219,10 +284,15 @@ def _load_rank(path: str, tp_rank: int, tp: int, pp_rank: int, pp: int) -> tuple
     model = SPEC.empty_local(shapes, tp_rank, tp, pp_rank, pp)
     for t in model.values():
         t.fill_(7.0)  # garbage, including the vocabulary padding: the load must zero it
-    optim = {n: {"exp_avg": torch.full(t.shape, 7.0), "exp_avg_sq": torch.full(t.shape, 7.0), "step": torch.tensor(0.0)}
-             for n, t in model.items()}
-    state = {"model": SPEC.global_targets(model, tp_rank, tp, pp_rank, pp),
-             "optim": {"state": SPEC.global_targets(optim, tp_rank, tp, pp_rank, pp)}, "iteration": 0}
+    optim = {
+        n: {"exp_avg": torch.full(t.shape, 7.0), "exp_avg_sq": torch.full(t.shape, 7.0), "step": torch.tensor(0.0)}
+        for n, t in model.items()
+    }
+    state = {
+        "model": SPEC.global_targets(model, tp_rank, tp, pp_rank, pp),
+        "optim": {"state": SPEC.global_targets(optim, tp_rank, tp, pp_rank, pp)},
+        "iteration": 0,
+    }
     result = tessera.load(path, state, strict=pp == 1)
     assert result.missing_keys == [] and state["iteration"] == 3
     return model, optim, result
@@ -246,7 +316,9 @@ def test_tp2pp2_to_tp1pp1_forward_matches_reference(tp2pp2: str) -> None:
     assert model["output_layer.weight"].shape == (_padded(1), H) and not model["output_layer.weight"][V:].any()
     g = truth(0)
     tokens = torch.tensor([1, 36, 5, 0, 22])
-    torch.testing.assert_close(megatron_tp1_forward(model, tokens), reference_forward(g, tokens), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(
+        megatron_tp1_forward(model, tokens), reference_forward(g, tokens), rtol=1e-12, atol=1e-12
+    )
 
 
 def test_tp2pp2_global_tensors_by_fqn(tp2pp2: str) -> None:
@@ -289,28 +361,43 @@ def test_misdeclared_specs_are_errors() -> None:
     with pytest.raises(ValueError, match=r"'x': Split splits dimension 2, but it has 2"):
         MegatronSpec((Rule("x", Split(2)),)).to_global({"x": w}, 0, 2, 0, 1)
     qkv = MegatronSpec((Rule("qkv", Fused(0, (("q", 4), ("k", 2), ("v", 2)), groups=2)),))
-    with pytest.raises(tessera.StateMismatchError, match=r"'qkv' of local shape \[4, 8\]: fused dimension 0 should be 8"):
+    with pytest.raises(
+        tessera.StateMismatchError, match=r"'qkv' of local shape \[4, 8\]: fused dimension 0 should be 8"
+    ):
         qkv.to_global({"qkv": w}, 0, 2, 0, 1)
     with pytest.raises(tessera.StateMismatchError, match=r"'qkv'.*cannot be split across 3 TP ranks"):
         qkv.to_global({"qkv": torch.zeros(6, 8)}, 0, 3, 0, 1)
     vocab = MegatronSpec((Rule("emb", PaddedVocab(37, 4)),))
-    with pytest.raises(tessera.StateMismatchError, match=r"'emb': local vocabulary dimension 0 has 19 entries, so 38 over 2 TP ranks, but vocab_size=37 padded to a multiple of 4\*2 is 40"):
+    with pytest.raises(
+        tessera.StateMismatchError,
+        match=r"'emb': local vocabulary dimension 0 has 19 entries, so 38 over 2 TP ranks, but vocab_size=37 padded to a multiple of 4\*2 is 40",
+    ):
         vocab.to_global({"emb": torch.zeros(19, 8)}, 0, 2, 0, 1)
     with pytest.raises(tessera.StateMismatchError, match=r"'decoder\.layers\.2\.w' on pipeline stage 1: local layer 2"):
         SPEC_SMALL.to_global({"decoder.layers.2.w": w}, 0, 1, 1, 2)
-    with pytest.raises(tessera.StateMismatchError, match=r"'embedding\.word_embeddings\.weight' is on pipeline stage 1"):
+    with pytest.raises(
+        tessera.StateMismatchError, match=r"'embedding\.word_embeddings\.weight' is on pipeline stage 1"
+    ):
         SPEC.to_global({"embedding.word_embeddings.weight": torch.zeros(20, H)}, 0, 2, 1, 2)
     with pytest.raises(tessera.StateMismatchError, match=r"expected a tensor or a dict"):
         SPEC.to_global({"decoder.final_layernorm.weight": 3}, 0, 1, 0, 1)
 
 
-SPEC_SMALL = MegatronSpec((Rule("decoder.layers.*.w", Split(0)), Rule("head", Replicated(), PipelineStage.LAST),
-                           Rule("*._extra_state", Skip())), (LayerStack("decoder.layers.{i}", 4),))
+SPEC_SMALL = MegatronSpec(
+    (
+        Rule("decoder.layers.*.w", Split(0)),
+        Rule("head", Replicated(), PipelineStage.LAST),
+        Rule("*._extra_state", Skip()),
+    ),
+    (LayerStack("decoder.layers.{i}", 4),),
+)
 
 
 def test_empty_local_errors() -> None:
     shapes = {"decoder.layers.0.w": ((6, 2), torch.float32)}
-    with pytest.raises(tessera.StateMismatchError, match=r"'decoder\.layers\.0\.w'.*dimension 0 \(6\) does not split evenly across 4"):
+    with pytest.raises(
+        tessera.StateMismatchError, match=r"'decoder\.layers\.0\.w'.*dimension 0 \(6\) does not split evenly across 4"
+    ):
         SPEC_SMALL.empty_local(shapes, 0, 4, 0, 1)
     with pytest.raises(tessera.StateMismatchError, match=r"'other' matches no rule"):
         SPEC_SMALL.empty_local({"other": ((2,), torch.float32)}, 0, 1, 0, 1)
@@ -318,7 +405,10 @@ def test_empty_local_errors() -> None:
         SPEC_SMALL.empty_local({"decoder.layers.9.w": ((4,), torch.float32)}, 0, 1, 0, 1)
     g = {saved_name(n): (tuple(saved_view(n, t).shape), t.dtype) for n, t in truth(0).items()}
     del g["decoder.layers.1.self_attention.linear_qkv.k.weight"]
-    with pytest.raises(tessera.StateMismatchError, match=r"'decoder\.layers\.1\.self_attention\.linear_qkv\.weight' lacks its part\(s\) \['decoder\.layers\.1\.self_attention\.linear_qkv\.k\.weight'\]"):
+    with pytest.raises(
+        tessera.StateMismatchError,
+        match=r"'decoder\.layers\.1\.self_attention\.linear_qkv\.weight' lacks its part\(s\) \['decoder\.layers\.1\.self_attention\.linear_qkv\.k\.weight'\]",
+    ):
         SPEC.empty_local(g, 0, 1, 0, 1)
     g = {saved_name(n): (tuple(saved_view(n, t).shape), t.dtype) for n, t in truth(0).items()}
     g["decoder.layers.0.self_attention.linear_qkv.weight"] = ((32, H), torch.float64)  # an unsplit fused tensor
@@ -333,8 +423,12 @@ def test_empty_local_errors() -> None:
 def test_uneven_stages_names_and_skip() -> None:
     stack = LayerStack("decoder.layers.{i}", 4, (1, 3))
     spec = dataclasses.replace(SPEC_SMALL, layers=(stack,))
-    local = {"decoder.layers.0.w": torch.arange(4.0), "decoder.layers.2.w": torch.arange(4.0), "head": torch.ones(2),
-             "decoder.layers.1._extra_state": None}
+    local = {
+        "decoder.layers.0.w": torch.arange(4.0),
+        "decoder.layers.2.w": torch.arange(4.0),
+        "head": torch.ones(2),
+        "decoder.layers.1._extra_state": None,
+    }
     out = spec.to_global(local, 1, 2, 1, 2)
     assert sorted(out) == ["decoder.layers.1.w", "decoder.layers.3.w", "head"]
     assert out["decoder.layers.3.w"].global_shape == (8,) and out["decoder.layers.3.w"].global_offset == (4,)
@@ -434,12 +528,16 @@ def test_moe_ep2_saved_loads_at_ep1_expert_tp2_and_ep4(tmp_path) -> None:
         res = tessera.load(path, {"model": MOE_SPEC.global_targets(local, 0, 1, 0, 1, ep_rank=ep_rank, ep_size=4)},
                            strict=False)  # fmt: skip
         assert res.missing_keys == []
-        assert {k: torch.equal(v, local[k]) for k, v in _moe_local(g, ep_rank, 4, 0, 1).items()} == dict.fromkeys(local, True)
+        assert {k: torch.equal(v, local[k]) for k, v in _moe_local(g, ep_rank, 4, 0, 1).items()} == dict.fromkeys(
+            local, True
+        )
 
 
 def test_moe_expert_count_not_divisible_is_an_error() -> None:
     g = _moe_truth()
-    with pytest.raises(tessera.StateMismatchError, match="4 experts .* do not divide evenly over 3 expert-parallel ranks"):
+    with pytest.raises(
+        tessera.StateMismatchError, match="4 experts .* do not divide evenly over 3 expert-parallel ranks"
+    ):
         MOE_SPEC.to_global(_moe_local(g, 0, 2, 0, 1), 0, 1, 0, 1, ep_rank=0, ep_size=3)
     with pytest.raises(tessera.StateMismatchError, match="local expert 2, but each of 2 EP ranks holds 2"):
         MOE_SPEC.to_global(_moe_local(g, 0, 1, 0, 1), 0, 1, 0, 1, ep_rank=0, ep_size=2)  # 4 local experts at EP=2

@@ -14,7 +14,9 @@ import dataclasses
 import pytest
 import torch
 
-mapping = pytest.importorskip("megatron.core.dist_checkpointing.mapping", reason="needs megatron-core (the interop extra)")
+mapping = pytest.importorskip(
+    "megatron.core.dist_checkpointing.mapping", reason="needs megatron-core (the interop extra)"
+)
 
 import tessera  # noqa: E402
 from tessera.adapters.megatron_core import load_sharded_state_dict, save_sharded_state_dict  # noqa: E402
@@ -131,7 +133,9 @@ def test_factory_is_built_on_save_and_merged_on_load(tmp_path) -> None:
     t = torch.randn(4, 3)
     save_sharded_state_dict(str(tmp_path), {"f": mapping.ShardedTensorFactory("fac", t, build, merge)})
     assert set(tessera.read_manifest(str(tmp_path)).tensors) == {"fac.even", "fac.odd"}
-    out = load_sharded_state_dict(str(tmp_path), {"f": mapping.ShardedTensorFactory("fac", torch.zeros(4, 3), build, merge)})
+    out = load_sharded_state_dict(
+        str(tmp_path), {"f": mapping.ShardedTensorFactory("fac", torch.zeros(4, 3), build, merge)}
+    )
     assert torch.equal(out["f"], t)
 
 

@@ -51,7 +51,9 @@ def test_commit_lands_in_memory_then_durable(durable: FileStorage, tmp_path: Pat
 
 @pytest.mark.s3
 def test_durable_manifest_is_written_last(
-    fault_proxy: tuple[FaultProxy, str], s3_bucket: str, tmp_path: Path  # noqa: F811
+    fault_proxy: tuple[FaultProxy, str],
+    s3_bucket: str,
+    tmp_path: Path,
 ) -> None:
     proxy, endpoint = fault_proxy
     durable = FsspecStorage(f"s3://{s3_bucket}/{uuid.uuid4().hex}", s3_options(endpoint), retry=FAST_RETRY)
@@ -75,7 +77,9 @@ def test_durable_manifest_is_written_last(
 
 @pytest.mark.s3
 def test_cleanup_after_commit_does_not_wait_for_the_durable_copy(
-    fault_proxy: tuple[FaultProxy, str], s3_bucket: str, tmp_path: Path  # noqa: F811
+    fault_proxy: tuple[FaultProxy, str],
+    s3_bucket: str,
+    tmp_path: Path,
 ) -> None:
     proxy, endpoint = fault_proxy
     durable = FsspecStorage(f"s3://{s3_bucket}/{uuid.uuid4().hex}", s3_options(endpoint), retry=FAST_RETRY)
@@ -258,7 +262,9 @@ def test_multi_node_selects_per_rank_persistence(
 
 @pytest.mark.s3
 def test_failed_persistence_keeps_the_previous_durable_commit(
-    moto_endpoint: str, s3_bucket: str, tmp_path: Path  # noqa: F811
+    moto_endpoint: str,
+    s3_bucket: str,
+    tmp_path: Path,
 ) -> None:
     good = FsspecStorage(f"s3://{s3_bucket}/{uuid.uuid4().hex}", s3_options(moto_endpoint), retry=FAST_RETRY)
     missing = FsspecStorage(

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -43,12 +44,25 @@ def test_an_empty_container_beside_dotted_keys_round_trips(tmp_path) -> None:
 
 
 COLLISIONS = {
-    "dotted-key-vs-nested": ({"a.b": torch.ones(2), "a": {"b": torch.zeros(2)}}, "a.b", "state['a.b']", "state['a']['b']"),
+    "dotted-key-vs-nested": (
+        {"a.b": torch.ones(2), "a": {"b": torch.zeros(2)}},
+        "a.b",
+        "state['a.b']",
+        "state['a']['b']",
+    ),
     "list-index-vs-dict-key": (
-        {"m": {"x": [torch.ones(2)], "x.0": torch.zeros(2)}}, "m.x.0", "state['m']['x'][0]", "state['m']['x.0']",
+        {"m": {"x": [torch.ones(2)], "x.0": torch.zeros(2)}},
+        "m.x.0",
+        "state['m']['x'][0]",
+        "state['m']['x.0']",
     ),
     "value-vs-tensor": ({"a.b": 1, "a": {"b": torch.zeros(2)}}, "a.b", "state['a.b']", "state['a']['b']"),
-    "dotted-prefix-vs-list": ({"m.x": [torch.ones(2)], "m": {"x.0": torch.zeros(2)}}, "m.x.0", "state['m.x'][0]", "state['m']['x.0']"),
+    "dotted-prefix-vs-list": (
+        {"m.x": [torch.ones(2)], "m": {"x.0": torch.zeros(2)}},
+        "m.x.0",
+        "state['m.x'][0]",
+        "state['m']['x.0']",
+    ),
 }
 
 
@@ -113,7 +127,7 @@ def test_a_stored_value_nested_600_deep_is_a_manifest_error_at_load(tmp_path) ->
     path = str(tmp_path / "c")
     tessera.save(path, {"w": torch.ones(2), "deep": 1})
     mpath = os.path.join(path, "manifest.json")
-    doc = json.loads(open(mpath, "rb").read())
+    doc = json.loads(Path(mpath).read_bytes())
     doc["values"]["deep"] = _nested(600, 1)
     with open(mpath, "w") as f:
         json.dump(doc, f)

@@ -16,12 +16,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from dist_utils import run_distributed
 
 import tessera
 from tessera import saving, stage
 from tessera.trace import blocked_seconds, rank_timings
-
-from dist_utils import run_distributed
 
 DELAY_S = 0.2
 
@@ -30,7 +29,7 @@ def _slow_copies(delay: float = DELAY_S) -> None:
     """Make every staging copy of this process start ``delay`` seconds late (in the copy thread)."""
     real = stage.StagingBuffer.stage
 
-    def slow(self, sources, *, copy, after=None):  # noqa: ANN001, ANN202 - same signature as the real one
+    def slow(self, sources, *, copy, after=None):
         if threading.current_thread() is not threading.main_thread():
             time.sleep(delay)
         return real(self, sources, copy=copy, after=after)
@@ -59,7 +58,9 @@ def _snapshot(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, t
 
 def _net(seed: int = 0) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(seed)
-    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.BatchNorm1d(32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    model = torch.nn.Sequential(
+        torch.nn.Linear(16, 32), torch.nn.BatchNorm1d(32), torch.nn.ReLU(), torch.nn.Linear(32, 4)
+    )
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
 
 
@@ -208,7 +209,7 @@ def test_check_staging_passes_a_gated_loop_and_the_knob_turns_it_on(tmp_path: Pa
 def _slow_writes(monkeypatch, delay: float) -> None:
     real = saving.write_files
 
-    def slow(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+    def slow(*args, **kwargs):
         time.sleep(delay)
         return real(*args, **kwargs)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import random
 import threading
@@ -44,8 +45,13 @@ def make_backend(kind: str, tmp_path: Path, request: pytest.FixtureRequest) -> S
         return FileStorage(str(tmp_path / "ckpt"), durable=False)
     if kind == "fsspec-memory":
         store = FsspecStorage(f"memory://tessera-test-{uuid.uuid4().hex}/ckpt", part_size=SMALL_PART, max_concurrency=2)
-        request.addfinalizer(lambda: store.fs.rm(store.fs._strip_protocol(store.url), recursive=True)
-                             if store.fs.exists(store.fs._strip_protocol(store.url)) else None)
+        request.addfinalizer(
+            lambda: (
+                store.fs.rm(store.fs._strip_protocol(store.url), recursive=True)
+                if store.fs.exists(store.fs._strip_protocol(store.url))
+                else None
+            )
+        )
         return store
     if kind == "fsspec-file":
         return FsspecStorage(f"file://{tmp_path}/ckpt", part_size=SMALL_PART, max_concurrency=2)
@@ -115,7 +121,7 @@ def test_large_file_spanning_several_parts(backend: Storage, kind: str, request:
     view = memoryview(data.numpy())
     # Chunk boundaries that do not line up with the part boundaries.
     cuts = [0, 1, part - 3, part + 5, 2 * part + 11, n]
-    backend.write_file("data/big.bin", [view[a:b] for a, b in zip(cuts, cuts[1:])])
+    backend.write_file("data/big.bin", [view[a:b] for a, b in itertools.pairwise(cuts)])
     assert backend.size("data/big.bin") == n
     out = torch.empty(n, dtype=torch.uint8)
     backend.read_into("data/big.bin", 0, memoryview(out.numpy()))
@@ -130,7 +136,7 @@ def test_large_file_spanning_several_parts(backend: Storage, kind: str, request:
 
 
 @pytest.mark.s3
-def test_s3_upload_memory_is_bounded_by_parts(s3_bucket: str, moto_endpoint: str) -> None:  # noqa: F811
+def test_s3_upload_memory_is_bounded_by_parts(s3_bucket: str, moto_endpoint: str) -> None:
     store = FsspecStorage(
         f"s3://{s3_bucket}/{uuid.uuid4().hex}", s3_options(moto_endpoint), part_size=S3_PART, max_concurrency=2
     )
@@ -351,7 +357,7 @@ def test_storage_for_picks_the_backend(tmp_path: Path) -> None:
 
 
 @pytest.mark.s3
-def test_storage_for_s3_uses_storage_options(s3_bucket: str, moto_endpoint: str) -> None:  # noqa: F811
+def test_storage_for_s3_uses_storage_options(s3_bucket: str, moto_endpoint: str) -> None:
     store = storage_for(f"s3://{s3_bucket}/{uuid.uuid4().hex}", storage_options=s3_options(moto_endpoint))
     assert isinstance(store, FsspecStorage)
     store.write_atomic("manifest.json", b"{}")

@@ -87,7 +87,11 @@ def _truth(name: str, shape: tuple[int, ...], dtype: torch.dtype, seed: int = 0)
 
 
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+    return (
+        a.shape == b.shape
+        and a.dtype == b.dtype
+        and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+    )
 
 
 def _chunk(full: torch.Tensor, dim: int, rank: int, world: int) -> torch.Tensor:
@@ -164,7 +168,7 @@ def _load_s3_and_tier(rank: int, world: int, endpoint: str, s3_url: str, tier_ur
 
 
 @pytest.fixture(scope="module")
-def roundtrip(moto_endpoint: str, s3_bucket: str) -> Iterator[dict]:  # noqa: F811
+def roundtrip(moto_endpoint: str, s3_bucket: str) -> Iterator[dict]:
     """Save both checkpoints on 2 ranks; check them in this process; reload them on 3 fresh ranks."""
     run = uuid.uuid4().hex[:12]
     s3_url, durable_url = f"s3://{s3_bucket}/{run}/direct", f"s3://{s3_bucket}/{run}/tiered"
@@ -184,8 +188,13 @@ def roundtrip(moto_endpoint: str, s3_bucket: str) -> Iterator[dict]:  # noqa: F8
         with pytest.raises(tessera.CorruptCheckpointError) as gone:
             _load_whole(durable_url, moto_endpoint)
         yield {
-            "s3_url": s3_url, "tier_url": tier_url, "durable_url": durable_url, "whole": whole,
-            "resharded": resharded, "corrupted": data, "durable_load_error": str(gone.value),
+            "s3_url": s3_url,
+            "tier_url": tier_url,
+            "durable_url": durable_url,
+            "whole": whole,
+            "resharded": resharded,
+            "corrupted": data,
+            "durable_load_error": str(gone.value),
         }
     finally:
         shutil.rmtree(default_memory_root(f"s3://{s3_bucket}/{run}"), ignore_errors=True)  # the memory copies
@@ -264,7 +273,10 @@ def _save_into_vanishing_bucket(rank: int, world: int, endpoint: str, url: str, 
     state = {  # 6 MiB of float32, 2 MiB per rank: two data files per rank with these options
         f"layer{i}": DTensor.from_local(
             _chunk(torch.arange(768 * 512, dtype=torch.float32).reshape(768, 512) + i, 0, rank, world),
-            device_mesh, [Shard(0)], shape=(768, 512), stride=(512, 1),
+            device_mesh,
+            [Shard(0)],
+            shape=(768, 512),
+            stride=(512, 1),
         )
         for i in range(4)
     }
@@ -278,14 +290,17 @@ def _save_into_vanishing_bucket(rank: int, world: int, endpoint: str, url: str, 
 
 
 def test_bucket_deleted_mid_save_fails_every_rank_and_commits_nothing(
-    moto_endpoint: str, tmp_path: Path  # noqa: F811
+    moto_endpoint: str,
+    tmp_path: Path,
 ) -> None:
     world = 3
     bucket = make_bucket(moto_endpoint)
     url = f"s3://{bucket}/run/step-10"
     client = s3_client(moto_endpoint)
     with ThreadPoolExecutor(1) as pool:
-        ranks = pool.submit(run_distributed, _save_into_vanishing_bucket, world, moto_endpoint, url, str(tmp_path), timeout=120)
+        ranks = pool.submit(
+            run_distributed, _save_into_vanishing_bucket, world, moto_endpoint, url, str(tmp_path), timeout=120
+        )
 
         def wait(name: str) -> None:
             try:
@@ -393,7 +408,7 @@ def _two_nodes(rank: int, world: int, endpoint: str, url: str, shm: str) -> dict
     return out
 
 
-def test_memory_tier_across_nodes_persists_per_rank(moto_endpoint: str, s3_bucket: str, tmp_path: Path) -> None:  # noqa: F811
+def test_memory_tier_across_nodes_persists_per_rank(moto_endpoint: str, s3_bucket: str, tmp_path: Path) -> None:
     url = f"s3://{s3_bucket}/{uuid.uuid4().hex[:12]}/nodes"
     results = run_distributed(_two_nodes, 2, moto_endpoint, url, str(tmp_path))
     for rank, out in enumerate(results):

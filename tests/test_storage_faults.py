@@ -38,7 +38,7 @@ def _data(n: int) -> bytes:
     return bytes(range(251)) * (n // 251) + bytes(n % 251)
 
 
-def test_throttled_uploads_are_retried(fault_proxy: tuple[FaultProxy, str], s3_bucket: str) -> None:  # noqa: F811
+def test_throttled_uploads_are_retried(fault_proxy: tuple[FaultProxy, str], s3_bucket: str) -> None:
     proxy, endpoint = fault_proxy
     store = _store(s3_bucket, endpoint)
     slow_parts = proxy.inject("upload_part", "slowdown", 3)
@@ -51,7 +51,8 @@ def test_throttled_uploads_are_retried(fault_proxy: tuple[FaultProxy, str], s3_b
 
 
 def test_lost_answer_to_complete_is_recognised_as_success(
-    fault_proxy: tuple[FaultProxy, str], s3_bucket: str  # noqa: F811
+    fault_proxy: tuple[FaultProxy, str],
+    s3_bucket: str,
 ) -> None:
     proxy, endpoint = fault_proxy
     store = _store(s3_bucket, endpoint)
@@ -65,7 +66,7 @@ def test_lost_answer_to_complete_is_recognised_as_success(
     assert store.read_file("data/0-0.safetensors") == data
 
 
-def test_throttled_commit_is_retried(fault_proxy: tuple[FaultProxy, str], s3_bucket: str) -> None:  # noqa: F811
+def test_throttled_commit_is_retried(fault_proxy: tuple[FaultProxy, str], s3_bucket: str) -> None:
     proxy, endpoint = fault_proxy
     store = _store(s3_bucket, endpoint)
     fault = proxy.inject("put_object", "slowdown", 2)
@@ -75,7 +76,8 @@ def test_throttled_commit_is_retried(fault_proxy: tuple[FaultProxy, str], s3_buc
 
 
 def test_connection_resets_on_reads_are_retried(
-    fault_proxy: tuple[FaultProxy, str], s3_bucket: str  # noqa: F811
+    fault_proxy: tuple[FaultProxy, str],
+    s3_bucket: str,
 ) -> None:
     proxy, endpoint = fault_proxy
     store = _store(s3_bucket, endpoint)
@@ -92,7 +94,7 @@ def test_connection_resets_on_reads_are_retried(
     assert (resets.hits, head_reset.hits, get_reset.hits) == (2, 1, 1)
 
 
-def test_listing_and_deleting_are_retried(fault_proxy: tuple[FaultProxy, str], s3_bucket: str) -> None:  # noqa: F811
+def test_listing_and_deleting_are_retried(fault_proxy: tuple[FaultProxy, str], s3_bucket: str) -> None:
     proxy, endpoint = fault_proxy
     store = _store(s3_bucket, endpoint)
     for i in range(3):
@@ -106,7 +108,8 @@ def test_listing_and_deleting_are_retried(fault_proxy: tuple[FaultProxy, str], s
 
 
 def test_persistent_throttling_gives_up_after_max_attempts(
-    fault_proxy: tuple[FaultProxy, str], s3_bucket: str  # noqa: F811
+    fault_proxy: tuple[FaultProxy, str],
+    s3_bucket: str,
 ) -> None:
     proxy, endpoint = fault_proxy
     retry = RetryOptions(max_attempts=4, initial_backoff_s=0.01, max_backoff_s=0.02)
@@ -122,7 +125,9 @@ def test_persistent_throttling_gives_up_after_max_attempts(
 
 
 def test_failed_upload_is_aborted_not_completed(
-    fault_proxy: tuple[FaultProxy, str], s3_bucket: str, moto_endpoint: str  # noqa: F811
+    fault_proxy: tuple[FaultProxy, str],
+    s3_bucket: str,
+    moto_endpoint: str,
 ) -> None:
     proxy, endpoint = fault_proxy
     retry = RetryOptions(max_attempts=2, initial_backoff_s=0.01, max_backoff_s=0.02)
@@ -136,7 +141,7 @@ def test_failed_upload_is_aborted_not_completed(
     assert uploads.get("Uploads", []) == []
 
 
-def test_error_in_the_chunk_iterator_aborts_the_upload(s3_bucket: str, moto_endpoint: str) -> None:  # noqa: F811
+def test_error_in_the_chunk_iterator_aborts_the_upload(s3_bucket: str, moto_endpoint: str) -> None:
     store = _store(s3_bucket, moto_endpoint)
 
     def chunks() -> Iterator[bytes]:
@@ -150,7 +155,7 @@ def test_error_in_the_chunk_iterator_aborts_the_upload(s3_bucket: str, moto_endp
     assert s3_client(moto_endpoint).list_multipart_uploads(Bucket=s3_bucket, Prefix=prefix).get("Uploads", []) == []
 
 
-def test_bucket_deleted_mid_write(moto_endpoint: str) -> None:  # noqa: F811
+def test_bucket_deleted_mid_write(moto_endpoint: str) -> None:
     bucket = make_bucket(moto_endpoint)
     store = _store(bucket, moto_endpoint)
     store.write_file("data/old.bin", [b"old"])
@@ -158,7 +163,7 @@ def test_bucket_deleted_mid_write(moto_endpoint: str) -> None:  # noqa: F811
     def chunks() -> Iterator[bytes]:
         yield _data(PART)  # the first part is on its way
         client = s3_client(moto_endpoint)
-        client.delete_object(Bucket=bucket, Key=f"{store.url[len(f's3://{bucket}/'):]}/data/old.bin")
+        client.delete_object(Bucket=bucket, Key=f"{store.url[len(f's3://{bucket}/') :]}/data/old.bin")
         client.delete_bucket(Bucket=bucket)
         yield _data(PART)
         yield b"tail"
@@ -175,7 +180,7 @@ def test_bucket_deleted_mid_write(moto_endpoint: str) -> None:  # noqa: F811
         store.write_atomic("manifest.json", b"{}")
 
 
-def test_unreachable_endpoint_names_it(s3_bucket: str) -> None:  # noqa: F811
+def test_unreachable_endpoint_names_it(s3_bucket: str) -> None:
     with socket.socket() as s:  # a port on 127.0.0.1 that nothing listens on
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

@@ -135,7 +135,9 @@ def test_collective_error_picks_the_common_tessera_type() -> None:
 
     same = collective_error("x", {0: rec(0, tessera.ManifestError("a")), 1: rec(1, tessera.ManifestError("b"))})
     assert type(same) is tessera.ManifestError and same.failures == {0: "ManifestError: a", 1: "ManifestError: b"}
-    related = collective_error("x", {0: rec(0, tessera.MissingKeysError("a")), 1: rec(1, tessera.StateMismatchError("b"))})
+    related = collective_error(
+        "x", {0: rec(0, tessera.MissingKeysError("a")), 1: rec(1, tessera.StateMismatchError("b"))}
+    )
     assert type(related) is tessera.StateMismatchError
     mixed = collective_error("x", {0: rec(0, tessera.ManifestError("a")), 1: rec(1, tessera.StorageError("b"))})
     assert type(mixed) is tessera.DistributedError and "rank 1: StorageError: b" in str(mixed)

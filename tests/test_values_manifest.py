@@ -16,8 +16,21 @@ from tessera.values import decode_value, encode_value
 @pytest.mark.parametrize(
     "value",
     [
-        None, True, 3, -2**70, 1.5, "s", [1, "a", None], (1, (2, 3)), {"a": (1, 2)}, {1: "int key", (1, 2): "tuple"},
-        b"\x00bytes", {"__tuple__": "a key that looks like a tag"}, torch.bfloat16, torch.Size([2, 3]), [],
+        None,
+        True,
+        3,
+        -(2**70),
+        1.5,
+        "s",
+        [1, "a", None],
+        (1, (2, 3)),
+        {"a": (1, 2)},
+        {1: "int key", (1, 2): "tuple"},
+        b"\x00bytes",
+        {"__tuple__": "a key that looks like a tag"},
+        torch.bfloat16,
+        torch.Size([2, 3]),
+        [],
     ],
 )
 def test_plain_values_round_trip(value: object) -> None:
@@ -108,10 +121,11 @@ def test_manifest_decoder_rejects_truncation() -> None:
 
 def _many_tiles(n: int = 40) -> Manifest:
     """A tensor of ``n`` row tiles spread over two files: stored as a columnar tile table."""
-    files = (FileEntry("data/x/0-0.safetensors", 0, 64 + 20 * 8 * n), FileEntry("data/x/1-0.safetensors", 1, 64 + 20 * 8 * n))
-    tiles = tuple(
-        Tile(files[i % 2].path, (i, 0), (1, 20), 64 + 80 * i, 80, (i * 7919 + 1,)) for i in range(n)
+    files = (
+        FileEntry("data/x/0-0.safetensors", 0, 64 + 20 * 8 * n),
+        FileEntry("data/x/1-0.safetensors", 1, 64 + 20 * 8 * n),
     )
+    tiles = tuple(Tile(files[i % 2].path, (i, 0), (1, 20), 64 + 80 * i, 80, (i * 7919 + 1,)) for i in range(n))
     return Manifest("x", 2, 4096, {"big": TensorEntry("float32", (n, 20), tiles)}, files=files)
 
 

@@ -24,7 +24,13 @@ import tessera
 from tessera.adapters.zero import FlatEntry, FlatLayout, FlatPartition, zero_partition_state
 from tests.dist_utils import run_distributed
 
-PARAMS = [("embed.weight", (5, 3)), ("blocks.0.w", (3, 4)), ("blocks.0.b", (4,)), ("blocks.1.w", (4, 3)), ("head.w", (3, 2))]
+PARAMS = [
+    ("embed.weight", (5, 3)),
+    ("blocks.0.w", (3, 4)),
+    ("blocks.0.b", (4,)),
+    ("blocks.1.w", (4, 3)),
+    ("head.w", (3, 2)),
+]
 LR = 1e-2
 
 
@@ -125,7 +131,10 @@ def test_pack_alignment_and_explicit_layouts() -> None:
     assert [(e.fqn, e.offset) for e in layout.entries] == [("w", 0), ("b", 12), ("c", 16)]
     assert layout.numel == 24
     part = layout.slice(10, 17)  # padding 10..12, b whole, c's first element
-    assert [(p.entry.fqn, p.param_start, p.param_stop, p.local_start) for p in part.pieces()] == [("b", 0, 3, 2), ("c", 0, 1, 6)]
+    assert [(p.entry.fqn, p.param_start, p.param_stop, p.local_start) for p in part.pieces()] == [
+        ("b", 0, 3, 2),
+        ("c", 0, 1, 6),
+    ]
     assert part.padding == 3
     local = torch.arange(7.0)
     shards = part.shards(local, declare_all=False)
@@ -287,9 +296,13 @@ def test_zero2_to_zero3_and_to_plain_process(zero_runs, param_alignment: int) ->
     saved = [r[param_alignment] for r in saved]
     resumed = [r[param_alignment] for r in resumed]
     src_layout = FlatLayout.pack(PARAMS, param_alignment=param_alignment, total_alignment=4)
-    truth = {key: _params_of(src_layout, _global_flat(saved, "saved", key)) for key in ("master", "exp_avg", "exp_avg_sq")}
+    truth = {
+        key: _params_of(src_layout, _global_flat(saved, "saved", key)) for key in ("master", "exp_avg", "exp_avg_sq")
+    }
     truth["model"] = _params_of(src_layout, saved[0]["saved"]["flat"])
-    final = {key: _params_of(src_layout, _global_flat(saved, "after", key)) for key in ("master", "exp_avg", "exp_avg_sq")}
+    final = {
+        key: _params_of(src_layout, _global_flat(saved, "after", key)) for key in ("master", "exp_avg", "exp_avg_sq")
+    }
     final["model"] = _params_of(src_layout, saved[0]["after"]["flat"])
     assert all(torch.equal(r["saved"]["step"], torch.tensor(2.0)) for r in saved)
 
@@ -316,7 +329,10 @@ def test_zero2_to_zero3_and_to_plain_process(zero_runs, param_alignment: int) ->
         "model": {n: torch.zeros(s, dtype=torch.bfloat16) for n, s in PARAMS},
         "optim": {
             "master": {n: p.detach() for n, p in masters.items()},
-            "state": {n: {"exp_avg": torch.zeros(s), "exp_avg_sq": torch.zeros(s), "step": torch.tensor(0.0)} for n, s in PARAMS},
+            "state": {
+                n: {"exp_avg": torch.zeros(s), "exp_avg_sq": torch.zeros(s), "step": torch.tensor(0.0)}
+                for n, s in PARAMS
+            },
             "param_groups": [],
         },
     }
@@ -330,8 +346,12 @@ def test_zero2_to_zero3_and_to_plain_process(zero_runs, param_alignment: int) ->
             assert torch.equal(plain["optim"]["state"][n][key], truth[key][n])
         assert torch.equal(plain["optim"]["state"][n]["step"], torch.tensor(2.0))
     adam = torch.optim.Adam(list(masters.values()), lr=LR)
-    adam.load_state_dict({"state": {i: plain["optim"]["state"][n] for i, n in enumerate(masters)},
-                          "param_groups": [{**adam.param_groups[0], "params": list(range(len(masters)))}]})
+    adam.load_state_dict(
+        {
+            "state": {i: plain["optim"]["state"][n] for i, n in enumerate(masters)},
+            "param_groups": [{**adam.param_groups[0], "params": list(range(len(masters)))}],
+        }
+    )
     for n, s in PARAMS:
         masters[n].grad = grad_for(n, s, 3)
     adam.step()
@@ -353,14 +373,18 @@ def _ds_engine(seed: int, rank: int):
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     deepspeed.init_distributed(dist_backend="gloo")
     torch.manual_seed(seed)
-    model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.ReLU(), torch.nn.Linear(7, 3), torch.nn.Linear(3, 3, bias=False))
+    model = torch.nn.Sequential(
+        torch.nn.Linear(5, 7), torch.nn.ReLU(), torch.nn.Linear(7, 3), torch.nn.Linear(3, 3, bias=False)
+    )
     cfg = {
         "train_micro_batch_size_per_gpu": 2,
         "zero_optimization": {"stage": 2},
         "bf16": {"enabled": True},
         "zero_allow_untested_optimizer": True,
     }
-    engine, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=torch.optim.Adam(model.parameters(), lr=LR), config=cfg)
+    engine, optimizer, _, _ = deepspeed.initialize(
+        model=model, optimizer=torch.optim.Adam(model.parameters(), lr=LR), config=cfg
+    )
     return engine, optimizer
 
 
@@ -381,7 +405,9 @@ def _ds_state(engine, optimizer, dp: int, rank: int) -> tuple[dict, FlatLayout]:
         "model": layout.views(flat),
         "optim": {
             "master": part.shards(master.detach()),
-            "state": part.optimizer_state({"exp_avg": st["exp_avg"], "exp_avg_sq": st["exp_avg_sq"]}, {"step": st["step"]}),
+            "state": part.optimizer_state(
+                {"exp_avg": st["exp_avg"], "exp_avg_sq": st["exp_avg_sq"]}, {"step": st["step"]}
+            ),
         },
     }
     return state, layout
@@ -443,8 +469,14 @@ def test_real_deepspeed_zero2_two_to_three_ranks_and_plain(tmp_path) -> None:
         "model": {n: torch.zeros_like(k["model"]) for n, k in saved.items()},
         "optim": {
             "master": {n: torch.zeros_like(k["master"]) for n, k in saved.items()},
-            "state": {n: {"exp_avg": torch.zeros_like(k["exp_avg"]), "exp_avg_sq": torch.zeros_like(k["exp_avg_sq"]),
-                          "step": torch.tensor(0.0)} for n, k in saved.items()},
+            "state": {
+                n: {
+                    "exp_avg": torch.zeros_like(k["exp_avg"]),
+                    "exp_avg_sq": torch.zeros_like(k["exp_avg_sq"]),
+                    "step": torch.tensor(0.0),
+                }
+                for n, k in saved.items()
+            },
         },
     }
     tessera.load(path, plain)

@@ -96,7 +96,7 @@ def strided_local_box(dt: DTensor, name: str) -> Box:
     for mesh_dim, p in enumerate(dt.placements):
         if isinstance(p, Partial):
             # ValueError like tessera._torch_private: the value, not its type, is unsupported
-            raise ValueError(f"tensor '{name}' has a Partial placement ({dt.placements}); reduce it before saving")  # noqa: TRY004
+            raise ValueError(f"tensor '{name}' has a Partial placement ({dt.placements}); reduce it before saving")
         if isinstance(p, Replicate):
             continue
         d = p.dim if p.dim >= 0 else p.dim + len(shape)

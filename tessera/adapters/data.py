@@ -93,7 +93,9 @@ class ReshardableStream(IterableDataset):
         if rank is None or world_size is None:
             initialized = torch.distributed.is_available() and torch.distributed.is_initialized()
             rank = (torch.distributed.get_rank() if initialized else 0) if rank is None else rank
-            world_size = (torch.distributed.get_world_size() if initialized else 1) if world_size is None else world_size
+            world_size = (
+                (torch.distributed.get_world_size() if initialized else 1) if world_size is None else world_size
+            )
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} must be in [0, {world_size})")
         if prefetch < 0 or (pack_len is not None and pack_len < 1) or (epochs is not None and epochs < 0):
@@ -226,8 +228,12 @@ class ReshardableStream(IterableDataset):
             if state_dict[k] != mine[k]:
                 raise StateMismatchError(
                     f"data stream of rank {self.rank}/{self.world_size}: saved {k}={state_dict[k]!r}, this stream has "
-                    f"{mine[k]!r}" + ("; a state of another DP size must be resharded (tessera.LoaderState does it)"
-                                      if k in ("world_size", "rank") else "")
+                    f"{mine[k]!r}"
+                    + (
+                        "; a state of another DP size must be resharded (tessera.LoaderState does it)"
+                        if k in ("world_size", "rank")
+                        else ""
+                    )
                 )
         self._frontier = int(state_dict["frontier"])
         self._skip = sorted(int(s) for s in state_dict["skip"])
@@ -248,8 +254,14 @@ def _unread(frontier: int, skip: list[int], j: int) -> int:
 
 def _check(state: Any, i: int) -> None:
     if not isinstance(state, dict) or state.get("format") != FORMAT:
-        raise StateMismatchError(f"data stream state {i} is not a ReshardableStream state (format {FORMAT}): {state!r:.200}")
-    missing = [k for k in (*_CONFIG, "world_size", "rank", "frontier", "skip", "cursor", "prefetched", "packed") if k not in state]
+        raise StateMismatchError(
+            f"data stream state {i} is not a ReshardableStream state (format {FORMAT}): {state!r:.200}"
+        )
+    missing = [
+        k
+        for k in (*_CONFIG, "world_size", "rank", "frontier", "skip", "cursor", "prefetched", "packed")
+        if k not in state
+    ]
     if missing:
         raise StateMismatchError(f"data stream state {i} lacks {missing}")
 
@@ -292,7 +304,9 @@ def reshard_stream_states(states: Sequence[dict[str, Any]], world_size: int) -> 
     for s in states:
         for k in (*_CONFIG, "world_size", "frontier", "skip"):
             if s[k] != first[k]:
-                raise StateMismatchError(f"data stream states of ranks 0 and {s['rank']} differ in {k}: {first[k]!r} vs {s[k]!r}")
+                raise StateMismatchError(
+                    f"data stream states of ranks 0 and {s['rank']} differ in {k}: {first[k]!r} vs {s[k]!r}"
+                )
     frontier = int(first["frontier"])
     skip = sorted(int(x) for x in first["skip"])
     cursors = [int(by_rank[r]["cursor"]) for r in range(old_world)]
@@ -307,19 +321,26 @@ def reshard_stream_states(states: Sequence[dict[str, Any]], world_size: int) -> 
     packed = sorted(([int(p), [int(t) for t in toks]] for s in states for p, toks in s["packed"]), key=lambda e: e[0])
     out = []
     for r in range(world_size):
-        out.append({
-            **{k: first[k] for k in _CONFIG},
-            "format": FORMAT,
-            "world_size": world_size,
-            "rank": r,
-            "frontier": new_frontier,
-            "skip": sorted(ahead),
-            "cursor": 0,
-            "prefetched": prefetched[r::world_size],
-            "packed": packed[r::world_size],
-        })
-    logger.debug("resharded a data stream from %d to %d ranks at frontier %d (%d read ahead)",
-                 old_world, world_size, new_frontier, len(ahead))
+        out.append(
+            {
+                **{k: first[k] for k in _CONFIG},
+                "format": FORMAT,
+                "world_size": world_size,
+                "rank": r,
+                "frontier": new_frontier,
+                "skip": sorted(ahead),
+                "cursor": 0,
+                "prefetched": prefetched[r::world_size],
+                "packed": packed[r::world_size],
+            }
+        )
+    logger.debug(
+        "resharded a data stream from %d to %d ranks at frontier %d (%d read ahead)",
+        old_world,
+        world_size,
+        new_frontier,
+        len(ahead),
+    )
     return out
 
 
@@ -388,8 +409,12 @@ class LoaderState:
             return
         states = [by_rank[r][1] for r in ranks]
         self._pending = ("resharded", reshard_stream_states(states, self.stream.world_size)[self.stream.rank])
-        logger.info("data stream saved by %d DP ranks resharded for DP rank %d of %d",
-                    saved_world, self.stream.rank, self.stream.world_size)
+        logger.info(
+            "data stream saved by %d DP ranks resharded for DP rank %d of %d",
+            saved_world,
+            self.stream.rank,
+            self.stream.world_size,
+        )
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Take the loaded state (this rank's own, or its share of the resharded states).

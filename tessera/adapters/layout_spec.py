@@ -32,8 +32,17 @@ from ..errors import StateMismatchError
 logger = logging.getLogger(__name__)
 
 __all__ = [
-    "ExpertStack", "Fused", "LayerStack", "ParamLayout", "PaddedVocab", "PipelineStage", "Replicated", "Rule", "Skip",
-    "Split", "TilePiece",
+    "ExpertStack",
+    "Fused",
+    "LayerStack",
+    "PaddedVocab",
+    "ParamLayout",
+    "PipelineStage",
+    "Replicated",
+    "Rule",
+    "Skip",
+    "Split",
+    "TilePiece",
 ]
 
 Shape = tuple[int, ...]
@@ -361,7 +370,9 @@ class LayerStack:
         if self.stage_layers is not None:
             counts = tuple(int(c) for c in self.stage_layers)
             if any(c < 0 for c in counts) or sum(counts) != self.num_layers:
-                raise ValueError(f"layer stack {self.template!r}: stage_layers {counts} must add up to {self.num_layers}")
+                raise ValueError(
+                    f"layer stack {self.template!r}: stage_layers {counts} must add up to {self.num_layers}"
+                )
             object.__setattr__(self, "stage_layers", counts)
 
     def counts(self, pp_size: int) -> tuple[int, ...]:
@@ -410,7 +421,9 @@ class LayerStack:
         i = int(m.group(1))
         counts = self.counts(pp_size)
         if i >= self.num_layers:
-            raise StateMismatchError(f"tensor '{name}': layer {i} is past the {self.num_layers} layers of '{self.template}'")
+            raise StateMismatchError(
+                f"tensor '{name}': layer {i} is past the {self.num_layers} layers of '{self.template}'"
+            )
         start = 0
         for stage, c in enumerate(counts):
             if i < start + c:
@@ -484,5 +497,7 @@ class ExpertStack:
         n = self.per_rank(name, ep_size)
         i = int(m.group(1))
         if i >= self.num_experts:
-            raise StateMismatchError(f"tensor '{name}': expert {i} is past the {self.num_experts} experts of '{self.template}'")
+            raise StateMismatchError(
+                f"tensor '{name}': expert {i} is past the {self.num_experts} experts of '{self.template}'"
+            )
         return i // n, name[: m.start(1)] + str(i % n) + name[m.end(1) :]

@@ -29,7 +29,17 @@ import torch
 from ..errors import StateMismatchError
 from ..shards import ShardedTensor
 from .layout_spec import (
-    ExpertStack, Fused, LayerStack, PaddedVocab, PipelineStage, Replicated, Rule, Shape, Skip, Split, TilePiece,
+    ExpertStack,
+    Fused,
+    LayerStack,
+    PaddedVocab,
+    PipelineStage,
+    Replicated,
+    Rule,
+    Shape,
+    Skip,
+    Split,
+    TilePiece,
 )
 
 logger = logging.getLogger(__name__)
@@ -44,8 +54,12 @@ LocalValue = torch.Tensor | Mapping[str, object] | None
 
 
 def _template_regex(layout: Fused) -> re.Pattern[str]:
-    groups = {"module": r"(?P<module>.+?)", "leaf": r"(?P<leaf>[^.]+)", "name": r"(?P<name>.+)",
-              "part": "(?P<part>" + "|".join(re.escape(p) for p, _ in layout.parts) + ")"}
+    groups = {
+        "module": r"(?P<module>.+?)",
+        "leaf": r"(?P<leaf>[^.]+)",
+        "name": r"(?P<name>.+)",
+        "part": "(?P<part>" + "|".join(re.escape(p) for p, _ in layout.parts) + ")",
+    }
     out = ""
     for literal, field_name, _, _ in string.Formatter().parse(layout.name):
         out += re.escape(literal)
@@ -188,10 +202,14 @@ class MegatronSpec:
         """
         out: dict[str, Any] = {}
         etp = (etp_rank, etp_size)
-        for local_name, name, rule, value in self._pieces(local_sd, tp_rank, tp_size, pp_rank, pp_size, (ep_rank, ep_size)):
+        for local_name, name, rule, value in self._pieces(
+            local_sd, tp_rank, tp_size, pp_rank, pp_size, (ep_rank, ep_size)
+        ):
             for gname, item in _convert(local_name, name, rule, value, *self._tp(name, tp_rank, tp_size, etp)).items():
                 if gname in out:
-                    raise StateMismatchError(f"two local parameters map to the global name '{gname}' (one is '{local_name}')")
+                    raise StateMismatchError(
+                        f"two local parameters map to the global name '{gname}' (one is '{local_name}')"
+                    )
                 out[gname] = item
         return out
 
@@ -236,7 +254,7 @@ class MegatronSpec:
                 if rule.matches(parent) and rule.layout.part_name(parent, d["part"]) == gname:
                     owners.append((parent, rule))
             direct = [r for r in self.rules if r.matches(gname)]
-            if owners and direct or len(owners) > 1:
+            if (owners and direct) or len(owners) > 1:
                 raise StateMismatchError(
                     f"tensor '{gname}' is ambiguous: it is a fused part of {[p for p, _ in owners]} and matches "
                     f"rules {[r.describe() for r in direct]}; make the patterns disjoint"
@@ -309,7 +327,9 @@ class MegatronSpec:
 
 def _check_ranks(tp_rank: int, tp_size: int, pp_rank: int, pp_size: int) -> None:
     if not (0 <= tp_rank < tp_size and 0 <= pp_rank < pp_size):
-        raise ValueError(f"invalid rank: tp_rank={tp_rank} of tp_size={tp_size}, pp_rank={pp_rank} of pp_size={pp_size}")
+        raise ValueError(
+            f"invalid rank: tp_rank={tp_rank} of tp_size={tp_size}, pp_rank={pp_rank} of pp_size={pp_size}"
+        )
 
 
 def _sharded(p: TilePiece) -> ShardedTensor:

@@ -109,7 +109,7 @@ def _encode_object(obj: object, name: str, allow_pickle: bool) -> object:
     if not allow_pickle:
         try:
             _torch_load(data, allow_pickle=False)
-        except Exception as e:  # noqa: BLE001 - any refusal means the object needs pickle
+        except Exception as e:
             raise PickleNotAllowedError(
                 f"Megatron object '{name}' ({type(obj).__qualname__}) holds objects that only unpickling can "
                 f"restore ({e}); pass allow_pickle=True to save and load if you trust the checkpoint's readers"
@@ -119,7 +119,7 @@ def _encode_object(obj: object, name: str, allow_pickle: bool) -> object:
 
 def _decode_object(value: object, name: str, allow_pickle: bool) -> object:
     if isinstance(value, dict) and len(value) == 1 and isinstance(next(iter(value.values())), bytes):
-        (tag, data), = value.items()
+        ((tag, data),) = value.items()
         if tag not in (TORCH_SAVE, TORCH_SAVE_FIRST):
             return value
         try:
@@ -133,7 +133,9 @@ def _decode_object(value: object, name: str, allow_pickle: bool) -> object:
             ) from e
         if tag == TORCH_SAVE_FIRST:
             if not isinstance(obj, list) or len(obj) != 1:
-                raise CheckpointError(f"Megatron object '{name}': expected a one-element list, got {type(obj).__name__}")
+                raise CheckpointError(
+                    f"Megatron object '{name}': expected a one-element list, got {type(obj).__name__}"
+                )
             return obj[0]
         return obj
     return value
@@ -310,7 +312,9 @@ def _overlap_shard(st: Any, data: torch.Tensor, saved: tuple[int, ...]) -> Shard
     return ShardedTensor(view, saved, offset)
 
 
-def from_tessera_state(state: Mapping[str, Any], conversion: _Conversion, *, allow_pickle: bool = False) -> dict[str, Any]:
+def from_tessera_state(
+    state: Mapping[str, Any], conversion: _Conversion, *, allow_pickle: bool = False
+) -> dict[str, Any]:
     """The loaded state dict, as ``megatron.core.dist_checkpointing.load`` returns it.
 
     The checkpoint's common part, merged with the loaded tensors and objects and the
@@ -482,7 +486,9 @@ class MegatronCoreState:
         model_sd: dict[str, Any] = sds[0] if len(sds) == 1 else {f"model{i}": sd for i, sd in enumerate(sds)}
         out: dict[str, Any] = {"model": model_sd}
         if self.optimizer is not None:
-            out["optimizer"] = self.optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=self.metadata)
+            out["optimizer"] = self.optimizer.sharded_state_dict(
+                model_sd, is_loading=is_loading, metadata=self.metadata
+            )
         return out
 
     def state_dict(self) -> dict[str, Any]:

@@ -52,8 +52,13 @@ class RNGState:
         name, keys, pos, has_gauss, cached = np.random.get_state()
         sd: dict[str, Any] = {
             "python": {"version": version, "state": torch.tensor(internal, dtype=torch.int64), "gauss_next": gauss},
-            "numpy": {"algorithm": name, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
-                      "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
+            "numpy": {
+                "algorithm": name,
+                "keys": torch.from_numpy(keys.astype(np.int64)),
+                "pos": int(pos),
+                "has_gauss": int(has_gauss),
+                "cached_gaussian": float(cached),
+            },
             "torch": torch.get_rng_state(),
         }
         if self.cuda:
@@ -96,7 +101,14 @@ class DataPosition:
         self.samples_seen = samples_seen
 
     def batch_indices(
-        self, num_samples: int, global_batch_size: int, rank: int, world_size: int, *, seed: int = 0, shuffle: bool = True
+        self,
+        num_samples: int,
+        global_batch_size: int,
+        rank: int,
+        world_size: int,
+        *,
+        seed: int = 0,
+        shuffle: bool = True,
     ) -> list[int]:
         """The dataset indices of ``rank``'s share of the next global batch.
 
@@ -135,4 +147,6 @@ class DataPosition:
         try:
             self.epoch, self.samples_seen = int(state_dict["epoch"]), int(state_dict["samples_seen"])
         except (KeyError, TypeError, ValueError) as e:
-            raise StateMismatchError(f"data position: expected {{'epoch', 'samples_seen'}} integers, got {state_dict!r}") from e
+            raise StateMismatchError(
+                f"data position: expected {{'epoch', 'samples_seen'}} integers, got {state_dict!r}"
+            ) from e

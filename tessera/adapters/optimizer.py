@@ -68,7 +68,9 @@ class OptimizerState:
         >>> tessera.load(path, state)  # any other layout; opt may be fresh
     """
 
-    def __init__(self, model: nn.Module | Sequence[nn.Module], optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer]) -> None:
+    def __init__(
+        self, model: nn.Module | Sequence[nn.Module], optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer]
+    ) -> None:
         self._model = model
         self._optimizers = [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else list(optimizer)
         if not self._optimizers or not all(isinstance(o, torch.optim.Optimizer) for o in self._optimizers):
@@ -204,17 +206,22 @@ class OptimizerState:
             if split is not None:
                 saved.setdefault(split[0], {})[split[1]] = ("tensor", te)
         for key, raw in manifest.values.items():
-            if key.startswith(base) and key[len(base):] in fqns:  # a parameter's state without tensors
+            if key.startswith(base) and key[len(base) :] in fqns:  # a parameter's state without tensors
                 decoded = decode_value(raw, key, allow_pickle=False) if not _is_pickled(raw) else {}
                 for k in decoded if isinstance(decoded, dict) else ():
-                    saved.setdefault(key[len(base):], {})[k] = ("value", None)
+                    saved.setdefault(key[len(base) :], {})[k] = ("value", None)
             split = _split_key(key, base, fqns)
             if split is not None:
                 saved.setdefault(split[0], {})[split[1]] = ("value", None)
-        if not saved and not self._load_fresh and any(o.param_groups and o.param_groups[0]["params"] for o in self._optimizers):
+        if (
+            not saved
+            and not self._load_fresh
+            and any(o.param_groups and o.param_groups[0]["params"] for o in self._optimizers)
+        ):
             logger.warning(
                 "the checkpoint holds no optimizer state under '%s' for this model's parameters; "
-                "the optimizer keeps its own state (a strict load reports the missing keys)", base
+                "the optimizer keeps its own state (a strict load reports the missing keys)",
+                base,
             )
         self._pending = {}
         for opt, group, p, entry in self._params(layout):
@@ -245,7 +252,9 @@ class OptimizerState:
 
     def _apply_groups(self, layout: ModelLayout, saved: Any) -> None:
         if not isinstance(saved, list):
-            raise StateMismatchError(f"optimizer param_groups: expected a list, the checkpoint has {type(saved).__name__}")
+            raise StateMismatchError(
+                f"optimizer param_groups: expected a list, the checkpoint has {type(saved).__name__}"
+            )
         owner: dict[str, int] = {}
         for i, g in enumerate(saved):
             for fqn in g.get("params", ()):
@@ -261,7 +270,9 @@ class OptimizerState:
                     )
                 if not found:
                     if fqns:
-                        logger.warning("optimizer group %d: no saved group has its parameters; hyperparameters kept", gi)
+                        logger.warning(
+                            "optimizer group %d: no saved group has its parameters; hyperparameters kept", gi
+                        )
                     continue
                 for k, v in saved[found.pop()].items():
                     if k == "params":
@@ -318,7 +329,7 @@ def _split_key(key: str, base: str, fqns: set[str]) -> tuple[str, str] | None:
     """``base + fqn + "." + name`` -> ``(fqn, name)`` for a known parameter FQN."""
     if not key.startswith(base):
         return None
-    rest = key[len(base):]
+    rest = key[len(base) :]
     i = len(rest)
     while (i := rest.rfind(".", 0, i)) > 0:
         if rest[:i] in fqns:

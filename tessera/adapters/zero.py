@@ -135,7 +135,9 @@ class FlatLayout:
                 raise ValueError(f"flat layout: parameter '{e.fqn}' appears twice")
             seen.add(e.fqn)
             if e.offset < end:
-                raise ValueError(f"flat layout: parameter '{e.fqn}' at offset {e.offset} overlaps the one before it (ends at {end})")
+                raise ValueError(
+                    f"flat layout: parameter '{e.fqn}' at offset {e.offset} overlaps the one before it (ends at {end})"
+                )
             end = e.stop
         if end > self.numel:
             raise ValueError(f"flat layout: parameters end at element {end}, past the buffer's {self.numel} elements")
@@ -143,9 +145,7 @@ class FlatLayout:
         object.__setattr__(self, "_stops", [e.stop for e in self.entries])
 
     @classmethod
-    def pack(
-        cls, params: Iterable[ParamSpec], *, param_alignment: int = 1, total_alignment: int = 1
-    ) -> FlatLayout:
+    def pack(cls, params: Iterable[ParamSpec], *, param_alignment: int = 1, total_alignment: int = 1) -> FlatLayout:
         """Parameters back to back in the order given.
 
         Args:
@@ -163,7 +163,9 @@ class FlatLayout:
             15
         """
         if param_alignment < 1 or total_alignment < 1:
-            raise ValueError(f"alignments must be >= 1, got param_alignment={param_alignment}, total_alignment={total_alignment}")
+            raise ValueError(
+                f"alignments must be >= 1, got param_alignment={param_alignment}, total_alignment={total_alignment}"
+            )
         entries = []
         pos = 0
         for fqn, spec in params:
@@ -249,7 +251,9 @@ class FlatPartition:
 
     def __post_init__(self) -> None:
         if not 0 <= self.start <= self.stop <= self.layout.numel:
-            raise ValueError(f"partition [{self.start}, {self.stop}) is outside a flat buffer of {self.layout.numel} elements")
+            raise ValueError(
+                f"partition [{self.start}, {self.stop}) is outside a flat buffer of {self.layout.numel} elements"
+            )
 
     @property
     def numel(self) -> int:

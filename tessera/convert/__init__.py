@@ -83,7 +83,9 @@ def detect_format(path: str) -> Format:
             return Format.DEEPSPEED
         if "latest_checkpointed_iteration.txt" in names or any(n.startswith("mp_rank_") for n in names):
             return Format.MEGATRON
-    raise ValueError(f"cannot tell the format of {path} (no manifest.json, .metadata, *.safetensors or ZeRO files); pass --from")
+    raise ValueError(
+        f"cannot tell the format of {path} (no manifest.json, .metadata, *.safetensors or ZeRO files); pass --from"
+    )
 
 
 __all__ = [

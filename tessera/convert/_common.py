@@ -94,9 +94,15 @@ def parse_size(text: str | int) -> int:
 
 
 _DTYPE_ALIASES = {
-    "fp32": torch.float32, "float": torch.float32, "f32": torch.float32,
-    "fp16": torch.float16, "half": torch.float16, "f16": torch.float16,
-    "bf16": torch.bfloat16, "fp64": torch.float64, "double": torch.float64,
+    "fp32": torch.float32,
+    "float": torch.float32,
+    "f32": torch.float32,
+    "fp16": torch.float16,
+    "half": torch.float16,
+    "f16": torch.float16,
+    "bf16": torch.bfloat16,
+    "fp64": torch.float64,
+    "double": torch.float64,
 }
 
 

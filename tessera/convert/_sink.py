@@ -123,7 +123,9 @@ class CheckpointWriter:
         """
         self.declare(fqn, shape, data.dtype)
         if tuple(data.shape) != box.lengths or not box.fits_in(self._shapes[fqn][0]):
-            raise ValueError(f"tensor '{fqn}': block {box} with data {list(data.shape)} does not fit shape {list(shape)}")
+            raise ValueError(
+                f"tensor '{fqn}': block {box} with data {list(data.shape)} does not fit shape {list(shape)}"
+            )
         if box.is_empty():
             return
         if (fqn, box) in self._seen:
@@ -300,4 +302,3 @@ class CheckpointWriter:
     def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
         if not self._committed:
             self.abort()
-

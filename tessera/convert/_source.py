@@ -71,7 +71,9 @@ class CheckpointSource:
         """Tensors saved with :func:`tessera.per_rank` (a leading dimension of one entry per rank)."""
         return set(self.manifest.metadata.get("tensor_policies", {}) or {})
 
-    def read(self, fqn: str, box: Box, out: torch.Tensor | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
+    def read(
+        self, fqn: str, box: Box, out: torch.Tensor | None = None, dtype: torch.dtype | None = None
+    ) -> torch.Tensor:
         """The elements of ``box`` of tensor ``fqn``, in ``out`` if given (cast to its dtype).
 
         Raises:

@@ -21,8 +21,8 @@ from ..errors import ManifestError, PickleNotAllowedError
 from ..geometry import Box
 from ..stage import as_bytes
 from ..storage import Storage
-from ._common import Progress, ProgressFn, split_box
 from ..values import decode_value
+from ._common import Progress, ProgressFn, split_box
 from ._source import CheckpointSource
 
 logger = logging.getLogger(__name__)
@@ -152,7 +152,9 @@ def diff_checkpoints(
         if ea is None or eb is None:
             other_values = (vb, pb) if ea is None else (va, pa)
             if name in other_values[0] or name in other_values[1]:
-                report.tensors.append(EntryDiff(name, DiffKind.KIND, f"a tensor in {'B' if ea is None else 'A'}, a value in the other"))
+                report.tensors.append(
+                    EntryDiff(name, DiffKind.KIND, f"a tensor in {'B' if ea is None else 'A'}, a value in the other")
+                )
             else:
                 kind = DiffKind.ONLY_B if ea is None else DiffKind.ONLY_A
                 e = eb if ea is None else ea
@@ -173,7 +175,9 @@ def diff_checkpoints(
         else:
             report.tensors.append(d)
     ma, mb = sa.manifest, sb.manifest
-    same_values = _diff_values({k: ma.values[o] for k, o in va.items()}, {k: mb.values[o] for k, o in vb.items()}, "", report, ta, tb)
+    same_values = _diff_values(
+        {k: ma.values[o] for k, o in va.items()}, {k: mb.values[o] for k, o in vb.items()}, "", report, ta, tb
+    )
     same_values += _diff_values(
         {k: list(ma.per_rank[o].values) for k, o in pa.items()}, {k: list(mb.per_rank[o].values) for k, o in pb.items()},
         "per-rank ", report, ta, tb,
@@ -233,7 +237,9 @@ def _compare(xa: torch.Tensor, xb: torch.Tensor, atol: float, rtol: float) -> tu
         return float(bad > 0), float(bad > 0), bad
     wide = torch.complex128 if xa.is_complex() else torch.float64
     a, b = xa.to(wide).reshape(-1), xb.to(wide).reshape(-1)
-    same_bits = (as_bytes(xa.contiguous()).view(-1, xa.element_size()) == as_bytes(xb.contiguous()).view(-1, xa.element_size())).all(dim=1)
+    same_bits = (
+        as_bytes(xa.contiguous()).view(-1, xa.element_size()) == as_bytes(xb.contiguous()).view(-1, xa.element_size())
+    ).all(dim=1)
     diff = (a - b).abs()
     diff = torch.where(same_bits, torch.zeros_like(diff), diff)
     diff = torch.nan_to_num(diff, nan=math.inf)  # NaN against a number
@@ -251,7 +257,9 @@ def _diff_values(va: dict, vb: dict, what: str, report: DiffReport, tensors_a: d
             if va[name] == vb[name]:  # the encoded JSON forms compare exactly
                 same += 1
             else:
-                report.values.append(EntryDiff(name, DiffKind.VALUES, f"{what}{_show(va[name], name)} vs {_show(vb[name], name)}"))
+                report.values.append(
+                    EntryDiff(name, DiffKind.VALUES, f"{what}{_show(va[name], name)} vs {_show(vb[name], name)}")
+                )
         elif name not in (tensors_b if name in va else tensors_a):
             kind = DiffKind.ONLY_A if name in va else DiffKind.ONLY_B
             report.values.append(EntryDiff(name, kind, f"{what}{_show(va.get(name, vb.get(name)), name)}"))

@@ -265,12 +265,21 @@ def import_dcp(
         if byte_keys:
             planner = _ChunkPlanner(allow_pickle)
             items = [
-                ReadItem(LoadItemType.BYTE_IO, MetadataIndex(k), torch.Size([0]), MetadataIndex(k), torch.Size([0]), torch.Size([0]))
+                ReadItem(
+                    LoadItemType.BYTE_IO,
+                    MetadataIndex(k),
+                    torch.Size([0]),
+                    MetadataIndex(k),
+                    torch.Size([0]),
+                    torch.Size([0]),
+                )
                 for k in byte_keys
             ]
             _run(reader, items, planner)
             skipped += [f"{k} (needs pickle)" for k in planner.refused]
-            grouped = regroup_values(planner.loaded, metadata.planner_data, set(metadata.state_dict_metadata) - set(byte_keys))
+            grouped = regroup_values(
+                planner.loaded, metadata.planner_data, set(metadata.state_dict_metadata) - set(byte_keys)
+            )
             grouped.update(_has_state_flags(grouped, set(metadata.state_dict_metadata)))
             for k, v in grouped.items():
                 try:
@@ -375,4 +384,3 @@ def _run(reader: dcp.FileSystemReader, items: list[ReadItem], planner: LoadPlann
     plan = reader.prepare_local_plan(LoadPlan(items))
     (plan,) = reader.prepare_global_plan([plan])
     reader.read_data(plan, planner).wait()
-

@@ -171,7 +171,9 @@ def _load(path: str, allow_pickle: bool) -> Any:
 class _Out:
     """Adds tensors under their name and every alias (DeepSpeed's shared parameters)."""
 
-    def __init__(self, w: CheckpointWriter, aliases: dict[str, list[str]], dtype: torch.dtype | None, prog: Progress) -> None:
+    def __init__(
+        self, w: CheckpointWriter, aliases: dict[str, list[str]], dtype: torch.dtype | None, prog: Progress
+    ) -> None:
         self.w, self.aliases, self.dtype, self.prog = w, aliases, dtype, prog
 
     def flat(self, name: str, shape: tuple[int, ...], start: int, data: torch.Tensor) -> None:
@@ -249,7 +251,9 @@ def import_deepspeed(
     groups = [{n: tuple(int(x) for x in s) for n, s in g.items()} for g in model_sd["param_shapes"]]
     world = len(optim_files)
     if [r for r, _ in optim_files] != list(range(world)):
-        raise CorruptCheckpointError(f"{directory}: optimizer-state files for ranks {[r for r, _ in optim_files]}, expected 0..{world - 1}")
+        raise CorruptCheckpointError(
+            f"{directory}: optimizer-state files for ranks {[r for r, _ in optim_files]}, expected 0..{world - 1}"
+        )
     aliases: dict[str, list[str]] = {}
     shared = _shared_params(model_sd.get("shared_params"), first_model)
     for alias, target in shared if tied_aliases else ():
@@ -271,7 +275,9 @@ def import_deepspeed(
             count = osd.get("partition_count")
             count = max(count) if isinstance(count, (list, tuple)) else count
             if count is not None and int(count) != world:
-                raise CorruptCheckpointError(f"{fname}: partition_count is {count} but {world} rank files were found in {directory}")
+                raise CorruptCheckpointError(
+                    f"{fname}: partition_count is {count} but {world} rank files were found in {directory}"
+                )
             if stage in (1, 2):
                 _stage12(osd, rank, world, groups, out, model_prefix, optim_prefix, include_optimizer, fname)
             elif stage == 3:
@@ -321,7 +327,9 @@ def _shared_params(shared: Any, fname: str) -> list[tuple[str, str]]:
     out = []
     for item in items:
         if not (isinstance(item, (tuple, list)) and len(item) == 2 and all(isinstance(x, str) for x in item)):
-            raise CorruptCheckpointError(f"{fname}: 'shared_params' should map parameter names to names, found {item!r}")
+            raise CorruptCheckpointError(
+                f"{fname}: 'shared_params' should map parameter names to names, found {item!r}"
+            )
         out.append((item[0], item[1]))
     return out
 
@@ -346,10 +354,14 @@ def _stage12_layout(shapes: dict, paddings: Any, world: int, gi: int, fname: str
     return FlatLayout(tuple(entries), -(-pos // align) * align)
 
 
-def _stage12(osd: dict, rank: int, world: int, groups: list[dict], out: _Out, mp: str, op: str, optim: bool, fname: str) -> None:
+def _stage12(
+    osd: dict, rank: int, world: int, groups: list[dict], out: _Out, mp: str, op: str, optim: bool, fname: str
+) -> None:
     parts = osd.get("single_partition_of_fp32_groups")
     if not isinstance(parts, (list, tuple)) or len(parts) != len(groups):
-        raise CorruptCheckpointError(f"{fname}: expected {len(groups)} fp32 partitions ('single_partition_of_fp32_groups')")
+        raise CorruptCheckpointError(
+            f"{fname}: expected {len(groups)} fp32 partitions ('single_partition_of_fp32_groups')"
+        )
     paddings = osd.get("param_alignment_paddings") or [None] * len(groups)
     state = _optim_state(osd, "base_optimizer_state") if optim else {}
     for gi, (shapes, local) in enumerate(zip(groups, parts)):
@@ -376,7 +388,9 @@ def _stage12(osd: dict, rank: int, world: int, groups: list[dict], out: _Out, mp
             _scalars(state.get(gi, {}), shapes, out, op)
 
 
-def _stage3(osd: dict, rank: int, world: int, groups: list[dict], out: _Out, mp: str, op: str, optim: bool, fname: str) -> None:
+def _stage3(
+    osd: dict, rank: int, world: int, groups: list[dict], out: _Out, mp: str, op: str, optim: bool, fname: str
+) -> None:
     parts = osd.get("fp32_flat_groups")
     if not isinstance(parts, (list, tuple)) or len(parts) != len(groups):
         raise CorruptCheckpointError(f"{fname}: expected {len(groups)} fp32 flat groups ('fp32_flat_groups')")
@@ -410,7 +424,7 @@ def _stage3(osd: dict, rank: int, world: int, groups: list[dict], out: _Out, mp:
 def _scalars(group_state: dict, shapes: dict, out: _Out, op: str) -> None:
     """Per-group scalar state (Adam's ``step``) becomes a scalar per parameter, as in torch."""
     for key, v in group_state.items():
-        if isinstance(v, torch.Tensor) and v.dim() == 0 or isinstance(v, (int, float)) and not isinstance(v, bool):
+        if (isinstance(v, torch.Tensor) and v.dim() == 0) or (isinstance(v, (int, float)) and not isinstance(v, bool)):
             t = v if isinstance(v, torch.Tensor) else torch.tensor(v)
             for name in shapes:
                 out.whole(f"{op}state.{name}.{key}", t.detach().clone())
@@ -436,7 +450,14 @@ def _param_groups(osd: dict, groups: list[dict]) -> list[dict] | None:
 
 
 def _model_extras(
-    model_sd: dict, model_files: list[tuple[int, str]], stage: int, world: int, out: _Out, mp: str, skipped: list[str], allow_pickle: bool
+    model_sd: dict,
+    model_files: list[tuple[int, str]],
+    stage: int,
+    world: int,
+    out: _Out,
+    mp: str,
+    skipped: list[str],
+    allow_pickle: bool,
 ) -> None:
     """Buffers, frozen parameters and plain client state of the model-states file(s)."""
     module = model_sd["module"] or {}
@@ -448,12 +469,17 @@ def _model_extras(
         # ZeRO-1 records no frozen_param_shapes (None): its frozen parameters are the module
         # entries that are neither optimized (param_shapes), buffers nor tied aliases.
         known = {n for g in model_sd["param_shapes"] for n in g} | set(model_sd.get("buffer_names") or [])
-        known |= {alias for alias, _ in _shared_params(model_sd.get("shared_params"), model_files[0][1] if model_files else "")}
+        known |= {
+            alias
+            for alias, _ in _shared_params(model_sd.get("shared_params"), model_files[0][1] if model_files else "")
+        }
         frozen = {n: t.shape for n, t in module.items() if n not in known and isinstance(t, torch.Tensor)}
     frozen = {n: tuple(int(x) for x in s) for n, s in (frozen or {}).items()}
     if frozen and stage == 3:
         for rank, fname in model_files:
-            frags = (model_sd if rank == model_files[0][0] else _load(fname, allow_pickle)).get("frozen_param_fragments") or {}
+            frags = (model_sd if rank == model_files[0][0] else _load(fname, allow_pickle)).get(
+                "frozen_param_fragments"
+            ) or {}
             for name, shape in frozen.items():
                 part = FlatLayout.pack([(name, shape)], total_alignment=world).partition(rank, world)
                 _add_shards(out, mp + "{}", part.shards(frags[name].reshape(-1)[: part.numel], declare_all=False))

@@ -112,7 +112,12 @@ def export_deepspeed_universal(
             "a DeepSpeed universal checkpoint restores optimized parameters with their state (save the optimizer with "
             "tessera.OptimizerState, or pass optim_prefix)"
         )
-    steps = [float(src.read(k, Box.whole(())).item()) for n in sorted(optimized) for s, k in states[n].items() if s == "step" and src.shape(k) == ()]
+    steps = [
+        float(src.read(k, Box.whole(())).item())
+        for n in sorted(optimized)
+        for s, k in states[n].items()
+        if s == "step" and src.shape(k) == ()
+    ]
     global_steps = int(values.get("deepspeed.global_steps", max(steps, default=0)))
     tag = tag or f"global_step{global_steps}"
     root = os.path.join(out_dir, tag)
@@ -120,7 +125,9 @@ def export_deepspeed_universal(
         shutil.rmtree(root)
     zero = os.path.join(root, "zero")
     os.makedirs(zero)
-    total = sum(src.nbytes(params[n]) for n in optimized) + sum(src.nbytes(k) for n in optimized for k in states[n].values())
+    total = sum(src.nbytes(params[n]) for n in optimized) + sum(
+        src.nbytes(k) for n in optimized for k in states[n].values()
+    )
     prog = Progress(total, progress)
     files = tensors = nbytes = 0
     step_value: torch.Tensor | None = None
@@ -152,7 +159,10 @@ def export_deepspeed_universal(
     optimizer_state = {
         "param_groups": groups,
         # ZeRO-3 reads the step and hyperparameters from the wrapped optimizer's state dict.
-        "optimizer_state_dict": {"state": {0: {"step": step_value}} if step_value is not None else {}, "param_groups": groups},
+        "optimizer_state_dict": {
+            "state": {0: {"step": step_value}} if step_value is not None else {},
+            "param_groups": groups,
+        },
         "ds_version": DS_VERSION,
     }
     torch.save(optimizer_state, os.path.join(zero, "optimizer_state.pt"))

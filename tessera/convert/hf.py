@@ -130,8 +130,12 @@ def export_hf(
     skipped += [f"{n} (per-rank value)" for n in src.manifest.per_rank]
     if prefix:
         skipped = [s for s in skipped if s.startswith(prefix)]
-    logger.info("exported %d tensors (%d bytes) from %s to %s in %d file(s)", len(specs), total, path, out_dir, len(files))
-    return ConvertResult(path, out_dir, len(specs), 0, total, len(files) + (len(files) > 1), time.monotonic() - t0, tuple(skipped))
+    logger.info(
+        "exported %d tensors (%d bytes) from %s to %s in %d file(s)", len(specs), total, path, out_dir, len(files)
+    )
+    return ConvertResult(
+        path, out_dir, len(specs), 0, total, len(files) + (len(files) > 1), time.monotonic() - t0, tuple(skipped)
+    )
 
 
 def plan_shards(sizes: list[int], limit: int) -> list[list[int]]:
@@ -181,7 +185,9 @@ def remove_model_files(out: Storage, out_dir: str) -> None:
         out.delete(stale)
 
 
-def safetensors_header(entries: list[tuple[str, str, tuple[int, ...], int]], metadata: dict[str, str] | None = None) -> bytes:
+def safetensors_header(
+    entries: list[tuple[str, str, tuple[int, ...], int]], metadata: dict[str, str] | None = None
+) -> bytes:
     """The 8-byte length and JSON header of a safetensors file holding ``(name, code, shape, nbytes)`` in order.
 
     The tensors' bytes follow the header back to back, in the order given.
@@ -199,7 +205,9 @@ def safetensors_header(entries: list[tuple[str, str, tuple[int, ...], int]], met
     return struct.pack("<Q", len(body)) + body
 
 
-def _shard_chunks(src: CheckpointSource, shard: list[_Entry], block_bytes: int, prog: Progress) -> Iterator[memoryview | bytes]:
+def _shard_chunks(
+    src: CheckpointSource, shard: list[_Entry], block_bytes: int, prog: Progress
+) -> Iterator[memoryview | bytes]:
     """The bytes of one shard: its header, then each tensor block by block (one buffer reused)."""
     yield safetensors_header([(s.name, s.code, src.shape(s.fqn), s.nbytes) for s in shard])
     for s in shard:
@@ -232,9 +240,15 @@ def hf_files(src: str) -> list[str]:
     single = os.path.join(src, SINGLE_NAME)
     if os.path.isfile(single):
         return [single]
-    found = sorted(os.path.join(src, n) for n in os.listdir(src) if n.endswith(".safetensors")) if os.path.isdir(src) else []
+    found = (
+        sorted(os.path.join(src, n) for n in os.listdir(src) if n.endswith(".safetensors"))
+        if os.path.isdir(src)
+        else []
+    )
     if not found:
-        raise FileNotFoundError(f"no safetensors files in {src} (expected {INDEX_NAME}, {SINGLE_NAME} or *.safetensors)")
+        raise FileNotFoundError(
+            f"no safetensors files in {src} (expected {INDEX_NAME}, {SINGLE_NAME} or *.safetensors)"
+        )
     return found
 
 
@@ -311,4 +325,3 @@ def import_hf(
         counts = (w.tensors_declared, w.values_added, w.tensor_bytes, w.files_written)
     logger.info("imported %d tensors from %s into %s", len(plan), src, path)
     return ConvertResult(src, path, *counts, time.monotonic() - t0)
-

@@ -68,7 +68,7 @@ def load_spec(text: str) -> MegatronSpec:
         with open(text) as f:
             doc = json.load(f)
         if not isinstance(doc, dict) or set(doc) != {"gpt"} or not isinstance(doc["gpt"], dict):
-            raise ValueError(f"layout spec {text}: expected {{\"gpt\": {{...gpt_spec arguments...}}}}")
+            raise ValueError(f'layout spec {text}: expected {{"gpt": {{...gpt_spec arguments...}}}}')
         try:
             return gpt_spec(**doc["gpt"])
         except TypeError as e:
@@ -202,7 +202,9 @@ def import_megatron(
             if not isinstance(local, Mapping):
                 extra = " (virtual pipeline chunks 'model0', 'model1'... are not supported)" if "model0" in sd else ""
                 raise CorruptCheckpointError(f"{fname}: no '{model_key}' state dict{extra}")
-            local = {k: v for k, v in _flatten(local).items() if isinstance(v, torch.Tensor) or k.endswith("_extra_state")}
+            local = {
+                k: v for k, v in _flatten(local).items() if isinstance(v, torch.Tensor) or k.endswith("_extra_state")
+            }
             for gname, st in spec.to_global(local, tp_rank, tp, pp_rank, pp, ep_rank=ep_rank, ep_size=ep).items():
                 data = st.local.to(cast_for(st.local.dtype, dtype))
                 w.add(prefix + gname, st.global_shape, Box(st.global_offset, tuple(st.local.shape)), data, replica=True)
@@ -211,7 +213,9 @@ def import_megatron(
                 for key in ("iteration", "checkpoint_version"):
                     if key in sd and is_plain(sd[key]):
                         w.add_value(key, sd[key])
-                skipped += [f"{k} (not converted)" for k in sd if k not in (model_key, "iteration", "checkpoint_version")]
+                skipped += [
+                    f"{k} (not converted)" for k in sd if k not in (model_key, "iteration", "checkpoint_version")
+                ]
             del sd, local
         layout = {"format": "megatron", "tensor_parallel": tp, "pipeline_parallel": pp}
         if ep > 1:
@@ -317,7 +321,7 @@ def import_torch_dist(
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex, TensorStorageMetadata
     from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
 
-    from ..adapters.megatron_core import COMMON_KEY, TORCH_SAVE_FIRST, TORCH_SAVE
+    from ..adapters.megatron_core import COMMON_KEY, TORCH_SAVE, TORCH_SAVE_FIRST
 
     t0 = time.monotonic()
     tracker = os.path.join(src, TRACKER)

@@ -104,7 +104,9 @@ def save_state(
     else:
         result = api.save(path, state, **save_kwargs)
     if accelerator.is_main_process:
-        logger.info("%s accelerator state to %s in %.2fs", "staged" if async_save else "saved", path, time.monotonic() - t0)
+        logger.info(
+            "%s accelerator state to %s in %.2fs", "staged" if async_save else "saved", path, time.monotonic() - t0
+        )
     # Accelerate counts saves (for its automatic checkpoint naming); keep counting.
     accelerator.project_configuration.iteration += 1
     return result

@@ -151,7 +151,7 @@ class TesseraCheckpointIO(CheckpointIO):
         if MANIFEST in files:
             store.delete([MANIFEST])
         store.delete([f for f in files if f != MANIFEST])
-        local = url[len("file://"):] if url.startswith("file://") else url
+        local = url[len("file://") :] if url.startswith("file://") else url
         if "://" not in local and os.path.isdir(local):
             shutil.rmtree(local)  # the now empty directories
         logger.info("removed checkpoint %s (%d files)", url, len(files))
@@ -191,7 +191,10 @@ class TesseraCheckpointIO(CheckpointIO):
         }
         options = replace(self.save_options, metadata={**self.save_options.metadata, METADATA_KEY: meta})
         kwargs: dict[str, Any] = dict(
-            process_group=process_group, allow_pickle=self.allow_pickle, options=options, storage_options=storage_options
+            process_group=process_group,
+            allow_pickle=self.allow_pickle,
+            options=options,
+            storage_options=storage_options,
         )
         if self.async_save:
             self._pending = api.async_save(path, state, **kwargs)
@@ -202,9 +205,7 @@ class TesseraCheckpointIO(CheckpointIO):
             api.save(path, state, **kwargs)
             logger.info("saved checkpoint %s in %.3fs", path, time.monotonic() - t0)
 
-    def _load(
-        self, path: str, *, sharded: Mapping[str, object], strict: bool, process_group: Any
-    ) -> dict[str, Any]:
+    def _load(self, path: str, *, sharded: Mapping[str, object], strict: bool, process_group: Any) -> dict[str, Any]:
         self._wait()
         manifest = api.read_manifest(path)
         meta = manifest.metadata.get(METADATA_KEY)

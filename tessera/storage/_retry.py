@@ -193,7 +193,12 @@ def failure(
 def _log_retry(what: str, where: str, attempt: int, policy: RetryOptions, exc: BaseException, delay: float) -> None:
     logger.info(
         "%s %s: attempt %d/%d failed (%s); retrying in %.2fs",
-        what, where, attempt, policy.max_attempts, describe(exc), delay,
+        what,
+        where,
+        attempt,
+        policy.max_attempts,
+        describe(exc),
+        delay,
     )
 
 

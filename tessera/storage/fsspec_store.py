@@ -288,8 +288,7 @@ class FsspecStorage:
                 self._generic_read_into(rel, offset, view)
         except Truncated as t:
             raise StorageError(
-                f"{self._url_of(rel)} is truncated: wanted bytes [{offset}, {offset + len(view)}), "
-                f"file ends at {t.end}"
+                f"{self._url_of(rel)} is truncated: wanted bytes [{offset}, {offset + len(view)}), file ends at {t.end}"
             ) from None
 
     def size(self, path: str) -> int:
@@ -345,7 +344,7 @@ class FsspecStorage:
             self._s3.delete(rels)
             return
         for rel in rels:
-            self._retry("deleting", rel, lambda full=self._full(rel): self._rm_if_present(full))
+            self._retry("deleting", rel, lambda full=self._full(rel): self._rm_if_present(full))  # noqa: B008 - binds this rel's path
 
     # -- generic fsspec implementation --------------------------------------------------------------
 

@@ -429,7 +429,7 @@ class FileStorage:
     def __del__(self) -> None:
         try:
             self.close()
-        except Exception:  # noqa: BLE001 - never raise from a finalizer
+        except Exception:
             pass
 
     def size(self, path: str) -> int:

@@ -412,7 +412,11 @@ class MemoryTierStorage:
             self._publish(manifest, expected, files)
         logger.info(
             "persisted %s: %d files, %d bytes%s in %.2fs",
-            self.url, len(files), copied, ", committed" if manifest is not None else "", time.monotonic() - t0,
+            self.url,
+            len(files),
+            copied,
+            ", committed" if manifest is not None else "",
+            time.monotonic() - t0,
         )
 
     def _run_rank_persist(
@@ -447,11 +451,17 @@ class MemoryTierStorage:
             if world_size > 1:
                 try:  # this save's markers, and any a rank wrote after an earlier commit gave up
                     self.durable.delete(self.durable.list(MARKER_DIR))
-                except Exception as e:  # noqa: BLE001 - harmless leftovers; the next commit retries
+                except Exception as e:
                     logger.warning("could not remove persistence markers under %s: %s", self.durable.url, e)
         logger.info(
             "persisted %s (rank %d of %d): %d files, %d bytes%s in %.2fs",
-            self.url, rank, world_size, len(files), copied, ", committed" if rank == 0 else "", time.monotonic() - t0,
+            self.url,
+            rank,
+            world_size,
+            len(files),
+            copied,
+            ", committed" if rank == 0 else "",
+            time.monotonic() - t0,
         )
 
     def _mark(self, path: str, data: bytes, rank: int) -> None:
@@ -485,8 +495,10 @@ class MemoryTierStorage:
                 causes = []
                 for r in sorted(failed)[:3]:
                     try:
-                        causes.append(f"rank {r}: {self.durable.read_file(f'{markers}/{r}.failed').decode(errors='replace')}")
-                    except Exception as e:  # noqa: BLE001 - the rank is still named
+                        causes.append(
+                            f"rank {r}: {self.durable.read_file(f'{markers}/{r}.failed').decode(errors='replace')}"
+                        )
+                    except Exception as e:
                         causes.append(f"rank {r}: (its report could not be read: {e})")
                 raise StorageError(
                     f"not committing {self.url}: {len(failed)} rank(s) failed to persist their files; the durable "
@@ -566,7 +578,8 @@ class MemoryTierStorage:
         if problems:
             raise StorageError(
                 f"not committing {self.url}: {len(problems)} copied file(s) are not in {self.durable.url} as written: "
-                + "; ".join(problems[:5]) + "; the durable checkpoint keeps its previous commit"
+                + "; ".join(problems[:5])
+                + "; the durable checkpoint keeps its previous commit"
             )
 
     def _copy_files(self, files: list[str]) -> int:
@@ -606,7 +619,7 @@ class MemoryTierStorage:
             if callable(sync_dirs):  # directory entries durable before any manifest names them
                 try:
                     sync_dirs(files)
-                except Exception as e:  # noqa: BLE001 - reported like a failed copy
+                except Exception as e:
                     failure = (files[0], e)
         if failure is not None:
             path, e = failure
@@ -622,7 +635,7 @@ class MemoryTierStorage:
     def _copy_file(self, path: str) -> int:
         full = os.path.join(self.memory.root, path)
         try:
-            f = open(full, "rb")
+            f = open(full, "rb")  # noqa: SIM115 - entered below, once we know it exists
         except FileNotFoundError:
             with self._s.lock:
                 deleted = path in self._s.deleted
