@@ -122,12 +122,14 @@ def stall(args: argparse.Namespace, root: str) -> dict[str, float]:
     def dcp_state() -> dict[str, torch.Tensor]:
         msd, osd = get_state_dict(model, opt)
         flat = {f"model.{k}": v.detach() for k, v in msd.items()}
+        # AdamW's `step` counters are CPU scalars, left out: DCP's DefaultStager (torch 2.11) fails
+        # on them beside CUDA tensors (KeyError: <class 'type'> in its deepcopy).
         flat.update(
             {
                 f"optim.{k}.{n}": v.detach()
                 for k, st in osd["state"].items()
                 for n, v in st.items()
-                if isinstance(v, torch.Tensor)
+                if isinstance(v, torch.Tensor) and v.is_cuda
             }
         )
         return flat
