@@ -56,11 +56,11 @@ def check_path_state(func: str, path: object, state: object) -> str:
         '/ckpt/step100'
     """
     if _is_path(path) and _is_state(state):
-        return os.fspath(path)  # type: ignore[arg-type]
+        return os.fspath(path)  # type: ignore[call-overload]
     if _is_state(path) and _is_path(state):
         raise TypeError(
             f"{func}(path, state): the arguments are swapped: got a {_kind(path)} as `path` and a {_kind(state)} "
-            f"as `state`; call {func}({os.fspath(state)!r}, state)"  # type: ignore[arg-type]
+            f"as `state`; call {func}({os.fspath(state)!r}, state)"  # type: ignore[call-overload]
         )
     problems = []
     if not _is_path(path):

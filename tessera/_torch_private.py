@@ -6,6 +6,8 @@ public fallback or a clear error.
 
 from __future__ import annotations
 
+from typing import TypeGuard
+
 import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
@@ -41,12 +43,10 @@ def dtensor_local_box(dt: DTensor, name: str) -> Box:
     try:
         from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
     except ImportError:  # pragma: no cover - torch without the helper
-        compute_local_shape_and_global_offset = None
-    if compute_local_shape_and_global_offset is not None:
+        lshape, offset = _box_from_placements(dt)
+    else:
         lshape, offset = compute_local_shape_and_global_offset(shape, dt.device_mesh, placements)
         lshape, offset = tuple(int(s) for s in lshape), tuple(int(o) for o in offset)
-    else:  # pragma: no cover
-        lshape, offset = _box_from_placements(dt)
     if tuple(local.shape) != lshape:
         raise ValueError(
             f"tensor '{name}': DTensor local shard has shape {tuple(local.shape)} but its placements "
@@ -62,6 +62,8 @@ def _box_from_placements(dt: DTensor) -> tuple[tuple[int, ...], tuple[int, ...]]
     """Fallback: torch.chunk semantics, applied mesh dim by mesh dim."""
     mesh = dt.device_mesh
     coord = mesh.get_coordinate()
+    if coord is None:
+        raise ValueError("this rank is not in the DTensor's device mesh")
     shape = list(dt.shape)
     offset = [0] * len(shape)
     for mesh_dim, p in enumerate(dt.placements):
@@ -77,7 +79,7 @@ def _box_from_placements(dt: DTensor) -> tuple[tuple[int, ...], tuple[int, ...]]
     return tuple(shape), tuple(offset)
 
 
-def is_dtensor(value: object) -> bool:
+def is_dtensor(value: object) -> TypeGuard[DTensor]:
     return isinstance(value, DTensor)
 
 

@@ -159,12 +159,13 @@ def _known(name: str) -> type[CheckpointError] | None:
 
 def _common_class(names: set[str]) -> type[CheckpointError] | None:
     """The most specific tessera class every failure is an instance of, if below the base."""
-    classes = [_known(n) for n in names]
-    if not classes or any(c is None for c in classes):
+    known = [_known(n) for n in names]
+    classes = [c for c in known if c is not None]
+    if not classes or len(classes) < len(known):
         return None
     common = [c for c in classes[0].__mro__ if isinstance(c, type) and issubclass(c, CheckpointError)]
     for c in common:
-        if all(issubclass(k, c) for k in classes):  # type: ignore[arg-type]
+        if all(issubclass(k, c) for k in classes):
             return None if c is CheckpointError and len(names) > 1 else c
     return None
 
@@ -183,7 +184,7 @@ def collective_error(message: str, failures: Mapping[int, RankFailure | str]) ->
     typed = all(isinstance(f, RankFailure) and f.tessera_type for f in failures.values())
     cls = _common_class(names) if typed else None
     if cls is None or issubclass(cls, DistributedError):
-        return (cls or DistributedError)(message, texts)  # type: ignore[call-arg]
+        return (cls or DistributedError)(message, texts)
     detail = "\n".join(f"  rank {r}: {m}" for r, m in sorted(texts.items()))
     try:
         err = cls(f"{message}\n{detail}")

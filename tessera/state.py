@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol, TypeGuard, runtime_checkable
 
 import torch
 
@@ -61,7 +61,7 @@ class FlatState:
     """Plain values (raw Python objects), treated as identical on every rank."""
     per_rank_values: dict[str, tuple[Any, OnResize]] = field(default_factory=dict)
     """Rank-local plain values with their resize policy."""
-    statefuls: list[tuple[object, dict[str, Any]]] = field(default_factory=list)
+    statefuls: list[tuple[Stateful, dict[str, Any]]] = field(default_factory=list)
     """(object, the state dict taken from it), innermost first, for ``load_state_dict``."""
 
     def tensor_fqns(self) -> set[str]:
@@ -71,8 +71,17 @@ class FlatState:
         return self.tensor_fqns() | set(self.values) | set(self.per_rank_values)
 
 
-def is_stateful(value: object) -> bool:
-    """Whether ``value`` offers ``state_dict()`` and ``load_state_dict()``."""
+@runtime_checkable
+class Stateful(Protocol):
+    """What tessera saves through ``state_dict()`` and restores through ``load_state_dict()``."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> Any: ...
+
+
+def is_stateful(value: object) -> TypeGuard[Stateful]:
+    """Whether ``value`` offers ``state_dict()`` and ``load_state_dict()`` (callables, not just names)."""
     return callable(getattr(value, "state_dict", None)) and callable(getattr(value, "load_state_dict", None))
 
 
@@ -294,7 +303,7 @@ def restore_values(state: object, flat: FlatState, lookup: Callable[[str], tuple
     dict it produced during :func:`flatten` (now filled), innermost first.
     """
     stateful_sds = {id(obj): sd for obj, sd in flat.statefuls}
-    filled: dict[int, object] = {}
+    filled: dict[int, dict[str, Any]] = {}
 
     def rebuild(value: object, fqn: str, container: bool = False) -> object:
         if isinstance(value, PerRank):
@@ -304,7 +313,7 @@ def restore_values(state: object, flat: FlatState, lookup: Callable[[str], tuple
         if is_stateful(value) and not isinstance(value, type):
             sd = stateful_sds.get(id(value))
             if sd is not None:
-                filled[id(value)] = rebuild(sd, fqn, container=True)
+                filled[id(value)] = rebuild(sd, fqn, container=True)  # type: ignore[assignment]  # a dict in, the same dict out
             return value
         if isinstance(value, (dict, list, tuple)) and (container or _contains_tensor(value) or not fqn):
             if isinstance(value, dict):
@@ -315,7 +324,7 @@ def restore_values(state: object, flat: FlatState, lookup: Callable[[str], tuple
                 for i in range(len(value)):
                     value[i] = rebuild(value[i], join(fqn, i))
                 return value
-            items = [rebuild(v, join(fqn, i)) for i, v in enumerate(value)]
+            items: list[Any] = [rebuild(v, join(fqn, i)) for i, v in enumerate(value)]
             return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
         found, loaded = lookup(fqn)
         return loaded if found else value

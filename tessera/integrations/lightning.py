@@ -30,14 +30,14 @@ import shutil
 import time
 from collections.abc import Mapping
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.io.checkpoint_plugin import CheckpointIO
-from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, ModelParallelStrategy
+from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, ModelParallelStrategy, Strategy
 from lightning.pytorch.trainer.states import TrainerFn
 
 from .. import api
@@ -352,8 +352,10 @@ def _plain(value: object) -> object:
     """Dict subclasses (``OrderedDict``, Lightning's ``AttributeDict``) as dicts, recursively."""
     if isinstance(value, Mapping):
         return {k: _plain(v) for k, v in value.items()}
-    if type(value) in (list, tuple):
-        return type(value)(_plain(v) for v in value)
+    if type(value) is list:
+        return [_plain(v) for v in value]
+    if type(value) is tuple:
+        return tuple(_plain(v) for v in value)
     return value
 
 
@@ -361,7 +363,13 @@ def _plain(value: object) -> object:
 # Strategies whose saves are collective and sharded
 
 
-class _TesseraStrategyMixin:
+if TYPE_CHECKING:  # the mixin is only ever combined with a Strategy; tell the type checker so
+    _StrategyBase = Strategy
+else:
+    _StrategyBase = object
+
+
+class _TesseraStrategyMixin(_StrategyBase):
     """Checkpoint methods for a Lightning ``ParallelStrategy``: one collective tessera save.
 
     The model (``ModelState`` of the wrapped model) and each optimizer (``OptimizerState``)
@@ -392,31 +400,36 @@ class _TesseraStrategyMixin:
         # The model and optimizers must exist (wrapped and sharded) to be filled in place.
         return True
 
+    def _live_model(self) -> torch.nn.Module:
+        if self.model is None:
+            raise RuntimeError(f"{type(self).__name__}: no model is connected yet; checkpoints need the set-up model")
+        return self.model
+
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """The model's parameters and buffers by FQN, as views of this rank's shards (no communication)."""
-        return ModelState(self.model).state_dict()
+        return ModelState(self._live_model()).state_dict()
 
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """The optimizer's state by parameter FQN, as views of this rank's shards (no communication)."""
-        return OptimizerState(self.model, _unwrap(optimizer)).state_dict()
+        return OptimizerState(self._live_model(), _unwrap(optimizer)).state_dict()
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
         """Save collectively: every rank writes its shards (called by all ranks)."""
         path = str(self.broadcast(str(filepath)))
-        sharded: dict[str, object] = {"state_dict": ModelState(self.model)}
+        sharded: dict[str, object] = {"state_dict": ModelState(self._live_model())}
         if "optimizer_states" in checkpoint:
-            sharded["optimizer_states"] = [OptimizerState(self.model, _unwrap(o)) for o in self.optimizers]
+            sharded["optimizer_states"] = [OptimizerState(self._live_model(), _unwrap(o)) for o in self.optimizers]
         self.checkpoint_io._save(checkpoint, path, storage_options, sharded=sharded, process_group=None)
 
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
         """Load collectively into the live model and optimizers; return the rest of the dict."""
         path = str(self.broadcast(str(checkpoint_path)))
         module = self.lightning_module
-        model_state = ModelState(self.model)
+        model_state = ModelState(self._live_model())
         sharded: dict[str, object] = {"state_dict": model_state}
         optim_states: list[OptimizerState] = []
         if module is not None and module.trainer.state.fn == TrainerFn.FITTING and self.optimizers:
-            optim_states = [OptimizerState(self.model, _unwrap(o)) for o in self.optimizers]
+            optim_states = [OptimizerState(self._live_model(), _unwrap(o)) for o in self.optimizers]
             sharded["optimizer_states"] = optim_states
         strict = module.strict_loading if module is not None else True
         checkpoint = self.checkpoint_io._load(path, sharded=sharded, strict=strict, process_group=None)
@@ -439,7 +452,7 @@ class _TesseraStrategyMixin:
         wait happens here for every strategy.
         """
         self.checkpoint_io.teardown()
-        super().teardown()  # type: ignore[misc]
+        super().teardown()
 
     def remove_checkpoint(self, filepath: _PATH) -> None:
         """Rank 0 deletes the checkpoint directory."""

@@ -186,5 +186,5 @@ def install() -> None:
     """
     import torchtitan.train
 
-    torchtitan.train.CheckpointManager = TesseraCheckpointManager  # type: ignore[misc]
+    torchtitan.train.CheckpointManager = TesseraCheckpointManager
     logger.info("torchtitan.train.Trainer will checkpoint with tessera")

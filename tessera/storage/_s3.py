@@ -9,8 +9,10 @@ retry policy (:mod:`tessera.storage._retry`) instead of three stacked ones.
 from __future__ import annotations
 
 import asyncio
+import builtins
 import concurrent.futures
 import errno
+import functools
 import hashlib
 import logging
 import os
@@ -422,17 +424,19 @@ class S3Objects:
     def list(self, rel_prefix: str) -> list[str]:
         return [name for name, _ in self._run(self._list_sized, rel_prefix)]
 
-    async def _list_sized(self, rel_prefix: str) -> list[tuple[str, int]]:
+    async def _list_sized(self, rel_prefix: str) -> builtins.list[tuple[str, int]]:
         base = self._key(rel_prefix) if rel_prefix else self.prefix
         list_prefix = base if rel_prefix else (f"{base}/" if base else "")
         strip = f"{self.prefix}/" if self.prefix else ""
-        out: list[tuple[str, int]] = []
+        out: builtins.list[tuple[str, int]] = []
         token: str | None = None
         while True:
             kwargs: dict[str, object] = {"Prefix": list_prefix}
             if token:
                 kwargs["ContinuationToken"] = token
-            resp = await self._retrying("listing", rel_prefix, lambda kw=kwargs: self._call("list_objects_v2", **kw))
+            resp = await self._retrying(
+                "listing", rel_prefix, functools.partial(self._call, "list_objects_v2", **kwargs)
+            )
             for obj in resp.get("Contents", []):
                 name = obj["Key"]
                 if name.endswith("/"):
@@ -444,7 +448,7 @@ class S3Objects:
                 return sorted(out)
             token = resp.get("NextContinuationToken")
 
-    def delete(self, rels: list[str]) -> None:
+    def delete(self, rels: builtins.list[str]) -> None:
         for i in range(0, len(rels), _DELETE_BATCH):
             batch = rels[i : i + _DELETE_BATCH]
             objects = [{"Key": self._key(r)} for r in batch]

@@ -33,6 +33,7 @@ fsspec's shared I/O event loop; the calling thread blocks until its request is d
 
 from __future__ import annotations
 
+import functools
 import logging
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -344,7 +345,7 @@ class FsspecStorage:
             self._s3.delete(rels)
             return
         for rel in rels:
-            self._retry("deleting", rel, lambda full=self._full(rel): self._rm_if_present(full))  # noqa: B008 - binds this rel's path
+            self._retry("deleting", rel, functools.partial(self._rm_if_present, self._full(rel)))
 
     # -- generic fsspec implementation --------------------------------------------------------------
 
@@ -395,7 +396,7 @@ class FsspecStorage:
         for start in range(0, len(view), self.part_size):
             piece = view[start : start + self.part_size]
             lo, hi = offset + start, offset + start + len(piece)
-            data = self._retry("reading", rel, lambda lo=lo, hi=hi: self.fs.cat_file(full, lo, hi))
+            data = self._retry("reading", rel, functools.partial(self.fs.cat_file, full, lo, hi))
             if len(data) < len(piece):
                 raise Truncated(lo + len(data))
             piece[:] = data
