@@ -20,7 +20,7 @@ import torch.distributed as dist_
 
 from . import dist
 from .dist import World
-from .geometry import Box
+from .geometry import split_even
 from .read import ReadTarget
 
 logger = logging.getLogger(__name__)
@@ -81,16 +81,14 @@ def split_replicated(world: World, targets: list[ReadTarget]) -> tuple[list[Read
 
 
 def _row_pieces(t: ReadTarget, ranks: int) -> list[ReadTarget]:
+    """Cut a target into slabs of rows (one per rank at most, none under ``_MIN_PIECE_BYTES``)."""
     nbytes = t.data.numel() * t.data.element_size()
     if t.data.dim() == 0 or t.box.lengths[0] < 2 or nbytes < 2 * _MIN_PIECE_BYTES:
         return [t]
-    rows = t.box.lengths[0]
-    parts = min(ranks, rows, nbytes // _MIN_PIECE_BYTES)
     out = []
-    for i in range(parts):
-        lo, hi = rows * i // parts, rows * (i + 1) // parts
-        box = Box((t.box.offsets[0] + lo,) + t.box.offsets[1:], (hi - lo,) + t.box.lengths[1:])
-        out.append(ReadTarget(t.fqn, box, t.data[lo:hi]))
+    for slab in split_even(t.box, min(ranks, nbytes // _MIN_PIECE_BYTES), dim=0):
+        lo = slab.offsets[0] - t.box.offsets[0]
+        out.append(ReadTarget(t.fqn, slab, t.data[lo : lo + slab.lengths[0]]))
     return out
 
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import math
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -35,9 +36,10 @@ from torch import nn
 
 from . import dist
 from .adapters.model import ModelState, unwrap
-from .dtypes import dtype_from_name, dtype_name
+from .dtypes import dtype_from_name, dtype_name, itemsize
 from .errors import CoverageError, StateMismatchError
 from .geometry import Box, intersect
+from .safetensors_header import encode_header
 from .state import flatten, is_stateful
 from .storage import Storage, storage_for
 
@@ -86,7 +88,7 @@ class _Tensor:
 
     @property
     def nbytes(self) -> int:
-        return _numel(self.shape) * _itemsize(self.out_dtype)
+        return math.prod(self.shape) * itemsize(self.out_dtype)
 
 
 @dataclass(frozen=True)
@@ -280,7 +282,7 @@ def _plan(
 
     groups = plan_shards([t.nbytes for t in tensors], limit)
     # Stable sort by item size, as the offline exporter does: keeps every tensor aligned.
-    shards = tuple(tuple(sorted((tensors[i] for i in g), key=lambda t: -_itemsize(t.out_dtype))) for g in groups)
+    shards = tuple(tuple(sorted((tensors[i] for i in g), key=lambda t: -itemsize(t.out_dtype))) for g in groups)
     files = tuple(shard_file_names(len(shards)))
 
     # Largest file first onto the least-loaded rank: with N files, N ranks write at once.
@@ -295,7 +297,7 @@ def _plan(
     for i, shard in enumerate(shards):
         w = writers[i]
         for t in shard:
-            size = max(_itemsize(t.dtype), _itemsize(t.out_dtype))
+            size = max(itemsize(t.dtype), itemsize(t.out_dtype))
             for n, box in enumerate(split_box(Box.whole(t.shape), size, block_bytes)):
                 if box.is_empty():  # an empty tensor has a header entry and no bytes
                     continue
@@ -333,7 +335,7 @@ def _schedule(
             b = blocks[w][nxt[w]]
             for owner, _, part in b.sources:
                 if owner != w:
-                    cost[owner] = cost.get(owner, 0) + part.numel * _itemsize(b.tensor.dtype)
+                    cost[owner] = cost.get(owner, 0) + part.numel * itemsize(b.tensor.dtype)
             if this and any(sent[o] + c > send_budget for o, c in cost.items()):
                 continue
             for o, c in cost.items():
@@ -407,7 +409,7 @@ class _Rounds:
             for owner, box, part in b.sources:
                 if owner == w:
                     continue
-                n = _padded(part.numel * _itemsize(b.tensor.dtype))
+                n = _padded(part.numel * itemsize(b.tensor.dtype))
                 if owner == me:
                     outgoing.append((w, self.local[(b.tensor.fqn, box)][part.relative_to(box).slices()]))
                     in_sizes[w] += n
@@ -443,7 +445,7 @@ class _Rounds:
             if owner == me:
                 dst.copy_(self.local[(t.fqn, box)][part.relative_to(box).slices()])
             else:
-                n = part.numel * _itemsize(t.dtype)
+                n = part.numel * itemsize(t.dtype)
                 dst.copy_(received[offsets[owner] : offsets[owner] + n].view(t.dtype).view(part.lengths))
                 offsets[owner] += _padded(n)
         out = buf if t.out_dtype == t.dtype else buf.to(t.out_dtype)
@@ -459,10 +461,9 @@ class _Rounds:
 def _file_chunks(shard: tuple[_Tensor, ...], rounds: _Rounds) -> Iterator[bytes | memoryview]:
     """A shard file's bytes: its header, then each tensor block by block as the rounds deliver them."""
     from .convert._common import safetensors_dtype_code
-    from .convert.hf import safetensors_header
 
-    yield safetensors_header([(t.name, safetensors_dtype_code(t.out_dtype, t.fqn), t.shape, t.nbytes) for t in shard])
-    remaining = {t.name: _numel(t.shape) for t in shard}
+    yield encode_header([(t.name, safetensors_dtype_code(t.out_dtype, t.fqn), t.shape, t.nbytes) for t in shard])
+    remaining = {t.name: math.prod(t.shape) for t in shard}
     for t in shard:
         while remaining[t.name]:
             block, data = rounds.next_block()
@@ -499,14 +500,3 @@ def _write_config(out: Storage, config: object, plan: _Plan) -> None:
 def _padded(nbytes: int) -> int:
     """``nbytes`` rounded up to 8: every part in an exchange buffer starts aligned for any dtype."""
     return -(-nbytes // 8) * 8
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()

@@ -23,16 +23,14 @@ import numpy as np
 import torch
 import xxhash
 
-from .dtypes import dtype_from_name, itemsize
+from .dtypes import ALIGN, dtype_from_name, itemsize
 from .errors import CorruptCheckpointError, CoverageError, StateMismatchError, StorageError
-from .geometry import Box, check_box_coverage, row_major_strides, runs
+from .geometry import Box, check_box_coverage, row_major_strides, runs, split_box
 from .manifest import Manifest, Tile
 from .stage import as_bytes
 from .storage.base import Storage
 
 logger = logging.getLogger(__name__)
-
-_ALIGN = 64
 
 
 @dataclass(frozen=True)
@@ -225,43 +223,6 @@ def _dense(t: torch.Tensor) -> bool:
     return True
 
 
-def _split_for_reads(rel: Box, tile_lengths: tuple[int, ...], size: int, max_bytes: int) -> list[Box]:
-    """Cut a tile-relative box into pieces whose byte span in the tile is at most ``max_bytes``."""
-    strides = row_major_strides(tile_lengths)
-
-    def span(b: Box) -> int:
-        if b.is_empty():
-            return 0
-        first = sum(o * s for o, s in zip(b.offsets, strides))
-        last = sum((o + n - 1) * s for o, n, s in zip(b.offsets, b.lengths, strides))
-        return (last - first + 1) * size
-
-    out: list[Box] = []
-    stack = [rel]
-    while stack:
-        b = stack.pop()
-        if span(b) <= max_bytes or b.numel <= 1:
-            out.append(b)
-            continue
-        d = next((d for d in range(b.ndim) if b.lengths[d] > 1), None)
-        if d is None:
-            out.append(b)
-            continue
-        n = b.lengths[d]
-        per = max(1, n * max_bytes // max(1, span(b)))
-        pieces = []
-        for lo in range(0, n, per):
-            hi = min(n, lo + per)
-            pieces.append(
-                Box(
-                    b.offsets[:d] + (b.offsets[d] + lo,) + b.offsets[d + 1 :],
-                    b.lengths[:d] + (hi - lo,) + b.lengths[d + 1 :],
-                )
-            )
-        stack.extend(reversed(pieces))
-    return out
-
-
 def plan_reads(
     manifest: Manifest,
     targets: Sequence[ReadTarget],
@@ -316,7 +277,7 @@ def plan_reads(
                 span = (tile.byte_offset, tile.byte_offset + tile.nbytes)
                 direct.append(ReadRequest(tile.file, *span, [_Copy(t.fqn, tile, rel, view, dtype, span)], direct=True))
                 continue
-            for piece in _split_for_reads(rel, tile.lengths, size, max_read_bytes):
+            for piece in split_box(rel, size, max_read_bytes, within=tile.lengths):
                 first, last = _byte_span(piece, tile.lengths, size)
                 a = first // chunk * chunk
                 b = min(tile.nbytes, -(-last // chunk) * chunk)
@@ -348,10 +309,10 @@ class _Buffers(threading.local):
     buf: torch.Tensor | None = None
 
     def get(self, nbytes: int) -> torch.Tensor:
-        if self.buf is None or self.buf.numel() < nbytes + _ALIGN:
+        if self.buf is None or self.buf.numel() < nbytes + ALIGN:
             self.buf = None
-            # A multiple of _ALIGN bytes, so the buffer can be viewed as any dtype.
-            self.buf = torch.empty(-(-(nbytes + _ALIGN) // _ALIGN) * _ALIGN, dtype=torch.uint8)
+            # A multiple of ALIGN bytes, so the buffer can be viewed as any dtype.
+            self.buf = torch.empty(-(-(nbytes + ALIGN) // ALIGN) * ALIGN, dtype=torch.uint8)
         return self.buf
 
 
@@ -413,9 +374,9 @@ class Reader:
             self._execute_mapped(req, mapper)
             return
         buf = self._buffers.get(req.nbytes)
-        # Place file offset ``start`` at an address congruent to it modulo _ALIGN, so every
+        # Place file offset ``start`` at an address congruent to it modulo ALIGN, so every
         # tile (aligned to its item size in the file) is aligned in memory too.
-        base = (req.start - buf.data_ptr()) % _ALIGN
+        base = (req.start - buf.data_ptr()) % ALIGN
         region = buf[base : base + req.nbytes]
         self._read(req, memoryview(region.numpy()))
         self._verify(req, region, req.start)

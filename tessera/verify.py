@@ -9,10 +9,8 @@ is built on it.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
-import struct
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -26,6 +24,7 @@ from . import _knobs
 from .errors import CorruptCheckpointError, CoverageError, ManifestError, PickleNotAllowedError
 from .geometry import Box, check_box_coverage
 from .manifest import MANIFEST_NAME, FileEntry, Manifest, TensorEntry, Tile, decode, read_bytes
+from .safetensors_header import parse_header
 from .storage import Storage, storage_for
 from .tilefile import tile_key
 from .values import decode_value
@@ -34,8 +33,6 @@ logger = logging.getLogger(__name__)
 
 _BUFFER_BYTES = 8 << 20
 """Bytes read at a time per thread; with the thread count this bounds verify's memory."""
-_MAX_HEADER_BYTES = 100 << 20
-"""Largest safetensors header accepted (the safetensors library uses the same limit)."""
 _MAX_PROBLEMS_PER_FILE = 20
 """Problems of one kind reported per data file; the rest are counted in one summary."""
 _MAX_COORD = 1 << 62
@@ -382,23 +379,17 @@ def _check_header(
     store: Storage, entry: FileEntry, size: int, tiles: list[_Group], problem: _Report, saved: dict[str, str]
 ) -> None:
     where = f"file '{entry.path}' (written by rank {entry.rank})"
-    try:
-        if size < 8:
-            raise ValueError(f"{size} bytes is too short for a safetensors header")
-        head = bytearray(8)
-        store.read_into(entry.path, 0, memoryview(head))
-        (n,) = struct.unpack("<Q", head)
-        if n > min(size - 8, _MAX_HEADER_BYTES):
-            raise ValueError(f"header length {n} exceeds the file or the {_MAX_HEADER_BYTES}-byte limit")
+
+    def read(start: int, n: int) -> bytes:
         raw = bytearray(n)
-        store.read_into(entry.path, 8, memoryview(raw))
-        header = json.loads(bytes(raw))
-        if not isinstance(header, dict):
-            raise TypeError("the header is not a JSON object")
+        store.read_into(entry.path, start, memoryview(raw))
+        return bytes(raw)
+
+    try:
+        header, base = parse_header(read, size)
     except Exception as e:
         problem(ProblemKind.HEADER, f"{where} is not a valid safetensors file: {type(e).__name__}: {e}")
         return
-    base = 8 + n
     mismatched = 0
     for fqn, tile in _iter_tiles(tiles):
         key = tile_key(saved.get(fqn, fqn), Box(tile.offsets, tile.lengths))
