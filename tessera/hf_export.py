@@ -422,10 +422,10 @@ class _Rounds:
             send = torch.empty(sum(in_sizes), dtype=torch.uint8)
             pos = 0
             for dest in range(size):
-                for d, part in outgoing:
+                for d, data in outgoing:
                     if d == dest:
-                        n = part.numel() * part.element_size()
-                        send[pos : pos + n].view(part.dtype).view(part.shape).copy_(part)
+                        n = data.numel() * data.element_size()
+                        send[pos : pos + n].view(data.dtype).view(data.shape).copy_(data)
                         pos += _padded(n)
             received = torch.empty(sum(out_sizes), dtype=torch.uint8)
             dist._run(
@@ -470,7 +470,7 @@ def _file_chunks(shard: tuple[_Tensor, ...], rounds: _Rounds) -> Iterator[bytes 
             if block.tensor.name != t.name:
                 raise RuntimeError(f"export plan out of order: got '{block.tensor.name}', expected '{t.name}'")
             remaining[t.name] -= block.box.numel
-            yield memoryview(data.contiguous().reshape(-1).view(torch.uint8).numpy())
+            yield data.contiguous().reshape(-1).view(torch.uint8).numpy().data
             del block, data  # written: free it before the next round allocates the next block
 
 

@@ -204,13 +204,13 @@ def build_global_plan(local_plans: list[LocalPlan], options: PlanOptions | None 
     pieces: list[tuple[int, np.ndarray, np.ndarray]] = []  # (bytes, row, holders)
     for g in np.flatnonzero(~single):
         holders = table[starts[g] : starts[g] + counts[g], 1]
-        for row in _split_replicated(uniq[g], nd, int(nbytes[g]), len(holders), piece_bytes):
-            pieces.append((int(row[1 + nd :].prod() * sizes[row[0]]), row, holders))
+        for piece in _split_replicated(uniq[g], nd, int(nbytes[g]), len(holders), piece_bytes):
+            pieces.append((int(piece[1 + nd :].prod() * sizes[piece[0]]), piece, holders))
     pieces.sort(key=lambda p: -p[0])
     rep_rows = np.zeros((len(pieces), 2 + 2 * nd), dtype=np.int64)
-    for i, (b, row, holders) in enumerate(pieces):
+    for i, (piece_nbytes, row, holders) in enumerate(pieces):
         w = holders[np.argmin(load[holders])]
-        load[w] += b
+        load[w] += piece_nbytes
         rep_rows[i, :-1] = row
         rep_rows[i, -1] = w
     out_rows.append(rep_rows)

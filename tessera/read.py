@@ -366,7 +366,7 @@ class Reader:
         if req.direct:
             copy = req.copies[0]
             dest = as_bytes(copy.target)
-            self._read(req, memoryview(dest.numpy()))
+            self._read(req, dest.numpy().data)
             self._verify(req, dest, req.start)
             return
         mapper = getattr(self.storage, "map_range", None) if self.mmap else None
@@ -378,7 +378,7 @@ class Reader:
         # tile (aligned to its item size in the file) is aligned in memory too.
         base = (req.start - buf.data_ptr()) % ALIGN
         region = buf[base : base + req.nbytes]
-        self._read(req, memoryview(region.numpy()))
+        self._read(req, region.numpy().data)
         self._verify(req, region, req.start)
         for c in req.copies:
             size = itemsize(c.dtype)
@@ -434,7 +434,7 @@ class Reader:
         )
 
     def _verify(self, req: ReadRequest, data: torch.Tensor, start: int) -> None:
-        self._verify_view(req, memoryview(data.numpy()))
+        self._verify_view(req, data.numpy().data)
 
     def _verify_view(self, req: ReadRequest, data: memoryview) -> None:
         """Check every checksum chunk that lies wholly inside ``req`` (``data`` holds its bytes)."""
