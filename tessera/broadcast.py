@@ -21,7 +21,7 @@ import torch.distributed as dist_
 from . import dist
 from .dist import World
 from .geometry import split_even
-from .read import ReadTarget
+from .read_plan import ReadTarget
 
 logger = logging.getLogger(__name__)
 
@@ -97,4 +97,6 @@ def run_broadcasts(world: World, broadcasts: list[Broadcast]) -> None:
     for b in broadcasts:
         src = dist_.get_global_rank(world.group, b.owner)
         raw = b.data.reshape(-1).view(torch.uint8)  # gloo moves bytes of any dtype this way
-        dist._run(world, "broadcasting replicated tensors", lambda: dist_.broadcast(raw, src=src, group=world.group))  # noqa: B023 - called at once
+        dist.run_collective(
+            world, "broadcasting replicated tensors", lambda: dist_.broadcast(raw, src=src, group=world.group)
+        )  # noqa: B023 - called at once

@@ -315,6 +315,6 @@ def inspect_data(path: str) -> dict[str, Any]:
             for n, e in m.tensors.items()
         ],
         "values": m.values,
-        "per_rank": {k: {"on_resize": v.on_resize, "values": list(v.values)} for k, v in m.per_rank.items()},
+        "per_rank": {k: {"on_resize": v.on_resize, "values": list(v.by_rank)} for k, v in m.per_rank.items()},
         "metadata": {k: v for k, v in m.metadata.items() if k != "tensor_policies"},
     }

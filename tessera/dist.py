@@ -230,3 +230,8 @@ def _attach(error: BaseException, failures: Mapping[int, RankFailure | str]) -> 
             error.failures = {r: str(f) for r, f in failures.items()}
         except AttributeError:  # a class that forbids it keeps its empty default
             pass
+
+
+run_collective = (
+    _run  # public name: run one collective step, turning a dead peer or a timeout into CollectiveTimeoutError
+)

@@ -168,7 +168,7 @@ def _check_coverage(manifest: Manifest) -> list[Problem]:
 def _check_values(manifest: Manifest, problems: list[Problem]) -> list[str]:
     pickled = []
     items = [(k, v) for k, v in manifest.values.items()]
-    items += [(k, v) for k, e in manifest.per_rank.items() for v in e.values]
+    items += [(k, v) for k, e in manifest.per_rank.items() for v in e.by_rank]
     for name, encoded in items:
         try:
             decode_value(encoded, name, allow_pickle=False)

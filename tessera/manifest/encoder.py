@@ -41,7 +41,7 @@ def encode(m: Manifest) -> bytes:
         "files": [{"path": f.path, "rank": f.rank, "bytes": f.nbytes} for f in m.files],
         "tensors": tensors,
         "values": m.values,
-        "per_rank": {k: {"on_resize": v.on_resize, "values": list(v.values)} for k, v in m.per_rank.items()},
+        "per_rank": {k: {"on_resize": v.on_resize, "values": list(v.by_rank)} for k, v in m.per_rank.items()},
         "layout": m.layout,
         "timings": m.timings,
         "metadata": m.metadata,

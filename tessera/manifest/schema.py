@@ -178,10 +178,20 @@ class TensorEntry:
 
 @dataclass(frozen=True)
 class PerRankEntry:
-    """A rank-local plain value: one encoded value per saving rank (``None`` if absent)."""
+    """A per-rank value: one encoded plain value per saving rank (``None`` where a rank had none).
+
+    Attributes:
+        on_resize: what a load under another world size does (``"error"``, ``"keep"``, ``"modulo"``).
+        by_rank: the encoded value of each saving rank, indexed by rank.
+    """
 
     on_resize: str
-    values: tuple[Any, ...]
+    by_rank: tuple[Any, ...]
+
+    @property
+    def values(self) -> tuple[Any, ...]:
+        """Deprecated name of :attr:`by_rank` (kept while callers move over)."""
+        return self.by_rank
 
 
 @dataclass(frozen=True)
