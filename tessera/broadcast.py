@@ -12,6 +12,7 @@ on a fast local disk with a warm page cache reading locally is usually as fast.
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 
@@ -98,5 +99,7 @@ def run_broadcasts(world: World, broadcasts: list[Broadcast]) -> None:
         src = dist_.get_global_rank(world.group, b.owner)
         raw = b.data.reshape(-1).view(torch.uint8)  # gloo moves bytes of any dtype this way
         dist.run_collective(
-            world, "broadcasting replicated tensors", lambda: dist_.broadcast(raw, src=src, group=world.group)
-        )  # noqa: B023 - called at once
+            world,
+            "broadcasting replicated tensors",
+            functools.partial(dist_.broadcast, raw, src=src, group=world.group),
+        )

@@ -232,6 +232,4 @@ def _attach(error: BaseException, failures: Mapping[int, RankFailure | str]) -> 
             pass
 
 
-run_collective = (
-    _run  # public name: run one collective step, turning a dead peer or a timeout into CollectiveTimeoutError
-)
+run_collective = _run  # public name: one collective step; a dead peer or a timeout -> CollectiveTimeoutError
