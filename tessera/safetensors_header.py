@@ -116,8 +116,10 @@ def read_file_header(path: str) -> tuple[dict[str, Any], int]:
         size = fh.tell()
         try:
             return parse_header(read, size)
-        except (ValueError, TypeError) as e:
-            raise type(e)(f"{path} is not a safetensors file ({e})") from e
+        except TypeError as e:
+            raise TypeError(f"{path} is not a safetensors file ({e})") from e
+        except ValueError as e:  # JSONDecodeError and UnicodeDecodeError included
+            raise ValueError(f"{path} is not a safetensors file ({e})") from e
 
 
 def tensor_entries(header: dict[str, Any]) -> dict[str, dict[str, Any]]:
