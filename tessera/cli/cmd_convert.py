@@ -9,12 +9,10 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from ..tools import UsageError
+from .render import EXIT_OK, EXIT_PROBLEMS, fmt_size, phase_progress, to_json
 
 if TYPE_CHECKING:
     from rich.console import Console
-
-
-from .render import EXIT_OK, EXIT_PROBLEMS, fmt_size, phase_progress, to_json
 
 
 def cmd_diff(args: argparse.Namespace, out: Console) -> int:
@@ -120,6 +118,7 @@ class RuleAction(argparse.Action):
 
 
 def cmd_rename(args: argparse.Namespace, out: Console) -> int:
+    """``tessera rename PATH --map/--regex``: rewrite names in the manifest only."""
     from rich.table import Table
 
     from ..convert.rename import rename_tensors

@@ -9,14 +9,12 @@ import re
 from typing import TYPE_CHECKING, Any
 
 from ..tools import UsageError
+from .render import EXIT_OK, EXIT_PROBLEMS, fmt_size, shorten, to_json, value_text
 
 if TYPE_CHECKING:
     from rich.console import Console
 
     from ..verify import VerifyReport
-
-
-from .render import EXIT_OK, EXIT_PROBLEMS, fmt_size, shorten, to_json, value_text
 
 
 def _not_a_checkpoint(args: argparse.Namespace, out: Console, verb: str) -> int | None:
@@ -115,6 +113,7 @@ def _hf_directory(args: argparse.Namespace, out: Console, verb: str) -> int:
 
 
 def cmd_inspect(args: argparse.Namespace, out: Console) -> int:
+    """``tessera inspect PATH``: a checkpoint's tensors, values and layout (or what the path is instead)."""
     from rich.table import Table
     from rich.text import Text
 
@@ -195,6 +194,7 @@ def print_verify(out: Console, path: str, report: VerifyReport, limit: int) -> N
 
 
 def cmd_verify(args: argparse.Namespace, out: Console) -> int:
+    """``tessera verify PATH``: every file, header, checksum and tensor coverage (exit 1 on a problem)."""
     from ..verify import verify
 
     other = _not_a_checkpoint(args, out, "verify")

@@ -10,6 +10,7 @@ import statistics
 from typing import TYPE_CHECKING, Any
 
 from ..tools import UsageError
+from .render import EXIT_OK, EXIT_PROBLEMS, fmt_size, to_json
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -17,10 +18,8 @@ if TYPE_CHECKING:
     from ..trace import RankTiming, Straggler
 
 
-from .render import EXIT_OK, EXIT_PROBLEMS, fmt_size, to_json
-
-
 def cmd_trace(args: argparse.Namespace, out: Console) -> int:
+    """``tessera trace PATH``: per-rank phase tables, stragglers, Chrome trace and PNG timeline."""
     from .. import trace
     from ..api import read_manifest
 
