@@ -9,6 +9,20 @@ Save training state from any parallel layout, load it into any other::
 Importing the package does no work: the public names below are loaded from their modules
 on first use (PEP 562), so that ``tessera --help`` and ``tessera --version`` answer without
 importing torch. ``import tessera`` followed by any attribute behaves as an eager import.
+
+Glossary (in full in ``docs/format.md``):
+
+* **box**: a rectangular region of a global tensor (offsets, lengths); geometry only.
+* **flat range**: ``[start, stop)`` of a tensor's row-major flattening; becomes boxes.
+* **shard**: what a user passes to say which box or flat range a rank holds
+  (:class:`ShardedTensor`, :class:`FlatShard`).
+* **piece**: a box a rank holds, with its data (``state.TensorPiece``).
+* **tile**: a box as stored in a data file: laid out (``TileSlot``), written
+  (``WrittenTile``), committed in the manifest (``manifest.Tile``).
+* **block** / **slab**: a box cut to bound memory while streaming / one of n near-equal
+  slices of a box shared among ranks (``geometry.split_box`` / ``geometry.split_even``).
+* **value**: a plain (non-tensor) Python object, stored inline in the manifest; a
+  **per-rank value** has one encoded value per saving rank.
 """
 
 from __future__ import annotations

@@ -12,6 +12,7 @@ on a fast local disk with a warm page cache reading locally is usually as fast.
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 
@@ -20,8 +21,8 @@ import torch.distributed as dist_
 
 from . import dist
 from .dist import World
-from .geometry import Box
-from .read import ReadTarget
+from .geometry import split_even
+from .read_plan import ReadTarget
 
 logger = logging.getLogger(__name__)
 
@@ -81,16 +82,14 @@ def split_replicated(world: World, targets: list[ReadTarget]) -> tuple[list[Read
 
 
 def _row_pieces(t: ReadTarget, ranks: int) -> list[ReadTarget]:
+    """Cut a target into slabs of rows (one per rank at most, none under ``_MIN_PIECE_BYTES``)."""
     nbytes = t.data.numel() * t.data.element_size()
     if t.data.dim() == 0 or t.box.lengths[0] < 2 or nbytes < 2 * _MIN_PIECE_BYTES:
         return [t]
-    rows = t.box.lengths[0]
-    parts = min(ranks, rows, nbytes // _MIN_PIECE_BYTES)
     out = []
-    for i in range(parts):
-        lo, hi = rows * i // parts, rows * (i + 1) // parts
-        box = Box((t.box.offsets[0] + lo,) + t.box.offsets[1:], (hi - lo,) + t.box.lengths[1:])
-        out.append(ReadTarget(t.fqn, box, t.data[lo:hi]))
+    for slab in split_even(t.box, min(ranks, nbytes // _MIN_PIECE_BYTES), dim=0):
+        lo = slab.offsets[0] - t.box.offsets[0]
+        out.append(ReadTarget(t.fqn, slab, t.data[lo : lo + slab.lengths[0]]))
     return out
 
 
@@ -99,4 +98,8 @@ def run_broadcasts(world: World, broadcasts: list[Broadcast]) -> None:
     for b in broadcasts:
         src = dist_.get_global_rank(world.group, b.owner)
         raw = b.data.reshape(-1).view(torch.uint8)  # gloo moves bytes of any dtype this way
-        dist._run(world, "broadcasting replicated tensors", lambda: dist_.broadcast(raw, src=src, group=world.group))  # noqa: B023 - called at once
+        dist.run_collective(
+            world,
+            "broadcasting replicated tensors",
+            functools.partial(dist_.broadcast, raw, src=src, group=world.group),
+        )

@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import json
 import os
-import struct
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
 from .manifest import MANIFEST_NAME, Manifest
+from .safetensors_header import read_file_header, tensor_entries
 
 __all__ = [
     "HFDirectory",
@@ -197,17 +197,8 @@ def describe_hf(path: str) -> HFDirectory:
     total = 0
     dtypes: dict[str, int] = {}
     for f in files:
-        with open(f, "rb") as fh:
-            raw = fh.read(8)
-            if len(raw) != 8:
-                raise ValueError(f"{f} is not a safetensors file (shorter than 8 bytes)")
-            (n,) = struct.unpack("<Q", raw)
-            if n > 100 << 20:
-                raise ValueError(f"{f} is not a safetensors file (header length {n})")
-            header = json.loads(fh.read(n))
-        for name, entry in header.items():
-            if name == "__metadata__":
-                continue
+        header, _ = read_file_header(f)
+        for entry in tensor_entries(header).values():
             tensors += 1
             start, stop = entry["data_offsets"]
             total += stop - start
@@ -324,6 +315,6 @@ def inspect_data(path: str) -> dict[str, Any]:
             for n, e in m.tensors.items()
         ],
         "values": m.values,
-        "per_rank": {k: {"on_resize": v.on_resize, "values": list(v.values)} for k, v in m.per_rank.items()},
+        "per_rank": {k: {"on_resize": v.on_resize, "values": list(v.by_rank)} for k, v in m.per_rank.items()},
         "metadata": {k: v for k, v in m.metadata.items() if k != "tensor_policies"},
     }

@@ -230,3 +230,6 @@ def _attach(error: BaseException, failures: Mapping[int, RankFailure | str]) -> 
             error.failures = {r: str(f) for r, f in failures.items()}
         except AttributeError:  # a class that forbids it keeps its empty default
             pass
+
+
+run_collective = _run  # public name: one collective step; a dead peer or a timeout -> CollectiveTimeoutError

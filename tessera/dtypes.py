@@ -85,7 +85,12 @@ def dtype_from_name(name: str) -> torch.dtype:
         raise ValueError(f"unknown dtype {name!r} in checkpoint") from None
 
 
+ALIGN = 64
+"""Byte alignment of tile data in data files and in host buffers: every dtype's alignment, and a cache line."""
+
+
 def itemsize(dtype: torch.dtype) -> int:
+    """Bytes per element of ``dtype``."""
     return torch.empty((), dtype=dtype).element_size()
 
 

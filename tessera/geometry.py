@@ -98,6 +98,90 @@ def row_major_strides(shape: Sequence[int]) -> tuple[int, ...]:
     return tuple(strides)
 
 
+def split_even(box: Box, parts: int, dim: int | None = None) -> list[Box]:
+    """Cut ``box`` into ``parts`` slabs of near-equal length along one dimension.
+
+    The slabs are in order and cover the box exactly once; slab ``i`` spans
+    ``[n * i // parts, n * (i + 1) // parts)`` of the dimension's length ``n``.
+
+    Args:
+        box: the box to cut.
+        parts: how many slabs; clamped to ``[1, n]``.
+        dim: the dimension to cut; by default the first one longer than 1.
+
+    Returns:
+        The slabs; ``[box]`` when there is nothing to cut.
+
+    Example:
+        >>> [str(b) for b in split_even(Box((0, 0), (5, 2)), 2)]
+        ['[0:2, 0:2]', '[2:5, 0:2]']
+    """
+    if dim is None:
+        dim = next((d for d in range(box.ndim) if box.lengths[d] > 1), None)
+        if dim is None:
+            return [box]
+    n = box.lengths[dim]
+    parts = max(1, min(parts, n))
+    if parts == 1:
+        return [box]
+    return [
+        _with_dim(box, dim, box.offsets[dim] + n * i // parts, n * (i + 1) // parts - n * i // parts)
+        for i in range(parts)
+    ]
+
+
+def split_box(box: Box, itemsize: int, max_bytes: int, *, within: Sequence[int] | None = None) -> list[Box]:
+    """Cut ``box`` into row-major blocks whose bytes span at most ``max_bytes`` (never below one element).
+
+    Blocks are cut along the first dimension longer than one, so each block is one
+    contiguous run of the box's rows when a row fits; longer rows are cut further. The
+    blocks are in row-major order and cover the box exactly once.
+
+    Args:
+        box: the box to cut.
+        itemsize: bytes per element.
+        max_bytes: the largest byte span of a block.
+        within: the lengths of the tensor the box is laid out in (row-major), when the
+            span to bound is the one the block covers there (from its first to its last
+            element, gaps included), as for a range read from a saved tile. By default
+            the box is its own contiguous tensor.
+
+    Returns:
+        The blocks.
+
+    Example:
+        >>> [str(b) for b in split_box(Box((0, 0), (4, 3)), 4, 24)]
+        ['[0:2, 0:3]', '[2:4, 0:3]']
+    """
+    strides = row_major_strides(within) if within is not None else None
+
+    def span(b: Box) -> int:
+        if strides is None or b.is_empty():
+            return b.numel * itemsize
+        first = sum(o * s for o, s in zip(b.offsets, strides))
+        last = sum((o + n - 1) * s for o, n, s in zip(b.offsets, b.lengths, strides))
+        return (last - first + 1) * itemsize
+
+    out: list[Box] = []
+    stack = [box]
+    while stack:  # depth first, in order: the blocks come out row-major
+        b = stack.pop()
+        nbytes = span(b)
+        d = next((d for d in range(b.ndim) if b.lengths[d] > 1), None)
+        if nbytes <= max_bytes or b.numel <= 1 or d is None:
+            out.append(b)
+            continue
+        n = b.lengths[d]
+        per = max(1, n * max_bytes // max(1, nbytes))
+        stack.extend(reversed([_with_dim(b, d, b.offsets[d] + lo, min(per, n - lo)) for lo in range(0, n, per)]))
+    return out
+
+
+def _with_dim(box: Box, d: int, offset: int, length: int) -> Box:
+    """``box`` with dimension ``d`` set to ``[offset, offset + length)``."""
+    return Box(box.offsets[:d] + (offset,) + box.offsets[d + 1 :], box.lengths[:d] + (length,) + box.lengths[d + 1 :])
+
+
 def flat_range_to_boxes(shape: Sequence[int], start: int, stop: int) -> list[Box]:
     """Decompose ``[start, stop)`` of the row-major flattening of ``shape`` into boxes.
 

@@ -18,7 +18,7 @@ import numpy as np
 
 from .dtypes import dtype_from_name, dtype_name, itemsize
 from .errors import CoverageError
-from .geometry import Box, check_box_coverage, check_flat_coverage
+from .geometry import Box, check_box_coverage, check_flat_coverage, split_even
 from .state import FlatState
 
 
@@ -204,13 +204,13 @@ def build_global_plan(local_plans: list[LocalPlan], options: PlanOptions | None 
     pieces: list[tuple[int, np.ndarray, np.ndarray]] = []  # (bytes, row, holders)
     for g in np.flatnonzero(~single):
         holders = table[starts[g] : starts[g] + counts[g], 1]
-        for row in _split_replicated(uniq[g], nd, int(nbytes[g]), len(holders), piece_bytes):
-            pieces.append((int(row[1 + nd :].prod() * sizes[row[0]]), row, holders))
+        for piece in _split_replicated(uniq[g], nd, int(nbytes[g]), len(holders), piece_bytes):
+            pieces.append((int(piece[1 + nd :].prod() * sizes[piece[0]]), piece, holders))
     pieces.sort(key=lambda p: -p[0])
     rep_rows = np.zeros((len(pieces), 2 + 2 * nd), dtype=np.int64)
-    for i, (b, row, holders) in enumerate(pieces):
+    for i, (piece_nbytes, row, holders) in enumerate(pieces):
         w = holders[np.argmin(load[holders])]
-        load[w] += b
+        load[w] += piece_nbytes
         rep_rows[i, :-1] = row
         rep_rows[i, -1] = w
     out_rows.append(rep_rows)
@@ -281,22 +281,18 @@ def _check_coverage(
 
 
 def _split_replicated(row: np.ndarray, nd: int, nbytes: int, holders: int, piece_bytes: int) -> list[np.ndarray]:
-    """Cut a replicated box into slabs of about ``piece_bytes`` (at most one per holder)."""
+    """Cut a replicated box (a plan row) into slabs of about ``piece_bytes`` (at most one per holder)."""
     if nbytes <= piece_bytes or holders < 2:
         return [row]
-    lengths = row[1 + nd :]
-    dims = [d for d in range(nd) if lengths[d] > 1]
-    if not dims:
+    box = Box(tuple(int(x) for x in row[1 : 1 + nd]), tuple(int(x) for x in row[1 + nd : 1 + 2 * nd]))
+    slabs = split_even(box, min(holders, -(-nbytes // piece_bytes)))
+    if len(slabs) == 1:
         return [row]
-    d = dims[0]
-    n = int(lengths[d])
-    parts = min(holders, n, -(-nbytes // piece_bytes))
     out = []
-    for i in range(parts):
-        lo, hi = n * i // parts, n * (i + 1) // parts
+    for slab in slabs:
         piece = row.copy()
-        piece[1 + d] += lo
-        piece[1 + nd + d] = hi - lo
+        piece[1 : 1 + nd] = slab.offsets
+        piece[1 + nd : 1 + 2 * nd] = slab.lengths
         out.append(piece)
     return out
 

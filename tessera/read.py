@@ -1,10 +1,8 @@
-"""Load planning and reading: overlap target boxes with saved tiles, read only those bytes.
+"""Reading: run the range reads of a load plan, verify every chunk, copy into the targets.
 
-For every box a rank wants, the saved tiles of the same tensor that overlap it are found
-(vectorised per tensor); each overlap needs a set of the tile's checksum chunks. Needed
-chunks of one file are coalesced into range reads of bounded size, read by a thread pool,
-verified, and copied straight into the caller's tensors. When an overlap is a whole tile
-and the target memory is contiguous, the bytes are read directly into the target.
+Needed chunks of one file, coalesced by :func:`~tessera.read_plan.plan_reads`, are read by a
+thread pool, verified against their checksums, and copied straight into the caller's
+tensors; a whole-tile overlap over contiguous target memory is read directly into it.
 
 Memory: each I/O thread owns one reusable buffer of at most ``max_read_bytes``, so extra
 host memory stays bounded however large the checkpoint is.
@@ -17,56 +15,22 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-import numpy as np
 import torch
 import xxhash
 
-from .dtypes import dtype_from_name, itemsize
-from .errors import CorruptCheckpointError, CoverageError, StateMismatchError, StorageError
-from .geometry import Box, check_box_coverage, row_major_strides, runs
-from .manifest import Manifest, Tile
+from .dtypes import ALIGN, itemsize
+from .errors import CorruptCheckpointError, StorageError
+from .geometry import row_major_strides
+from .manifest import Manifest
+from .read_plan import ReadRequest, ReadTarget, check_targets, plan_reads
 from .stage import as_bytes
 from .storage.base import Storage
 
+__all__ = ["ReadRequest", "ReadStats", "ReadTarget", "Reader", "check_targets", "plan_reads"]
+
 logger = logging.getLogger(__name__)
-
-_ALIGN = 64
-
-
-@dataclass(frozen=True)
-class ReadTarget:
-    """A box of a saved tensor to fill, and the caller's memory for it."""
-
-    fqn: str
-    box: Box
-    data: torch.Tensor
-
-
-@dataclass
-class _Copy:
-    fqn: str
-    tile: Tile
-    rel: Box  # the overlap, relative to the tile
-    target: torch.Tensor  # caller memory shaped like rel.lengths
-    dtype: torch.dtype
-    span: tuple[int, int]  # chunk-aligned absolute byte range of the file this copy needs
-
-
-@dataclass
-class ReadRequest:
-    """One range read of a file and the copies it feeds."""
-
-    file: str
-    start: int
-    stop: int
-    copies: list[_Copy] = field(default_factory=list)
-    direct: bool = False
-
-    @property
-    def nbytes(self) -> int:
-        return self.stop - self.start
 
 
 @dataclass(frozen=True)
@@ -76,282 +40,14 @@ class ReadStats:
     seconds: float
 
 
-class _TileIndex:
-    """Per-tensor numpy arrays of tile boxes, built lazily from a manifest."""
-
-    def __init__(self, manifest: Manifest) -> None:
-        self.manifest = manifest
-        self._covered: set[str] = set()
-
-    def check_coverage(self, fqn: str, rank: int) -> None:
-        """Raise unless the tensor's tiles tile it exactly once (checked once per tensor)."""
-        if fqn in self._covered:
-            return
-        offs, lens = self.arrays(fqn)
-        try:
-            check_box_coverage(fqn, self.manifest.tensors[fqn].shape, offs, lens)
-        except CoverageError as e:
-            raise CorruptCheckpointError(
-                f"rank {rank}: {e}; the manifest is inconsistent (run `tessera verify`)"
-            ) from e
-        self._covered.add(fqn)
-
-    def arrays(self, fqn: str) -> tuple[np.ndarray, np.ndarray]:
-        table = self.manifest.tensors[fqn].table
-        return table.offsets, table.lengths
-
-
-_EXACT_OVERLAP_ELEMENTS = 1 << 22
-"""Up to this many elements, possible overlaps are settled exactly (one byte per element)."""
-
-
-def _extent(t: torch.Tensor) -> int:
-    """Elements from the first to one past the last that ``t`` can address."""
-    return sum((n - 1) * s for n, s in zip(t.shape, t.stride())) + 1
-
-
-def _self_overlaps(t: torch.Tensor) -> bool:
-    """Whether two elements of ``t`` share memory (a zero stride, or a view like ``expand``)."""
-    dims = sorted((s, n) for n, s in zip(t.shape, t.stride()) if n > 1)
-    reach = 0
-    for s, n in dims:  # each stride must step past everything the smaller strides reach
-        if s <= reach:
-            break
-        reach += s * (n - 1)
-    else:
-        return False
-    if any(s == 0 for s, _ in dims) or t.numel() > _EXACT_OVERLAP_ELEMENTS:
-        return True
-    offsets = np.zeros(1, dtype=np.int64)
-    for s, n in dims:
-        offsets = (offsets[:, None] + np.arange(n, dtype=np.int64) * s).reshape(-1)
-    return len(np.unique(offsets)) < len(offsets)
-
-
-def check_targets(targets: Sequence[ReadTarget], rank: int) -> None:
-    """Refuse targets that cannot be filled safely, before any byte is written to any of them.
-
-    A target whose elements share memory (``torch.zeros(1).expand(10)``), two targets that
-    partly overlap in memory, and inference tensors outside inference mode are refused.
-    Two targets that are the very same view (tied weights listed under two names) are
-    fine: both receive their saved bytes, the later one last.
-
-    Raises:
-        StateMismatchError: naming the tensors and the rank.
-    """
-    problems: list[str] = []
-    spans: dict[tuple[str, int], list[tuple[int, int, ReadTarget]]] = {}
-    for t in targets:
-        d = t.data
-        if d.numel() == 0:
-            continue
-        if d.is_inference() and not torch.is_inference_mode_enabled():
-            problems.append(
-                f"tensor '{t.fqn}' is an inference tensor; load it outside torch.inference_mode() into a normal tensor"
-            )
-            continue
-        if _self_overlaps(d):
-            problems.append(
-                f"tensor '{t.fqn}': the target's elements share memory (shape {list(d.shape)}, strides {list(d.stride())}, "
-                "e.g. from expand()); pass a tensor that owns each element, such as .clone()"
-            )
-            continue
-        size = d.element_size()
-        lo = d.data_ptr()
-        key = (str(d.device), d.untyped_storage().data_ptr())
-        spans.setdefault(key, []).append((lo, lo + _extent(d) * size, t))
-    for group in spans.values():
-        group.sort(key=lambda x: x[0])
-        active: list[tuple[int, ReadTarget]] = []  # (end, target) of spans that may reach later ones
-        for lo, hi, t in group:
-            active = [(e, a) for e, a in active if e > lo]
-            for _, a in active:
-                if not _same_view(t.data, a.data) and _overlap(a.data, t.data):
-                    problems.append(
-                        f"tensors '{a.fqn}' and '{t.fqn}': the targets share memory (overlapping views of one "
-                        "storage); loading one would overwrite the other"
-                    )
-            active.append((hi, t))
-    if problems:
-        raise StateMismatchError(f"rank {rank}: the state cannot be loaded into:\n  " + "\n  ".join(problems[:20]))
-
-
-def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return (a.data_ptr(), a.shape, a.stride(), a.dtype) == (b.data_ptr(), b.shape, b.stride(), b.dtype)
-
-
-def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether two views whose memory ranges intersect share a byte.
-
-    Two dense views (no holes: contiguous, or a permutation of it) share one as soon as their
-    byte ranges meet, whatever their size or dtype. Otherwise the question is settled
-    exactly, one mark per byte, for views of up to :data:`_EXACT_OVERLAP_ELEMENTS` elements
-    (strided column blocks of one matrix interleave without overlapping, and views of
-    different dtypes are compared byte by byte); larger strided views that only interleave
-    are let through rather than refused on a guess.
-    """
-    ranges = [(t.data_ptr(), t.data_ptr() + _extent(t) * t.element_size()) for t in (a, b)]
-    if not (ranges[0][0] < ranges[1][1] and ranges[1][0] < ranges[0][1]):
-        return False
-    if _dense(a) and _dense(b):
-        return True
-    base = min(r[0] for r in ranges)
-    span = max(r[1] for r in ranges) - base
-    if max(a.numel(), b.numel()) > _EXACT_OVERLAP_ELEMENTS or span > 4 * _EXACT_OVERLAP_ELEMENTS:
-        logger.debug(
-            "targets of %d and %d elements interleave in memory; too large to check for overlap", a.numel(), b.numel()
-        )
-        return False
-    marks = np.zeros(span, dtype=np.uint8)
-    for t in (a, b):
-        size = t.element_size()
-        offsets = np.full(1, t.data_ptr() - base, dtype=np.int64)
-        for n, st in zip(t.shape, t.stride()):
-            offsets = (offsets[:, None] + np.arange(n, dtype=np.int64) * (st * size)).reshape(-1)
-        offsets = (offsets[:, None] + np.arange(size, dtype=np.int64)).reshape(-1)
-        if t is b:
-            return bool(marks[offsets].any())
-        marks[offsets] = 1
-    return False
-
-
-def _dense(t: torch.Tensor) -> bool:
-    """Whether ``t``'s elements fill its memory range without holes (any dimension order)."""
-    expected = 1
-    for s, n in sorted((s, n) for n, s in zip(t.shape, t.stride()) if n > 1):
-        if s != expected:
-            return False
-        expected *= n
-    return True
-
-
-def _split_for_reads(rel: Box, tile_lengths: tuple[int, ...], size: int, max_bytes: int) -> list[Box]:
-    """Cut a tile-relative box into pieces whose byte span in the tile is at most ``max_bytes``."""
-    strides = row_major_strides(tile_lengths)
-
-    def span(b: Box) -> int:
-        if b.is_empty():
-            return 0
-        first = sum(o * s for o, s in zip(b.offsets, strides))
-        last = sum((o + n - 1) * s for o, n, s in zip(b.offsets, b.lengths, strides))
-        return (last - first + 1) * size
-
-    out: list[Box] = []
-    stack = [rel]
-    while stack:
-        b = stack.pop()
-        if span(b) <= max_bytes or b.numel <= 1:
-            out.append(b)
-            continue
-        d = next((d for d in range(b.ndim) if b.lengths[d] > 1), None)
-        if d is None:
-            out.append(b)
-            continue
-        n = b.lengths[d]
-        per = max(1, n * max_bytes // max(1, span(b)))
-        pieces = []
-        for lo in range(0, n, per):
-            hi = min(n, lo + per)
-            pieces.append(
-                Box(
-                    b.offsets[:d] + (b.offsets[d] + lo,) + b.offsets[d + 1 :],
-                    b.lengths[:d] + (hi - lo,) + b.lengths[d + 1 :],
-                )
-            )
-        stack.extend(reversed(pieces))
-    return out
-
-
-def plan_reads(
-    manifest: Manifest,
-    targets: Sequence[ReadTarget],
-    *,
-    max_read_bytes: int = 32 << 20,
-    rank: int = 0,
-) -> list[ReadRequest]:
-    """Range reads that fill every target, grouped and coalesced per file.
-
-    Raises:
-        CorruptCheckpointError: if the saved tiles do not cover a target exactly once
-            by volume (a gap or overlap in a damaged or hostile manifest).
-    """
-    index = _TileIndex(manifest)
-    chunk = manifest.chunk_bytes
-    by_file: dict[str, list[_Copy]] = {}
-    direct: list[ReadRequest] = []
-    for t in targets:
-        if t.box.is_empty():
-            continue
-        entry = manifest.tensors[t.fqn]
-        dtype = dtype_from_name(entry.dtype)
-        size = itemsize(dtype)
-        offs, lens = index.arrays(t.fqn)
-        lo = np.maximum(offs, np.asarray(t.box.offsets, dtype=np.int64))
-        hi = np.minimum(offs + lens, np.asarray(t.box.stops, dtype=np.int64))
-        hits = np.flatnonzero((hi > lo).all(axis=1)) if offs.shape[1] else np.arange(len(offs))
-        covered = int((hi[hits] - lo[hits]).prod(axis=1).sum()) if offs.shape[1] else len(hits)
-        if covered != t.box.numel:
-            raise CorruptCheckpointError(
-                f"tensor '{t.fqn}': the checkpoint's tiles cover {covered} of the {t.box.numel} elements of box "
-                f"{t.box} that rank {rank} loads; the manifest is inconsistent (run `tessera verify`)"
-            )
-        if len(hits) > 1:
-            # Volumes prove coverage only if the tiles are disjoint: check that once per tensor.
-            index.check_coverage(t.fqn, rank)
-        for i in hits.tolist():
-            tile = entry.tile(i)
-            inter = Box(tuple(lo[i].tolist()), tuple((hi[i] - lo[i]).tolist()))
-            tile_box = Box(tile.offsets, tile.lengths)
-            rel_target = inter.relative_to(t.box)
-            view = t.data[rel_target.slices()] if t.data.dim() else t.data
-            rel = inter.relative_to(tile_box)
-            whole = inter == tile_box
-            if (
-                whole
-                and view.device.type == "cpu"
-                and view.dtype == dtype
-                and view.is_contiguous()
-                and tile.nbytes <= 4 * max_read_bytes
-            ):
-                span = (tile.byte_offset, tile.byte_offset + tile.nbytes)
-                direct.append(ReadRequest(tile.file, *span, [_Copy(t.fqn, tile, rel, view, dtype, span)], direct=True))
-                continue
-            for piece in _split_for_reads(rel, tile.lengths, size, max_read_bytes):
-                first, last = _byte_span(piece, tile.lengths, size)
-                a = first // chunk * chunk
-                b = min(tile.nbytes, -(-last // chunk) * chunk)
-                target = view[piece.relative_to(rel).slices()] if view.dim() else view
-                by_file.setdefault(tile.file, []).append(
-                    _Copy(t.fqn, tile, piece, target, dtype, (tile.byte_offset + a, tile.byte_offset + b))
-                )
-    requests = direct
-    for file, copies in by_file.items():
-        copies.sort(key=lambda c: c.span)
-        cur: ReadRequest | None = None
-        for c in copies:
-            if cur is not None and c.span[0] <= cur.stop and max(cur.stop, c.span[1]) - cur.start <= max_read_bytes:
-                cur.stop = max(cur.stop, c.span[1])
-                cur.copies.append(c)
-            else:
-                cur = ReadRequest(file, c.span[0], c.span[1], [c])
-                requests.append(cur)
-    return requests
-
-
-def _byte_span(rel: Box, tile_lengths: tuple[int, ...], size: int) -> tuple[int, int]:
-    """``[first, last)`` bytes of the tile that ``rel`` touches (exact runs, merged)."""
-    rs = list(runs(rel, tile_lengths))
-    return rs[0][0] * size, (rs[-1][0] + rs[-1][1]) * size
-
-
 class _Buffers(threading.local):
     buf: torch.Tensor | None = None
 
     def get(self, nbytes: int) -> torch.Tensor:
-        if self.buf is None or self.buf.numel() < nbytes + _ALIGN:
+        if self.buf is None or self.buf.numel() < nbytes + ALIGN:
             self.buf = None
-            # A multiple of _ALIGN bytes, so the buffer can be viewed as any dtype.
-            self.buf = torch.empty(-(-(nbytes + _ALIGN) // _ALIGN) * _ALIGN, dtype=torch.uint8)
+            # A multiple of ALIGN bytes, so the buffer can be viewed as any dtype.
+            self.buf = torch.empty(-(-(nbytes + ALIGN) // ALIGN) * ALIGN, dtype=torch.uint8)
         return self.buf
 
 
@@ -405,7 +101,7 @@ class Reader:
         if req.direct:
             copy = req.copies[0]
             dest = as_bytes(copy.target)
-            self._read(req, memoryview(dest.numpy()))
+            self._read(req, dest.numpy().data)
             self._verify(req, dest, req.start)
             return
         mapper = getattr(self.storage, "map_range", None) if self.mmap else None
@@ -413,11 +109,11 @@ class Reader:
             self._execute_mapped(req, mapper)
             return
         buf = self._buffers.get(req.nbytes)
-        # Place file offset ``start`` at an address congruent to it modulo _ALIGN, so every
+        # Place file offset ``start`` at an address congruent to it modulo ALIGN, so every
         # tile (aligned to its item size in the file) is aligned in memory too.
-        base = (req.start - buf.data_ptr()) % _ALIGN
+        base = (req.start - buf.data_ptr()) % ALIGN
         region = buf[base : base + req.nbytes]
-        self._read(req, memoryview(region.numpy()))
+        self._read(req, region.numpy().data)
         self._verify(req, region, req.start)
         for c in req.copies:
             size = itemsize(c.dtype)
@@ -473,7 +169,7 @@ class Reader:
         )
 
     def _verify(self, req: ReadRequest, data: torch.Tensor, start: int) -> None:
-        self._verify_view(req, memoryview(data.numpy()))
+        self._verify_view(req, data.numpy().data)
 
     def _verify_view(self, req: ReadRequest, data: memoryview) -> None:
         """Check every checksum chunk that lies wholly inside ``req`` (``data`` holds its bytes)."""

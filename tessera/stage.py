@@ -18,9 +18,9 @@ from collections.abc import Sequence
 
 import torch
 
-logger = logging.getLogger(__name__)
+from .dtypes import ALIGN
 
-_ALIGN = 64  # every dtype's alignment, and cache-line friendly
+logger = logging.getLogger(__name__)
 
 
 def as_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -75,7 +75,7 @@ class StagingBuffer:
             for i in todo:
                 offsets.append(pos)
                 n = sources[i].numel() * sources[i].element_size()
-                pos += n + (-n % _ALIGN)
+                pos += n + (-n % ALIGN)
             on_device = [sources[i] for i in todo if sources[i].device.type != "cpu"]
             pin = bool(on_device) and torch.cuda.is_available()
             buf = self._ensure(pos, pin)

@@ -8,17 +8,16 @@ with a trailing item-size dimension); the manifest keeps the true dtype.
 
 from __future__ import annotations
 
-import json
-import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from .dtypes import itemsize, safetensors_code
+from .dtypes import ALIGN, itemsize, safetensors_code
 from .geometry import Box
+from .safetensors_header import HeaderEntry, encode_header
 
-HEADER_ALIGN = 64
+HEADER_ALIGN = ALIGN
 """Tile data starts at a multiple of this, and tiles are ordered by decreasing item size,
 so every tile is aligned to its item size in the file (and in read buffers)."""
 
@@ -57,21 +56,17 @@ def layout_file(
     name: str, tiles: Sequence[tuple[str, Box, torch.dtype]], metadata: dict[str, str] | None = None
 ) -> FileLayout:
     """Lay out ``tiles`` (``(fqn, box, dtype)``) in one safetensors file, largest item size first."""
-    entries: dict[str, object] = {"__metadata__": {"format": "pt", "producer": "tessera", **(metadata or {})}}
+    entries: list[HeaderEntry] = []
     tiles = sorted(tiles, key=lambda t: -itemsize(t[2]))  # stable: keeps order within a size
-    pos = 0
     sizes = []
     for fqn, box, dtype in tiles:
         size = itemsize(dtype)
         n = box.numel * size
         code, raw = safetensors_code(dtype)
         shape = list(box.lengths) + ([size] if raw else [])
-        entries[tile_key(fqn, box)] = {"dtype": code, "shape": shape, "data_offsets": [pos, pos + n]}
+        entries.append((tile_key(fqn, box), code, shape, n))
         sizes.append(n)
-        pos += n
-    body = json.dumps(entries, separators=(",", ":")).encode("utf-8")
-    body += b" " * (-(len(body) + 8) % HEADER_ALIGN)
-    header = struct.pack("<Q", len(body)) + body
+    header = encode_header(entries, {"producer": "tessera", **(metadata or {})})
     slots = []
     pos = len(header)
     for (fqn, box, dtype), n in zip(tiles, sizes):

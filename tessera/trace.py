@@ -218,6 +218,36 @@ def load_records(path: str, storage: Any = None) -> list[LoadRecord]:
     return out
 
 
+@dataclass(frozen=True)
+class TimingSource:
+    """Where the per-rank timings of one operation come from.
+
+    Attributes:
+        timings: each rank's phases.
+        note: empty for timings in the manifest; for a load, which recorded load they are.
+    """
+
+    timings: list[RankTiming]
+    note: str = ""
+
+
+def timing_sources(path: str, manifest: Manifest) -> dict[str, TimingSource]:
+    """The timings recorded for each operation on the checkpoint at ``path``: its save (and
+    conversion) from ``manifest``, and the newest recorded load when the manifest has none.
+
+    Example:
+        >>> list(timing_sources("/ckpt/step100", tessera.read_manifest("/ckpt/step100")))  # doctest: +SKIP
+        ['save', 'load']
+    """
+    sources = {op: TimingSource(rank_timings(manifest, op)) for op in operations(manifest)}
+    records = load_records(path)
+    if records and "load" not in sources:
+        last = records[-1]
+        earlier = f"; {len(records) - 1} earlier load(s) recorded" if len(records) > 1 else ""
+        sources["load"] = TimingSource(last.timings, f"the newest load, {last.created}, {last.name}{earlier}")
+    return sources
+
+
 def chrome_trace(manifest: Manifest, ops: list[str] | None = None) -> dict[str, Any]:
     """A Chrome/Perfetto trace: one process per operation, one thread per rank.
 

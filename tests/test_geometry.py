@@ -17,7 +17,10 @@ from tessera.geometry import (
     flat_range_to_boxes,
     intersect,
     is_contiguous_in,
+    row_major_strides,
     runs,
+    split_box,
+    split_even,
 )
 
 
@@ -111,3 +114,66 @@ def test_flat_coverage() -> None:
         check_flat_coverage("f", 10, np.array([[0, 4], [5, 10]]))
     with pytest.raises(CoverageError, match="overlap"):
         check_flat_coverage("f", 10, np.array([[0, 5], [4, 10]]))
+
+
+def _cells(boxes: list[Box]) -> list[tuple[int, ...]]:
+    """Every element index of ``boxes``, box after box, row-major inside each."""
+    return [tuple(o + i for o, i in zip(b.offsets, idx)) for b in boxes for idx in np.ndindex(*b.lengths)]
+
+
+@st.composite
+def box_in_shape(draw: st.DrawFn) -> tuple[Box, tuple[int, ...]]:
+    shape = tuple(draw(st.lists(st.integers(1, 6), min_size=1, max_size=4)))
+    offsets = tuple(draw(st.integers(0, s - 1)) for s in shape)
+    lengths = tuple(draw(st.integers(1, s - o)) for s, o in zip(shape, offsets))
+    return Box(offsets, lengths), shape
+
+
+@given(box_in_shape(), st.integers(1, 4), st.integers(1, 200))
+@settings(max_examples=300, deadline=None)
+def test_split_box_blocks_cover_the_box_in_row_major_order(
+    case: tuple[Box, tuple[int, ...]], itemsize: int, max_bytes: int
+) -> None:
+    box, shape = case
+    for within in (None, shape):
+        blocks = split_box(box, itemsize, max_bytes, within=within)
+        # Exactly the box's elements, in the box's own row-major order.
+        assert _cells(blocks) == _cells([box])
+        strides = row_major_strides(within if within is not None else box.lengths)
+        for b in blocks:
+            rel = b if within is not None else b.relative_to(box)
+            first = sum(o * s for o, s in zip(rel.offsets, strides))
+            last = sum((o + n - 1) * s for o, n, s in zip(rel.offsets, rel.lengths, strides))
+            assert (last - first + 1) * itemsize <= max_bytes or b.numel == 1
+
+
+def test_split_box_examples() -> None:
+    assert [str(b) for b in split_box(Box((0, 0), (4, 3)), 4, 24)] == ["[0:2, 0:3]", "[2:4, 0:3]"]
+    # A row longer than the limit is cut further, never below one element.
+    assert [str(b) for b in split_box(Box((0, 0), (1, 3)), 4, 4)] == ["[0:1, 0:1]", "[0:1, 1:2]", "[0:1, 2:3]"]
+    # Inside a wider tile, a column box spans whole rows of it: one block per row.
+    assert len(split_box(Box((0, 0), (3, 1)), 4, 8, within=(3, 10))) == 3
+    assert split_box(Box((), ()), 8, 1) == [Box((), ())]
+
+
+@given(box_in_shape(), st.integers(1, 8))
+@settings(max_examples=200, deadline=None)
+def test_split_even_slabs_are_balanced_and_cover_the_box(case: tuple[Box, tuple[int, ...]], parts: int) -> None:
+    box, _ = case
+    slabs = split_even(box, parts)
+    assert _cells(slabs) == _cells([box])  # the dimensions before the cut one have length 1
+    assert sum(b.numel for b in slabs) == box.numel
+    d = next((d for d in range(box.ndim) if box.lengths[d] > 1), None)
+    if d is None:
+        assert slabs == [box]
+        return
+    assert len(slabs) == min(parts, box.lengths[d])
+    lengths = [b.lengths[d] for b in slabs]
+    assert max(lengths) - min(lengths) <= 1
+    assert [b.offsets[d] for b in slabs] == [box.offsets[d] + sum(lengths[:i]) for i in range(len(slabs))]
+
+
+def test_split_even_along_a_given_dimension() -> None:
+    assert [str(b) for b in split_even(Box((2, 0), (5, 4)), 2, dim=0)] == ["[2:4, 0:4]", "[4:7, 0:4]"]
+    assert [str(b) for b in split_even(Box((0, 0), (5, 4)), 3, dim=1)] == ["[0:5, 0:1]", "[0:5, 1:2]", "[0:5, 2:4]"]
+    assert split_even(Box((0,), (1,)), 4) == [Box((0,), (1,))]

@@ -766,3 +766,60 @@ def test_verify_memory_stays_bounded_with_many_tiles(tmp_path) -> None:
     # Only the data file's header disagrees (it names one tile): every checksum matches.
     assert {p.kind for p in report.problems} == {ProblemKind.HEADER}
     assert peak < 16 * len(data) + (4 << 20), f"verify of {n} tiles peaked at {peak / 2**20:.1f} MiB"
+
+
+# --------------------------------------------------------------------------------------
+# The one safetensors header module: what it writes the safetensors library reads; what it
+# parses is bounded and refused with a clear error when hostile.
+
+
+def test_safetensors_header_is_read_by_the_safetensors_library(tmp_path: Path) -> None:
+    from safetensors import safe_open
+
+    from tessera.safetensors_header import ALIGN, encode_header, read_file_header, tensor_entries
+
+    w = torch.arange(6, dtype=torch.float32).reshape(2, 3)
+    b = torch.tensor([1, 2, 3], dtype=torch.int16)
+    entries = [("w", "F32", (2, 3), 24), ("b", "I16", (3,), 6)]
+    header = encode_header(entries, {"producer": "test"})
+    assert len(header) % ALIGN == 0
+    path = tmp_path / "x.safetensors"
+    path.write_bytes(header + w.numpy().tobytes() + b.numpy().tobytes())
+    with safe_open(str(path), framework="pt") as f:
+        assert f.metadata() == {"format": "pt", "producer": "test"}
+        assert torch.equal(f.get_tensor("w"), w) and torch.equal(f.get_tensor("b"), b)
+    parsed, data_start = read_file_header(str(path))
+    assert data_start == len(header)
+    assert tensor_entries(parsed) == {
+        "w": {"dtype": "F32", "shape": [2, 3], "data_offsets": [0, 24]},
+        "b": {"dtype": "I16", "shape": [3], "data_offsets": [24, 30]},
+    }
+
+
+@pytest.mark.parametrize(
+    ("raw", "error", "match"),
+    [
+        (b"\x01\x00", ValueError, "2 bytes is too short for a safetensors header"),
+        ((1 << 40).to_bytes(8, "little") + b"{}", ValueError, "header length 1099511627776 exceeds the file"),
+        ((200 << 20).to_bytes(8, "little"), ValueError, "exceeds the file or the 104857600-byte limit"),
+        ((4).to_bytes(8, "little") + b"{{{{", ValueError, "Expecting property name"),
+        ((2).to_bytes(8, "little") + b"[]", TypeError, "the header is not a JSON object"),
+    ],
+)
+def test_hostile_safetensors_headers_are_refused(tmp_path: Path, raw: bytes, error: type, match: str) -> None:
+    from tessera.safetensors_header import parse_header, read_file_header
+
+    reads: list[tuple[int, int]] = []
+
+    def read(start: int, n: int) -> bytes:
+        reads.append((start, n))
+        return raw[start : start + n]
+
+    size = len(raw) if len(raw) > 20 or raw[:2] == b"\x01\x00" else 300 << 20  # a huge file, a short read
+    with pytest.raises(error, match=match):
+        parse_header(read, size)
+    assert all(n <= 8 or n <= len(raw) for _, n in reads)  # never a read of the declared (hostile) length
+    path = tmp_path / "bad.safetensors"
+    path.write_bytes(raw)
+    with pytest.raises((ValueError, TypeError), match="bad.safetensors is not a safetensors file"):
+        read_file_header(str(path))

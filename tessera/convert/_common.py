@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 import torch
 
 from ..dtypes import dtype_name, safetensors_code
-from ..geometry import Box
+from ..dtypes import itemsize as itemsize  # re-exported for the converters
+from ..geometry import split_box as split_box  # re-exported for the converters
 
 ProgressFn = Callable[[int, int], None]
 """``progress(done_bytes, total_bytes)``, called as a conversion moves bytes."""
@@ -138,40 +139,6 @@ def strip_prefix(names: Iterable[str], prefix: str | None) -> dict[str, str]:
     if not prefix:
         return {n: n for n in names}
     return {n[len(prefix) :]: n for n in names if n.startswith(prefix) and len(n) > len(prefix)}
-
-
-def split_box(box: Box, itemsize: int, max_bytes: int) -> list[Box]:
-    """Cut ``box`` into row-major blocks of at most ``max_bytes`` (never below one element).
-
-    Blocks are cut along the first dimension longer than one, so each block is one
-    contiguous run of the box's rows when a row fits; longer rows are cut further.
-
-    Example:
-        >>> [str(b) for b in split_box(Box((0, 0), (4, 3)), 4, 24)]
-        ['[0:2, 0:3]', '[2:4, 0:3]']
-    """
-    if box.numel * itemsize <= max_bytes or box.ndim == 0:
-        return [box]
-    d = next(d for d in range(box.ndim) if box.lengths[d] > 1)
-    inner = math.prod(box.lengths[d + 1 :]) * itemsize
-    out: list[Box] = []
-    if inner <= max_bytes:
-        per = max(1, max_bytes // inner)
-        for lo in range(0, box.lengths[d], per):
-            n = min(per, box.lengths[d] - lo)
-            out.append(_with_dim(box, d, box.offsets[d] + lo, n))
-        return out
-    for i in range(box.lengths[d]):
-        out.extend(split_box(_with_dim(box, d, box.offsets[d] + i, 1), itemsize, max_bytes))
-    return out
-
-
-def _with_dim(box: Box, d: int, offset: int, length: int) -> Box:
-    return Box(box.offsets[:d] + (offset,) + box.offsets[d + 1 :], box.lengths[:d] + (length,) + box.lengths[d + 1 :])
-
-
-def itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
 
 
 def numel(shape: Iterable[int]) -> int:

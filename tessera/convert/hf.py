@@ -14,7 +14,6 @@ import json
 import logging
 import os
 import re
-import struct
 import time
 from collections.abc import Iterator
 from typing import NamedTuple
@@ -23,6 +22,7 @@ import torch
 from safetensors import safe_open
 
 from ..geometry import Box
+from ..safetensors_header import encode_header
 from ..stage import as_bytes
 from ..storage import Storage, storage_for
 from ._common import (
@@ -185,31 +185,11 @@ def remove_model_files(out: Storage, out_dir: str) -> None:
         out.delete(stale)
 
 
-def safetensors_header(
-    entries: list[tuple[str, str, tuple[int, ...], int]], metadata: dict[str, str] | None = None
-) -> bytes:
-    """The 8-byte length and JSON header of a safetensors file holding ``(name, code, shape, nbytes)`` in order.
-
-    The tensors' bytes follow the header back to back, in the order given.
-
-    Example:
-        >>> header = safetensors_header([("w", "F32", (2, 3), 24)])
-    """
-    header: dict[str, object] = {"__metadata__": {"format": "pt", **(metadata or {})}}
-    pos = 0
-    for name, code, shape, nbytes in entries:
-        header[name] = {"dtype": code, "shape": list(shape), "data_offsets": [pos, pos + nbytes]}
-        pos += nbytes
-    body = json.dumps(header, separators=(",", ":")).encode("utf-8")
-    body += b" " * (-len(body) % 8)  # tensor data then starts 8-byte aligned
-    return struct.pack("<Q", len(body)) + body
-
-
 def _shard_chunks(
     src: CheckpointSource, shard: list[_Entry], block_bytes: int, prog: Progress
 ) -> Iterator[memoryview | bytes]:
     """The bytes of one shard: its header, then each tensor block by block (one buffer reused)."""
-    yield safetensors_header([(s.name, s.code, src.shape(s.fqn), s.nbytes) for s in shard])
+    yield encode_header([(s.name, s.code, src.shape(s.fqn), s.nbytes) for s in shard])
     for s in shard:
         for _, block in src.blocks(s.fqn, block_bytes=block_bytes, dtype=s.dtype, reuse=True):
             data = as_bytes(block)

@@ -1,8 +1,7 @@
-"""The on-disk manifest (format version 1): frozen dataclasses, encoder and a strict decoder.
+"""The strict manifest decoder: ``manifest.json`` bytes (hostile until proven otherwise) to a Manifest.
 
-``manifest.json`` is written last and atomically; its presence commits a checkpoint. The
-decoder treats the file as hostile: size limit, strict types, dtype whitelist, file
-references confined to the checkpoint, tiles inside their tensor. See ``docs/format.md``.
+Size limit, strict types, dtype whitelist, file references confined to the checkpoint, tiles
+inside their tensor, and a budget on how far compressed tile tables may inflate.
 """
 
 from __future__ import annotations
@@ -12,280 +11,28 @@ import binascii
 import json
 import math
 import zlib
-from dataclasses import dataclass, field
 from itertools import chain
 from typing import Any
 
 import numpy as np
 
-from .dtypes import dtype_from_name, itemsize
-from .errors import ManifestError
-from .storage.base import Storage, check_relpath
-
-FORMAT = "tessera"
-VERSION = 1
-MANIFEST_NAME = "manifest.json"
-CHECKSUM_ALGORITHM = "xxh3_64"
-MAX_MANIFEST_BYTES = 1 << 30
-DECODE_RATIO = 32
-"""Tile-table columns may inflate to at most this many times the manifest's size (plus
-:data:`DECODE_SLACK`) in all: a real table stores at least one incompressible checksum per
-tile and inflates about 4-10x, while a hostile one that declares millions of tiles in a
-few compressed bytes is refused before anything is allocated."""
-DECODE_SLACK = 1 << 20
-TABLE_MIN_TILES = 16
-"""Tensors with more tiles than this store them as a columnar ``tile_table`` (base64 of
-zlib-compressed little-endian arrays): compact and parsed without per-tile work. Fewer
-tiles stay readable JSON lists."""
-
-
-@dataclass(frozen=True)
-class Tile:
-    """One stored box of a tensor: where its bytes are and how to check them.
-
-    Attributes:
-        file: data file (relative to the checkpoint) holding the bytes.
-        offsets, lengths: the box within the global tensor.
-        byte_offset: where the box's row-major bytes start in ``file``.
-        nbytes: how many bytes (``prod(lengths) * itemsize``).
-        checksums: xxh3-64 of each ``chunk_bytes`` chunk of those bytes, in order.
-    """
-
-    file: str
-    offsets: tuple[int, ...]
-    lengths: tuple[int, ...]
-    byte_offset: int
-    nbytes: int
-    checksums: tuple[int, ...]
-
-
-@dataclass(frozen=True, eq=False)
-class TileTable:
-    """A tensor's tiles as columns: what loads and planners read, without per-tile objects.
-
-    Attributes:
-        paths: data file paths, indexed by ``file``.
-        file: ``(n,)`` index into ``paths`` per tile.
-        offsets, lengths: ``(n, ndim)`` boxes.
-        byte_offset, nbytes: ``(n,)`` byte ranges in the files.
-        chunks: ``(n,)`` number of checksums per tile.
-        checksums: all tiles' chunk checksums, concatenated (uint64).
-    """
-
-    paths: tuple[str, ...]
-    file: np.ndarray
-    offsets: np.ndarray
-    lengths: np.ndarray
-    byte_offset: np.ndarray
-    nbytes: np.ndarray
-    chunks: np.ndarray
-    checksums: np.ndarray
-
-    def __len__(self) -> int:
-        return len(self.file)
-
-    @classmethod
-    def from_tiles(cls, tiles: tuple[Tile, ...], ndim: int) -> TileTable:
-        paths = tuple(dict.fromkeys(t.file for t in tiles))
-        index = {p: i for i, p in enumerate(paths)}
-        n = len(tiles)
-        return cls(
-            paths,
-            np.array([index[t.file] for t in tiles], dtype=np.int64),
-            np.array([t.offsets for t in tiles], dtype=np.int64).reshape(n, ndim),
-            np.array([t.lengths for t in tiles], dtype=np.int64).reshape(n, ndim),
-            np.array([t.byte_offset for t in tiles], dtype=np.int64),
-            np.array([t.nbytes for t in tiles], dtype=np.int64),
-            np.array([len(t.checksums) for t in tiles], dtype=np.int64),
-            np.array([c for t in tiles for c in t.checksums], dtype=np.uint64),
-        )
-
-    def tiles(self) -> tuple[Tile, ...]:
-        """Every tile as a :class:`Tile` (builds one object per tile)."""
-        sums = self.checksums.tolist()
-        out = []
-        pos = 0
-        for fi, o, ln, bo, nb, k in zip(
-            self.file.tolist(),
-            self.offsets.tolist(),
-            self.lengths.tolist(),
-            self.byte_offset.tolist(),
-            self.nbytes.tolist(),
-            self.chunks.tolist(),
-        ):
-            out.append(Tile(self.paths[fi], tuple(o), tuple(ln), bo, nb, tuple(sums[pos : pos + k])))
-            pos += k
-        return tuple(out)
-
-
-class TensorEntry:
-    """A global tensor: dtype name, global shape and the tiles that cover it exactly once.
-
-    Built either from :class:`Tile` objects or from a :class:`TileTable`; each form is
-    derived from the other on first use, so large manifests never build per-tile objects
-    unless someone asks for ``tiles``.
-    """
-
-    __slots__ = ("_starts", "_table", "_tiles", "dtype", "shape")
-
-    def __init__(
-        self,
-        dtype: str,
-        shape: tuple[int, ...],
-        tiles: tuple[Tile, ...] | None = None,
-        *,
-        table: TileTable | None = None,
-    ) -> None:
-        if (tiles is None) == (table is None):
-            raise ValueError("TensorEntry needs exactly one of tiles and table")
-        self.dtype = dtype
-        self.shape = tuple(shape)
-        self._tiles = tuple(tiles) if tiles is not None else None
-        self._table = table
-        self._starts: np.ndarray | None = None
-
-    @property
-    def tiles(self) -> tuple[Tile, ...]:
-        if self._tiles is None:
-            assert self._table is not None
-            self._tiles = self._table.tiles()
-        return self._tiles
-
-    @property
-    def table(self) -> TileTable:
-        if self._table is None:
-            assert self._tiles is not None
-            self._table = TileTable.from_tiles(self._tiles, len(self.shape))
-        return self._table
-
-    @property
-    def num_tiles(self) -> int:
-        return len(self._tiles) if self._tiles is not None else len(self.table)
-
-    def tile(self, i: int) -> Tile:
-        """Tile ``i`` (without building the others)."""
-        if self._tiles is not None:
-            return self._tiles[i]
-        t = self.table
-        if self._starts is None:  # an array, not a list: one int64 per tile, not a Python int
-            self._starts = np.concatenate([np.zeros(1, dtype=np.int64), np.cumsum(t.chunks)])
-        start = int(self._starts[i])
-        return Tile(
-            t.paths[int(t.file[i])],
-            tuple(t.offsets[i].tolist()),
-            tuple(t.lengths[i].tolist()),
-            int(t.byte_offset[i]),
-            int(t.nbytes[i]),
-            tuple(t.checksums[start : start + int(t.chunks[i])].tolist()),
-        )
-
-    def __eq__(self, other: object) -> bool:
-        if not isinstance(other, TensorEntry):
-            return NotImplemented
-        return (self.dtype, self.shape, self.tiles) == (other.dtype, other.shape, other.tiles)
-
-    def __repr__(self) -> str:
-        return f"TensorEntry(dtype={self.dtype!r}, shape={self.shape!r}, tiles=<{self.num_tiles}>)"
-
-
-@dataclass(frozen=True)
-class PerRankEntry:
-    """A rank-local plain value: one encoded value per saving rank (``None`` if absent)."""
-
-    on_resize: str
-    values: tuple[Any, ...]
-
-
-@dataclass(frozen=True)
-class FileEntry:
-    """A data file: the rank that wrote it and its size."""
-
-    path: str
-    rank: int
-    nbytes: int
-
-
-@dataclass(frozen=True)
-class Manifest:
-    """A committed checkpoint's table of contents."""
-
-    save_id: str
-    world_size: int
-    chunk_bytes: int
-    tensors: dict[str, TensorEntry]
-    values: dict[str, Any] = field(default_factory=dict)
-    """Plain values, in the tagged-JSON encoding of :mod:`tessera.values`."""
-    per_rank: dict[str, PerRankEntry] = field(default_factory=dict)
-    files: tuple[FileEntry, ...] = ()
-    layout: dict[str, Any] = field(default_factory=dict)
-    """How the saving job was laid out; informational only, loading never depends on it."""
-    timings: dict[str, Any] = field(default_factory=dict)
-    """Per-rank, per-phase durations (seconds) and bytes of the save."""
-    metadata: dict[str, Any] = field(default_factory=dict)
-    """Versions, creation time and user metadata."""
-    version: int = VERSION
-
-    def keys(self) -> set[str]:
-        return set(self.tensors) | set(self.values) | set(self.per_rank)
-
-    @property
-    def total_bytes(self) -> int:
-        return sum(int(e.table.nbytes.sum()) for e in self.tensors.values())
-
-
-def encode(m: Manifest) -> bytes:
-    """Serialize a manifest to the bytes of ``manifest.json``."""
-    file_index = {f.path: i for i, f in enumerate(m.files)}
-    tensors = {}
-    for name, e in m.tensors.items():
-        entry: dict[str, Any] = {"dtype": e.dtype, "shape": list(e.shape)}
-        if e.num_tiles > TABLE_MIN_TILES:
-            entry["tile_table"] = _encode_table(e.table, file_index)
-        else:
-            entry["tiles"] = [
-                [
-                    file_index[t.file],
-                    list(t.offsets),
-                    list(t.lengths),
-                    t.byte_offset,
-                    [f"{c:016x}" for c in t.checksums],
-                ]
-                for t in e.tiles
-            ]
-        tensors[name] = entry
-    doc = {
-        "format": FORMAT,
-        "version": m.version,
-        "save_id": m.save_id,
-        "world_size": m.world_size,
-        "checksum": {"algorithm": CHECKSUM_ALGORITHM, "chunk_bytes": m.chunk_bytes},
-        "files": [{"path": f.path, "rank": f.rank, "bytes": f.nbytes} for f in m.files],
-        "tensors": tensors,
-        "values": m.values,
-        "per_rank": {k: {"on_resize": v.on_resize, "values": list(v.values)} for k, v in m.per_rank.items()},
-        "layout": m.layout,
-        "timings": m.timings,
-        "metadata": m.metadata,
-    }
-    return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode("utf-8")
-
-
-def _b64(arr: np.ndarray, dtype: str) -> str:
-    """base64 of the zlib-compressed little-endian array (offsets compress 10x or more)."""
-    return base64.b64encode(zlib.compress(np.ascontiguousarray(arr, dtype=dtype).tobytes(), 1)).decode("ascii")
-
-
-def _encode_table(t: TileTable, file_index: dict[str, int]) -> dict[str, Any]:
-    remap = np.array([file_index[p] for p in t.paths], dtype=np.int64)
-    return {
-        "count": len(t),
-        "file": _b64(remap[t.file] if len(t) else t.file, "<i8"),
-        "offsets": _b64(t.offsets, "<i8"),
-        "lengths": _b64(t.lengths, "<i8"),
-        "byte_offset": _b64(t.byte_offset, "<i8"),
-        "chunks": _b64(t.chunks, "<i8"),
-        "checksums": _b64(t.checksums, "<u8"),
-    }
+from ..dtypes import dtype_from_name, itemsize
+from ..errors import ManifestError
+from ..storage.base import Storage, check_relpath
+from .schema import (
+    CHECKSUM_ALGORITHM,
+    DECODE_RATIO,
+    DECODE_SLACK,
+    FORMAT,
+    MANIFEST_NAME,
+    MAX_MANIFEST_BYTES,
+    VERSION,
+    FileEntry,
+    Manifest,
+    PerRankEntry,
+    TensorEntry,
+    TileTable,
+)
 
 
 def _fail(what: str) -> ManifestError:
@@ -382,10 +129,12 @@ def _decode(data: bytes) -> Manifest:
         raise _fail("files must be a list")
     files = []
     seen_paths: set[str] = set()
-    for i, f in enumerate(raw_files):
-        f = _dict(f, f"files[{i}]")
+    for i, raw_file in enumerate(raw_files):
+        f = _dict(raw_file, f"files[{i}]")
         entry = FileEntry(
-            check_relpath(f.get("path")), _int(f.get("rank"), "file rank"), _int(f.get("bytes"), "file bytes")
+            check_relpath(f.get("path")),  # type: ignore[arg-type]  # check_relpath refuses non-strings
+            _int(f.get("rank"), "file rank"),
+            _int(f.get("bytes"), "file bytes"),
         )
         if entry.path in seen_paths:
             raise _fail(f"files[{i}]: file {entry.path!r} is listed twice")
@@ -397,18 +146,18 @@ def _decode(data: bytes) -> Manifest:
     paths = tuple(f.path for f in files)
     file_sizes = np.array([f.nbytes for f in files], dtype=np.int64)
     budget = _Budget(DECODE_RATIO * len(data) + DECODE_SLACK)
-    for name, e in _dict(doc.get("tensors"), "tensors").items():
-        e = _dict(e, f"tensor '{name}'")
+    for name, raw_entry in _dict(doc.get("tensors"), "tensors").items():
+        tdoc = _dict(raw_entry, f"tensor '{name}'")
         try:
-            dt = dtype_from_name(e.get("dtype"))
+            dt = dtype_from_name(tdoc.get("dtype"))  # type: ignore[arg-type]  # it refuses non-strings
         except ValueError as err:
             raise _fail(f"tensor '{name}': {err}") from None
-        shape = _ints(e.get("shape"), f"tensor '{name}' shape")
+        shape = _ints(tdoc.get("shape"), f"tensor '{name}' shape")
         size = itemsize(dt)
         if math.prod(shape) * size >= 1 << 62:
             raise _fail(f"tensor '{name}': shape {list(shape)} is implausibly large")
-        table = _decode_tiles(name, e, shape, size, files, paths, file_sizes, chunk_bytes, budget)
-        tensors[name] = TensorEntry(e["dtype"], shape, table=table)
+        table = _decode_tiles(name, tdoc, shape, size, files, paths, file_sizes, chunk_bytes, budget)
+        tensors[name] = TensorEntry(tdoc["dtype"], shape, table=table)
 
     per_rank = {}
     for name, v in _dict(doc.get("per_rank", {}), "per_rank").items():
@@ -523,7 +272,7 @@ def _decode_tiles(
         i = int(np.flatnonzero((lens == 0).any(axis=1))[0])
         raise _fail(f"{what}: tile lengths {lens[i].tolist()} hold no element; a tile must not be empty")
     nbytes = (lens.prod(axis=1) if nd else np.ones(n, dtype=np.int64)) * size
-    over = np.flatnonzero(byte_offsets + nbytes > file_sizes[fidx]) if n else []
+    over = np.flatnonzero(byte_offsets + nbytes > file_sizes[fidx]) if n else np.zeros(0, dtype=np.int64)
     if len(over):
         i = int(over[0])
         raise _fail(

@@ -1,0 +1,179 @@
+"""The ``tessera`` command: inspect, verify, diff, convert, rename and trace checkpoints.
+
+A thin layer over the public API (:func:`tessera.verify`, :mod:`tessera.convert`,
+:mod:`tessera.trace`): parse arguments, call one function, render the result with ``rich``
+(or as JSON with ``--json``). Exit codes: 0 ok, 1 problems found (or the operation
+failed), 2 usage error. Every verb runs in one process and works on checkpoints saved by
+any number of ranks in any layout; long work shows a progress bar on a terminal.
+
+Example:
+    $ tessera inspect /ckpt/step-00000100
+    $ tessera verify /ckpt/step-00000100 && tessera convert /ckpt/step-00000100 /export/hf --to hf --prefix model.
+
+Modules: ``render`` (sizes, JSON, progress bars), ``cmd_inspect`` (inspect, verify),
+``cmd_convert`` (convert, diff, rename), ``cmd_trace`` (trace). The work itself is done by
+library functions (:mod:`tessera.tools`, :mod:`tessera.describe`, :mod:`tessera.verify`,
+:mod:`tessera.trace`); nothing here imports torch (nor rich) at module level, so
+``tessera --help`` and ``--version`` answer at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import shutil
+import sys
+from collections.abc import Sequence
+
+from ..errors import CheckpointError
+from ..tools import UsageError
+from ..version import __version__
+from .cmd_convert import RuleAction, cmd_convert, cmd_diff, cmd_rename
+from .cmd_inspect import cmd_inspect, cmd_verify
+from .cmd_trace import cmd_trace
+from .render import EXIT_OK, EXIT_PROBLEMS, EXIT_USAGE
+
+__all__ = ["EXIT_OK", "EXIT_PROBLEMS", "EXIT_USAGE", "UsageError", "build_parser", "main"]
+
+logger = logging.getLogger(__name__)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of the ``tessera`` command."""
+    p = argparse.ArgumentParser(
+        prog="tessera", description="Inspect, verify, compare, convert and trace tessera checkpoints."
+    )
+    p.add_argument("--version", action="version", version=f"tessera {__version__}")
+    p.add_argument("-v", "--verbose", action="count", default=0, help="log more (-vv: debug)")
+    p.add_argument("--no-progress", action="store_true", help="never draw progress bars")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    s = sub.add_parser("inspect", help="list tensors, values, layout and metadata (or a manager root's steps)")
+    s.add_argument("path")
+    s.add_argument("--json", action="store_true", help="print JSON for machines")
+    s.add_argument("--filter", metavar="REGEX", help="only tensors whose name matches")
+    s.set_defaults(func=cmd_inspect)
+
+    s = sub.add_parser("verify", help="check every checksum, file and tensor coverage (exit 1 on any problem)")
+    s.add_argument("path", help="a checkpoint, or a manager root (every committed step is verified)")
+    s.add_argument("--json", action="store_true")
+    s.add_argument("--step", type=int, help="under a manager root: verify only this step")
+    s.add_argument("--limit", type=int, default=50, help="problems listed at most (default 50)")
+    s.set_defaults(func=cmd_verify)
+
+    s = sub.add_parser("diff", help="compare two checkpoints tensor by tensor (exit 1 if they differ)")
+    s.add_argument("a")
+    s.add_argument("b")
+    s.add_argument("--atol", type=float, default=0.0, help="absolute tolerance (default 0: exact)")
+    s.add_argument("--rtol", type=float, default=0.0, help="relative tolerance (default 0: exact)")
+    s.add_argument(
+        "--strip",
+        metavar="P",
+        help="compare A's names under P, without P (e.g. model. for a model export); leave out the rest of A",
+    )
+    s.add_argument("--strip-b", metavar="P", help="the same for B")
+    s.add_argument("--prefix", metavar="P", help="compare only names under P (after --strip), in both")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=cmd_diff, allow_pickle=False, tag=None, spec=None)
+
+    s = sub.add_parser(
+        "convert",
+        help="convert between tessera, hf, torch, dcp (and from deepspeed, megatron)",
+        description="Convert a checkpoint. Reading tessera, --prefix selects names under it and strips it; "
+        "writing tessera, --prefix is prepended to every name.",
+    )
+    s.add_argument("src")
+    s.add_argument("dst")
+    formats = ["tessera", "hf", "dcp", "torch", "deepspeed", "megatron"]
+    s.add_argument("--from", dest="src_format", choices=formats, help="source format (default: detected)")
+    s.add_argument(
+        "--to",
+        dest="dst_format",
+        choices=["tessera", "hf", "dcp", "torch", "deepspeed"],
+        help="destination format (default: tessera; deepspeed: a universal checkpoint)",
+    )
+    s.add_argument(
+        "--prefix",
+        help="name prefix to select and strip (export) or to prepend (import), e.g. 'model.'; "
+        "--to hf detects the model's prefix when not given ('' exports every tensor)",
+    )
+    s.add_argument("--force", action="store_true", help="replace an existing, non-empty output")
+    s.add_argument("--dtype", help="cast floating-point tensors (bf16, fp16, fp32)")
+    s.add_argument("--max-shard-size", default="5GB", help="largest safetensors shard for --to hf (default 5GB)")
+    s.add_argument("--no-values", action="store_true", help="leave plain values out (torch, dcp)")
+    s.add_argument(
+        "--allow-pickle", action="store_true", help="unpickle objects in the source (only for files you trust)"
+    )
+    s.add_argument(
+        "--tag",
+        help="deepspeed: the global_step directory to read instead of 'latest', or to write (default global_step<N>)",
+    )
+    s.add_argument("--spec", help="megatron: the layout spec (JSON) describing the files")
+    s.set_defaults(func=cmd_convert)
+
+    s = sub.add_parser("rename", help="rename tensors and values by rewriting only the manifest")
+    s.add_argument("path")
+    s.add_argument(
+        "--map", action=RuleAction, metavar="OLD=NEW", help="replace the name prefix OLD by NEW (repeatable)"
+    )
+    s.add_argument(
+        "--regex", action=RuleAction, metavar="PATTERN=REPL", help="re.sub the first match of PATTERN (repeatable)"
+    )
+    s.add_argument("--dry-run", action="store_true", help="show the renames without writing")
+    s.add_argument("--limit", type=int, default=50, help="renames listed at most")
+    s.set_defaults(func=cmd_rename, rules=[])
+
+    s = sub.add_parser("trace", help="per-rank, per-phase timings: stragglers, Chrome trace, PNG timeline")
+    s.add_argument("path")
+    s.add_argument(
+        "--op", default="save", help="operation: save (default), load (the newest recorded load), convert or all"
+    )
+    s.add_argument(
+        "--factor", type=float, default=1.5, help="a straggler is slower than this times the median (default 1.5)"
+    )
+    s.add_argument("--min-gap", type=float, default=0.25, metavar="SECONDS",
+                   help="... and slower than the median by at least this (default 0.25)")  # fmt: skip
+    s.add_argument("--chrome", metavar="OUT.json", help="write a Chrome/Perfetto trace")
+    s.add_argument("--png", metavar="OUT.png", help="write a timeline plot")
+    s.add_argument("--json", action="store_true")
+    s.add_argument("--fail-on-stragglers", action="store_true", help="exit 1 when a straggler is found")
+    s.set_defaults(func=cmd_trace)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``tessera`` command with ``argv`` (default: ``sys.argv[1:]``); the exit code.
+
+    Example:
+        >>> main(["verify", "/ckpt/step-00000100"])
+        0
+    """
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # argparse: --help (0) or a usage error (2)
+        return int(e.code or 0) if not isinstance(e.code, str) else EXIT_USAGE
+    from rich.console import Console
+
+    level = logging.WARNING if args.verbose == 0 else logging.INFO if args.verbose == 1 else logging.DEBUG
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("tessera").setLevel(level)
+    width = shutil.get_terminal_size((140, 24)).columns if not sys.stdout.isatty() else None
+    # No markup: names, values and paths are printed as they are (brackets included).
+    out = Console(width=width, highlight=False, markup=False)
+    err = Console(stderr=True, highlight=False, markup=False, soft_wrap=True)  # messages stay whole lines
+    try:
+        return int(args.func(args, out))
+    except BrokenPipeError:  # e.g. `tessera inspect --json | head`: the reader has what it wanted
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return EXIT_OK
+    except UsageError as e:
+        err.print(f"tessera {args.command}: usage error: {e}")
+        return EXIT_USAGE
+    except (CheckpointError, OSError, ValueError, TypeError, KeyError, NotImplementedError, ImportError) as e:
+        if args.verbose:
+            logger.exception("tessera %s failed", args.command)
+        err.print(f"tessera {args.command}: error: {e}")
+        return EXIT_PROBLEMS

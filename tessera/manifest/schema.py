@@ -1,0 +1,231 @@
+"""The manifest's types (format version 1): frozen dataclasses and the format's constants.
+
+See ``docs/format.md`` for the on-disk schema and the glossary of the names used here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+FORMAT = "tessera"
+VERSION = 1
+MANIFEST_NAME = "manifest.json"
+CHECKSUM_ALGORITHM = "xxh3_64"
+MAX_MANIFEST_BYTES = 1 << 30
+DECODE_RATIO = 32
+"""Tile-table columns may inflate to at most this many times the manifest's size (plus
+:data:`DECODE_SLACK`) in all: a real table stores at least one incompressible checksum per
+tile and inflates about 4-10x, while a hostile one that declares millions of tiles in a
+few compressed bytes is refused before anything is allocated."""
+DECODE_SLACK = 1 << 20
+TABLE_MIN_TILES = 16
+"""Tensors with more tiles than this store them as a columnar ``tile_table`` (base64 of
+zlib-compressed little-endian arrays): compact and parsed without per-tile work. Fewer
+tiles stay readable JSON lists."""
+
+
+@dataclass(frozen=True)
+class Tile:
+    """One stored box of a tensor: where its bytes are and how to check them.
+
+    Attributes:
+        file: data file (relative to the checkpoint) holding the bytes.
+        offsets, lengths: the box within the global tensor.
+        byte_offset: where the box's row-major bytes start in ``file``.
+        nbytes: how many bytes (``prod(lengths) * itemsize``).
+        checksums: xxh3-64 of each ``chunk_bytes`` chunk of those bytes, in order.
+    """
+
+    file: str
+    offsets: tuple[int, ...]
+    lengths: tuple[int, ...]
+    byte_offset: int
+    nbytes: int
+    checksums: tuple[int, ...]
+
+
+@dataclass(frozen=True, eq=False)
+class TileTable:
+    """A tensor's tiles as columns: what loads and planners read, without per-tile objects.
+
+    Attributes:
+        paths: data file paths, indexed by ``file``.
+        file: ``(n,)`` index into ``paths`` per tile.
+        offsets, lengths: ``(n, ndim)`` boxes.
+        byte_offset, nbytes: ``(n,)`` byte ranges in the files.
+        chunks: ``(n,)`` number of checksums per tile.
+        checksums: all tiles' chunk checksums, concatenated (uint64).
+    """
+
+    paths: tuple[str, ...]
+    file: np.ndarray
+    offsets: np.ndarray
+    lengths: np.ndarray
+    byte_offset: np.ndarray
+    nbytes: np.ndarray
+    chunks: np.ndarray
+    checksums: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.file)
+
+    @classmethod
+    def from_tiles(cls, tiles: tuple[Tile, ...], ndim: int) -> TileTable:
+        paths = tuple(dict.fromkeys(t.file for t in tiles))
+        index = {p: i for i, p in enumerate(paths)}
+        n = len(tiles)
+        return cls(
+            paths,
+            np.array([index[t.file] for t in tiles], dtype=np.int64),
+            np.array([t.offsets for t in tiles], dtype=np.int64).reshape(n, ndim),
+            np.array([t.lengths for t in tiles], dtype=np.int64).reshape(n, ndim),
+            np.array([t.byte_offset for t in tiles], dtype=np.int64),
+            np.array([t.nbytes for t in tiles], dtype=np.int64),
+            np.array([len(t.checksums) for t in tiles], dtype=np.int64),
+            np.array([c for t in tiles for c in t.checksums], dtype=np.uint64),
+        )
+
+    def tiles(self) -> tuple[Tile, ...]:
+        """Every tile as a :class:`Tile` (builds one object per tile)."""
+        sums = self.checksums.tolist()
+        out = []
+        pos = 0
+        for fi, o, ln, bo, nb, k in zip(
+            self.file.tolist(),
+            self.offsets.tolist(),
+            self.lengths.tolist(),
+            self.byte_offset.tolist(),
+            self.nbytes.tolist(),
+            self.chunks.tolist(),
+        ):
+            out.append(Tile(self.paths[fi], tuple(o), tuple(ln), bo, nb, tuple(sums[pos : pos + k])))
+            pos += k
+        return tuple(out)
+
+
+class TensorEntry:
+    """A global tensor: dtype name, global shape and the tiles that cover it exactly once.
+
+    Built either from :class:`Tile` objects or from a :class:`TileTable`; each form is
+    derived from the other on first use, so large manifests never build per-tile objects
+    unless someone asks for ``tiles``.
+    """
+
+    __slots__ = ("_starts", "_table", "_tiles", "dtype", "shape")
+
+    def __init__(
+        self,
+        dtype: str,
+        shape: tuple[int, ...],
+        tiles: tuple[Tile, ...] | None = None,
+        *,
+        table: TileTable | None = None,
+    ) -> None:
+        if (tiles is None) == (table is None):
+            raise ValueError("TensorEntry needs exactly one of tiles and table")
+        self.dtype = dtype
+        self.shape = tuple(shape)
+        self._tiles = tuple(tiles) if tiles is not None else None
+        self._table = table
+        self._starts: np.ndarray | None = None
+
+    @property
+    def tiles(self) -> tuple[Tile, ...]:
+        if self._tiles is None:
+            assert self._table is not None
+            self._tiles = self._table.tiles()
+        return self._tiles
+
+    @property
+    def table(self) -> TileTable:
+        if self._table is None:
+            assert self._tiles is not None
+            self._table = TileTable.from_tiles(self._tiles, len(self.shape))
+        return self._table
+
+    @property
+    def num_tiles(self) -> int:
+        return len(self._tiles) if self._tiles is not None else len(self.table)
+
+    def tile(self, i: int) -> Tile:
+        """Tile ``i`` (without building the others)."""
+        if self._tiles is not None:
+            return self._tiles[i]
+        t = self.table
+        if self._starts is None:  # an array, not a list: one int64 per tile, not a Python int
+            self._starts = np.concatenate([np.zeros(1, dtype=np.int64), np.cumsum(t.chunks)])
+        start = int(self._starts[i])
+        return Tile(
+            t.paths[int(t.file[i])],
+            tuple(t.offsets[i].tolist()),
+            tuple(t.lengths[i].tolist()),
+            int(t.byte_offset[i]),
+            int(t.nbytes[i]),
+            tuple(t.checksums[start : start + int(t.chunks[i])].tolist()),
+        )
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, TensorEntry):
+            return NotImplemented
+        return (self.dtype, self.shape, self.tiles) == (other.dtype, other.shape, other.tiles)
+
+    def __repr__(self) -> str:
+        return f"TensorEntry(dtype={self.dtype!r}, shape={self.shape!r}, tiles=<{self.num_tiles}>)"
+
+
+@dataclass(frozen=True)
+class PerRankEntry:
+    """A per-rank value: one encoded plain value per saving rank (``None`` where a rank had none).
+
+    Attributes:
+        on_resize: what a load under another world size does (``"error"``, ``"keep"``, ``"modulo"``).
+        by_rank: the encoded value of each saving rank, indexed by rank.
+    """
+
+    on_resize: str
+    by_rank: tuple[Any, ...]
+
+    @property
+    def values(self) -> tuple[Any, ...]:
+        """Deprecated name of :attr:`by_rank` (kept while callers move over)."""
+        return self.by_rank
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    """A data file: the rank that wrote it and its size."""
+
+    path: str
+    rank: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """A committed checkpoint's table of contents."""
+
+    save_id: str
+    world_size: int
+    chunk_bytes: int
+    tensors: dict[str, TensorEntry]
+    values: dict[str, Any] = field(default_factory=dict)
+    """Plain values, in the tagged-JSON encoding of :mod:`tessera.values`."""
+    per_rank: dict[str, PerRankEntry] = field(default_factory=dict)
+    files: tuple[FileEntry, ...] = ()
+    layout: dict[str, Any] = field(default_factory=dict)
+    """How the saving job was laid out; informational only, loading never depends on it."""
+    timings: dict[str, Any] = field(default_factory=dict)
+    """Per-rank, per-phase durations (seconds) and bytes of the save."""
+    metadata: dict[str, Any] = field(default_factory=dict)
+    """Versions, creation time and user metadata."""
+    version: int = VERSION
+
+    def keys(self) -> set[str]:
+        return set(self.tensors) | set(self.values) | set(self.per_rank)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(int(e.table.nbytes.sum()) for e in self.tensors.values())

@@ -1,0 +1,258 @@
+"""Convert a checkpoint between formats: the library behind ``tessera convert``.
+
+:func:`convert_checkpoint` detects the source format, guards the output, and runs one
+importer or exporter of :mod:`tessera.convert`, or both through a temporary tessera
+checkpoint when neither side is tessera.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from . import UsageError
+
+if TYPE_CHECKING:
+    import torch
+
+    from ..convert import ConvertResult, Format
+    from ..convert._common import ProgressFn
+
+PhaseProgress = Callable[[str], AbstractContextManager["ProgressFn | None"]]
+"""``progress(description)`` opens one phase (``"reading hf"``, ``"writing tessera"``) and
+yields its ``(done_bytes, total_bytes)`` callback, or None for no progress display."""
+
+Notify = Callable[[str], None]
+"""Receives one line about a decision taken on the way (a format read, a prefix chosen)."""
+
+
+def _no_progress(what: str) -> AbstractContextManager[ProgressFn | None]:
+    return contextlib.nullcontext(None)
+
+
+def _quiet(line: str) -> None:
+    return None
+
+
+@dataclass(frozen=True)
+class ConvertOptions:
+    """How to read and write the formats of one conversion (every field has the command's default)."""
+
+    dtype: torch.dtype | None = None
+    """Cast floating-point tensors to this dtype; None keeps them."""
+    max_shard_size: int = 5_000_000_000
+    """Largest safetensors shard of a Hugging Face export, in bytes."""
+    prefix: str | None = None
+    """Exports select the names under it and strip it; imports prepend it (``model.`` for deepspeed/megatron)."""
+    include_values: bool = True
+    """Write plain values too (torch and dcp exports)."""
+    allow_pickle: bool = False
+    """Unpickle objects in the source (only for files you trust)."""
+    tag: str | None = None
+    """DeepSpeed: the ``global_step`` directory to read instead of ``latest``, or to write."""
+    spec: str | None = None
+    """Megatron: the layout spec (JSON) describing per-rank files."""
+    progress: PhaseProgress = _no_progress
+    """Opens a progress callback per phase."""
+
+
+def import_checkpoint(
+    fmt: Format, src: str, dst: str, options: ConvertOptions, *, dtype: torch.dtype | None, prefix: str | None
+) -> ConvertResult:
+    """Read ``src`` in format ``fmt`` into a new tessera checkpoint at ``dst``.
+
+    Raises:
+        UsageError: for a format that cannot be read, or a Megatron source without a spec.
+    """
+    from .. import convert as cv
+
+    with options.progress(f"reading {fmt.value}") as cb:
+        if fmt == cv.Format.HF:
+            return cv.import_hf(src, dst, prefix=prefix, dtype=dtype, progress=cb)
+        if fmt == cv.Format.TORCH:
+            return cv.import_torch_save(
+                src, dst, prefix=prefix, dtype=dtype, allow_pickle=options.allow_pickle, progress=cb
+            )
+        if fmt == cv.Format.DCP:
+            return cv.import_dcp(src, dst, prefix=prefix, dtype=dtype, allow_pickle=options.allow_pickle, progress=cb)
+        if fmt == cv.Format.DEEPSPEED:
+            return cv.import_deepspeed(
+                src, dst, tag=options.tag, model_prefix=prefix if prefix is not None else "model.", dtype=dtype,
+                allow_pickle=options.allow_pickle, progress=cb,
+            )  # fmt: skip
+        if fmt == cv.Format.MEGATRON:
+            if cv.is_torch_dist(src):  # Megatron-Core's own format describes itself: no spec needed
+                return cv.import_torch_dist(src, dst, dtype=dtype, progress=cb)
+            if not options.spec:
+                raise UsageError(
+                    "--from megatron needs --spec LAYOUT_SPEC (the JSON layout spec of the per-rank files); "
+                    "torch_dist checkpoints need none"
+                )
+            return cv.import_megatron(
+                src, dst, spec=options.spec, prefix=prefix if prefix is not None else "model.", dtype=dtype,
+                allow_pickle=options.allow_pickle, progress=cb,
+            )  # fmt: skip
+    raise UsageError(f"cannot read {fmt.value} checkpoints")
+
+
+def export_checkpoint(fmt: Format, src: str, dst: str, options: ConvertOptions, *, prefix: str | None) -> ConvertResult:
+    """Write the tessera checkpoint ``src`` to ``dst`` in format ``fmt``.
+
+    Raises:
+        UsageError: for a format that cannot be written.
+    """
+    from .. import convert as cv
+
+    dtype = options.dtype
+    with options.progress(f"writing {fmt.value}") as cb:
+        if fmt == cv.Format.HF:
+            return cv.export_hf(
+                src, dst, max_shard_size=options.max_shard_size, dtype=dtype, prefix=prefix, progress=cb
+            )
+        if fmt == cv.Format.TORCH:
+            return cv.export_torch_save(
+                src, dst, dtype=dtype, prefix=prefix, include_values=options.include_values, progress=cb
+            )
+        if fmt == cv.Format.DCP:
+            return cv.export_dcp(
+                src, dst, dtype=dtype, prefix=prefix, include_values=options.include_values, progress=cb
+            )
+        if fmt == cv.Format.DEEPSPEED:
+            model_prefix = options.prefix if options.prefix is not None else "model."
+            return cv.export_deepspeed_universal(src, dst, tag=options.tag, model_prefix=model_prefix, progress=cb)
+    raise UsageError(f"cannot write {fmt.value} checkpoints (write tessera, hf, torch, dcp or deepspeed)")
+
+
+def hf_export_prefix(src: str, prefix: str | None, notify: Notify = _quiet) -> str:
+    """The prefix to export to Hugging Face: ``prefix``, or the model prefix detected in ``src``.
+
+    Raises:
+        UsageError: when no model prefix can be told apart.
+    """
+    if prefix is not None:
+        return prefix
+    from ..api import read_manifest
+    from ..describe import detect_model_prefix
+
+    names = list(read_manifest(src).tensors)
+    found, why = detect_model_prefix(names)
+    if found is None:
+        raise UsageError(f"--to hf exports a model; {why}")
+    notify(f"exporting the model only: {why} (--prefix chooses another)" if found else f"note: {why}")
+    return found
+
+
+def prepare_output(dst: str, fmt: Format, *, force: bool) -> None:
+    """Refuse to write into an existing, non-empty output unless ``force``; with it, make room.
+
+    A tessera destination is replaced atomically by the save itself; any other output
+    (a file, an HF or DCP directory) is removed first, so no stale file mixes in.
+
+    Raises:
+        UsageError: if ``dst`` is not empty and ``force`` is not set, or holds tessera
+            checkpoints that writing another format would delete.
+    """
+    from .. import convert as cv
+
+    if "://" in dst:
+        return  # object stores: the exporters replace their own files
+    exists = os.path.isfile(dst) or (os.path.isdir(dst) and bool(os.listdir(dst)))
+    if not exists:
+        return
+    if not force:
+        raise UsageError(f"{dst} exists and is not empty; pass --force to replace it")
+    if fmt == cv.Format.TESSERA:
+        return
+    if os.path.isdir(dst):
+        from ..describe import PathKind, classify_path
+
+        if classify_path(dst) in (PathKind.CHECKPOINT, PathKind.MANAGER_ROOT):
+            raise UsageError(
+                f"{dst} holds tessera checkpoints; refusing to delete them to write {fmt.value} (choose another output)"
+            )
+        shutil.rmtree(dst)
+    else:
+        os.remove(dst)
+
+
+def convert_checkpoint(
+    src: str,
+    dst: str,
+    *,
+    src_format: str | None = None,
+    dst_format: str | None = None,
+    dtype: str | None = None,
+    max_shard_size: str = "5GB",
+    force: bool = False,
+    options: ConvertOptions | None = None,
+    notify: Notify = _quiet,
+) -> tuple[Format, ConvertResult]:
+    """Convert the checkpoint ``src`` into ``dst``, as ``tessera convert`` does.
+
+    Args:
+        src: the source checkpoint (a path; tessera sources may be URLs).
+        dst: the output.
+        src_format: a :class:`~tessera.convert.Format` value; detected when None.
+        dst_format: a :class:`~tessera.convert.Format` value; tessera when None.
+        dtype: cast floating-point tensors (``"bf16"``, ``"fp16"``, ``"fp32"``).
+        max_shard_size: largest safetensors shard for Hugging Face output (``"5GB"``).
+        force: replace an existing, non-empty output.
+        options: the rest (prefix, pickle, DeepSpeed tag, Megatron spec, progress); its
+            ``dtype`` and ``max_shard_size`` are set from the arguments above.
+        notify: receives a line for each step taken on the way.
+
+    Returns:
+        ``(destination format, what the last step wrote)``.
+
+    Raises:
+        UsageError: for arguments that do not make sense together.
+
+    Example:
+        >>> fmt, result = convert_checkpoint("/ckpt/step-100", "/export/hf", dst_format="hf")  # doctest: +SKIP
+    """
+    from .. import convert as cv
+    from ..convert._common import parse_dtype, parse_size
+
+    base = options or ConvertOptions()
+    try:
+        src_fmt = cv.Format(src_format) if src_format else cv.detect_format(src)
+    except ValueError as e:
+        raise UsageError(str(e)) from e
+    dst_fmt = cv.Format(dst_format) if dst_format else cv.Format.TESSERA
+    if src_fmt == dst_fmt:
+        raise UsageError(f"source and destination are both {src_fmt.value}; choose another format with --to")
+    try:
+        cast = parse_dtype(dtype) if dtype else None
+        shard = parse_size(max_shard_size)
+    except ValueError as e:
+        raise UsageError(str(e)) from e
+    if os.path.abspath(src) == os.path.abspath(dst):
+        raise UsageError("the source and the destination are the same path")
+    opts = ConvertOptions(
+        cast, shard, base.prefix, base.include_values, base.allow_pickle, base.tag, base.spec, base.progress
+    )
+    prepare_output(dst, dst_fmt, force=force)
+    if src_fmt != cv.Format.TESSERA and dst_fmt != cv.Format.TESSERA:
+        # Two steps through a temporary tessera checkpoint next to the destination (or in the
+        # system's temporary directory when the destination is a URL).
+        parent = None if "://" in dst else os.path.dirname(os.path.abspath(dst))
+        if parent:
+            os.makedirs(parent, exist_ok=True)
+        tmp = tempfile.mkdtemp(prefix=".tessera-convert-", dir=parent)
+        try:
+            first = import_checkpoint(src_fmt, src, tmp, opts, dtype=None, prefix=None)
+            notify(f"read {first.tensors} tensors from {src} ({src_fmt.value})")
+            prefix = hf_export_prefix(tmp, opts.prefix, notify) if dst_fmt == cv.Format.HF else opts.prefix
+            return dst_fmt, export_checkpoint(dst_fmt, tmp, dst, opts, prefix=prefix)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    if src_fmt == cv.Format.TESSERA:
+        prefix = hf_export_prefix(src, opts.prefix, notify) if dst_fmt == cv.Format.HF else opts.prefix
+        return dst_fmt, export_checkpoint(dst_fmt, src, dst, opts, prefix=prefix)
+    return dst_fmt, import_checkpoint(src_fmt, src, dst, opts, dtype=cast, prefix=opts.prefix)
