@@ -24,6 +24,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
+from .. import _torch_private
 from ..geometry import Box
 
 WRAPPER_PREFIXES = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
@@ -132,18 +133,13 @@ def strided_local_box(dt: DTensor, name: str) -> Box:
         offsets.append(merged[0][0] if merged else 0)
         lengths.append(merged[0][1] - merged[0][0] if merged else 0)
     box = Box(tuple(offsets), tuple(lengths))
-    local_shape = tuple(dt._local_tensor.shape)
+    local_shape = tuple(_torch_private.local_tensor(dt).shape)
     if local_shape != box.lengths:
         raise ValueError(
             f"tensor '{name}': local shard has shape {list(local_shape)} but its placements "
             f"{dt.placements} give {list(box.lengths)}"
         )
     return box
-
-
-def local_tensor(dt: DTensor) -> torch.Tensor:
-    """The rank's local shard, sharing memory with ``dt``; ``to_local`` may copy under autograd."""
-    return dt._local_tensor
 
 
 # --------------------------------------------------------------------------------------
