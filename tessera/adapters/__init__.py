@@ -6,9 +6,10 @@ parameter FQN, so a checkpoint saved under one layout loads under any other.
 """
 
 from .data import LoaderState, ReshardableStream, reshard_stream_states
-from .misc import DataPosition, RNGState
 from .model import ModelState
 from .optimizer import OptimizerState
+from .position import DataPosition
+from .rng import RNGState
 
 __all__ = [
     "DataPosition",

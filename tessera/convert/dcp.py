@@ -54,8 +54,8 @@ from ._common import (
     numel,
     strip_prefix,
 )
-from ._sink import CheckpointWriter
-from ._source import CheckpointSource
+from .reader import CheckpointReader
+from .writer import CheckpointWriter
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +67,7 @@ logger = logging.getLogger(__name__)
 class _StreamingSavePlanner(dcp.DefaultSavePlanner):
     """A save planner whose meta tensors are read from a tessera checkpoint on demand."""
 
-    def __init__(self, src: CheckpointSource, names: dict[str, str], prog: Progress) -> None:
+    def __init__(self, src: CheckpointReader, names: dict[str, str], prog: Progress) -> None:
         super().__init__()
         self._src = src
         self._names = names
@@ -120,7 +120,7 @@ def export_dcp(
         >>> torch.distributed.checkpoint.load(sd, checkpoint_id="/export/dcp")
     """
     t0 = time.monotonic()
-    src = CheckpointSource(path, storage=storage)
+    src = CheckpointReader(path, storage=storage)
     names = strip_prefix(list(src.manifest.tensors), prefix)
     values, skipped = src.values() if include_values else ({}, [])
     kept_values = strip_prefix(list(values), prefix)

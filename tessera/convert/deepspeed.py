@@ -49,7 +49,7 @@ from ..shards import FlatShard
 from ..storage import Storage
 from ..values import is_plain
 from ._common import ConvertResult, Progress, ProgressFn, cast_for
-from ._sink import CheckpointWriter
+from .writer import CheckpointWriter
 
 logger = logging.getLogger(__name__)
 
