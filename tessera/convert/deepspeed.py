@@ -48,7 +48,9 @@ from ..shards import FlatShard
 from ..storage import Storage
 from ..values import is_plain
 from ._common import ConvertResult, Progress, ProgressFn, cast_for
-from .deepspeed_files import (  # the stand-in classes too: values pickled under their old path still load
+
+# The stand-in classes too: values pickled under their old path still load.
+from .deepspeed_files import (
     SAFE_GLOBALS,
     DynamicLossScaler,
     FragmentAddress,
