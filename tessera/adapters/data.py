@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
@@ -242,6 +242,15 @@ class ReshardableStream(IterableDataset):
         self._packed = [[int(p), [int(t) for t in toks]] for p, toks in state_dict["packed"]]
 
 
+class StatefulLoader(Protocol):
+    """What :class:`LoaderState` needs of a loader: a :class:`ReshardableStream`, or torchdata's
+    ``StatefulDataLoader`` over one."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None: ...
+
+
 class LoaderState:
     """A data stream in a tessera state, loadable under another data-parallel size.
 
@@ -264,13 +273,14 @@ class LoaderState:
         >>> tessera.save(path, {"model": tessera.ModelState(model), "data": tessera.LoaderState(loader)})
     """
 
-    def __init__(self, loader: object) -> None:
+    def __init__(self, loader: StatefulLoader) -> None:
         stream = loader if isinstance(loader, ReshardableStream) else getattr(loader, "dataset", None)
         if not isinstance(stream, ReshardableStream):
             raise TypeError(
                 f"LoaderState takes a ReshardableStream or a StatefulDataLoader over one, not {type(loader).__name__}"
             )
-        if stream is not loader and getattr(loader, "num_workers", 0):
+        workers = getattr(loader, "num_workers", 0)
+        if stream is not loader and workers:
             raise ValueError("LoaderState: the StatefulDataLoader must use num_workers=0 (see ReshardableStream)")
         self.loader = loader
         self.stream = stream

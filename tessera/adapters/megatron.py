@@ -109,7 +109,7 @@ def gpt_spec(
         r"|self_attention\.linear_qkv\.layer_norm_(weight|bias)|mlp\.linear_fc1\.layer_norm_(weight|bias)"
         r"|self_attention\.(q|k)_layernorm\.(weight|bias)|self_attention\.linear_proj\.bias|mlp\.linear_fc2\.bias)"
     )
-    rules = (
+    rules: tuple[Rule, ...] = (
         Rule("embedding.word_embeddings.weight", vocab, PipelineStage.FIRST),
         Rule("embedding.position_embeddings.weight", Replicated(), PipelineStage.FIRST),
         Rule(layer + "self_attention.linear_qkv.weight", qkv),

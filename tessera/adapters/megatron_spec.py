@@ -231,17 +231,17 @@ class MegatronSpec:
 
     def _group(self, global_shapes: GlobalShapes) -> dict[str, tuple[Rule, dict[str, Shape], torch.dtype]]:
         """Global tensors grouped by the (fused) parameter they belong to."""
-        fused = [(r, _template_regex(r.layout)) for r in self.rules if isinstance(r.layout, Fused)]
+        fused = [(r, r.layout, _template_regex(r.layout)) for r in self.rules if isinstance(r.layout, Fused)]
         groups: dict[str, tuple[Rule, dict[str, Shape], torch.dtype]] = {}
         for gname, (shape, dtype) in global_shapes.items():
             owners = []
-            for rule, regex in fused:
+            for rule, layout, regex in fused:
                 m = regex.fullmatch(gname)
                 if m is None:
                     continue
                 d = m.groupdict()
                 parent = d.get("name") or ".".join(x for x in (d.get("module"), d.get("leaf")) if x)
-                if rule.matches(parent) and rule.layout.part_name(parent, d["part"]) == gname:
+                if rule.matches(parent) and layout.part_name(parent, d["part"]) == gname:
                     owners.append((parent, rule))
             direct = [r for r in self.rules if r.matches(gname)]
             if (owners and direct) or len(owners) > 1:

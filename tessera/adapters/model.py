@@ -38,11 +38,12 @@ def unwrap(model: nn.Module) -> nn.Module:
     """The module whose FQNs are the checkpoint's: DDP and torch.compile wrappers removed."""
     while True:
         if isinstance(model, nn.parallel.DistributedDataParallel) or type(model).__name__ == "DataParallel":
-            model = model.module
-        elif _torch_compat.compiled_inner(model) is not None:
-            model = _torch_compat.compiled_inner(model)
+            inner: object = model.module
         else:
+            inner = _torch_compat.compiled_inner(model)
+        if not isinstance(inner, nn.Module):
             return model
+        model = inner
 
 
 def _as_modules(model: nn.Module | Sequence[nn.Module]) -> list[nn.Module]:

@@ -7,7 +7,7 @@ and go into the state as they are; the data position is :mod:`.position`.
 from __future__ import annotations
 
 import random
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -44,7 +44,7 @@ class RNGState:
     def state_dict(self) -> dict[str, Any]:
         """The current generator states, each marked per rank."""
         version, internal, gauss = random.getstate()
-        name, keys, pos, has_gauss, cached = np.random.get_state()
+        name, keys, pos, has_gauss, cached = cast("tuple[str, np.ndarray, int, int, float]", np.random.get_state())
         sd: dict[str, Any] = {
             "python": {"version": version, "state": torch.tensor(internal, dtype=torch.int64), "gauss_next": gauss},
             "numpy": {

@@ -101,7 +101,8 @@ def reshard_stream_states(states: Sequence[dict[str, Any]], world_size: int) -> 
         i0 = max(0, -(-(first_unread + 1 - r) // old_world))
         ahead.update(unread_position(frontier, skip, r + i * old_world) for i in range(i0, c))
     prefetched = sorted(int(p) for s in states for p in s["prefetched"])
-    packed = sorted(([int(p), [int(t) for t in toks]] for s in states for p, toks in s["packed"]), key=lambda e: e[0])
+    held = sorted(((int(p), [int(t) for t in toks]) for s in states for p, toks in s["packed"]), key=lambda e: e[0])
+    packed = [[p, toks] for p, toks in held]
     out = []
     for r in range(world_size):
         out.append(

@@ -242,8 +242,8 @@ def import_dcp(
     byte_keys: list[str] = []
     for fqn, md in metadata.state_dict_metadata.items():
         if isinstance(md, TensorStorageMetadata):
-            for i, c in enumerate(md.chunks):
-                chunks.append((fqn, tuple(c.offsets), tuple(c.sizes), i, md))
+            for i, chunk in enumerate(md.chunks):
+                chunks.append((fqn, tuple(chunk.offsets), tuple(chunk.sizes), i, md))
         elif isinstance(md, BytesStorageMetadata):
             byte_keys.append(fqn)
     total = sum(numel(s) * itemsize(cast_for(md.properties.dtype, dtype)) for _, _, s, _, md in chunks)
@@ -319,7 +319,7 @@ def regroup_values(values: dict[str, Any], paths: object, tensors: set[str]) -> 
     """
     if not isinstance(paths, dict):
         return dict(values)
-    tensor_prefixes = set()
+    tensor_prefixes: set[tuple[Any, ...]] = set()
     for t in tensors:
         path = paths.get(t)
         if isinstance(path, tuple):

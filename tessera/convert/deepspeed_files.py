@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import pickle
 import re
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -95,7 +96,7 @@ def _zero_stage(value: int) -> int:
     return int(value)
 
 
-SAFE_GLOBALS: list[tuple[Any, str]] = [
+SAFE_GLOBALS: list[Callable[..., Any] | tuple[Callable[..., Any], str]] = [
     (LossScaler, "deepspeed.runtime.fp16.loss_scaler.LossScaler"),
     (DynamicLossScaler, "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler"),
     (FragmentAddress, "deepspeed.utils.tensor_fragment.fragment_address"),

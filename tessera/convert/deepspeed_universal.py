@@ -168,7 +168,7 @@ def export_deepspeed_universal(
     torch.save(optimizer_state, os.path.join(zero, "optimizer_state.pt"))
     rest = {n: k for n, k in params.items() if n not in optimized}
     module = {n: src.read(k, Box.whole(src.shape(k))) for n, k in rest.items()}
-    model_states = {
+    model_states: dict[str, Any] = {
         "module": module,
         "buffer_names": [],
         "optimizer": None,

@@ -213,7 +213,7 @@ def _shard_chunks(
     for s in shard:
         for _, block in src.blocks(s.fqn, block_bytes=block_bytes, dtype=s.dtype, reuse=True):
             data = as_bytes(block)
-            yield memoryview(data.numpy())
+            yield data.numpy().data
             prog.advance(data.numel())
 
 

@@ -185,8 +185,8 @@ def import_torch_dist(
                 w.add_value(k, {TORCH_SAVE_FIRST: planner.raw[k]})
         common = os.path.join(src, "common.pt")
         if os.path.isfile(common):
-            with open(common, "rb") as f:
-                w.add_value(COMMON_KEY, {TORCH_SAVE: f.read()})
+            with open(common, "rb") as fb:
+                w.add_value(COMMON_KEY, {TORCH_SAVE: fb.read()})
         w.commit(source=f"megatron-torch_dist:{src}", layout={"format": "megatron-torch_dist", **info})
         counts = (w.tensors_declared, w.values_added, w.tensor_bytes, w.files_written)
     logger.info("converted Megatron torch_dist checkpoint %s into %s", src, path)

@@ -302,7 +302,7 @@ class CheckpointWriter:
             StorageError: publishing failed (then nothing was committed, or the next save cleans up).
         """
         claim = self._claimed()
-        files = tuple((f.path, f.nbytes, []) for f in self._files)
+        files: tuple[tuple[str, int, list[Any]], ...] = tuple((f.path, f.nbytes, []) for f in self._files)
         report = RankReport(error=None, files=files, values={}, timings={})
         published = False
         try:
