@@ -23,11 +23,10 @@ import torch
 
 from .. import __version__, commit
 from .._knobs import chunk_bytes as default_chunk_bytes
-from ..commit import Claim, RankReport
+from ..commit import Claim
 from ..dtypes import dtype_name
-from ..errors import CheckpointError, ConcurrentSaveError, StorageError
 from ..geometry import Box, check_box_coverage, flat_range_to_boxes
-from ..manifest import FileEntry, Manifest, TensorEntry, Tile, encode
+from ..manifest import FileEntry, Manifest, TensorEntry, Tile
 from ..stage import as_bytes
 from ..storage import Storage, storage_for
 from ..tilefile import layout_file
@@ -294,41 +293,12 @@ class CheckpointWriter:
         return self._claim
 
     def _publish(self, manifest: Manifest) -> None:
-        """Check the data files, publish the manifest and clean up, as rank 0 of a save does.
-
-        Raises:
-            ConcurrentSaveError: another save committed the path since the claim.
-            CommitCheckError: a data file is not where the manifest points.
-            StorageError: publishing failed (then nothing was committed, or the next save cleans up).
-        """
-        claim = self._claimed()
-        files: tuple[tuple[str, int, list[Any]], ...] = tuple((f.path, f.nbytes, []) for f in self._files)
-        report = RankReport(error=None, files=files, values={}, timings={})
-        published = False
+        """Check the data files, publish the manifest and clean up (:func:`tessera.commit.commit_single`)."""
         try:
-            superseded = commit.superseded(self.storage, claim, self.path)
-            if superseded is not None:
-                raise superseded
-            commit.check_files(self.storage, claim, [report], self.path)
-            live_before = commit.live_saves(self.storage)
-            data = encode(manifest)
-            published = True  # from here on, a failure may have committed after all
-            commit.publish(self.storage, claim, data, self.path)
-        except Exception as e:
-            paths = [f.path for f in self._files]
-            if (
-                not published
-                or isinstance(e, ConcurrentSaveError)
-                or not commit.may_have_committed(self.storage, claim)
-            ):
-                commit.abandon(self.storage, claim, paths, self.path)
-            else:  # the manifest may have landed: keep its files; the next save cleans them up
-                commit.abandon(self.storage, claim, [], self.path, keep_data=True)
-            self._claim = None  # abandoned: nothing left for abort() to remove
-            if isinstance(e, CheckpointError):
-                raise
-            raise StorageError(f"committing the manifest of {self.path} failed: {type(e).__name__}: {e}") from e
-        commit.clean_up(self.storage, claim, live_before, self.path)
+            commit.commit_single(self.storage, self._claimed(), manifest, self.path)
+        except Exception:
+            self._claim = None  # commit_single removed what had to go: nothing left for abort()
+            raise
 
     def abort(self) -> None:
         """Remove the data files written so far and the claim (nothing was committed)."""
