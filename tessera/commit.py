@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .errors import CheckpointError, CommitCheckError, ConcurrentSaveError, LocationMismatchError, StorageError
-from .manifest import MANIFEST_NAME
+from .manifest import MANIFEST_NAME, Manifest, encode
 from .storage import Storage
 from .storage.base import OWNER_MARKER_DIR
 
@@ -285,6 +285,45 @@ def may_have_committed(store: Storage, claim: Claim) -> bool:
         return version(MANIFEST_NAME) != claim.expected
     except Exception:
         return True
+
+
+def commit_single(store: Storage, claim: Claim, manifest: Manifest, path: str) -> None:
+    """Commit a checkpoint written by one process (a converter): steps 3 to 5, as rank 0 of a save.
+
+    Call order: ``c = claim(store, save_id)`` before the first data file, write every data file
+    under ``c.data_prefix``, build the manifest (``save_id=c.save_id``) and call this. On failure
+    the save's files and marker are removed (only the marker if the manifest may have landed).
+    (Branch wt/save has the same function over ``commit_manifest``; on merge, take that side.)
+
+    Raises:
+        ValueError: if the manifest is not this claim's (nothing is removed then).
+        ConcurrentSaveError: another save committed first.
+        CommitCheckError: a listed file is missing or has the wrong size.
+        StorageError: reading versions or publishing failed (any non-tessera error is wrapped).
+    """
+    if manifest.save_id != claim.save_id or any(not f.path.startswith(claim.data_prefix + "/") for f in manifest.files):
+        raise ValueError(f"{path}: the manifest of save {manifest.save_id!r} is not the claim's ({claim.save_id!r})")
+    files = [f.path for f in manifest.files]
+    report = RankReport(None, tuple((f.path, f.nbytes, []) for f in manifest.files), {}, {})
+    published = False
+    try:
+        lost = superseded(store, claim, path)
+        if lost is not None:
+            raise lost
+        check_files(store, claim, [report], path)
+        live_before = live_saves(store)
+        data = encode(manifest)
+        published = True  # from here on, a failure may have committed after all
+        publish(store, claim, data, path)
+    except Exception as e:
+        if not published or isinstance(e, ConcurrentSaveError) or not may_have_committed(store, claim):
+            abandon(store, claim, files, path)
+        else:  # the manifest may have landed: keep its files; the next save cleans them up
+            abandon(store, claim, [], path, keep_data=True)
+        if isinstance(e, CheckpointError):
+            raise
+        raise StorageError(f"committing the manifest of {path} failed: {type(e).__name__}: {e}") from e
+    clean_up(store, claim, live_before, path)
 
 
 def abandon(store: Storage, claim: Claim, files: Iterable[str], path: str, *, keep_data: bool = False) -> None:

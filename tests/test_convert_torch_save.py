@@ -67,3 +67,29 @@ def test_import_needs_pickle_opt_in(tmp_path) -> None:
     target = {"x": {"w": torch.zeros(3), "obj": None}}
     tessera.load(str(tmp_path / "ck"), target, allow_pickle=True)
     assert target["x"]["obj"].x == 5 and torch.equal(target["x"]["w"], torch.ones(3))
+
+
+def test_import_over_a_checkpoint_commits_like_a_save(tmp_path) -> None:
+    """A converter commits through tessera.commit: no temporary manifest, load timings or older files stay."""
+    from tessera.cli import EXIT_OK, main
+
+    ck = tmp_path / "ck"
+    tessera.save(str(ck), {"w": torch.arange(6.0)})
+    tessera.load(str(ck), {"w": torch.zeros(6)})  # records its timings beside the checkpoint
+    assert os.listdir(ck / "timings")
+    (ck / "manifest.json.tmp-0123abcd").write_bytes(b"{")  # a writer that died mid-commit
+    old_data = set(os.listdir(ck / "data"))
+    src = str(tmp_path / "in.pt")
+    torch.save({"w": torch.ones(2, 3), "step": 4}, src)
+    import_torch_save(src, str(ck))
+    names = os.listdir(ck)
+    assert not [n for n in names if n.startswith("manifest.json.tmp")], names
+    assert "timings" not in names
+    assert not (ck / ".tessera-saves").exists() or not os.listdir(ck / ".tessera-saves")  # no owner marker left
+    m = tessera.read_manifest(str(ck))
+    assert set(os.listdir(ck / "data")) == {m.save_id} and not old_data & {m.save_id}
+    assert {f"data/{m.save_id}/{n}" for n in os.listdir(ck / "data" / m.save_id)} == {f.path for f in m.files}
+    assert main(["verify", str(ck)]) == EXIT_OK
+    target = {"w": torch.zeros(2, 3), "step": 0}
+    tessera.load(str(ck), target)
+    assert torch.equal(target["w"], torch.ones(2, 3)) and target["step"] == 4

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
+from .. import _torch_private
 from ..geometry import Box
 
 WRAPPER_PREFIXES = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
@@ -99,12 +100,15 @@ def strided_local_box(dt: DTensor, name: str) -> Box:
             raise ValueError(f"tensor '{name}' has a Partial placement ({dt.placements}); reduce it before saving")
         if isinstance(p, Replicate):
             continue
-        d = p.dim if p.dim >= 0 else p.dim + len(shape)
+        if not isinstance(p, Shard) and not is_strided_shard(p):  # _StridedShard is no Shard subclass
+            raise ValueError(f"tensor '{name}' has a placement tessera cannot describe ({dt.placements})")
+        dim: int = p.dim  # type: ignore[attr-defined]  # Shard or _StridedShard
+        d = dim if dim >= 0 else dim + len(shape)
         n, c = mesh.size(mesh_dim), coord[mesh_dim]
         cur = runs[d]
         length = _length(cur)
         if is_strided_shard(p):
-            k = int(p.split_factor)
+            k = int(p.split_factor)  # type: ignore[attr-defined]  # _StridedShard's own attribute
             picked: list[tuple[int, int]] = []
             for s in range(k):
                 a, b = _chunk(length, k, s)
@@ -132,18 +136,13 @@ def strided_local_box(dt: DTensor, name: str) -> Box:
         offsets.append(merged[0][0] if merged else 0)
         lengths.append(merged[0][1] - merged[0][0] if merged else 0)
     box = Box(tuple(offsets), tuple(lengths))
-    local_shape = tuple(dt._local_tensor.shape)
+    local_shape = tuple(_torch_private.local_tensor(dt).shape)
     if local_shape != box.lengths:
         raise ValueError(
             f"tensor '{name}': local shard has shape {list(local_shape)} but its placements "
             f"{dt.placements} give {list(box.lengths)}"
         )
     return box
-
-
-def local_tensor(dt: DTensor) -> torch.Tensor:
-    """The rank's local shard, sharing memory with ``dt``; ``to_local`` may copy under autograd."""
-    return dt._local_tensor
 
 
 # --------------------------------------------------------------------------------------
@@ -228,7 +227,7 @@ def persistent_buffers(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     ``_non_persistent_buffers_set`` is private; the public alternative (diffing
     ``state_dict()`` keys) would materialize full tensors for FSDP/DTensor modules.
     """
-    skip = getattr(module, "_non_persistent_buffers_set", set())
+    skip: set[str] = getattr(module, "_non_persistent_buffers_set", set())
     for name, buf in module.named_buffers(recurse=False):
         if buf is not None and name not in skip:
             yield name, buf

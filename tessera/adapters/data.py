@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
@@ -38,11 +38,11 @@ from torch.utils.data import IterableDataset, get_worker_info
 from ..errors import StateMismatchError
 from ..shards import OnResize, PerRank, per_rank
 from ..values import decode_value
+from .stream_state import CONFIG_KEYS, FORMAT, check_state, reshard_stream_states, unread_position
 
 logger = logging.getLogger(__name__)
 
-FORMAT = 1
-_CONFIG = ("source_len", "seed", "shuffle", "epochs", "pack_len")
+__all__ = ["FORMAT", "LoaderState", "ReshardableStream", "reshard_stream_states"]
 
 
 class ReshardableStream(IterableDataset):
@@ -135,7 +135,7 @@ class ReshardableStream(IterableDataset):
 
     def _read(self) -> int | None:
         """Read this rank's next position, or None at the end of the stream."""
-        p = _unread(self._frontier, self._skip, self.rank + self._cursor * self.world_size)
+        p = unread_position(self._frontier, self._skip, self.rank + self._cursor * self.world_size)
         if self.total is not None and p >= self.total:
             return None
         self._cursor += 1
@@ -222,9 +222,9 @@ class ReshardableStream(IterableDataset):
             StateMismatchError: for a state of another stream, rank or DP size (reshard it
                 with :func:`reshard_stream_states`, which :class:`LoaderState` does for you).
         """
-        _check(state_dict, 0)
+        check_state(state_dict, 0)
         mine = self.state_dict()
-        for k in (*_CONFIG, "world_size", "rank"):
+        for k in (*CONFIG_KEYS, "world_size", "rank"):
             if state_dict[k] != mine[k]:
                 raise StateMismatchError(
                     f"data stream of rank {self.rank}/{self.world_size}: saved {k}={state_dict[k]!r}, this stream has "
@@ -242,106 +242,13 @@ class ReshardableStream(IterableDataset):
         self._packed = [[int(p), [int(t) for t in toks]] for p, toks in state_dict["packed"]]
 
 
-def _unread(frontier: int, skip: list[int], j: int) -> int:
-    """The ``j``-th position from ``frontier`` on that is not in ``skip`` (sorted, all >= frontier)."""
-    p = frontier + j
-    for s in skip:
-        if s > p:
-            break
-        p += 1
-    return p
+class StatefulLoader(Protocol):
+    """What :class:`LoaderState` needs of a loader: a :class:`ReshardableStream`, or torchdata's
+    ``StatefulDataLoader`` over one."""
 
+    def state_dict(self) -> dict[str, Any]: ...
 
-def _check(state: Any, i: int) -> None:
-    if not isinstance(state, dict) or state.get("format") != FORMAT:
-        raise StateMismatchError(
-            f"data stream state {i} is not a ReshardableStream state (format {FORMAT}): {state!r:.200}"
-        )
-    missing = [
-        k
-        for k in (*_CONFIG, "world_size", "rank", "frontier", "skip", "cursor", "prefetched", "packed")
-        if k not in state
-    ]
-    if missing:
-        raise StateMismatchError(f"data stream state {i} lacks {missing}")
-
-
-def reshard_stream_states(states: Sequence[dict[str, Any]], world_size: int) -> list[dict[str, Any]]:
-    """States for ``world_size`` ranks that continue the stream the saved ranks were reading.
-
-    Every position any saved rank read is never read again; every prefetched sample and
-    every token held by a packer goes to exactly one new rank (dealt round-robin in position
-    order). Pure and deterministic: every rank computes the same result.
-
-    Args:
-        states: the :meth:`ReshardableStream.state_dict` of every saved rank, any order.
-        world_size: the new number of data-parallel ranks.
-
-    Returns:
-        One state per new rank, index ``r`` for rank ``r``.
-
-    Raises:
-        StateMismatchError: if the states are not one complete set from one stream.
-
-    Example:
-        >>> new = reshard_stream_states([s.state_dict() for s in old_streams], 3)
-        >>> stream.load_state_dict(new[stream.rank])
-    """
-    if world_size < 1:
-        raise ValueError(f"world_size must be >= 1, got {world_size}")
-    for i, s in enumerate(states):
-        _check(s, i)
-    if not states:
-        raise StateMismatchError("no data stream states to reshard")
-    first = states[0]
-    old_world = int(first["world_size"])
-    by_rank = {int(s["rank"]): s for s in states}
-    if sorted(by_rank) != list(range(old_world)) or len(states) != old_world:
-        raise StateMismatchError(
-            f"data stream states of ranks {sorted(int(s['rank']) for s in states)} are not one complete set of "
-            f"{old_world} ranks"
-        )
-    for s in states:
-        for k in (*_CONFIG, "world_size", "frontier", "skip"):
-            if s[k] != first[k]:
-                raise StateMismatchError(
-                    f"data stream states of ranks 0 and {s['rank']} differ in {k}: {first[k]!r} vs {s[k]!r}"
-                )
-    frontier = int(first["frontier"])
-    skip = sorted(int(x) for x in first["skip"])
-    cursors = [int(by_rank[r]["cursor"]) for r in range(old_world)]
-    # The first unread index of the old schedule, over all ranks; everything before it was read.
-    first_unread = min(r + c * old_world for r, c in enumerate(cursors))
-    new_frontier = _unread(frontier, skip, first_unread)
-    ahead = {s for s in skip if s >= new_frontier}
-    for r, c in enumerate(cursors):
-        i0 = max(0, -(-(first_unread + 1 - r) // old_world))
-        ahead.update(_unread(frontier, skip, r + i * old_world) for i in range(i0, c))
-    prefetched = sorted(int(p) for s in states for p in s["prefetched"])
-    packed = sorted(([int(p), [int(t) for t in toks]] for s in states for p, toks in s["packed"]), key=lambda e: e[0])
-    out = []
-    for r in range(world_size):
-        out.append(
-            {
-                **{k: first[k] for k in _CONFIG},
-                "format": FORMAT,
-                "world_size": world_size,
-                "rank": r,
-                "frontier": new_frontier,
-                "skip": sorted(ahead),
-                "cursor": 0,
-                "prefetched": prefetched[r::world_size],
-                "packed": packed[r::world_size],
-            }
-        )
-    logger.debug(
-        "resharded a data stream from %d to %d ranks at frontier %d (%d read ahead)",
-        old_world,
-        world_size,
-        new_frontier,
-        len(ahead),
-    )
-    return out
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None: ...
 
 
 class LoaderState:
@@ -366,13 +273,14 @@ class LoaderState:
         >>> tessera.save(path, {"model": tessera.ModelState(model), "data": tessera.LoaderState(loader)})
     """
 
-    def __init__(self, loader: object) -> None:
+    def __init__(self, loader: StatefulLoader) -> None:
         stream = loader if isinstance(loader, ReshardableStream) else getattr(loader, "dataset", None)
         if not isinstance(stream, ReshardableStream):
             raise TypeError(
                 f"LoaderState takes a ReshardableStream or a StatefulDataLoader over one, not {type(loader).__name__}"
             )
-        if stream is not loader and getattr(loader, "num_workers", 0):
+        workers = getattr(loader, "num_workers", 0)
+        if stream is not loader and workers:
             raise ValueError("LoaderState: the StatefulDataLoader must use num_workers=0 (see ReshardableStream)")
         self.loader = loader
         self.stream = stream
@@ -396,7 +304,7 @@ class LoaderState:
         by_rank: dict[int, tuple[Any, dict[str, Any]]] = {}
         for i, value in enumerate(saved):
             stream = _stream_state(value)
-            _check(stream, i)
+            check_state(stream, i)
             seen = by_rank.setdefault(int(stream["rank"]), (value, stream))
             if seen[1] != stream:
                 raise StateMismatchError(

@@ -18,7 +18,7 @@ from __future__ import annotations
 from torch import nn
 
 from . import _torch_compat
-from .model import ParamEntry, ParamView, ViewKind
+from .views import ParamEntry, ParamView, ViewKind
 
 
 def fsdp1_entries(model: nn.Module) -> tuple[list[ParamEntry], dict[int, ParamEntry]]:

@@ -17,7 +17,6 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from enum import Enum
 from typing import Any
 
 import torch
@@ -27,110 +26,24 @@ from torch.distributed.tensor import DTensor
 from .. import _torch_private
 from ..errors import MissingKeysError, StateMismatchError
 from ..geometry import Box
-from ..shards import FlatShard, ShardedTensor
 from . import _torch_compat
 from ._gate import StagingGate
+from .fsdp1 import fsdp1_entries
+from .views import ParamEntry, ParamView, ViewKind
 
 logger = logging.getLogger(__name__)
-
-
-class ViewKind(str, Enum):
-    """How a rank's memory maps onto a global tensor."""
-
-    REPLICATED = "replicated"
-    """The local tensor is the whole global tensor."""
-    DTENSOR = "dtensor"
-    """A DTensor with Shard/Replicate placements; ``box`` is its local shard."""
-    BOX = "box"
-    """A local tensor that is ``box`` of the global tensor (e.g. a ``_StridedShard`` DTensor)."""
-    FLAT = "flat"
-    """Elements ``[start, start + numel)`` of 1-D local memory are the global tensor's
-    row-major elements from ``flat_start`` on (FSDP1)."""
-
-
-@dataclass(frozen=True)
-class ParamView:
-    """Which part of the global tensor ``fqn`` a rank's memory holds."""
-
-    fqn: str
-    shape: tuple[int, ...]
-    kind: ViewKind
-    box: Box | None = None
-    start: int = 0
-    numel: int = 0
-    flat_start: int = 0
-
-    @property
-    def sharded(self) -> bool:
-        """Whether the rank holds less than the whole tensor (or may, for flat ranges)."""
-        if self.kind is ViewKind.FLAT:
-            return True
-        return self.box is not None and self.box.lengths != self.shape
-
-    def wrap(self, t: torch.Tensor) -> object:
-        """Describe ``t`` (memory shaped like the parameter's) as this view, aliasing it."""
-        if isinstance(t, DTensor):
-            if _torch_compat.has_strided_shard(t):
-                box = _torch_compat.strided_local_box(t, self.fqn)
-                return ShardedTensor(_torch_compat.local_tensor(t).detach(), tuple(t.shape), box.offsets)
-            return t.detach()
-        t = t.detach()
-        if self.kind is ViewKind.REPLICATED:
-            return t
-        if self.kind is ViewKind.FLAT:
-            return FlatShard(t.reshape(-1)[self.start : self.start + self.numel], self.shape, self.flat_start)
-        assert self.box is not None
-        return ShardedTensor(t, self.shape, self.box.offsets)
-
-    def local_part(self, full: torch.Tensor) -> torch.Tensor:
-        """This view's part of a full (global) tensor, shaped like the held memory."""
-        if self.kind is ViewKind.REPLICATED:
-            return full
-        if self.kind is ViewKind.FLAT:
-            return full.reshape(-1)[self.flat_start : self.flat_start + self.numel]
-        assert self.box is not None
-        return full[self.box.slices()]
-
-
-@dataclass(frozen=True, eq=False)
-class ParamEntry:
-    """A tensor a framework holds (the key an optimizer uses) and the FQNs it backs."""
-
-    tensor: torch.Tensor
-    views: tuple[ParamView, ...]
-    is_buffer: bool = False
-
-    @property
-    def requires_grad(self) -> bool:
-        return bool(self.tensor.requires_grad) and not self.is_buffer
-
-    @property
-    def sharded(self) -> bool:
-        return any(v.sharded for v in self.views)
-
-    def is_like(self, t: torch.Tensor) -> bool:
-        """Whether ``t`` (say an optimizer state) is laid out like this entry's tensor."""
-        mine = self.tensor
-        if isinstance(mine, DTensor):
-            if isinstance(t, DTensor):
-                return t.shape == mine.shape
-            return t.shape == _torch_compat.local_tensor(mine).shape
-        return not isinstance(t, DTensor) and t.shape == mine.shape
-
-    def local(self) -> torch.Tensor:
-        t = self.tensor
-        return (_torch_compat.local_tensor(t) if isinstance(t, DTensor) else t).detach()
 
 
 def unwrap(model: nn.Module) -> nn.Module:
     """The module whose FQNs are the checkpoint's: DDP and torch.compile wrappers removed."""
     while True:
         if isinstance(model, nn.parallel.DistributedDataParallel) or type(model).__name__ == "DataParallel":
-            model = model.module
-        elif _torch_compat.compiled_inner(model) is not None:
-            model = _torch_compat.compiled_inner(model)
+            inner: object = model.module
         else:
+            inner = _torch_compat.compiled_inner(model)
+        if not isinstance(inner, nn.Module):
             return model
+        model = inner
 
 
 def _as_modules(model: nn.Module | Sequence[nn.Module]) -> list[nn.Module]:
@@ -171,8 +84,6 @@ def collect(model: nn.Module | Sequence[nn.Module]) -> ModelLayout:
     Raises:
         ValueError: for a DTensor whose local shard is not a box, or two tensors under one FQN.
     """
-    from .fsdp1 import fsdp1_entries  # fsdp1 builds on the view types above
-
     entries: list[ParamEntry] = []
     by_param: dict[int, ParamEntry] = {}
     seen: set[int] = set()

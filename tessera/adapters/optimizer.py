@@ -29,13 +29,14 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from .. import _torch_private
 from ..dtypes import dtype_from_name
 from ..errors import StateMismatchError
 from ..manifest import Manifest
 from ..values import decode_value, is_plain
-from . import _torch_compat
 from ._gate import StagingGate
-from .model import ModelLayout, ParamEntry, ParamView, collect
+from .model import ModelLayout, collect
+from .views import ParamEntry, ParamView
 
 logger = logging.getLogger(__name__)
 
@@ -310,7 +311,7 @@ def _zero_state(entry: ParamEntry, view: ParamView, name: str, te: Any, group: d
     dtype = dtype_from_name(te.dtype)
     shape = tuple(te.shape)
     local = entry.tensor.detach()
-    device = (_torch_compat.local_tensor(local) if isinstance(local, DTensor) else local).device
+    device = (_torch_private.local_tensor(local) if isinstance(local, DTensor) else local).device
     if shape == view.shape and shape != ():
         return torch.zeros_like(local, dtype=dtype)
     if shape == ():

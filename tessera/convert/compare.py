@@ -23,7 +23,7 @@ from ..stage import as_bytes
 from ..storage import Storage
 from ..values import decode_value
 from ._common import Progress, ProgressFn, split_box
-from ._source import CheckpointSource
+from .reader import CheckpointReader
 
 logger = logging.getLogger(__name__)
 
@@ -138,8 +138,8 @@ def diff_checkpoints(
         >>> [d.name for d in report.tensors]
     """
     t0 = time.monotonic()
-    sa = CheckpointSource(a, storage=storage_a)
-    sb = CheckpointSource(b, storage=storage_b)
+    sa = CheckpointReader(a, storage=storage_a)
+    sb = CheckpointReader(b, storage=storage_b)
     # {compared name: stored name} per side, for tensors, values and per-rank values.
     ta, tb = _names(sa.manifest.tensors, strip_a, prefix), _names(sb.manifest.tensors, strip_b, prefix)
     va, vb = _names(sa.manifest.values, strip_a, prefix), _names(sb.manifest.values, strip_b, prefix)
@@ -203,7 +203,7 @@ def _names(entries: object, strip: str | None, prefix: str | None) -> dict[str, 
 
 
 def _diff_tensor(
-    sa: CheckpointSource, sb: CheckpointSource, name: str, name_a: str, name_b: str, atol: float, rtol: float,
+    sa: CheckpointReader, sb: CheckpointReader, name: str, name_a: str, name_b: str, atol: float, rtol: float,
     block_bytes: int, prog: Progress,
 ) -> EntryDiff | None:  # fmt: skip
     dtype = sa.dtype(name_a)

@@ -54,8 +54,8 @@ from ._common import (
     numel,
     strip_prefix,
 )
-from ._sink import CheckpointWriter
-from ._source import CheckpointSource
+from .reader import CheckpointReader
+from .writer import CheckpointWriter
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +67,7 @@ logger = logging.getLogger(__name__)
 class _StreamingSavePlanner(dcp.DefaultSavePlanner):
     """A save planner whose meta tensors are read from a tessera checkpoint on demand."""
 
-    def __init__(self, src: CheckpointSource, names: dict[str, str], prog: Progress) -> None:
+    def __init__(self, src: CheckpointReader, names: dict[str, str], prog: Progress) -> None:
         super().__init__()
         self._src = src
         self._names = names
@@ -120,7 +120,7 @@ def export_dcp(
         >>> torch.distributed.checkpoint.load(sd, checkpoint_id="/export/dcp")
     """
     t0 = time.monotonic()
-    src = CheckpointSource(path, storage=storage)
+    src = CheckpointReader(path, storage=storage)
     names = strip_prefix(list(src.manifest.tensors), prefix)
     values, skipped = src.values() if include_values else ({}, [])
     kept_values = strip_prefix(list(values), prefix)
@@ -242,8 +242,8 @@ def import_dcp(
     byte_keys: list[str] = []
     for fqn, md in metadata.state_dict_metadata.items():
         if isinstance(md, TensorStorageMetadata):
-            for i, c in enumerate(md.chunks):
-                chunks.append((fqn, tuple(c.offsets), tuple(c.sizes), i, md))
+            for i, chunk in enumerate(md.chunks):
+                chunks.append((fqn, tuple(chunk.offsets), tuple(chunk.sizes), i, md))
         elif isinstance(md, BytesStorageMetadata):
             byte_keys.append(fqn)
     total = sum(numel(s) * itemsize(cast_for(md.properties.dtype, dtype)) for _, _, s, _, md in chunks)
@@ -319,7 +319,7 @@ def regroup_values(values: dict[str, Any], paths: object, tensors: set[str]) -> 
     """
     if not isinstance(paths, dict):
         return dict(values)
-    tensor_prefixes = set()
+    tensor_prefixes: set[tuple[Any, ...]] = set()
     for t in tensors:
         path = paths.get(t)
         if isinstance(path, tuple):

@@ -20,8 +20,9 @@ per parameter, and each goes to the checkpoint as is, with no gather:
 only one rank file is open at a time (memory-mapped). Adam-style optimizer state
 (``exp_avg``, ``exp_avg_sq``) has the same geometry and is converted the same way.
 
-The files are read with ``torch.load(weights_only=True)`` and :data:`SAFE_GLOBALS`, plain
-stand-ins for the few DeepSpeed classes a checkpoint holds; DeepSpeed need not be installed.
+The files are found and read by :mod:`.deepspeed_files` (``torch.load(weights_only=True)`` with
+:data:`SAFE_GLOBALS`, plain stand-ins for the few DeepSpeed classes a checkpoint holds);
+DeepSpeed need not be installed.
 The way back is :mod:`tessera.convert.deepspeed_universal`.
 
 Output names: ``<model_prefix><param>`` (fp32 master weights, buffers, frozen parameters),
@@ -36,136 +37,47 @@ from __future__ import annotations
 import logging
 import math
 import os
-import pickle
-import re
 import time
 from typing import Any
 
 import torch
 
 from ..adapters.zero import FlatEntry, FlatLayout
-from ..errors import CheckpointError, CorruptCheckpointError
+from ..errors import CorruptCheckpointError
 from ..shards import FlatShard
 from ..storage import Storage
 from ..values import is_plain
 from ._common import ConvertResult, Progress, ProgressFn, cast_for
-from ._sink import CheckpointWriter
+
+# The stand-in classes too: values pickled under their old path still load.
+from .deepspeed_files import (
+    SAFE_GLOBALS,
+    DynamicLossScaler,
+    FragmentAddress,
+    LossScaler,
+    Namespace,
+    find_zero_dir,
+    load_file,
+    state_files,
+)
+from .writer import CheckpointWriter
 
 logger = logging.getLogger(__name__)
 
-_RANK = re.compile(r"zero_pp_rank_(\d+)_mp_rank_(\d+)_(optim|model)_states\.pt$")
+__all__ = [
+    "SAFE_GLOBALS",
+    "DynamicLossScaler",
+    "FragmentAddress",
+    "LossScaler",
+    "Namespace",
+    "find_zero_dir",
+    "import_deepspeed",
+]
+
 _MODEL_KEYS = {
     "module", "buffer_names", "param_shapes", "frozen_param_shapes", "frozen_param_fragments", "shared_params",
     "optimizer", "sparse_tensor_module_names",
 }  # fmt: skip
-"""Entries of a model-states file that are converted as tensors (or are empty); the rest
-are kept as plain values under ``deepspeed.<key>`` when they are plain."""
-
-
-def find_zero_dir(src: str, tag: str | None = None) -> str:
-    """The directory holding the ``*_states.pt`` files (following ``latest`` if present).
-
-    Raises:
-        FileNotFoundError: if no ZeRO checkpoint is found.
-
-    Example:
-        >>> find_zero_dir("/runs/gpt/checkpoints")  # ".../global_step1000" from "latest"
-    """
-    if tag is not None:
-        src = os.path.join(src, tag)
-    elif not _state_files(src, "optim") and os.path.isfile(os.path.join(src, "latest")):
-        with open(os.path.join(src, "latest")) as f:
-            src = os.path.join(src, f.read().strip())
-    if not _state_files(src, "optim"):
-        raise FileNotFoundError(f"no DeepSpeed ZeRO checkpoint in {src}: no *_optim_states.pt files")
-    return src
-
-
-def _state_files(directory: str, kind: str) -> list[tuple[int, str]]:
-    """``(dp rank, path)`` of the ``*_<kind>_states.pt`` files, by rank."""
-    if not os.path.isdir(directory):
-        return []
-    out = []
-    for name in os.listdir(directory):
-        m = _RANK.search(name)
-        if m and m.group(3) == kind:
-            if int(m.group(2)) != 0:
-                raise CheckpointError(
-                    f"{os.path.join(directory, name)}: tensor-parallel ZeRO checkpoints (mp_rank > 0) are not "
-                    "supported here; convert the Megatron layout with --from megatron"
-                )
-            out.append((int(m.group(1)), os.path.join(directory, name)))
-    return sorted(out)
-
-
-class _DeepSpeedObject:
-    """An object of a DeepSpeed class, read back as its attributes and nothing else.
-
-    DeepSpeed pickles a few of its own objects into every checkpoint (the loss scaler, the
-    optimizer's fragment map). ``weights_only`` unpickling builds these stand-ins instead of
-    importing and running DeepSpeed's classes: the attributes arrive as plain values, so the
-    files load without ``allow_pickle`` and without DeepSpeed installed.
-    """
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}({self.__dict__})"
-
-
-class LossScaler(_DeepSpeedObject):
-    """``deepspeed.runtime.fp16.loss_scaler.LossScaler`` (``cur_scale``, ``dynamic``)."""
-
-
-class DynamicLossScaler(_DeepSpeedObject):
-    """``deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler`` (fp16 with dynamic loss scaling)."""
-
-
-class FragmentAddress(_DeepSpeedObject):
-    """``deepspeed.utils.tensor_fragment.fragment_address`` (``numel``, ``start``)."""
-
-
-class Namespace(_DeepSpeedObject):
-    """``argparse.Namespace``: the launcher's arguments that Megatron-DeepSpeed jobs save as ``args``."""
-
-
-def _zero_stage(value: int) -> int:
-    """``deepspeed.runtime.zero.config.ZeroStageEnum(value)``, read as the stage number."""
-    return int(value)
-
-
-SAFE_GLOBALS: list[tuple[Any, str]] = [
-    (LossScaler, "deepspeed.runtime.fp16.loss_scaler.LossScaler"),
-    (DynamicLossScaler, "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler"),
-    (FragmentAddress, "deepspeed.utils.tensor_fragment.fragment_address"),
-    (_zero_stage, "deepspeed.runtime.zero.config.ZeroStageEnum"),
-    (Namespace, "argparse.Namespace"),
-]
-"""The classes that DeepSpeed's own checkpoint files contain, each read as a plain stand-in;
-``torch.load(weights_only=True)`` allows exactly these besides torch's defaults. Anything else
-in a file still needs ``allow_pickle=True``."""
-
-
-def _torch_load(path: str, *, weights_only: bool) -> Any:
-    """``torch.load`` memory-mapped, falling back to a plain read for the legacy (non-zip) format."""
-    try:
-        return torch.load(path, map_location="cpu", mmap=True, weights_only=weights_only)
-    except RuntimeError as e:
-        if "mmap" not in str(e):
-            raise
-        return torch.load(path, map_location="cpu", weights_only=weights_only)
-
-
-def _load(path: str, allow_pickle: bool) -> Any:
-    """A DeepSpeed ``*.pt`` file: safe unpickling with :data:`SAFE_GLOBALS`, or full unpickling if allowed."""
-    if allow_pickle:
-        return _torch_load(path, weights_only=False)
-    with torch.serialization.safe_globals(SAFE_GLOBALS):
-        try:
-            return _torch_load(path, weights_only=True)
-        except pickle.UnpicklingError as e:  # weights_only refused an object: anything else propagates as is
-            raise CheckpointError(
-                f"{path} holds objects outside DeepSpeed's usual checkpoint contents ({e}); pass allow_pickle=True "
-                "(--allow-pickle) only if you trust the file"
-            ) from e
 
 
 class _Out:
@@ -239,12 +151,12 @@ def import_deepspeed(
     """
     t0 = time.monotonic()
     directory = find_zero_dir(src, tag)
-    optim_files = _state_files(directory, "optim")
-    model_files = _state_files(directory, "model")
+    optim_files = state_files(directory, "optim")
+    model_files = state_files(directory, "model")
     first_model = model_files[0][1] if model_files else os.path.join(directory, "mp_rank_00_model_states.pt")
     if not os.path.isfile(first_model):
         raise FileNotFoundError(f"{directory} has optimizer states but no *_model_states.pt file")
-    model_sd = _load(first_model, allow_pickle)
+    model_sd = load_file(first_model, allow_pickle)
     for key in ("param_shapes", "buffer_names", "module"):
         if key not in model_sd:
             raise CorruptCheckpointError(f"{first_model} is not a DeepSpeed model-states file: '{key}' is missing")
@@ -265,7 +177,7 @@ def import_deepspeed(
         out = _Out(w, aliases, dtype, prog)
         stage = 0
         for rank, fname in optim_files:
-            osd = _load(fname, allow_pickle).get("optimizer_state_dict")
+            osd = load_file(fname, allow_pickle).get("optimizer_state_dict")
             if isinstance(osd, dict) and "zero_stage" not in osd and "single_partition_of_fp32_groups" in osd:
                 stage = 1  # BF16_Optimizer (bf16 + ZeRO-1 + fp32 gradient accumulation): the stage-1 layout
             elif not isinstance(osd, dict) or "zero_stage" not in osd:
@@ -477,7 +389,7 @@ def _model_extras(
     frozen = {n: tuple(int(x) for x in s) for n, s in (frozen or {}).items()}
     if frozen and stage == 3:
         for rank, fname in model_files:
-            frags = (model_sd if rank == model_files[0][0] else _load(fname, allow_pickle)).get(
+            frags = (model_sd if rank == model_files[0][0] else load_file(fname, allow_pickle)).get(
                 "frozen_param_fragments"
             ) or {}
             for name, shape in frozen.items():

@@ -39,7 +39,7 @@ import torch
 from ..geometry import Box
 from ..storage import Storage
 from ._common import ConvertResult, Progress, ProgressFn
-from ._source import CheckpointSource
+from .reader import CheckpointReader
 
 logger = logging.getLogger(__name__)
 
@@ -89,7 +89,7 @@ def export_deepspeed_universal(
         >>> engine.load_checkpoint("/runs/gpt/universal")
     """
     t0 = time.monotonic()
-    src = CheckpointSource(path, storage=storage)
+    src = CheckpointReader(path, storage=storage)
     values, _ = src.values()
     params = {k[len(model_prefix) :]: k for k in src.manifest.tensors if k.startswith(model_prefix)}
     if not params:
@@ -168,7 +168,7 @@ def export_deepspeed_universal(
     torch.save(optimizer_state, os.path.join(zero, "optimizer_state.pt"))
     rest = {n: k for n, k in params.items() if n not in optimized}
     module = {n: src.read(k, Box.whole(src.shape(k))) for n, k in rest.items()}
-    model_states = {
+    model_states: dict[str, Any] = {
         "module": module,
         "buffer_names": [],
         "optimizer": None,

@@ -39,8 +39,8 @@ from ._common import (
     split_box,
     strip_prefix,
 )
-from ._sink import CheckpointWriter
-from ._source import CheckpointSource
+from .reader import CheckpointReader
+from .writer import CheckpointWriter
 
 logger = logging.getLogger(__name__)
 
@@ -101,7 +101,7 @@ def export_hf(
         >>> export_hf("/ckpt/step100", "/export/hf", prefix="model.", dtype=torch.bfloat16)
     """
     t0 = time.monotonic()
-    src = CheckpointSource(path, storage=storage)
+    src = CheckpointReader(path, storage=storage)
     limit = parse_size(max_shard_size)
     per_rank = src.per_rank_tensors()
     names = strip_prefix([n for n in src.manifest.tensors if n not in per_rank], prefix)
@@ -186,14 +186,14 @@ def remove_model_files(out: Storage, out_dir: str) -> None:
 
 
 def _shard_chunks(
-    src: CheckpointSource, shard: list[_Entry], block_bytes: int, prog: Progress
+    src: CheckpointReader, shard: list[_Entry], block_bytes: int, prog: Progress
 ) -> Iterator[memoryview | bytes]:
     """The bytes of one shard: its header, then each tensor block by block (one buffer reused)."""
     yield encode_header([(s.name, s.code, src.shape(s.fqn), s.nbytes) for s in shard])
     for s in shard:
         for _, block in src.blocks(s.fqn, block_bytes=block_bytes, dtype=s.dtype, reuse=True):
             data = as_bytes(block)
-            yield memoryview(data.numpy())
+            yield data.numpy().data
             prog.advance(data.numel())
 
 

@@ -1,7 +1,8 @@
 """Rename the tensors and values of a checkpoint by rewriting its manifest only.
 
 Data files are not touched: the manifest maps names to tiles, so a rename is one atomic
-manifest write (``Storage.write_atomic``), whatever the checkpoint's size. The tile keys
+manifest publish through :mod:`tessera.commit` (fenced like a save's: it fails rather than
+overwrite a save that committed meanwhile), whatever the checkpoint's size. The tile keys
 inside the safetensors data files keep the old names; tessera never reads them (the
 manifest is the source of truth). The manifest's ``metadata["tile_names"]`` maps every
 renamed tensor to the name its tiles are stored under.
@@ -13,11 +14,13 @@ import dataclasses
 import logging
 import re
 import time
+import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from .. import commit
 from ..api import read_manifest
-from ..manifest import MANIFEST_NAME, encode
+from ..manifest import Manifest, encode
 from ..storage import Storage, storage_for
 
 logger = logging.getLogger(__name__)
@@ -122,15 +125,29 @@ def rename_tensors(
     Raises:
         CheckpointNotFoundError: if nothing is committed at ``path``.
         ValueError: if the renames would make two names collide.
+        ConcurrentSaveError: a save committed ``path`` while the rename ran (nothing renamed).
 
     Example:
         >>> rename_tensors("/ckpt/step100", [RenameRule("model.module.", "model.")])
     """
     store = storage_for(path, storage)
-    m = read_manifest(path, storage=store)
-    renames = plan_renames(sorted(m.keys()), rules)
-    if dry_run or not renames:
-        return renames
+    if dry_run:
+        return plan_renames(sorted(read_manifest(path, storage=store).keys()), rules)
+    # Claimed before the manifest is read, so the publish fails if a save commits in between.
+    claim = commit.claim(store, uuid.uuid4().hex[:16])
+    try:
+        m = read_manifest(path, storage=store)
+        renames = plan_renames(sorted(m.keys()), rules)
+        if renames:
+            commit.publish(store, claim, encode(_renamed(m, renames, rules)), path)
+            logger.info("renamed %d entries of %s", len(renames), path)
+    finally:  # the rename wrote no data files: only its owner marker goes
+        commit.abandon(store, claim, [], path, keep_data=True)
+    return renames
+
+
+def _renamed(m: Manifest, renames: dict[str, str], rules: Sequence[RenameRule]) -> Manifest:
+    """``m`` with the names changed as ``renames`` says, the renaming recorded in its metadata."""
 
     def r(name: str) -> str:
         return renames.get(name, name)
@@ -155,6 +172,4 @@ def rename_tensors(
             "renames": history,
         },
     )
-    store.write_atomic(MANIFEST_NAME, encode(new))
-    logger.info("renamed %d entries of %s", len(renames), path)
-    return renames
+    return new

@@ -37,8 +37,8 @@ from ._common import (
     split_box,
     strip_prefix,
 )
-from ._sink import CheckpointWriter
-from ._source import CheckpointSource
+from .reader import CheckpointReader
+from .writer import CheckpointWriter
 
 logger = logging.getLogger(__name__)
 
@@ -77,7 +77,7 @@ def export_torch_save(
         >>> model.load_state_dict(torch.load("/export/model.pt", weights_only=True))
     """
     t0 = time.monotonic()
-    src = CheckpointSource(path, storage=storage)
+    src = CheckpointReader(path, storage=storage)
     names = strip_prefix(list(src.manifest.tensors), prefix)
     values, skipped = src.values() if include_values else ({}, [])
     kept_values = strip_prefix(list(values), prefix)

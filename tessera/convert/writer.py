@@ -4,9 +4,11 @@ Converters read a foreign checkpoint block by block and hand each block here wit
 the global tensor it covers. Blocks are batched into data files of about ``file_bytes``
 (laid out by :mod:`tessera.tilefile`, streamed and checksummed by :mod:`tessera.write`), so
 at most one file's worth of blocks is held at a time. :meth:`CheckpointWriter.commit`
-checks that every tensor is covered exactly once and then writes ``manifest.json``
-atomically, exactly as :func:`tessera.save` would: until then nothing is committed, and an
-existing checkpoint at the path stays intact.
+checks that every tensor is covered exactly once and then commits through
+:mod:`tessera.commit`, the protocol :func:`tessera.save` follows (claim before the first data
+file, check, fenced publish, clean up): until then nothing is committed, an existing
+checkpoint at the path stays intact, and afterwards no file of an older save, no load
+timings of the replaced checkpoint and no leftover temporary manifest remain.
 """
 
 from __future__ import annotations
@@ -19,11 +21,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from .. import __version__
+from .. import __version__, commit
 from .._knobs import chunk_bytes as default_chunk_bytes
+from ..commit import Claim
 from ..dtypes import dtype_name
 from ..geometry import Box, check_box_coverage, flat_range_to_boxes
-from ..manifest import MANIFEST_NAME, FileEntry, Manifest, TensorEntry, Tile, encode
+from ..manifest import FileEntry, Manifest, TensorEntry, Tile
 from ..stage import as_bytes
 from ..storage import Storage, storage_for
 from ..tilefile import layout_file
@@ -80,6 +83,7 @@ class CheckpointWriter:
         self._pending_bytes = 0
         self._files: list[FileEntry] = []
         self._values: dict[str, Any] = {}
+        self._claim: Claim | None = None
         self._committed = False
 
     # ----------------------------------------------------------------------------------
@@ -192,7 +196,7 @@ class CheckpointWriter:
         if not self._pending:
             return
         t0 = time.monotonic()
-        name = f"data/{self.save_id}/0-{len(self._files)}.safetensors"
+        name = f"{self._claimed().data_prefix}/0-{len(self._files)}.safetensors"
         layout = layout_file(name.rsplit("/", 1)[1], [(f, b, d.dtype) for f, b, d in self._pending])
         by_key = {(f, b): d for f, b, d in self._pending}
         staged = [as_bytes(by_key[(s.fqn, s.box)]) for s in layout.slots]
@@ -230,6 +234,9 @@ class CheckpointWriter:
 
         Raises:
             CoverageError: a tensor is not covered exactly once by the blocks added.
+            ConcurrentSaveError: another save committed the path while this writer ran.
+            CommitCheckError: a data file is not where the manifest would point.
+            StorageError: the manifest could not be published.
         """
         self.flush()
         t0 = time.monotonic()
@@ -271,28 +278,35 @@ class CheckpointWriter:
                 **(metadata or {}),
             },
         )
-        self.storage.write_atomic(MANIFEST_NAME, encode(manifest))
+        self._publish(manifest)
         self._committed = True
-        keep = {f.path for f in self._files} | {MANIFEST_NAME}
-        try:
-            stale = [p for p in self.storage.list("data") if p not in keep]
-            self.storage.delete(stale)
-        except Exception as e:  # the new checkpoint is committed; garbage is harmless
-            logger.warning("could not remove files of an older checkpoint under %s: %s", self.path, e)
         logger.info(
             "wrote %s: %d tensors, %d bytes in %d files (%.2fs)",
             self.path, len(tensors), total, len(self._files), time.monotonic() - self._t0,
         )  # fmt: skip
         return manifest
 
+    def _claimed(self) -> Claim:
+        """The claim on the path, made before the first data file is written (step 1 of the protocol)."""
+        if self._claim is None:
+            self._claim = commit.claim(self.storage, self.save_id)
+        return self._claim
+
+    def _publish(self, manifest: Manifest) -> None:
+        """Check the data files, publish the manifest and clean up (:func:`tessera.commit.commit_single`)."""
+        try:
+            commit.commit_single(self.storage, self._claimed(), manifest, self.path)
+        except Exception:
+            self._claim = None  # commit_single removed what had to go: nothing left for abort()
+            raise
+
     def abort(self) -> None:
-        """Remove the data files written so far (nothing was committed)."""
+        """Remove the data files written so far and the claim (nothing was committed)."""
         if self._committed:
             return
-        try:
-            self.storage.delete([f.path for f in self._files])
-        except Exception as e:
-            logger.warning("could not remove data files of an aborted conversion: %s", e)
+        if self._claim is not None:
+            commit.abandon(self.storage, self._claim, [f.path for f in self._files], self.path)
+            self._claim = None
         self._files = []
         self._pending = []
 

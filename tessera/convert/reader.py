@@ -26,7 +26,7 @@ from ._common import DEFAULT_BLOCK_BYTES, itemsize, numel, split_box
 logger = logging.getLogger(__name__)
 
 
-class CheckpointSource:
+class CheckpointReader:
     """A committed checkpoint opened for reading boxes of its tensors (no communication).
 
     Args:
