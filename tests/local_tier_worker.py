@@ -1,0 +1,52 @@
+"""Rank functions for tests/test_local_tier.py (module-level, so spawned ranks can import them).
+
+Every rank sets nothing itself: the tests pass ``LOCAL_WORLD_SIZE=2`` in the environment, so
+ranks 0-1 are node 0 and ranks 2-3 node 1 (``RANK // LOCAL_WORLD_SIZE``), as under torchrun.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from typing import Any
+
+from tessera.manager import CheckpointManager
+from tests.crash_worker import check_state, empty_state, make_rank_state
+
+
+def _manager(root: str, local_dir: str, **kwargs: Any) -> CheckpointManager:
+    return CheckpointManager(root, keep_last=3, local_dir=local_dir, local_replicas=1, durable_every=3, **kwargs)
+
+
+def save_then_die(rank: int, world: int, root: str, local_dir: str, last: int, async_save: bool) -> None:
+    """Save steps 1..last (each rank holding a quarter of 'a'), wait for the commits, SIGKILL self."""
+    mgr = _manager(root, local_dir, async_save=async_save)
+    for k in range(1, last + 1):
+        mgr.save(k, make_rank_state(k, rank, world))
+    mgr.wait()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def save_then_die_mid_save(rank: int, world: int, root: str, local_dir: str, last: int) -> None:
+    """Save steps 1..last (async), then start step last+1: rank 3 is SIGKILLed right after the
+    save started (before the step can commit anywhere); the others die at the test's deadline."""
+    mgr = _manager(root, local_dir, async_save=True)
+    for k in range(1, last + 1):
+        mgr.save(k, make_rank_state(k, rank, world))
+    mgr.wait()
+    pending = mgr.save(last + 1, make_rank_state(last + 1, rank, world))
+    if rank == world - 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    pending.wait_staged()  # type: ignore[union-attr]
+    time.sleep(600)  # the others write their files, then wait for rank 3 until killed
+
+
+def load_and_check(rank: int, world: int, root: str, local_dir: str) -> dict[str, Any]:
+    """Load into a full (unsharded) state: the layout differs from the save's 4 shards."""
+    mgr = _manager(root, local_dir)
+    state = empty_state()
+    got = mgr.load(state)
+    k = check_state(state)
+    mgr.close()
+    return {"step": got.step, "k": k, "source": got.source, "peer_bytes": got.peer_bytes}
