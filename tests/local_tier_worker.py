@@ -50,3 +50,51 @@ def load_and_check(rank: int, world: int, root: str, local_dir: str) -> dict[str
     k = check_state(state)
     mgr.close()
     return {"step": got.step, "k": k, "source": got.source, "peer_bytes": got.peer_bytes}
+
+
+def _fsdp2_model(seed: int):  # type: ignore[no-untyped-def]
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 12), torch.nn.ReLU(), torch.nn.Linear(12, 6))
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for layer in (model[0], model[2]):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def _full_params(model) -> dict[str, Any]:  # type: ignore[no-untyped-def]
+    return {name: p.full_tensor().clone() for name, p in model.named_parameters()}
+
+
+def fsdp2_save_then_die(rank: int, world: int, root: str, local_dir: str, last: int) -> None:
+    """FSDP2 over 4 ranks (2 nodes x 2): save the model of seed k as step k, then SIGKILL."""
+    import tessera
+
+    mgr = _manager(root, local_dir)
+    for k in range(1, last + 1):
+        mgr.save(k, {"model": tessera.ModelState(_fsdp2_model(k)), "k": k})
+    mgr.wait()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def fsdp2_load_and_check(rank: int, world: int, root: str, local_dir: str, want_step: int) -> dict[str, Any]:
+    """FSDP2 over this world (another size): load, then compare every full parameter bit for bit
+    with the model of seed ``want_step``."""
+    import torch
+
+    import tessera
+
+    model = _fsdp2_model(1000)
+    for p in model.parameters():
+        torch.nn.init.zeros_(p.to_local())
+    state = {"model": tessera.ModelState(model), "k": -1}
+    got = _manager(root, local_dir).load(state)
+    want = _full_params(_fsdp2_model(want_step))
+    have = _full_params(model)
+    exact = all(torch.equal(have[n], want[n]) for n in want)
+    return {"step": got.step, "k": state["k"], "source": got.source, "exact": exact}

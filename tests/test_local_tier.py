@@ -17,7 +17,13 @@ from tessera.local_tier import NodeInventory, StepHolding, choose_step, node_ind
 from tessera.local_tier.tier import plan_fetches, plan_manifest_fetches
 from tessera.local_tier.transfer import Transfer
 from tests.crash_worker import run_ranks, start_ranks
-from tests.local_tier_worker import load_and_check, save_then_die, save_then_die_mid_save
+from tests.local_tier_worker import (
+    fsdp2_load_and_check,
+    fsdp2_save_then_die,
+    load_and_check,
+    save_then_die,
+    save_then_die_mid_save,
+)
 
 ENV = {"LOCAL_WORLD_SIZE": "2"}
 
@@ -185,3 +191,13 @@ def test_kill_during_local_save_recovers_previous_step(tmp_path: os.PathLike) ->
     shutil.rmtree(local_dir.format(node=1))
     got = _ok(_without_durable(root, run_ranks, load_and_check, 4, root, local_dir, env=ENV, timeout=120))
     assert [g["step"] for g in got] == [5] * 4 and [g["k"] for g in got] == [5] * 4
+
+
+def test_recover_resharded_fsdp2(tmp_path: os.PathLike) -> None:
+    """FSDP2 on 2 nodes x 2 ranks, node 1 lost: FSDP2 on node 0's 2 ranks, from the local tier."""
+    root, local_dir = _dirs(tmp_path)
+    outcomes = run_ranks(fsdp2_save_then_die, 4, root, local_dir, 4, env=ENV, timeout=180)
+    assert all(o.status == "died" for o in outcomes), [(o.rank, o.status, o.value) for o in outcomes]
+    shutil.rmtree(local_dir.format(node=1))
+    got = _ok(_without_durable(root, run_ranks, fsdp2_load_and_check, 2, root, local_dir, 4, env=ENV, timeout=120))
+    assert got == [{"step": 4, "k": 4, "source": "local", "exact": True}] * 2
