@@ -82,6 +82,9 @@ def test_plan_fetches_serves_empty_nodes_from_holders() -> None:
     assert sorted(t.path for t in transfers) == [p for p, _ in _files(4)]
     assert all(t.src in (0, 1) and t.dst in (2, 3) for t in transfers)
     assert {t.dst for t in transfers} == {2, 3} and {t.src for t in transfers} == {0, 1}
+    # Only what node 1's ranks will read: files 2 and 3 (another rank's needs count for its node).
+    only = plan_fetches([a, None, None, None], placement, 5, "s", _files(4), {0: {0, 1}, 1: {3, 2}})
+    assert [(t.path, t.dst) for t in only] == [("data/s/2.safetensors", 2), ("data/s/3.safetensors", 3)]
     b = NodeInventory(1, (_holding(5, 4, {0, 2}),))
     assert plan_manifest_fetches([a, None, b, None], placement, 5, "s") == []
     assert [(t.path, t.dst in (2, 3)) for t in plan_fetches([a, None, b, None], placement, 5, "s", _files(4))] == [

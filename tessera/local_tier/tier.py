@@ -23,9 +23,11 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+import numpy as np
 
 from .. import api, dist, manifest
 from ..errors import CheckpointError, StorageError
@@ -34,6 +36,7 @@ from ..results import LoadResult
 from ..step_names import parse_step_dirname, step_dirname
 from ..storage import FileStorage, Storage
 from .inventory import MARKER_NAME, NodeInventory, StepHolding, choose_step, marker_bytes, read_marker, scan_node
+from .needs import needed_files
 from .placement import Placement, node_dir, node_index, place
 from .transfer import Transfer, run_transfers
 
@@ -276,13 +279,20 @@ class LocalTier:
         # Every node has the manifest now: the file names and sizes come from it.
         error: BaseException | None = None
         files: list[tuple[str, int]] = []
+        wanted = b""
         try:
             m = manifest.decode(store.read_file(MANIFEST_NAME), source=f"{store.root}/{MANIFEST_NAME}")
             files = [(f.path, f.nbytes) for f in m.files]
+            # Each rank says which files its load reads (one bit per file): a node fetches only those.
+            wanted = np.packbits(needed_files(state, m, rank=world.rank, world_size=world.size)).tobytes()
         except Exception as e:
             error = _storage_error(e, f"rank {world.rank}: step {step}: reading the local manifest")
-        dist.exchange(world, error, None, what)
-        transfers = plan_fetches(inventories, placement, step, save_id, files)
+        masks = dist.exchange(world, error, wanted, what)
+        needs: dict[int, set[int]] = {}
+        for rank, bits in enumerate(masks):
+            mask = np.unpackbits(np.frombuffer(bits, dtype=np.uint8), count=len(files)).astype(bool)
+            needs.setdefault(placement.node_of[rank], set()).update(np.flatnonzero(mask).tolist())
+        transfers = plan_fetches(inventories, placement, step, save_id, files, needs)
         received += run_transfers(world, transfers, store.read_file, write, what)
         if leader and (node not in holdings or len(holdings[node].held) < len(files)):
             store.write_atomic(MARKER_NAME, marker_bytes(self.root, step, save_id, files))
@@ -317,8 +327,13 @@ def plan_fetches(
     step: int,
     save_id: str,
     files: Sequence[tuple[str, int]],
+    needs: Mapping[int, Iterable[int]] | None = None,
 ) -> list[Transfer]:
-    """The data files (``files``: the manifest's, in order) each node lacks and who sends them.
+    """The data files (``files``: the manifest's, in order) each node needs but lacks, and
+    who sends them.
+
+    Args:
+        needs: per node, the indices of the files its ranks will read (None: every file).
 
     Pure and deterministic (every rank computes the same list). Each missing file comes
     from one of the nodes holding it, rotating over holders and over their ranks to spread
@@ -333,9 +348,11 @@ def plan_fetches(
     for node in sorted(placement.nodes):
         members = placement.nodes[node]
         have = holdings[node].held if node in holdings else frozenset()
-        for i, (path, nbytes) in enumerate(files):
+        wanted = range(len(files)) if needs is None else sorted(set(needs.get(node, ())))
+        for i in wanted:
             if i in have:
                 continue
+            path, nbytes = files[i]
             holders = holders_of[i]
             src_members = placement.nodes[holders[(i + node) % len(holders)]]
             out.append(Transfer(src_members[i % len(src_members)], members[i % len(members)], path, nbytes))
