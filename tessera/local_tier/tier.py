@@ -38,7 +38,7 @@ from ..storage import FileStorage, Storage
 from .inventory import MARKER_NAME, NodeInventory, StepHolding, choose_step, marker_bytes, read_marker, scan_node
 from .needs import needed_files
 from .placement import Placement, node_dir, node_index, place
-from .transfer import Transfer, run_transfers
+from .transfer import Transfer, read_tensor, run_transfers
 
 logger = logging.getLogger(__name__)
 
@@ -174,7 +174,11 @@ class LocalTier:
         dist.exchange(world, own_error, None, f"step {step}: writing the local manifest")
         transfers = [Transfer(f.rank, t, f.path, f.nbytes) for f in m.files for t in placement.targets[f.rank]]
         run_transfers(
-            world, transfers, store.read_file, lambda p, b: store.write_file(p, [b]), f"step {step}: replicating"
+            world,
+            transfers,
+            lambda p: read_tensor(store.root, p),
+            lambda p, b: store.write_file(p, [b]),
+            f"step {step}: replicating",
         )
         if leader:
             try:
@@ -275,7 +279,7 @@ class LocalTier:
 
         what = f"step {step}: fetching from peers"
         first = plan_manifest_fetches(inventories, placement, step, save_id)
-        received = run_transfers(world, first, store.read_file, write, what)
+        received = run_transfers(world, first, lambda p: read_tensor(store.root, p), write, what)
         # Every node has the manifest now: the file names and sizes come from it.
         error: BaseException | None = None
         files: list[tuple[str, int]] = []
@@ -293,7 +297,7 @@ class LocalTier:
             mask = np.unpackbits(np.frombuffer(bits, dtype=np.uint8), count=len(files)).astype(bool)
             needs.setdefault(placement.node_of[rank], set()).update(np.flatnonzero(mask).tolist())
         transfers = plan_fetches(inventories, placement, step, save_id, files, needs)
-        received += run_transfers(world, transfers, store.read_file, write, what)
+        received += run_transfers(world, transfers, lambda p: read_tensor(store.root, p), write, what)
         if leader and (node not in holdings or len(holdings[node].held) < len(files)):
             store.write_atomic(MARKER_NAME, marker_bytes(self.root, step, save_id, files))
         moved = len(first) + len(transfers)

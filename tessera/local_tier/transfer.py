@@ -8,6 +8,7 @@ that name it, so the traffic is point to point (no rank relays another's bytes).
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -16,6 +17,7 @@ import torch.distributed as tdist
 
 from .. import dist
 from ..errors import StorageError
+from ..storage import check_relpath
 
 logger = logging.getLogger(__name__)
 
@@ -40,13 +42,14 @@ class Transfer:
 def run_transfers(
     world: dist.World,
     transfers: Sequence[Transfer],
-    read: Callable[[str], bytes | bytearray],
+    read: Callable[[str], torch.Tensor],
     write: Callable[[str, memoryview], None],
     what: str,
 ) -> int:
     """Collective: carry out this rank's part of ``transfers``; the bytes it received.
 
-    A sender that cannot read a file still sends ``nbytes`` zero bytes (so that no receiver
+    ``read`` returns a file's bytes as a uint8 tensor (sent as is); ``write`` stores what
+    arrived. A sender that cannot read a file still sends ``nbytes`` zero bytes (so that no receiver
     waits forever), and every rank then learns that the transfer failed.
 
     Raises:
@@ -68,10 +71,9 @@ def run_transfers(
             for tag, t in enumerate(transfers):
                 if t.src == world.rank and t.nbytes > 0:
                     try:
-                        data = read(t.path)
-                        if len(data) != t.nbytes:
-                            raise StorageError(f"{t.path}: {len(data)} bytes on disk, {t.nbytes} expected")
-                        buf = torch.frombuffer(bytearray(data) if isinstance(data, bytes) else data, dtype=torch.uint8)
+                        buf = read(t.path)
+                        if buf.numel() != t.nbytes:
+                            raise StorageError(f"{t.path}: {buf.numel()} bytes on disk, {t.nbytes} expected")
                     except Exception as e:
                         error = error or e
                         buf = torch.zeros(t.nbytes, dtype=torch.uint8)
@@ -105,4 +107,19 @@ def _as_storage_error(e: BaseException, what: str, rank: int) -> BaseException:
         return e
     out = StorageError(f"rank {rank}: {what}: {type(e).__name__}: {e}")
     out.__cause__ = e
+    return out
+
+
+def read_tensor(root: str, path: str) -> torch.Tensor:
+    """A file under ``root`` as a uint8 tensor, read with one copy (no intermediate bytes)."""
+    full = os.path.join(root, check_relpath(path))
+    with open(full, "rb", buffering=0) as f:
+        out = torch.empty(os.fstat(f.fileno()).st_size, dtype=torch.uint8)
+        view = memoryview(out.numpy())  # type: ignore[arg-type]
+        pos = 0
+        while pos < len(view):
+            n = f.readinto(view[pos:])
+            if not n:
+                raise StorageError(f"{full}: file shrank while being read ({pos} of {len(view)} bytes)")
+            pos += n
     return out
