@@ -38,7 +38,7 @@ from ..storage import FileStorage, Storage
 from .inventory import MARKER_NAME, NodeInventory, StepHolding, choose_step, marker_bytes, read_marker, scan_node
 from .needs import needed_files
 from .placement import Placement, node_dir, node_index, place
-from .transfer import Transfer, read_tensor, run_transfers
+from .transfer import Transfer, run_transfers
 
 logger = logging.getLogger(__name__)
 
@@ -173,13 +173,7 @@ class LocalTier:
                 own_error = e
         dist.exchange(world, own_error, None, f"step {step}: writing the local manifest")
         transfers = [Transfer(f.rank, t, f.path, f.nbytes) for f in m.files for t in placement.targets[f.rank]]
-        run_transfers(
-            world,
-            transfers,
-            lambda p: read_tensor(store.root, p),
-            lambda p, b: store.write_file(p, [b]),
-            f"step {step}: replicating",
-        )
+        run_transfers(world, transfers, store.root, f"step {step}: replicating")
         if leader:
             try:
                 files = [(f.path, f.nbytes) for f in m.files]
@@ -271,15 +265,9 @@ class LocalTier:
         if leader and node not in holdings:
             _remove(os.path.join(store.root, MARKER_NAME))  # another save of this step, if any
 
-        def write(path: str, buf: memoryview) -> None:
-            if path == MANIFEST_NAME:
-                store.write_atomic(path, bytes(buf))
-            else:
-                store.write_file(path, [buf])
-
         what = f"step {step}: fetching from peers"
         first = plan_manifest_fetches(inventories, placement, step, save_id)
-        received = run_transfers(world, first, lambda p: read_tensor(store.root, p), write, what)
+        received = run_transfers(world, first, store.root, what)
         # Every node has the manifest now: the file names and sizes come from it.
         error: BaseException | None = None
         files: list[tuple[str, int]] = []
@@ -297,7 +285,7 @@ class LocalTier:
             mask = np.unpackbits(np.frombuffer(bits, dtype=np.uint8), count=len(files)).astype(bool)
             needs.setdefault(placement.node_of[rank], set()).update(np.flatnonzero(mask).tolist())
         transfers = plan_fetches(inventories, placement, step, save_id, files, needs)
-        received += run_transfers(world, transfers, lambda p: read_tensor(store.root, p), write, what)
+        received += run_transfers(world, transfers, store.root, what)
         if leader and (node not in holdings or len(holdings[node].held) < len(files)):
             store.write_atomic(MARKER_NAME, marker_bytes(self.root, step, save_id, files))
         moved = len(first) + len(transfers)

@@ -8,8 +8,11 @@ that name it, so the traffic is point to point (no rank relays another's bytes).
 from __future__ import annotations
 
 import logging
+import mmap
 import os
-from collections.abc import Callable, Sequence
+import uuid
+import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -39,18 +42,65 @@ class Transfer:
     nbytes: int
 
 
+class FileSink:
+    """A file being received: a uint8 tensor mapped onto a temporary file next to ``path``
+    (the bytes land in the page cache directly, with no copy after the receive), renamed
+    into place by :meth:`commit`.
+
+    Args:
+        root: the directory ``path`` is relative to.
+        path: the file to create (an existing one is replaced atomically on commit).
+        nbytes: its size.
+    """
+
+    def __init__(self, root: str, path: str, nbytes: int) -> None:
+        self.final = os.path.join(root, check_relpath(path))
+        os.makedirs(os.path.dirname(self.final), exist_ok=True)
+        self.tmp = f"{self.final}.recv-{uuid.uuid4().hex}"
+        fd = os.open(self.tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            os.ftruncate(fd, nbytes)
+            self._map = mmap.mmap(fd, nbytes) if nbytes else None
+        finally:
+            os.close(fd)
+        self.buffer = torch.frombuffer(self._map, dtype=torch.uint8) if self._map is not None else torch.empty(0)
+
+    def commit(self) -> None:
+        """Publish the received file under its name (the mapping is released with its last user)."""
+        os.replace(self.tmp, self.final)
+
+    def abort(self) -> None:
+        """Remove the temporary file."""
+        try:
+            os.remove(self.tmp)
+        except FileNotFoundError:
+            pass
+
+
+def read_tensor(root: str, path: str) -> torch.Tensor:
+    """A file under ``root`` as a read-only uint8 tensor mapped onto it (no copy)."""
+    full = os.path.join(root, check_relpath(path))
+    with open(full, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size == 0:
+            return torch.empty(0, dtype=torch.uint8)
+        mapped = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "not writable": it is only sent
+        return torch.frombuffer(mapped, dtype=torch.uint8)
+
+
 def run_transfers(
     world: dist.World,
     transfers: Sequence[Transfer],
-    read: Callable[[str], torch.Tensor],
-    write: Callable[[str, memoryview], None],
+    root: str,
     what: str,
 ) -> int:
     """Collective: carry out this rank's part of ``transfers``; the bytes it received.
 
-    ``read`` returns a file's bytes as a uint8 tensor (sent as is); ``write`` stores what
-    arrived. A sender that cannot read a file still sends ``nbytes`` zero bytes (so that no receiver
-    waits forever), and every rank then learns that the transfer failed.
+    Files are read from and written to this rank's directory ``root`` (the step's directory
+    on its node). A sender that cannot read a file still sends ``nbytes`` zero bytes (so
+    that no receiver waits forever), and every rank then learns that the transfer failed.
 
     Raises:
         StorageError: on every rank, if any rank failed to read or write its files.
@@ -58,44 +108,47 @@ def run_transfers(
     """
     error: BaseException | None = None
     received = 0
+    sinks: list[tuple[Transfer, FileSink]] = []
+    try:
+        for t in transfers:
+            if t.dst == world.rank:
+                sinks.append((t, FileSink(root, t.path, t.nbytes)))
+    except Exception as e:
+        error = e
     if world.distributed:
-        recvs: list[tuple[Transfer, torch.Tensor, object]] = []
-        sends: list[tuple[torch.Tensor, object]] = []
 
         def post() -> None:
-            nonlocal error, received
+            nonlocal error
+            works = []
+            mine = dict((id(t), sink) for t, sink in sinks)
             for tag, t in enumerate(transfers):
                 if t.dst == world.rank and t.nbytes > 0:
-                    buf = torch.empty(t.nbytes, dtype=torch.uint8)
-                    recvs.append((t, buf, tdist.irecv(buf, group=world.group, group_src=t.src, tag=tag)))
+                    sink = mine.get(id(t))
+                    buf = sink.buffer if sink is not None else torch.empty(t.nbytes, dtype=torch.uint8)
+                    works.append(tdist.irecv(buf, group=world.group, group_src=t.src, tag=tag))
             for tag, t in enumerate(transfers):
                 if t.src == world.rank and t.nbytes > 0:
                     try:
-                        buf = read(t.path)
+                        buf = read_tensor(root, t.path)
                         if buf.numel() != t.nbytes:
                             raise StorageError(f"{t.path}: {buf.numel()} bytes on disk, {t.nbytes} expected")
                     except Exception as e:
                         error = error or e
                         buf = torch.zeros(t.nbytes, dtype=torch.uint8)
-                    sends.append((buf, tdist.isend(buf, group=world.group, group_dst=t.dst, tag=tag)))
-            for _, work in sends:
-                work.wait()  # type: ignore[attr-defined]
-            for t, buf, work in recvs:
-                work.wait()  # type: ignore[attr-defined]
-                if error is None:
-                    try:
-                        write(t.path, memoryview(buf.numpy()))  # type: ignore[arg-type]
-                    except Exception as e:
-                        error = e
-                received += t.nbytes
+                    works.append(tdist.isend(buf, group=world.group, group_dst=t.dst, tag=tag))
+            for work in works:
+                work.wait()  # type: ignore[union-attr]
 
         dist._run(world, what, post)
-    for t in transfers:
-        if t.dst == world.rank and t.nbytes == 0:
-            try:
-                write(t.path, memoryview(b""))
-            except Exception as e:
-                error = error or e
+    for t, sink in sinks:
+        try:
+            if error is None:
+                sink.commit()
+                received += t.nbytes
+            else:
+                sink.abort()
+        except Exception as e:
+            error = error or e
     if error is not None:
         logger.warning("rank %d: %s: %s", world.rank, what, error)
     dist.exchange(world, None if error is None else _as_storage_error(error, what, world.rank), None, what)
@@ -107,19 +160,4 @@ def _as_storage_error(e: BaseException, what: str, rank: int) -> BaseException:
         return e
     out = StorageError(f"rank {rank}: {what}: {type(e).__name__}: {e}")
     out.__cause__ = e
-    return out
-
-
-def read_tensor(root: str, path: str) -> torch.Tensor:
-    """A file under ``root`` as a uint8 tensor, read with one copy (no intermediate bytes)."""
-    full = os.path.join(root, check_relpath(path))
-    with open(full, "rb", buffering=0) as f:
-        out = torch.empty(os.fstat(f.fileno()).st_size, dtype=torch.uint8)
-        view = memoryview(out.numpy())  # type: ignore[arg-type]
-        pos = 0
-        while pos < len(view):
-            n = f.readinto(view[pos:])
-            if not n:
-                raise StorageError(f"{full}: file shrank while being read ({pos} of {len(view)} bytes)")
-            pos += n
     return out
