@@ -769,7 +769,11 @@ class CheckpointManager:
             return
         self._closed = True
         _OPEN.discard(self)
-        self._wait_previous()
+        try:
+            self._wait_previous()
+        finally:
+            if self._tier is not None:
+                self._tier.wait_deletions()
 
     def __enter__(self) -> CheckpointManager:
         return self

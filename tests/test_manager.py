@@ -469,7 +469,9 @@ def test_local_tier_single_process(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     for k in range(1, 6):
         mgr.save(k, {"w": torch.full((3,), float(k)), "k": k})
     assert mgr.steps() == [2, 4]  # durable: multiples of durable_every only
-    assert sorted(os.listdir(tmp_path / "shm" / "n0")) == [step_dirname(4), step_dirname(5)]  # keeps 2
+    node = tmp_path / "shm" / "n0"
+    committed = sorted(p.name for p in node.iterdir() if (p / "local-commit.json").exists())
+    assert committed == [step_dirname(4), step_dirname(5)]  # keeps 2
     state = {"w": torch.zeros(3), "k": 0}
     got = mgr.load(state)
     assert (got.step, got.source, got.peer_bytes, state["k"]) == (5, "local", 0, 5)

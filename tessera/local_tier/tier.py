@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import threading
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -99,6 +100,7 @@ class LocalTier:
         self.process_group = process_group
         self._placement: Placement | None = None
         self._placement_key: tuple[int, int] | None = None
+        self._deleter: threading.Thread | None = None
 
     # --------------------------------------------------------------------------------
     # Names and layout
@@ -136,6 +138,7 @@ class LocalTier:
 
     def before_save(self, step: int, world: dist.World) -> None:
         """Un-commit ``step`` on this node before it is saved again (node leaders; local)."""
+        self.wait_deletions()
         if self._is_leader(world):
             _remove(os.path.join(self.node_directory(world), step_dirname(step), MARKER_NAME))
 
@@ -227,11 +230,22 @@ class LocalTier:
         committed.sort()
         doomed = committed[: max(0, len(committed) - self.keep_last)]
         doomed += [s for s in other if s < newest]
-        for s in sorted(doomed):
-            step_dir = os.path.join(directory, step_dirname(s))
+        dirs = [os.path.join(directory, step_dirname(s)) for s in sorted(doomed)]
+        for step_dir in dirs:
             _remove(os.path.join(step_dir, MARKER_NAME))  # un-commit first: a cut-short delete is skipped
-            shutil.rmtree(step_dir, ignore_errors=True)
+        # Freeing the data is off the save's path: a background thread, joined before the next save.
+        self.wait_deletions()
+        if dirs:
+            self._deleter = threading.Thread(target=_remove_dirs, args=(dirs,), name="tessera-local-retention")
+            self._deleter.daemon = True
+            self._deleter.start()
         return sorted(doomed)
+
+    def wait_deletions(self) -> None:
+        """Wait for the background deletion of old local steps, if one runs. Not collective."""
+        deleter, self._deleter = self._deleter, None
+        if deleter is not None:
+            deleter.join()
 
     # --------------------------------------------------------------------------------
     # Recovery
@@ -252,6 +266,7 @@ class LocalTier:
         Raises:
             CheckpointError: what fetching or loading failed with (the same type on every rank).
         """
+        self.wait_deletions()
         placement = self.placement(world)
         inventories = self.inventory(world)
         choice = choose_step(inventories, only_step=only_step)
@@ -367,6 +382,11 @@ def _global_rank(world: dist.World) -> int | None:
     import torch.distributed as tdist
 
     return tdist.get_global_rank(world.group, world.rank)
+
+
+def _remove_dirs(dirs: list[str]) -> None:
+    for d in dirs:
+        shutil.rmtree(d, ignore_errors=True)
 
 
 def _remove(path: str) -> None:
