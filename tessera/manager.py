@@ -696,7 +696,10 @@ class CheckpointManager:
         except CheckpointError as e:
             if not _is_skippable(e) and not isinstance(e, StorageError):
                 raise
-            self._skip(world, -1, {}, f"the local tier could not be used, falling back to {self.root}: {e}")
+            message = f"the local tier at {self.local_dir} could not be used, falling back to {self.root}: {e}"
+            if world.is_coordinator:  # job-wide news: said once, by rank 0
+                warnings.warn(message, RuntimeWarning, stacklevel=3)
+            logger.debug("%s", message)
             return None
         if got is None:
             return None
