@@ -60,7 +60,9 @@ class FileSink:
         fd = os.open(self.tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
         try:
             os.ftruncate(fd, nbytes)
-            self._map = mmap.mmap(fd, nbytes) if nbytes else None
+            # MAP_POPULATE: the pages are allocated in one call, not faulted in 4 KiB at a time.
+            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+            self._map = mmap.mmap(fd, nbytes, flags=flags) if nbytes else None
         finally:
             os.close(fd)
         self.buffer = torch.frombuffer(self._map, dtype=torch.uint8) if self._map is not None else torch.empty(0)
