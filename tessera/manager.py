@@ -691,8 +691,19 @@ class CheckpointManager:
         """The local tier's recovery (own node, then peers), or None to fall back to ``root``."""
         tier = self._tier
         assert tier is not None
+        newest_durable = None
+        if step is None:
+            # A durable step newer than anything local (say local saves failed for a while) wins:
+            # the newest step that can be assembled from anything that survives. Rank 0 lists.
+            listed: int | None = None
+            if world.is_coordinator:
+                try:
+                    listed = max((s for s, c in self._scan().items() if c), default=None)
+                except Exception as e:  # the local tier may not need it; the durable path reports it
+                    logger.warning("listing %s before recovering from the local tier failed: %s", self.root, e)
+            newest_durable = dist.broadcast(world, listed, "listing the durable steps")
         try:
-            got = tier.recover(state, world, kwargs, only_step=step)
+            got = tier.recover(state, world, kwargs, only_step=step, at_least=newest_durable)
         except CheckpointError as e:
             if not _is_skippable(e) and not isinstance(e, StorageError):
                 raise

@@ -16,12 +16,15 @@ from tests.crash_worker import check_state, empty_state, make_rank_state
 
 
 def _manager(root: str, local_dir: str, **kwargs: Any) -> CheckpointManager:
-    return CheckpointManager(root, keep_last=3, local_dir=local_dir, local_replicas=1, durable_every=3, **kwargs)
+    kwargs.setdefault("local_replicas", 1)
+    return CheckpointManager(root, keep_last=3, local_dir=local_dir, durable_every=3, **kwargs)
 
 
-def save_then_die(rank: int, world: int, root: str, local_dir: str, last: int, async_save: bool) -> None:
+def save_then_die(
+    rank: int, world: int, root: str, local_dir: str, last: int, async_save: bool, replicas: int = 1
+) -> None:
     """Save steps 1..last (each rank holding a quarter of 'a'), wait for the commits, SIGKILL self."""
-    mgr = _manager(root, local_dir, async_save=async_save)
+    mgr = _manager(root, local_dir, async_save=async_save, local_replicas=replicas)
     for k in range(1, last + 1):
         mgr.save(k, make_rank_state(k, rank, world))
     mgr.wait()

@@ -208,3 +208,16 @@ def test_recover_resharded_fsdp2(tmp_path: os.PathLike) -> None:
     shutil.rmtree(local_dir.format(node=1))
     got = _ok(_without_durable(root, run_ranks, fsdp2_load_and_check, 2, root, local_dir, 4, env=ENV, timeout=120))
     assert got == [{"step": 4, "k": 4, "source": "local", "exact": True}] * 2
+
+
+def test_without_replicas_a_lost_node_means_durable(tmp_path: os.PathLike) -> None:
+    """local_replicas=0: node 1's files were only on node 1, so step 5 is incomplete everywhere."""
+    root, local_dir = _dirs(tmp_path)
+    outcomes = run_ranks(save_then_die, 4, root, local_dir, 5, False, 0, env=ENV, timeout=180)
+    assert all(o.status == "died" for o in outcomes), [(o.rank, o.status, o.value) for o in outcomes]
+    node0 = local_dir.format(node=0)
+    step5 = os.path.join(node0, "step-00000005", "data")
+    assert sorted(name.split("-")[0] for _, _, names in os.walk(step5) for name in names) == ["0", "1"]
+    shutil.rmtree(local_dir.format(node=1))
+    got = _ok(run_ranks(load_and_check, 4, root, local_dir, env=ENV, timeout=120))
+    assert [g["k"] for g in got] == [3] * 4 and {g["source"] for g in got} == {"durable"}

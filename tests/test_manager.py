@@ -506,3 +506,27 @@ def test_local_tier_async_and_specific_step(tmp_path: Path) -> None:
 def test_local_tier_arguments_checked(tmp_path: Path, kwargs: dict) -> None:
     with pytest.raises(ValueError):
         CheckpointManager(str(tmp_path), **kwargs)
+
+
+def test_local_tier_ignores_another_runs_steps(tmp_path: Path) -> None:
+    """A local_dir reused by a run with another durable root: its steps are not this run's."""
+    local = str(tmp_path / "shm")
+    with CheckpointManager(str(tmp_path / "run-a"), local_dir=local, durable_every=100) as a:
+        a.save(7, {"w": torch.full((2,), 7.0)})
+    with CheckpointManager(str(tmp_path / "run-b"), local_dir=local, durable_every=2) as b:
+        for k in (1, 2):
+            b.save(k, {"w": torch.full((2,), float(k))})
+        b.wait()
+        # Local retention (keep 2) counts run-b's steps only: run-a's newer step 7 is left alone.
+        node = tmp_path / "shm"
+        assert sorted(p.name for p in node.iterdir() if (p / "local-commit.json").exists()) == [
+            step_dirname(1),
+            step_dirname(2),
+            step_dirname(7),
+        ]
+        state = {"w": torch.zeros(2)}
+        got = b.load(state)
+        assert (got.step, got.source, state["w"][0].item()) == (2, "local", 2.0)
+        shutil.rmtree(tmp_path / "shm" / step_dirname(2))
+        got = b.load(state)  # run-a's step 7 is in the local_dir, but not run-b's; durable 2 beats local 1
+        assert (got.step, got.source, state["w"][0].item()) == (2, "durable", 2.0)

@@ -122,7 +122,9 @@ def scan_node(directory: str, node: int, root: str) -> NodeInventory:
     return NodeInventory(node, tuple(out))
 
 
-def choose_step(inventories: Sequence[NodeInventory | None], *, only_step: int | None = None) -> tuple[int, str] | None:
+def choose_step(
+    inventories: Sequence[NodeInventory | None], *, only_step: int | None = None, at_least: int | None = None
+) -> tuple[int, str] | None:
     """The newest ``(step, save_id)`` whose files are all held by some node, or None.
 
     A step counts only if at least one node committed it with a manifest; its files may be
@@ -131,6 +133,7 @@ def choose_step(inventories: Sequence[NodeInventory | None], *, only_step: int |
     Args:
         inventories: one per rank or per node (None entries are ignored).
         only_step: consider this step only.
+        at_least: consider only steps at least this new (e.g. the newest durable step).
 
     Example:
         >>> a = NodeInventory(0, (StepHolding(5, "x", 2, frozenset({0})),))
@@ -145,6 +148,8 @@ def choose_step(inventories: Sequence[NodeInventory | None], *, only_step: int |
             continue
         for h in inv.steps:
             if only_step is not None and h.step != only_step:
+                continue
+            if at_least is not None and h.step < at_least:
                 continue
             key = (h.step, h.save_id)
             union.setdefault(key, set()).update(h.held)

@@ -226,7 +226,11 @@ class LocalTier:
             if step is None:
                 continue
             doc = read_marker(os.path.join(directory, name))
-            (committed if doc is not None else other).append(step)
+            if doc is None:
+                other.append(step)
+            elif doc.get("root") == self.root:
+                committed.append(step)
+            # else: another run's committed step (a shared local_dir): not ours to count or delete
         committed.sort()
         doomed = committed[: max(0, len(committed) - self.keep_last)]
         doomed += [s for s in other if s < newest]
@@ -258,10 +262,15 @@ class LocalTier:
         return dist.all_gather(world, mine, "gathering the local tier's inventory")
 
     def recover(
-        self, state: object, world: dist.World, kwargs: dict[str, Any], only_step: int | None
+        self,
+        state: object,
+        world: dist.World,
+        kwargs: dict[str, Any],
+        only_step: int | None,
+        at_least: int | None = None,
     ) -> Recovery | None:
-        """Collective: load the newest step the surviving nodes hold completely, fetching
-        missing files from peers; None if no such step.
+        """Collective: load the newest step the surviving nodes hold completely (and not older
+        than ``at_least``), fetching missing files from peers; None if there is no such step.
 
         Raises:
             CheckpointError: what fetching or loading failed with (the same type on every rank).
@@ -269,7 +278,7 @@ class LocalTier:
         self.wait_deletions()
         placement = self.placement(world)
         inventories = self.inventory(world)
-        choice = choose_step(inventories, only_step=only_step)
+        choice = choose_step(inventories, only_step=only_step, at_least=at_least)
         if choice is None:
             return None
         step, save_id = choice
