@@ -74,20 +74,41 @@ def _full_params(model) -> dict[str, Any]:  # type: ignore[no-untyped-def]
     return {name: p.full_tensor().clone() for name, p in model.named_parameters()}
 
 
+def _train_one_step(model, seed: int):  # type: ignore[no-untyped-def]
+    """One AdamW step on fixed data: the optimizer then has state (exp_avg, exp_avg_sq, step)."""
+    import torch
+
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    torch.manual_seed(seed + 1)
+    model(torch.randn(4, 8)).square().sum().backward()
+    opt.step()
+    return opt
+
+
+def _full_optim(model, opt) -> dict[str, Any]:  # type: ignore[no-untyped-def]
+    return {
+        f"{name}.{k}": (v.full_tensor() if hasattr(v, "full_tensor") else v).clone()
+        for name, p in model.named_parameters()
+        for k, v in opt.state[p].items()
+    }
+
+
 def fsdp2_save_then_die(rank: int, world: int, root: str, local_dir: str, last: int) -> None:
-    """FSDP2 over 4 ranks (2 nodes x 2): save the model of seed k as step k, then SIGKILL."""
+    """FSDP2 over 4 ranks (2 nodes x 2): save model + AdamW of seed k as step k, then SIGKILL."""
     import tessera
 
     mgr = _manager(root, local_dir)
     for k in range(1, last + 1):
-        mgr.save(k, {"model": tessera.ModelState(_fsdp2_model(k)), "k": k})
+        model = _fsdp2_model(k)
+        opt = _train_one_step(model, k)
+        mgr.save(k, {"model": tessera.ModelState(model), "optim": tessera.OptimizerState(model, opt), "k": k})
     mgr.wait()
     os.kill(os.getpid(), signal.SIGKILL)
 
 
 def fsdp2_load_and_check(rank: int, world: int, root: str, local_dir: str, want_step: int) -> dict[str, Any]:
-    """FSDP2 over this world (another size): load, then compare every full parameter bit for bit
-    with the model of seed ``want_step``."""
+    """FSDP2 over this world (another size): load model and optimizer, then compare every full
+    parameter and optimizer state bit for bit with those of seed ``want_step``."""
     import torch
 
     import tessera
@@ -95,9 +116,13 @@ def fsdp2_load_and_check(rank: int, world: int, root: str, local_dir: str, want_
     model = _fsdp2_model(1000)
     for p in model.parameters():
         torch.nn.init.zeros_(p.to_local())
-    state = {"model": tessera.ModelState(model), "k": -1}
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    state = {"model": tessera.ModelState(model), "optim": tessera.OptimizerState(model, opt), "k": -1}
     got = _manager(root, local_dir).load(state)
-    want = _full_params(_fsdp2_model(want_step))
-    have = _full_params(model)
+    ref = _fsdp2_model(want_step)
+    ref_opt = _train_one_step(ref, want_step)
+    want, have = _full_params(ref), _full_params(model)
+    want_opt, have_opt = _full_optim(ref, ref_opt), _full_optim(model, opt)
     exact = all(torch.equal(have[n], want[n]) for n in want)
-    return {"step": got.step, "k": state["k"], "source": got.source, "exact": exact}
+    exact_opt = sorted(want_opt) == sorted(have_opt) and all(torch.equal(have_opt[n], want_opt[n]) for n in want_opt)
+    return {"step": got.step, "k": state["k"], "source": got.source, "exact": exact, "exact_optim": exact_opt}

@@ -201,13 +201,14 @@ def test_kill_during_local_save_recovers_previous_step(tmp_path: os.PathLike) ->
 
 
 def test_recover_resharded_fsdp2(tmp_path: os.PathLike) -> None:
-    """FSDP2 on 2 nodes x 2 ranks, node 1 lost: FSDP2 on node 0's 2 ranks, from the local tier."""
+    """FSDP2 model + AdamW on 2 nodes x 2 ranks, node 1 lost: FSDP2 on node 0's 2 ranks, from the
+    local tier, parameters and optimizer states bit-exact."""
     root, local_dir = _dirs(tmp_path)
     outcomes = run_ranks(fsdp2_save_then_die, 4, root, local_dir, 4, env=ENV, timeout=180)
     assert all(o.status == "died" for o in outcomes), [(o.rank, o.status, o.value) for o in outcomes]
     shutil.rmtree(local_dir.format(node=1))
     got = _ok(_without_durable(root, run_ranks, fsdp2_load_and_check, 2, root, local_dir, 4, env=ENV, timeout=120))
-    assert got == [{"step": 4, "k": 4, "source": "local", "exact": True}] * 2
+    assert got == [{"step": 4, "k": 4, "source": "local", "exact": True, "exact_optim": True}] * 2
 
 
 def test_without_replicas_a_lost_node_means_durable(tmp_path: os.PathLike) -> None:
