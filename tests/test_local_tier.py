@@ -222,3 +222,14 @@ def test_without_replicas_a_lost_node_means_durable(tmp_path: os.PathLike) -> No
     shutil.rmtree(local_dir.format(node=1))
     got = _ok(run_ranks(load_and_check, 4, root, local_dir, env=ENV, timeout=120))
     assert [g["k"] for g in got] == [3] * 4 and {g["source"] for g in got} == {"durable"}
+
+
+def test_placement_is_decided_once() -> None:
+    from tessera.dist import World
+    from tessera.local_tier import LocalTier
+
+    tier = LocalTier("/tmp/unused-{node}", "/tmp/root", replicas=1, keep_last=2, process_group=None)
+    world = World(0, 1, None)
+    first = tier.placement(world)
+    assert tier.placement(world) is first  # cached: no second exchange of node indices
+    assert first.targets == ((),)  # one node: no replica
