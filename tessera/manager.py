@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import atexit
 import logging
-import re
 import sys
 import threading
 import time
@@ -50,48 +49,20 @@ from .errors import (
     DistributedError,
     StorageError,
 )
+from .local_tier import LocalTier
 from .manifest import MANIFEST_NAME
 from .options import LoadOptions, SaveOptions
+from .step_names import parse_step_dirname, step_dirname
 from .storage import Storage, storage_for
 from .storage.base import OWNER_MARKER_DIR
 
 logger = logging.getLogger(__name__)
 
-STEP_PREFIX = "step-"
-STEP_DIGITS = 8
 LATEST_NAME = "latest"
-_STEP_RE = re.compile(r"^step-(\d{8,})$")
 # Errors that mean "this step's checkpoint is unusable", as opposed to a problem with the
 # caller's state or the job. Compared by name because a peer's failure reaches the other
 # ranks as text inside a DistributedError.
 _SKIPPABLE = frozenset({"CorruptCheckpointError", "ManifestError", "CheckpointNotFoundError"})
-
-
-def step_dirname(step: int) -> str:
-    """The directory name of ``step``: ``step-`` and the number padded to 8 digits.
-
-    Example:
-        >>> step_dirname(100)
-        'step-00000100'
-    """
-    return f"{STEP_PREFIX}{step:0{STEP_DIGITS}d}"
-
-
-def parse_step_dirname(name: str) -> int | None:
-    """The step a directory name stands for, or None if it is not a step directory.
-
-    Only the canonical form :func:`step_dirname` produces is accepted, so no two names map
-    to one step.
-
-    Example:
-        >>> parse_step_dirname("step-00000100"), parse_step_dirname("step-100")
-        (100, None)
-    """
-    m = _STEP_RE.match(name)
-    if m is None:
-        return None
-    step = int(m.group(1))
-    return step if step_dirname(step) == name else None
 
 
 def _join(root: str, name: str) -> str:
@@ -106,11 +77,17 @@ class StepLoadResult:
         step: the step that was loaded.
         result: the :class:`~tessera.LoadResult` of loading it.
         skipped: newer steps that were passed over, with the reason (incomplete or corrupt).
+        source: where the bytes came from, job-wide: ``"local"`` (every node already held
+            all the files it needed in its local tier), ``"peers"`` (some nodes fetched
+            files from other nodes' local tiers first) or ``"durable"`` (the durable root).
+        peer_bytes: bytes this rank received from peers before loading (``"peers"`` only).
     """
 
     step: int
     result: LoadResult
     skipped: dict[int, str] = field(default_factory=dict)
+    source: str = "durable"
+    peer_bytes: int = 0
 
 
 _OPEN: weakref.WeakSet[CheckpointManager] = weakref.WeakSet()
@@ -156,9 +133,18 @@ class CheckpointManager:
             step being saved (``keep_last - 1`` older steps), so that a disk that holds
             ``keep_last`` checkpoints and no more can still take the next one. The newest
             committed step is never deleted before the new one is committed.
+        local_dir: a node-local directory (e.g. ``/dev/shm/tessera-{node}``) that turns on the
+            replicated local tier: every save goes there first; ``{node}`` is replaced by
+            the node index (``GROUP_RANK``, else ``RANK // LOCAL_WORLD_SIZE``). Use one
+            directory per run. See ``docs/resilience.md``.
+        local_replicas: copies of each rank's files kept on other nodes' local tiers (0: none).
+        durable_every: with ``local_dir``, only steps divisible by this also go to ``root``
+            (None: every step does).
+        local_keep_last: committed local steps each node keeps.
 
     Raises:
-        ValueError: for ``keep_last`` or ``keep_every`` below 1.
+        ValueError: for ``keep_last``, ``keep_every``, ``durable_every`` or ``local_keep_last``
+            below 1, or ``local_replicas`` below 0.
 
     Collective contract: every rank constructs the manager alike and calls ``save``/``load``
     in the same order; only rank 0 moves ``latest`` and deletes old steps (after a commit,
@@ -190,10 +176,35 @@ class CheckpointManager:
         storage_options: Mapping[str, object] | None = None,
         storage_factory: Callable[[str], Storage] | None = None,
         retention_before_save: bool = False,
+        local_dir: str | None = None,
+        local_replicas: int = 1,
+        durable_every: int | None = None,
+        local_keep_last: int = 2,
     ) -> None:
-        for name, value in (("keep_last", keep_last), ("keep_every", keep_every)):
+        for name, value in (
+            ("keep_last", keep_last),
+            ("keep_every", keep_every),
+            ("durable_every", durable_every),
+            ("local_keep_last", local_keep_last),
+        ):
             if value is not None and (type(value) is not int or value < 1):
                 raise ValueError(f"CheckpointManager({root!r}): {name} must be None or an integer >= 1, got {value!r}")
+        if type(local_replicas) is not int or local_replicas < 0:
+            raise ValueError(
+                f"CheckpointManager({root!r}): local_replicas must be an integer >= 0, got {local_replicas!r}"
+            )
+        if local_dir is not None and (not isinstance(local_dir, str) or "://" in local_dir or not local_dir):
+            raise ValueError(
+                f"CheckpointManager({root!r}): local_dir must be a local directory path, got {local_dir!r}"
+            )
+        self.local_dir = local_dir
+        self.local_replicas = local_replicas
+        self.durable_every = durable_every
+        self._tier = (
+            LocalTier(local_dir, root, replicas=local_replicas, keep_last=local_keep_last, process_group=process_group)
+            if local_dir is not None
+            else None
+        )
         self.root = root
         self.keep_last = keep_last
         self.keep_every = keep_every
@@ -309,9 +320,11 @@ class CheckpointManager:
         waited = time.monotonic() - t0
         background = self.async_save if async_save is None else async_save
         url = self.step_url(step)
-        store = self._factory(url)
         world = dist.world_for(self.process_group)
         self._distributed = self._distributed or world.distributed
+        if self._tier is not None:
+            return self._save_tiered(step, state, background, world, t0, waited)
+        store = self._factory(url)
         if self.retention_before_save and world.is_coordinator:
             # Rank 0 makes room before it joins the save; no rank writes before rank 0 joins.
             try:
@@ -369,6 +382,76 @@ class CheckpointManager:
             return
         self._forget(step, store)
         future.set_result(result)
+
+    def _save_tiered(
+        self, step: int, state: object, background: bool, world: dist.World, t0: float, waited: float
+    ) -> SaveResult | PendingSave:
+        """``save`` with a local tier: the local step (committed with its replicas), then,
+        for durable steps, a copy of it under ``root``."""
+        tier = self._tier
+        assert tier is not None
+        durable = self.durable_every is None or step % self.durable_every == 0
+        local = tier.step_store(step, world)
+        tier.before_save(step, world)
+        with self._lock:
+            self._in_flight.add(step)
+        kwargs: dict[str, Any] = {
+            "process_group": self.process_group,
+            "storage": local,
+            "allow_pickle": self.allow_pickle,
+            "options": self.save_options,
+        }
+        label = tier.step_label(step)
+        if not background:
+            try:
+                result = api.save(label, state, **kwargs)
+                self._finish_tiered(step, durable, world)
+            finally:
+                self._forget(step, local)
+            return result
+        try:
+            inner = api.async_save(label, state, **kwargs)
+        except BaseException:
+            self._forget(step, local)
+            raise
+        future: Future[SaveResult] = Future()
+
+        def finish() -> None:
+            try:
+                result = inner.wait()
+                self._finish_tiered(step, durable, world)
+            except BaseException as e:
+                future.set_exception(self._explain(e, step))
+                return
+            finally:
+                self._forget(step, local)
+            future.set_result(result)
+
+        thread = threading.Thread(target=finish, name="tessera-manager", daemon=True)
+        self._thread = thread
+        thread.start()
+        stall = time.monotonic() - t0
+        parts = dict(inner.stall_parts)
+        parts["wait_previous"] = parts.get("wait_previous", 0.0) + waited
+        parts["prepare"] = max(0.0, stall - sum(parts.values()))
+        self._pending = PendingSave(future, stall, path=label, staged_event=inner._staged, stall_parts=parts)
+        return self._pending
+
+    def _finish_tiered(self, step: int, durable: bool, world: dist.World) -> None:
+        """After the local save of ``step``: replicas and the local commit, then the durable copy."""
+        tier = self._tier
+        assert tier is not None
+        data = tier.commit(step, world)
+        if not durable:
+            return
+        store = self._factory(self.step_url(step))
+        try:
+            tier.copy_to_durable(step, data, store, world)
+            self._after_commit(step, store, world)
+        finally:
+            close = getattr(store, "close", None)
+            if callable(close):
+                close()
 
     def _forget(self, step: int, store: Storage) -> None:
         with self._lock:
@@ -560,6 +643,11 @@ class CheckpointManager:
         }
         if step is not None:
             step = _check_step(step)
+        if self._tier is not None:
+            recovered = self._recover(state, world, kwargs, step)
+            if recovered is not None:
+                return recovered
+        if step is not None:
             return StepLoadResult(step, self._load_step(step, state, kwargs), {})
 
         listing: tuple[list[tuple[int, bool]] | None, Any] = (None, None)
@@ -596,6 +684,37 @@ class CheckpointManager:
         raise CheckpointNotFoundError(
             f"no loadable checkpoint under {self.root}" + (f":{detail}" if detail else " (no steps)")
         )
+
+    def _recover(
+        self, state: object, world: dist.World, kwargs: dict[str, Any], step: int | None
+    ) -> StepLoadResult | None:
+        """The local tier's recovery (own node, then peers), or None to fall back to ``root``."""
+        tier = self._tier
+        assert tier is not None
+        newest_durable = None
+        if step is None:
+            # A durable step newer than anything local (say local saves failed for a while) wins:
+            # the newest step that can be assembled from anything that survives. Rank 0 lists.
+            listed: int | None = None
+            if world.is_coordinator:
+                try:
+                    listed = max((s for s, c in self._scan().items() if c), default=None)
+                except Exception as e:  # the local tier may not need it; the durable path reports it
+                    logger.warning("listing %s before recovering from the local tier failed: %s", self.root, e)
+            newest_durable = dist.broadcast(world, listed, "listing the durable steps")
+        try:
+            got = tier.recover(state, world, kwargs, only_step=step, at_least=newest_durable)
+        except CheckpointError as e:
+            if not _is_skippable(e) and not isinstance(e, StorageError):
+                raise
+            message = f"the local tier at {self.local_dir} could not be used, falling back to {self.root}: {e}"
+            if world.is_coordinator:  # job-wide news: said once, by rank 0
+                warnings.warn(message, RuntimeWarning, stacklevel=3)
+            logger.debug("%s", message)
+            return None
+        if got is None:
+            return None
+        return StepLoadResult(got.step, got.result, {}, source=got.source, peer_bytes=got.peer_bytes)
 
     def _load_step(self, step: int, state: object, kwargs: dict[str, Any]) -> LoadResult:
         url = self.step_url(step)
@@ -664,7 +783,11 @@ class CheckpointManager:
             return
         self._closed = True
         _OPEN.discard(self)
-        self._wait_previous()
+        try:
+            self._wait_previous()
+        finally:
+            if self._tier is not None:
+                self._tier.wait_deletions()
 
     def __enter__(self) -> CheckpointManager:
         return self

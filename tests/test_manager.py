@@ -455,3 +455,78 @@ def test_manager_over_the_memory_tier(tmp_path) -> None:
         _assert_is(target, 2)
     finally:
         shutil.rmtree(memory, ignore_errors=True)
+
+
+# ----------------------------------------------------------------------------------------
+# The local tier in one process (multi-node recovery: tests/test_local_tier.py)
+
+
+def test_local_tier_single_process(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    for var in ("GROUP_RANK", "RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    root, local = str(tmp_path / "durable"), str(tmp_path / "shm" / "n{node}")
+    mgr = CheckpointManager(root, keep_last=2, local_dir=local, local_replicas=1, durable_every=2)
+    for k in range(1, 6):
+        mgr.save(k, {"w": torch.full((3,), float(k)), "k": k})
+    assert mgr.steps() == [2, 4]  # durable: multiples of durable_every only
+    node = tmp_path / "shm" / "n0"
+    committed = sorted(p.name for p in node.iterdir() if (p / "local-commit.json").exists())
+    assert committed == [step_dirname(4), step_dirname(5)]  # keeps 2
+    state = {"w": torch.zeros(3), "k": 0}
+    got = mgr.load(state)
+    assert (got.step, got.source, got.peer_bytes, state["k"]) == (5, "local", 0, 5)
+    assert torch.equal(state["w"], torch.full((3,), 5.0))
+    shutil.rmtree(tmp_path / "shm")
+    got = mgr.load(state)
+    assert (got.step, got.source, state["k"]) == (4, "durable", 4)
+    assert torch.equal(state["w"], torch.full((3,), 4.0))
+    mgr.close()
+
+
+def test_local_tier_async_and_specific_step(tmp_path: Path) -> None:
+    root, local = str(tmp_path / "durable"), str(tmp_path / "shm")
+    with CheckpointManager(root, local_dir=local, durable_every=3, async_save=True) as mgr:
+        for k in range(1, 5):
+            pending = mgr.save(k, {"w": torch.full((2,), float(k))})
+        pending.wait()  # type: ignore[union-attr]
+        state = {"w": torch.zeros(2)}
+        assert (mgr.load(state, step=3).source, state["w"][0].item()) == ("local", 3.0)
+        assert (mgr.load(state).step, state["w"][0].item()) == (4, 4.0)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"local_dir": "/x", "local_replicas": -1},
+        {"local_dir": "/x", "durable_every": 0},
+        {"local_dir": "/x", "local_keep_last": 0},
+        {"local_dir": "s3://b/x"},
+    ],
+)
+def test_local_tier_arguments_checked(tmp_path: Path, kwargs: dict) -> None:
+    with pytest.raises(ValueError):
+        CheckpointManager(str(tmp_path), **kwargs)
+
+
+def test_local_tier_ignores_another_runs_steps(tmp_path: Path) -> None:
+    """A local_dir reused by a run with another durable root: its steps are not this run's."""
+    local = str(tmp_path / "shm")
+    with CheckpointManager(str(tmp_path / "run-a"), local_dir=local, durable_every=100) as a:
+        a.save(7, {"w": torch.full((2,), 7.0)})
+    with CheckpointManager(str(tmp_path / "run-b"), local_dir=local, durable_every=2) as b:
+        for k in (1, 2):
+            b.save(k, {"w": torch.full((2,), float(k))})
+        b.wait()
+        # Local retention (keep 2) counts run-b's steps only: run-a's newer step 7 is left alone.
+        node = tmp_path / "shm"
+        assert sorted(p.name for p in node.iterdir() if (p / "local-commit.json").exists()) == [
+            step_dirname(1),
+            step_dirname(2),
+            step_dirname(7),
+        ]
+        state = {"w": torch.zeros(2)}
+        got = b.load(state)
+        assert (got.step, got.source, state["w"][0].item()) == (2, "local", 2.0)
+        shutil.rmtree(tmp_path / "shm" / step_dirname(2))
+        got = b.load(state)  # run-a's step 7 is in the local_dir, but not run-b's; durable 2 beats local 1
+        assert (got.step, got.source, state["w"][0].item()) == (2, "durable", 2.0)

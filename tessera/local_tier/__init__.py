@@ -1,0 +1,26 @@
+"""The node-local tier of :class:`~tessera.CheckpointManager`: frequent steps in host memory
+(or local disk), each rank's files replicated to other nodes over ``torch.distributed``,
+and recovery from whatever the surviving nodes hold. See ``docs/resilience.md``.
+
+Modules: :mod:`.placement` (node indices, the replica ring), :mod:`.inventory` (what a node
+holds, the choice of step), :mod:`.transfer` (files between ranks), :mod:`.tier` (save,
+commit, retention, recovery).
+"""
+
+from __future__ import annotations
+
+from .inventory import NodeInventory, StepHolding, choose_step
+from .placement import Placement, node_dir, node_index, place
+from .tier import LocalTier, Recovery
+
+__all__ = [
+    "LocalTier",
+    "NodeInventory",
+    "Placement",
+    "Recovery",
+    "StepHolding",
+    "choose_step",
+    "node_dir",
+    "node_index",
+    "place",
+]

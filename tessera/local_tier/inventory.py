@@ -1,0 +1,158 @@
+"""What each node's local directory holds, and the choice of the step to recover.
+
+A node's local step is *committed* when its marker (:data:`MARKER_NAME`, written after the
+step's replicas are in place) exists. The marker lists the step's files in manifest order,
+so a node's holdings are summarised as indices into that list: a few bytes per file, with
+no manifest to decode. :func:`choose_step` is pure and runs on every rank identically.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from ..step_names import parse_step_dirname
+
+logger = logging.getLogger(__name__)
+
+MARKER_NAME = "local-commit.json"
+
+
+@dataclass(frozen=True)
+class StepHolding:
+    """One committed local step as one node holds it.
+
+    Attributes:
+        step: the training step.
+        save_id: the checkpoint's save id (two saves of one step differ here).
+        n_files: how many data files the step has (the manifest's ``files``).
+        held: indices into the manifest's ``files`` of those present on the node with the
+            right size. The names themselves are not sent: every node learns them from the
+            manifest, so a summary stays one node's size, whatever the job's.
+        manifest_bytes: the size of the step's ``manifest.json`` on the node.
+    """
+
+    step: int
+    save_id: str
+    n_files: int
+    held: frozenset[int]
+    manifest_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class NodeInventory:
+    """A node's committed local steps.
+
+    Attributes:
+        node: the node index.
+        steps: one entry per committed local step, newest first.
+    """
+
+    node: int
+    steps: tuple[StepHolding, ...]
+
+    def holding(self, step: int, save_id: str) -> StepHolding | None:
+        """This node's holding of one step's save, or None."""
+        for h in self.steps:
+            if h.step == step and h.save_id == save_id:
+                return h
+        return None
+
+
+def read_marker(step_dir: str) -> dict | None:
+    """A step directory's commit marker, or None if absent or unreadable."""
+    try:
+        with open(os.path.join(step_dir, MARKER_NAME), "rb") as f:
+            doc = json.loads(f.read())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:
+        logger.warning("ignoring the local step at %s: unreadable %s: %s", step_dir, MARKER_NAME, e)
+        return None
+    return doc if isinstance(doc, dict) else None
+
+
+def marker_bytes(root: str, step: int, save_id: str, files: Sequence[tuple[str, int]]) -> bytes:
+    """The content of a step's commit marker."""
+    doc = {"root": root, "step": step, "save_id": save_id, "files": [[p, n] for p, n in files]}
+    return json.dumps(doc, separators=(",", ":")).encode()
+
+
+def scan_node(directory: str, node: int, root: str) -> NodeInventory:
+    """The committed local steps under a node's directory that belong to the run at ``root``.
+
+    Steps whose marker names another durable root (a previous run's leftovers in a shared
+    ``/dev/shm``) are ignored. A file counts as held when it exists with the listed size.
+    """
+    out = []
+    try:
+        names = os.listdir(directory)
+    except FileNotFoundError:
+        names = []
+    for name in names:
+        step = parse_step_dirname(name)
+        if step is None:
+            continue
+        step_dir = os.path.join(directory, name)
+        doc = read_marker(step_dir)
+        if doc is None or doc.get("root") != root or doc.get("step") != step:
+            continue
+        try:
+            files = tuple((str(p), int(n)) for p, n in doc["files"])
+            save_id = str(doc["save_id"])
+        except (KeyError, TypeError, ValueError):
+            logger.warning("ignoring the local step at %s: malformed %s", step_dir, MARKER_NAME)
+            continue
+        try:
+            manifest_bytes = os.stat(os.path.join(step_dir, "manifest.json")).st_size
+        except OSError:
+            continue
+        held = set()
+        for i, (path, nbytes) in enumerate(files):
+            try:
+                if os.stat(os.path.join(step_dir, path)).st_size == nbytes:
+                    held.add(i)
+            except OSError:
+                pass
+        out.append(StepHolding(step, save_id, len(files), frozenset(held), manifest_bytes))
+    out.sort(key=lambda h: (h.step, h.save_id), reverse=True)
+    return NodeInventory(node, tuple(out))
+
+
+def choose_step(
+    inventories: Sequence[NodeInventory | None], *, only_step: int | None = None, at_least: int | None = None
+) -> tuple[int, str] | None:
+    """The newest ``(step, save_id)`` whose files are all held by some node, or None.
+
+    A step counts only if at least one node committed it with a manifest; its files may be
+    spread over any nodes. Cost: one pass over the holdings (O(nodes x steps x files held)).
+
+    Args:
+        inventories: one per rank or per node (None entries are ignored).
+        only_step: consider this step only.
+        at_least: consider only steps at least this new (e.g. the newest durable step).
+
+    Example:
+        >>> a = NodeInventory(0, (StepHolding(5, "x", 2, frozenset({0})),))
+        >>> b = NodeInventory(1, (StepHolding(5, "x", 2, frozenset({1})),))
+        >>> choose_step([a, b])
+        (5, 'x')
+    """
+    union: dict[tuple[int, str], set[int]] = {}
+    count: dict[tuple[int, str], int] = {}
+    for inv in inventories:
+        if inv is None:
+            continue
+        for h in inv.steps:
+            if only_step is not None and h.step != only_step:
+                continue
+            if at_least is not None and h.step < at_least:
+                continue
+            key = (h.step, h.save_id)
+            union.setdefault(key, set()).update(h.held)
+            count[key] = h.n_files
+    complete = [key for key, held in union.items() if len(held) == count[key]]
+    return max(complete) if complete else None

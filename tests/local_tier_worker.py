@@ -1,0 +1,128 @@
+"""Rank functions for tests/test_local_tier.py (module-level, so spawned ranks can import them).
+
+Every rank sets nothing itself: the tests pass ``LOCAL_WORLD_SIZE=2`` in the environment, so
+ranks 0-1 are node 0 and ranks 2-3 node 1 (``RANK // LOCAL_WORLD_SIZE``), as under torchrun.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from typing import Any
+
+from tessera.manager import CheckpointManager
+from tests.crash_worker import check_state, empty_state, make_rank_state
+
+
+def _manager(root: str, local_dir: str, **kwargs: Any) -> CheckpointManager:
+    kwargs.setdefault("local_replicas", 1)
+    return CheckpointManager(root, keep_last=3, local_dir=local_dir, durable_every=3, **kwargs)
+
+
+def save_then_die(
+    rank: int, world: int, root: str, local_dir: str, last: int, async_save: bool, replicas: int = 1
+) -> None:
+    """Save steps 1..last (each rank holding a quarter of 'a'), wait for the commits, SIGKILL self."""
+    mgr = _manager(root, local_dir, async_save=async_save, local_replicas=replicas)
+    for k in range(1, last + 1):
+        mgr.save(k, make_rank_state(k, rank, world))
+    mgr.wait()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def save_then_die_mid_save(rank: int, world: int, root: str, local_dir: str, last: int) -> None:
+    """Save steps 1..last (async), then start step last+1: rank 3 is SIGKILLed right after the
+    save started (before the step can commit anywhere); the others die at the test's deadline."""
+    mgr = _manager(root, local_dir, async_save=True)
+    for k in range(1, last + 1):
+        mgr.save(k, make_rank_state(k, rank, world))
+    mgr.wait()
+    pending = mgr.save(last + 1, make_rank_state(last + 1, rank, world))
+    if rank == world - 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    pending.wait_staged()  # type: ignore[union-attr]
+    time.sleep(600)  # the others write their files, then wait for rank 3 until killed
+
+
+def load_and_check(rank: int, world: int, root: str, local_dir: str) -> dict[str, Any]:
+    """Load into a full (unsharded) state: the layout differs from the save's 4 shards."""
+    mgr = _manager(root, local_dir)
+    state = empty_state()
+    got = mgr.load(state)
+    k = check_state(state)
+    mgr.close()
+    return {"step": got.step, "k": k, "source": got.source, "peer_bytes": got.peer_bytes}
+
+
+def _fsdp2_model(seed: int):  # type: ignore[no-untyped-def]
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 12), torch.nn.ReLU(), torch.nn.Linear(12, 6))
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for layer in (model[0], model[2]):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def _full_params(model) -> dict[str, Any]:  # type: ignore[no-untyped-def]
+    return {name: p.full_tensor().clone() for name, p in model.named_parameters()}
+
+
+def _train_one_step(model, seed: int):  # type: ignore[no-untyped-def]
+    """One AdamW step on fixed data: the optimizer then has state (exp_avg, exp_avg_sq, step)."""
+    import torch
+
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    torch.manual_seed(seed + 1)
+    model(torch.randn(4, 8)).square().sum().backward()
+    opt.step()
+    return opt
+
+
+def _full_optim(model, opt) -> dict[str, Any]:  # type: ignore[no-untyped-def]
+    return {
+        f"{name}.{k}": (v.full_tensor() if hasattr(v, "full_tensor") else v).clone()
+        for name, p in model.named_parameters()
+        for k, v in opt.state[p].items()
+    }
+
+
+def fsdp2_save_then_die(rank: int, world: int, root: str, local_dir: str, last: int) -> None:
+    """FSDP2 over 4 ranks (2 nodes x 2): save model + AdamW of seed k as step k, then SIGKILL."""
+    import tessera
+
+    mgr = _manager(root, local_dir)
+    for k in range(1, last + 1):
+        model = _fsdp2_model(k)
+        opt = _train_one_step(model, k)
+        mgr.save(k, {"model": tessera.ModelState(model), "optim": tessera.OptimizerState(model, opt), "k": k})
+    mgr.wait()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def fsdp2_load_and_check(rank: int, world: int, root: str, local_dir: str, want_step: int) -> dict[str, Any]:
+    """FSDP2 over this world (another size): load model and optimizer, then compare every full
+    parameter and optimizer state bit for bit with those of seed ``want_step``."""
+    import torch
+
+    import tessera
+
+    model = _fsdp2_model(1000)
+    for p in model.parameters():
+        torch.nn.init.zeros_(p.to_local())
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    state = {"model": tessera.ModelState(model), "optim": tessera.OptimizerState(model, opt), "k": -1}
+    got = _manager(root, local_dir).load(state)
+    ref = _fsdp2_model(want_step)
+    ref_opt = _train_one_step(ref, want_step)
+    want, have = _full_params(ref), _full_params(model)
+    want_opt, have_opt = _full_optim(ref, ref_opt), _full_optim(model, opt)
+    exact = all(torch.equal(have[n], want[n]) for n in want)
+    exact_opt = sorted(want_opt) == sorted(have_opt) and all(torch.equal(have_opt[n], want_opt[n]) for n in want_opt)
+    return {"step": got.step, "k": state["k"], "source": got.source, "exact": exact, "exact_optim": exact_opt}

@@ -1,0 +1,235 @@
+"""The replicated local tier of CheckpointManager (issue #12): placement, inventory, recovery.
+
+Nodes are simulated on one machine: 4 real gloo processes with ``LOCAL_WORLD_SIZE=2`` are 2
+nodes x 2 ranks, each node with its own ``local_dir`` through ``{node}``.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import shutil
+import time
+
+import pytest
+
+from tessera.local_tier import NodeInventory, StepHolding, choose_step, node_index, place
+from tessera.local_tier.tier import plan_fetches, plan_manifest_fetches
+from tessera.local_tier.transfer import Transfer
+from tests.crash_worker import run_ranks, start_ranks
+from tests.local_tier_worker import (
+    fsdp2_load_and_check,
+    fsdp2_save_then_die,
+    load_and_check,
+    save_then_die,
+    save_then_die_mid_save,
+)
+
+ENV = {"LOCAL_WORLD_SIZE": "2"}
+
+
+# ----------------------------------------------------------------------------------------
+# Placement and the choice of step (pure)
+
+
+def test_node_index_from_torchrun_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("GROUP_RANK", raising=False)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    monkeypatch.setenv("RANK", "17")
+    assert node_index() == 2
+    assert node_index(rank=8) == 1
+    monkeypatch.setenv("GROUP_RANK", "5")
+    assert node_index() == 5
+
+
+def test_ring_placement_puts_copies_on_other_nodes() -> None:
+    p = place([0, 0, 1, 1, 2, 2], 2)
+    assert p.targets == ((2, 4), (3, 5), (4, 0), (5, 1), (0, 2), (1, 3))
+    for rank, targets in enumerate(p.targets):
+        nodes = {p.node_of[rank]} | {p.node_of[t] for t in targets}
+        assert len(nodes) == 1 + len(targets)  # no two copies of a rank's files on one node
+    # More replicas than other nodes: one copy per other node, never two on one node.
+    assert place([0, 0, 1, 1], 3).targets == ((2,), (3,), (0,), (1,))
+    assert place([0, 0], 1).targets == ((), ())
+    # Uneven nodes (a node lost a rank): targets wrap within the smaller node.
+    assert place([0, 0, 1], 1).targets == ((2,), (2,), (0,))
+
+
+def _holding(step: int, n_files: int, held: set[int], save_id: str = "s") -> StepHolding:
+    return StepHolding(step, save_id, n_files, frozenset(held), 100)
+
+
+def _files(n: int, save_id: str = "s") -> list[tuple[str, int]]:
+    return [(f"data/{save_id}/{i}.safetensors", 10) for i in range(n)]
+
+
+def test_choose_step_newest_complete() -> None:
+    a = NodeInventory(0, (_holding(5, 4, {0, 1}), _holding(4, 4, {0, 1, 2, 3})))
+    b = NodeInventory(1, (_holding(5, 4, {2}),))
+    assert choose_step([a, b]) == (4, "s")  # file 3 of step 5 is nowhere
+    c = NodeInventory(2, (_holding(5, 4, {3}),))
+    assert choose_step([a, None, b, c]) == (5, "s")
+    assert choose_step([a, b], only_step=4) == (4, "s")
+    assert choose_step([None, None]) is None
+
+
+def test_plan_fetches_serves_empty_nodes_from_holders() -> None:
+    placement = place([0, 0, 1, 1], 1)
+    a = NodeInventory(0, (_holding(5, 4, {0, 1, 2, 3}),))
+    assert plan_manifest_fetches([a, None, None, None], placement, 5, "s") == [Transfer(0, 2, "manifest.json", 100)]
+    transfers = plan_fetches([a, None, None, None], placement, 5, "s", _files(4))
+    # Node 1 gets all 4 files, each from a node-0 rank to a node-1 rank, spread over both.
+    assert sorted(t.path for t in transfers) == [p for p, _ in _files(4)]
+    assert all(t.src in (0, 1) and t.dst in (2, 3) for t in transfers)
+    assert {t.dst for t in transfers} == {2, 3} and {t.src for t in transfers} == {0, 1}
+    # Only what node 1's ranks will read: files 2 and 3 (another rank's needs count for its node).
+    only = plan_fetches([a, None, None, None], placement, 5, "s", _files(4), {0: {0, 1}, 1: {3, 2}})
+    assert [(t.path, t.dst) for t in only] == [("data/s/2.safetensors", 2), ("data/s/3.safetensors", 3)]
+    b = NodeInventory(1, (_holding(5, 4, {0, 2}),))
+    assert plan_manifest_fetches([a, None, b, None], placement, 5, "s") == []
+    assert [(t.path, t.dst in (2, 3)) for t in plan_fetches([a, None, b, None], placement, 5, "s", _files(4))] == [
+        ("data/s/1.safetensors", True),
+        ("data/s/3.safetensors", True),
+    ]
+
+
+def test_choice_for_4096_ranks_under_a_second() -> None:
+    """512 nodes x 8 ranks, each node with its own 8 files and 8 replicas, for 2 steps."""
+    ranks, per_node = 4096, 8
+    nodes = ranks // per_node
+    node_of = [r // per_node for r in range(ranks)]
+    t0 = time.perf_counter()
+    placement = place(node_of, 1)
+    place_s = time.perf_counter() - t0
+    assert placement.targets[0] == (8,) and placement.targets[ranks - 1] == (7,)
+    inventories: list[NodeInventory | None] = []
+    for n in range(nodes):
+        own = set(range(n * per_node, (n + 1) * per_node))
+        prev = (n - 1) % nodes
+        replicas = set(range(prev * per_node, (prev + 1) * per_node))
+        steps = tuple(_holding(s, ranks, own | replicas) for s in (10, 9))
+        inventories += [NodeInventory(n, steps)] + [None] * (per_node - 1)
+    # One rank's summary is small (one node's holdings), so the all_gather is O(ranks) bytes-ish.
+    assert len(pickle.dumps(inventories[0])) < 2_000
+    # Node 7 is lost: its files survive as node 8's replicas.
+    inventories[7 * per_node] = None
+    t0 = time.perf_counter()
+    choice = choose_step(inventories)
+    choose_s = time.perf_counter() - t0
+    assert choice == (10, "s")
+    inventories[8 * per_node] = None  # and node 8 too: node 7's files are gone
+    assert choose_step(inventories) is None
+    assert place_s < 1.0, place_s
+    assert choose_s < 1.0, choose_s
+
+
+# ----------------------------------------------------------------------------------------
+# 2 nodes x 2 ranks: save 1..5, SIGKILL, lose node 1, restart
+
+
+def _dirs(tmp_path: os.PathLike) -> tuple[str, str]:
+    return os.path.join(tmp_path, "durable"), os.path.join(tmp_path, "shm", "node-{node}")
+
+
+def _ok(outcomes: list) -> list[dict]:
+    bad = [o for o in outcomes if o.status != "ok"]
+    assert not bad, "\n".join(f"rank {o.rank}: {o.status}: {o.value and o.value.get('traceback')}" for o in bad)
+    return [o.value for o in outcomes]
+
+
+def _without_durable(root: str, fn, *args, **kwargs):  # type: ignore[no-untyped-def]
+    """Run a restart with the durable root moved away: any durable read would find nothing."""
+    hidden = root + ".hidden"
+    os.rename(root, hidden)
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        assert not os.path.exists(root), "the load created or wrote the durable root"
+        os.rename(hidden, root)
+
+
+def _committed(node_dir: str) -> list[str]:
+    return sorted(n for n in os.listdir(node_dir) if os.path.exists(os.path.join(node_dir, n, "local-commit.json")))
+
+
+def _save_kill(root: str, local_dir: str, async_save: bool) -> None:
+    outcomes = run_ranks(save_then_die, 4, root, local_dir, 5, async_save, env=ENV, timeout=180)
+    assert all(o.status == "died" for o in outcomes), [(o.rank, o.status, o.value) for o in outcomes]
+
+
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_recover_from_node_and_peers_then_durable(tmp_path: os.PathLike, async_save: bool) -> None:
+    root, local_dir = _dirs(tmp_path)
+    _save_kill(root, local_dir, async_save)
+    node0, node1 = local_dir.format(node=0), local_dir.format(node=1)
+    # Local retention keeps the last two steps; durable has step 3 only (durable_every=3).
+    assert _committed(node0) == _committed(node1) == ["step-00000004", "step-00000005"]
+    assert sorted(n for n in os.listdir(root) if n.startswith("step-")) == ["step-00000003"]
+    shutil.rmtree(node1)
+
+    # (a) node 0 alone (2 ranks): its own files plus node 1's replicas, nothing from durable.
+    got = _ok(_without_durable(root, run_ranks, load_and_check, 2, root, local_dir, env=ENV, timeout=120))
+    assert [g["step"] for g in got] == [5, 5] and [g["k"] for g in got] == [5, 5]
+    assert {g["source"] for g in got} == {"local"} and sum(g["peer_bytes"] for g in got) == 0
+
+    # (b) 4 ranks, node 1 empty: it is served by node 0, still nothing from durable.
+    got = _ok(_without_durable(root, run_ranks, load_and_check, 4, root, local_dir, env=ENV, timeout=120))
+    assert [g["k"] for g in got] == [5] * 4 and {g["source"] for g in got} == {"peers"}
+    assert got[0]["peer_bytes"] == got[1]["peer_bytes"] == 0 and got[2]["peer_bytes"] + got[3]["peer_bytes"] > 0
+    assert "step-00000005" in os.listdir(node1)  # node 1 holds step 5 again
+
+    # (c) both local directories gone: the newest durable step.
+    shutil.rmtree(os.path.join(tmp_path, "shm"))
+    got = _ok(run_ranks(load_and_check, 4, root, local_dir, env=ENV, timeout=120))
+    assert [g["k"] for g in got] == [3] * 4 and {g["source"] for g in got} == {"durable"}
+
+
+def test_kill_during_local_save_recovers_previous_step(tmp_path: os.PathLike) -> None:
+    root, local_dir = _dirs(tmp_path)
+    group = start_ranks(save_then_die_mid_save, 4, root, local_dir, 5, env=ENV)
+    node0 = local_dir.format(node=0)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not os.path.isdir(os.path.join(node0, "step-00000006")):
+        time.sleep(0.1)
+    time.sleep(1.0)  # let ranks 0-2 write what they can of step 6
+    outcomes = group.collect(0.0)
+    assert outcomes[3].status == "died"
+    assert os.path.isdir(os.path.join(node0, "step-00000006"))  # the save had started on node 0
+    shutil.rmtree(local_dir.format(node=1))
+    got = _ok(_without_durable(root, run_ranks, load_and_check, 4, root, local_dir, env=ENV, timeout=120))
+    assert [g["step"] for g in got] == [5] * 4 and [g["k"] for g in got] == [5] * 4
+
+
+def test_recover_resharded_fsdp2(tmp_path: os.PathLike) -> None:
+    """FSDP2 model + AdamW on 2 nodes x 2 ranks, node 1 lost: FSDP2 on node 0's 2 ranks, from the
+    local tier, parameters and optimizer states bit-exact."""
+    root, local_dir = _dirs(tmp_path)
+    outcomes = run_ranks(fsdp2_save_then_die, 4, root, local_dir, 4, env=ENV, timeout=180)
+    assert all(o.status == "died" for o in outcomes), [(o.rank, o.status, o.value) for o in outcomes]
+    shutil.rmtree(local_dir.format(node=1))
+    got = _ok(_without_durable(root, run_ranks, fsdp2_load_and_check, 2, root, local_dir, 4, env=ENV, timeout=120))
+    assert got == [{"step": 4, "k": 4, "source": "local", "exact": True, "exact_optim": True}] * 2
+
+
+def test_without_replicas_a_lost_node_means_durable(tmp_path: os.PathLike) -> None:
+    """local_replicas=0: node 1's files were only on node 1, so step 5 is incomplete everywhere."""
+    root, local_dir = _dirs(tmp_path)
+    outcomes = run_ranks(save_then_die, 4, root, local_dir, 5, False, 0, env=ENV, timeout=180)
+    assert all(o.status == "died" for o in outcomes), [(o.rank, o.status, o.value) for o in outcomes]
+    node0 = local_dir.format(node=0)
+    step5 = os.path.join(node0, "step-00000005", "data")
+    assert sorted(name.split("-")[0] for _, _, names in os.walk(step5) for name in names) == ["0", "1"]
+    shutil.rmtree(local_dir.format(node=1))
+    got = _ok(run_ranks(load_and_check, 4, root, local_dir, env=ENV, timeout=120))
+    assert [g["k"] for g in got] == [3] * 4 and {g["source"] for g in got} == {"durable"}
+
+
+def test_placement_is_decided_once() -> None:
+    from tessera.dist import World
+    from tessera.local_tier import LocalTier
+
+    tier = LocalTier("/tmp/unused-{node}", "/tmp/root", replicas=1, keep_last=2, process_group=None)
+    world = World(0, 1, None)
+    first = tier.placement(world)
+    assert tier.placement(world) is first  # cached: no second exchange of node indices
+    assert first.targets == ((),)  # one node: no replica
