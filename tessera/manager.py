@@ -30,6 +30,7 @@ from __future__ import annotations
 import atexit
 import logging
 import re
+import signal
 import sys
 import threading
 import time
@@ -52,6 +53,8 @@ from .errors import (
 )
 from .manifest import MANIFEST_NAME
 from .options import LoadOptions, SaveOptions
+from .policies import SaveDecider, SavePolicy
+from .preemption import PreemptionHandler
 from .storage import Storage, storage_for
 from .storage.base import OWNER_MARKER_DIR
 
@@ -156,6 +159,12 @@ class CheckpointManager:
             step being saved (``keep_last - 1`` older steps), so that a disk that holds
             ``keep_last`` checkpoints and no more can still take the next one. The newest
             committed step is never deleted before the new one is committed.
+        save_policy: what :meth:`should_save` answers (see :mod:`tessera.policies`).
+        preemption: install a handler for ``preemption_signal`` (main thread only): once
+            any rank receives it, :meth:`should_save` says True on every rank and the next
+            :meth:`save` is synchronous and durable; then :attr:`reached_preemption` is True
+            and the loop should exit. Restored by :meth:`close`.
+        preemption_signal: the signal that means preemption (default SIGTERM).
 
     Raises:
         ValueError: for ``keep_last`` or ``keep_every`` below 1.
@@ -190,6 +199,9 @@ class CheckpointManager:
         storage_options: Mapping[str, object] | None = None,
         storage_factory: Callable[[str], Storage] | None = None,
         retention_before_save: bool = False,
+        save_policy: SavePolicy | None = None,
+        preemption: bool = False,
+        preemption_signal: int = signal.SIGTERM,
     ) -> None:
         for name, value in (("keep_last", keep_last), ("keep_every", keep_every)):
             if value is not None and (type(value) is not int or value < 1):
@@ -214,6 +226,8 @@ class CheckpointManager:
         self._closed = False
         self.retention_before_save = retention_before_save
         self._distributed = False
+        handler = PreemptionHandler([preemption_signal]).install() if preemption else None
+        self._decider = SaveDecider(save_policy, preemption=handler, process_group=process_group)
         _OPEN.add(self)
 
     # ------------------------------------------------------------------------------------
@@ -308,6 +322,9 @@ class CheckpointManager:
         self._wait_previous()
         waited = time.monotonic() - t0
         background = self.async_save if async_save is None else async_save
+        if self._decider.agree_preemption(step):  # collective only with preemption=True
+            background = False  # the job exits next: the step must be committed (and durable) first
+        self._decider.record_save(step)
         url = self.step_url(step)
         store = self._factory(url)
         world = dist.world_for(self.process_group)
@@ -506,6 +523,25 @@ class CheckpointManager:
         self._root_store.delete([f for f in files if f != manifest])
         logger.info("deleted step %d under %s (%d files)", step, self.root, len(files))
 
+    def should_save(self, step: int) -> bool:
+        """Whether to save at ``step``: ``save_policy``, or a preemption any rank received.
+
+        Collective (one tiny all-reduce) when the policy reads the clock or ``preemption``
+        is on: call it on every rank after every step; every rank gets the same answer.
+
+        Example:
+            >>> if mgr.should_save(step):
+            ...     mgr.save(step, state)
+            >>> if mgr.reached_preemption:
+            ...     break  # the preemption checkpoint is committed
+        """
+        return self._decider.should_save(_check_step(step))
+
+    @property
+    def reached_preemption(self) -> bool:
+        """Whether the ranks agreed that the job is being preempted (the same on every rank)."""
+        return self._decider.reached_preemption
+
     # ------------------------------------------------------------------------------------
     # Load
 
@@ -664,6 +700,8 @@ class CheckpointManager:
             return
         self._closed = True
         _OPEN.discard(self)
+        if threading.current_thread() is threading.main_thread():
+            self._decider.close()
         self._wait_previous()
 
     def __enter__(self) -> CheckpointManager:
