@@ -1,0 +1,170 @@
+"""Saves on preemption (issue #12 item 4), with real processes and real signals.
+
+Ranks train on a real gloo group; the test sends SIGTERM to ONE of them mid-training. At the
+next step boundary every rank must agree, write the same durable checkpoint (synchronous
+even when the manager saves asynchronously), and leave its loop normally; the checkpoint
+then loads bit-exact.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+import tessera
+from tests.crash_worker import RankGroup, start_ranks
+
+N = 60  # elements of the global tensor (divisible by 2 and 3)
+MAX_STEPS = 3000  # a bound, never reached when the signal arrives
+
+
+def weights_at(step: int) -> torch.Tensor:
+    """The global tensor after ``step`` steps of the fake training below."""
+    return torch.arange(N, dtype=torch.float32) * 0.25 + float(step)
+
+
+def _train(rank: int, world: int, root: str, progress_dir: str, async_save: bool, signum: int) -> dict:
+    n = N // world
+    local = weights_at(0)[rank * n : (rank + 1) * n].clone()
+    bias = torch.zeros(3)
+    state = {"model": {"w": tessera.ShardedTensor(local, (N,), (rank * n,)), "b": bias}, "step": 0}
+    progress = os.path.join(progress_dir, str(rank))
+    saved: list[int] = []
+    mgr = tessera.CheckpointManager(
+        root,
+        keep_last=2,
+        async_save=async_save,
+        save_policy=tessera.EveryNSteps(4),
+        preemption=True,
+        preemption_signal=signum,
+    )
+    try:
+        step = 0
+        for step in range(1, MAX_STEPS + 1):
+            local.add_(1.0)  # one "training step"
+            bias.add_(float(step))
+            state["step"] = step
+            with open(progress, "a") as f:
+                f.write(f"{step}\n")
+            time.sleep(0.01)
+            if mgr.should_save(step):
+                pending = mgr.save(step, state)
+                if async_save and not mgr.reached_preemption:
+                    pending.wait_staged()  # the state changes right after
+                saved.append(step)
+            if mgr.reached_preemption:
+                # The preemption save returned committed, even though saves are asynchronous.
+                committed = mgr.latest_step()
+                break
+        else:
+            committed = None
+        return {
+            "stopped_at": step,
+            "preempted": mgr.reached_preemption,
+            "last_saved": saved[-1] if saved else None,
+            "committed_on_return": committed,
+            "handler_signal": mgr._decider.preemption.received if mgr._decider.preemption else None,
+        }
+    finally:
+        mgr.close()
+
+
+def _wait_progress(group: RankGroup, path: str, at_least: int, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not all(p.is_alive() for p in group.procs):
+            outcomes = group.collect(timeout=30)
+            raise AssertionError(f"a rank ended before the signal: {[(o.status, o.value) for o in outcomes]}")
+        if os.path.exists(path):
+            with open(path) as f:
+                lines = f.read().split()
+            if len(lines) >= at_least:
+                return
+        time.sleep(0.01)
+    raise TimeoutError(f"{path} never reached step {at_least}")
+
+
+@pytest.mark.parametrize(
+    "world, victim, async_save, signum",
+    [
+        (2, 1, False, signal.SIGTERM),
+        (3, 2, True, signal.SIGTERM),
+        (2, 0, True, signal.SIGUSR1),  # a chosen signal, sent to rank 0
+    ],
+)
+def test_sigterm_to_one_rank_saves_everywhere(tmp_path, world: int, victim: int, async_save: bool, signum: int) -> None:
+    root = str(tmp_path / "run")
+    progress_dir = tmp_path / "progress"
+    progress_dir.mkdir()
+    group = start_ranks(_train, world, root, str(progress_dir), async_save, int(signum))
+    _wait_progress(group, str(progress_dir / str(victim)), 9)  # past two policy saves (steps 4 and 8)
+    os.kill(group.procs[victim].pid, signum)
+    outcomes = group.collect(timeout=180)
+
+    for o in outcomes:
+        assert o.status == "ok", (o.rank, o.status, o.value)
+        assert o.exitcode == 0, (o.rank, o.exitcode)
+    values = [o.value for o in outcomes]
+    stopped = {v["stopped_at"] for v in values}
+    assert len(stopped) == 1, values  # every rank left at the same step boundary
+    (step,) = stopped
+    assert step < MAX_STEPS
+    for r, v in enumerate(values):
+        assert v["preempted"] is True
+        assert v["last_saved"] == step == v["committed_on_return"], values
+        # Only the victim saw the signal; the others joined through the agreement.
+        assert v["handler_signal"] == (int(signum) if r == victim else None), values
+
+    mgr = tessera.CheckpointManager(root)
+    assert mgr.latest_step() == step and mgr.pointer_step() == step
+    target = {"model": {"w": torch.zeros(N), "b": torch.zeros(3)}, "step": -1}
+    loaded = mgr.load(target)
+    assert loaded.step == step and target["step"] == step
+    assert torch.equal(target["model"]["w"], weights_at(step))
+    assert torch.equal(target["model"]["b"], torch.full((3,), float(step * (step + 1) // 2)))
+    # The policy's saves before the preemption are there too (keep_last=2).
+    assert len(mgr.steps()) == 2 and mgr.steps()[0] % 4 == 0
+
+
+def _save_boundary_only(rank: int, world: int, root: str, progress_dir: str) -> dict:
+    # A loop that never calls should_save: it saves every 5 steps itself. The agreement
+    # happens inside save(), so the next save after the signal is the preemption save.
+    w = torch.zeros(4)
+    mgr = tessera.CheckpointManager(root, async_save=True, preemption=True)
+    progress = os.path.join(progress_dir, str(rank))
+    try:
+        for step in range(1, MAX_STEPS + 1):
+            w.add_(1.0)
+            with open(progress, "a") as f:
+                f.write(f"{step}\n")
+            time.sleep(0.01)
+            if step % 5 == 0:
+                pending = mgr.save(step, {"w": w.clone(), "step": step})
+                if mgr.reached_preemption:
+                    return {"step": step, "committed": mgr.latest_step(), "returned": type(pending).__name__}
+        return {"step": None}
+    finally:
+        mgr.close()
+
+
+def test_preemption_at_the_save_boundary_without_should_save(tmp_path) -> None:
+    root = str(tmp_path / "run")
+    progress_dir = tmp_path / "progress"
+    progress_dir.mkdir()
+    group = start_ranks(_save_boundary_only, 2, root, str(progress_dir))
+    _wait_progress(group, str(progress_dir / "1"), 7)
+    os.kill(group.procs[1].pid, signal.SIGTERM)
+    outcomes = group.collect(timeout=180)
+    assert [o.status for o in outcomes] == ["ok", "ok"], [o.value for o in outcomes]
+    (a, b) = (o.value for o in outcomes)
+    assert a["step"] == b["step"] and a["step"] is not None and a["step"] % 5 == 0
+    # Synchronous despite async_save=True: a SaveResult, committed when save() returned.
+    assert a["returned"] == b["returned"] == "SaveResult"
+    assert a["committed"] == b["committed"] == a["step"]
+    target = {"w": torch.zeros(4), "step": -1}
+    tessera.load(str(tmp_path / "run" / f"step-{a['step']:08d}"), target)
+    assert target["step"] == a["step"] and torch.equal(target["w"], torch.full((4,), float(a["step"])))
