@@ -8,14 +8,13 @@ Policies are pure functions of the context and compose::
 
 Two inputs can differ between ranks: each rank's clock, and whether a preemption signal
 reached it (a scheduler may signal one process only). :class:`SaveDecider` agrees on both
-first, with one tiny all-reduce (MAX of ``[preempted, seconds since save]``) over a gloo
-group of its own (asynchronous commits run on tessera's), so every rank gets the same
-context and therefore the same answer: no rank ever saves alone. :meth:`tessera.CheckpointManager.should_save` is a ``SaveDecider``.
+first, with one tiny all-reduce (MAX of ``[preempted, seconds since save]``) over the
+training loop's process group (asynchronous commits run on tessera's own gloo group), so
+every rank gets the same context and therefore the same answer: no rank ever saves alone. :meth:`tessera.CheckpointManager.should_save` is a ``SaveDecider``.
 """
 
 from __future__ import annotations
 
-import datetime
 import logging
 import time
 from collections.abc import Callable, Iterable
@@ -25,8 +24,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 import torch.distributed as tdist
 
-from . import _knobs, dist
-from .errors import CollectiveTimeoutError
+from . import dist
 from .preemption import PreemptionHandler
 
 logger = logging.getLogger(__name__)
@@ -192,8 +190,8 @@ class SaveDecider:
         process_group: the ranks taking part (default: all).
 
     Collective contract: :meth:`should_save` and :meth:`agree_preemption` are collective
-    over the process group (one all-reduce of two numbers, on a gloo group the decider
-    creates on first use, which every rank must reach alike) whenever the answer could differ
+    over the process group (one all-reduce of two numbers on that group itself, in the
+    calling thread, ordered like the training loop's own collectives) whenever the answer could differ
     between ranks, i.e. when the policy reads the clock or a handler is installed: call them
     on every rank at the same steps. :meth:`record_save` is local. Not thread-safe.
 
@@ -223,6 +221,7 @@ class SaveDecider:
         self._preempted = False  # agreed by every rank; never goes back to False
         self._preemption_saved = False
         self._agree_world: dist.World | None = None
+        self._device = torch.device("cpu")
 
     @property
     def reached_preemption(self) -> bool:
@@ -240,17 +239,21 @@ class SaveDecider:
         world = self._world()
         if not world.distributed:
             return local_preempted, elapsed
-        t = torch.tensor([1.0 if local_preempted else 0.0, elapsed], dtype=torch.float64)
+        t = torch.tensor([1.0 if local_preempted else 0.0, elapsed], dtype=torch.float64, device=self._device)
         phase = "agreeing on whether to save (preemption, clock)"
         dist._run(world, phase, lambda: tdist.all_reduce(t, op=tdist.ReduceOp.MAX, group=world.group))
         return bool(t[0].item() > 0), float(t[1].item())
 
     def _world(self) -> dist.World:
-        """The ranks and a gloo group of their own for the agreement, created on first use.
+        """The ranks of the process group, for an agreement on the training loop's own group.
 
-        Not tessera's coordination group: an asynchronous save's background commit runs
-        collectives on that one while the training loop asks :meth:`should_save`, and two
-        threads must never interleave collectives on one group.
+        The agreement runs where :meth:`should_save` is called, in the training loop, so it
+        uses the training group (gloo on a CPU tensor, NCCL on the current CUDA device) in
+        program order with the loop's other collectives. Not tessera's coordination group:
+        an asynchronous save's background commit runs collectives on that one meanwhile,
+        and two threads must never interleave collectives on one group. Nor a new group:
+        under torchrun a restarted job reuses the agent's store, where a group created
+        after start-up may read a dead worker's address.
         """
         if self._agree_world is not None:
             return self._agree_world
@@ -259,20 +262,9 @@ class SaveDecider:
                 raise ValueError("process_group was given but torch.distributed is not initialised")
             self._agree_world = dist.World(0, 1, None)
             return self._agree_world
-        pg = None if dist.is_default_group(self.process_group) else self.process_group
-        ranks = tdist.get_process_group_ranks(pg) if pg is not None else None
-        timeout = datetime.timedelta(seconds=_knobs.collective_timeout_s())
-        try:
-            group = tdist.new_group(
-                ranks=ranks, backend="gloo", timeout=timeout, use_local_synchronization=ranks is not None
-            )
-        except RuntimeError as e:
-            raise CollectiveTimeoutError(
-                f"rank {tdist.get_rank()}: creating the gloo group that agrees on saves failed; another rank "
-                f"died or hangs (timeout {timeout.total_seconds():.0f}s, TESSERA_TIMEOUT_S): {e}"
-            ) from e
-        with dist._GROUPS_LOCK:  # torn down with tessera's own groups at exit
-            dist._OWNED.append(group)
+        group = tdist.group.WORLD if dist.is_default_group(self.process_group) else self.process_group
+        if tdist.get_backend(group) == "nccl":
+            self._device = torch.device("cuda", torch.cuda.current_device())
         self._agree_world = dist.World(tdist.get_rank(group), tdist.get_world_size(group), group)
         return self._agree_world
 

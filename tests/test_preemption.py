@@ -8,9 +8,14 @@ then loads bit-exact.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import socket
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -168,3 +173,123 @@ def test_preemption_at_the_save_boundary_without_should_save(tmp_path) -> None:
     target = {"w": torch.zeros(4), "step": -1}
     tessera.load(str(tmp_path / "run" / f"step-{a['step']:08d}"), target)
     assert target["step"] == a["step"] and torch.equal(target["w"], torch.full((4,), float(a["step"])))
+
+
+# --------------------------------------------------------------------------------------
+# Elastic restarts (issue #12 item 3): examples/elastic_train.py under the real torchrun.
+
+REPO = Path(__file__).resolve().parents[1]
+EXAMPLE = str(REPO / "examples" / "elastic_train.py")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _torchrun(tmp: Path, name: str, *extra: str) -> tuple[subprocess.Popen, Path, Path]:
+    status = tmp / f"{name}-status"
+    status.mkdir()
+    result = tmp / f"{name}-result.json"
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes=1:2",
+        "--nproc-per-node=2",
+        "--max-restarts=1",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=127.0.0.1:{_free_port()}",
+        "--rdzv-conf=last_call_timeout=1",
+        EXAMPLE,
+        "--ckpt",
+        str(tmp / f"{name}-ckpt"),
+        "--steps",
+        "30",
+        "--save-every",
+        "5",
+        "--status-dir",
+        str(status),
+        "--result",
+        str(result),
+        *extra,
+    ]
+    # pytorch/pytorch#167288: with the agent's store shared, a restarted worker may read a dead
+    # worker's address left there by the previous start; a fresh store per start avoids it.
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    log = open(tmp / f"{name}.log", "w")  # noqa: SIM115 (closed with the process below)
+    proc = subprocess.Popen(cmd, cwd=str(tmp), env=env, stdout=log, stderr=subprocess.STDOUT)
+    proc.log = log  # type: ignore[attr-defined]
+    return proc, status, result
+
+
+def _finish(proc: subprocess.Popen, tmp: Path, name: str, timeout: float = 300) -> str:
+    try:
+        proc.wait(timeout)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        proc.log.close()  # type: ignore[attr-defined]
+    return (tmp / f"{name}.log").read_text()
+
+
+def _read_status(status: Path, rank: int) -> dict | None:
+    try:
+        return json.loads((status / f"{rank}.json").read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+
+
+@pytest.mark.slow
+def test_elastic_restart_resumes_from_the_last_checkpoint(tmp_path) -> None:
+    # The reference: the same job, never interrupted.
+    proc, _, ref_result = _torchrun(tmp_path, "ref")
+    log = _finish(proc, tmp_path, "ref")
+    assert proc.returncode == 0, log
+    ref = json.loads(ref_result.read_text())
+    assert ref["step"] == 30 and ref["restart"] == 0 and ref["resumed_from"] is None
+
+    # The same job; one worker is SIGKILLed mid-run, torchrun restarts both.
+    proc, status, result = _torchrun(tmp_path, "killed", "--step-sleep", "0.15")
+    killed_at = None
+    deadline = time.monotonic() + 240
+    while killed_at is None and time.monotonic() < deadline and proc.poll() is None:
+        s = _read_status(status, 1)
+        if s is not None and s["restart"] == 0 and s["step"] >= 13:
+            os.kill(s["pid"], signal.SIGKILL)
+            killed_at = s["step"]
+        time.sleep(0.02)
+    log = _finish(proc, tmp_path, "killed")
+    assert killed_at is not None, log
+    assert proc.returncode == 0, log
+    out = json.loads(result.read_text())
+    assert out["restart"] == 1, (out, log)  # the job was restarted once ...
+    assert out["resumed_from"] is not None and 10 <= out["resumed_from"] <= killed_at, (out, killed_at, log)
+    assert out["resumed_from"] % 5 == 0  # ... from the last checkpoint, not from step 0
+    assert out["step"] == 30 and out["world"] == 2
+    assert out["final_loss"] == ref["final_loss"], (out, ref)  # the same loss curve, bit for bit
+    assert "start 1: 2 workers, training from step" in log
+
+
+@pytest.mark.slow
+def test_sigterm_to_torchrun_writes_a_last_checkpoint(tmp_path) -> None:
+    # What a scheduler does: SIGTERM to the launcher, which passes it on to every worker.
+    proc, status, result = _torchrun(tmp_path, "pre", "--step-sleep", "0.15")
+    deadline = time.monotonic() + 240
+    sent_at = None
+    while sent_at is None and time.monotonic() < deadline and proc.poll() is None:
+        s = _read_status(status, 0)
+        if s is not None and s["step"] >= 7:
+            proc.send_signal(signal.SIGTERM)
+            sent_at = s["step"]
+        time.sleep(0.02)
+    log = _finish(proc, tmp_path, "pre")
+    assert sent_at is not None, log
+    assert not result.exists()  # the job did not run to the end
+    mgr = tessera.CheckpointManager(str(tmp_path / "pre-ckpt"))
+    last = mgr.latest_step()
+    # Saved at the first step boundary after the signal, not at the next multiple of 5.
+    assert last is not None and sent_at <= last < 30, (last, sent_at, log)
+    assert f"preempted: saved step {last}, exiting" in log, log
