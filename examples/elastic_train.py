@@ -2,7 +2,7 @@
 
 Run it under torchrun's elastic agent (2 workers per node, 1 to 2 nodes, up to 3 restarts)::
 
-    torchrun --nnodes=1:2 --nproc-per-node=2 --max-restarts=3 \\
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nnodes=1:2 --nproc-per-node=2 --max-restarts=3 \\
         --rdzv-backend=c10d --rdzv-endpoint=$HEAD_NODE:29400 --rdzv-id=run-7 \\
         examples/elastic_train.py --ckpt /shared/ckpt/run-7 --steps 200 --save-every 10
 
@@ -11,6 +11,9 @@ whatever nodes are left, up to ``--max-restarts`` times. Every start begins with
 ``manager.load(state)``: the newest complete checkpoint is loaded into the current layout
 (world size may have changed) and training continues from the step after it; on the very
 first start there is none and training begins at step 0.
+``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` gives every start a fresh rendezvous store: with the
+agent's shared store a restarted gloo worker may read a dead worker's address
+(pytorch/pytorch#167288).
 
 SIGTERM (what schedulers and torchrun's agent send before killing a job) is turned into one
 last checkpoint: at the next step boundary every rank agrees (even ranks that saw no

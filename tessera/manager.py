@@ -163,7 +163,9 @@ class CheckpointManager:
         preemption: install a handler for ``preemption_signal`` (main thread only): once
             any rank receives it, :meth:`should_save` says True on every rank and the next
             :meth:`save` is synchronous and durable; then :attr:`reached_preemption` is True
-            and the loop should exit. Restored by :meth:`close`.
+            and the loop should exit. Restored by :meth:`close`. A
+            :class:`~tessera.PreemptionHandler` is installed as given (its signals, and
+            ``trigger()`` for a preemption notice that is not a signal).
         preemption_signal: the signal that means preemption (default SIGTERM).
 
     Raises:
@@ -200,7 +202,7 @@ class CheckpointManager:
         storage_factory: Callable[[str], Storage] | None = None,
         retention_before_save: bool = False,
         save_policy: SavePolicy | None = None,
-        preemption: bool = False,
+        preemption: bool | PreemptionHandler = False,
         preemption_signal: int = signal.SIGTERM,
     ) -> None:
         for name, value in (("keep_last", keep_last), ("keep_every", keep_every)):
@@ -226,7 +228,11 @@ class CheckpointManager:
         self._closed = False
         self.retention_before_save = retention_before_save
         self._distributed = False
-        handler = PreemptionHandler([preemption_signal]).install() if preemption else None
+        handler = preemption if isinstance(preemption, PreemptionHandler) else None
+        if handler is None and preemption:
+            handler = PreemptionHandler([preemption_signal])
+        if handler is not None:
+            handler.install()
         self._decider = SaveDecider(save_policy, preemption=handler, process_group=process_group)
         _OPEN.add(self)
 

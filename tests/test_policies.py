@@ -252,3 +252,18 @@ def test_handler_refuses_a_thread_and_an_empty_list() -> None:
     t.start()
     t.join()
     assert len(errors) == 1 and isinstance(errors[0], ValueError) and "main thread" in str(errors[0])
+
+
+def test_manager_takes_a_handler_that_code_can_trigger(tmp_path) -> None:
+    import threading
+
+    handler = tessera.PreemptionHandler([signal.SIGUSR2])
+    with tessera.CheckpointManager(str(tmp_path / "run"), preemption=handler) as mgr:
+        assert handler.installed and not mgr.should_save(1)
+        t = threading.Thread(target=handler.trigger)  # e.g. a thread polling a preemption notice
+        t.start()
+        t.join()
+        assert mgr.should_save(2) and mgr.reached_preemption
+        mgr.save(2, {"w": torch.ones(2)})
+        assert mgr.steps() == [2]
+    assert not handler.installed
