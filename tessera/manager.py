@@ -231,9 +231,9 @@ class CheckpointManager:
         handler = preemption if isinstance(preemption, PreemptionHandler) else None
         if handler is None and preemption:
             handler = PreemptionHandler([preemption_signal])
-        if handler is not None:
-            handler.install()
         self._decider = SaveDecider(save_policy, preemption=handler, process_group=process_group)
+        if handler is not None:  # after every argument is checked: a refused manager leaves no handler
+            handler.install()
         _OPEN.add(self)
 
     # ------------------------------------------------------------------------------------

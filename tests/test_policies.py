@@ -80,8 +80,10 @@ def test_bad_arguments(make, message: str) -> None:
 def test_not_a_policy() -> None:
     with pytest.raises(TypeError, match="is not a save policy"):
         tessera.AnyOf(tessera.EveryNSteps(1), 5)  # type: ignore[arg-type]
+    before = signal.getsignal(signal.SIGTERM)
     with pytest.raises(TypeError, match="is not a save policy"):
-        tessera.CheckpointManager("/nonexistent-unused", save_policy="every 5")  # type: ignore[arg-type]
+        tessera.CheckpointManager("/nonexistent-unused", save_policy="every 5", preemption=True)  # type: ignore[arg-type]
+    assert signal.getsignal(signal.SIGTERM) == before  # a refused manager installs no handler
 
 
 class FakeClock:
