@@ -188,7 +188,9 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _torchrun(tmp: Path, name: str, *extra: str) -> tuple[subprocess.Popen, Path, Path]:
+def _torchrun(
+    tmp: Path, name: str, *extra: str, nproc: int = 2, port: int | None = None, ckpt: str | None = None
+) -> tuple[subprocess.Popen, Path, Path]:
     status = tmp / f"{name}-status"
     status.mkdir()
     result = tmp / f"{name}-result.json"
@@ -197,14 +199,15 @@ def _torchrun(tmp: Path, name: str, *extra: str) -> tuple[subprocess.Popen, Path
         "-m",
         "torch.distributed.run",
         "--nnodes=1:2",
-        "--nproc-per-node=2",
+        f"--nproc-per-node={nproc}",
         "--max-restarts=1",
         "--rdzv-backend=c10d",
-        f"--rdzv-endpoint=127.0.0.1:{_free_port()}",
-        "--rdzv-conf=last_call_timeout=1",
+        f"--rdzv-endpoint=127.0.0.1:{port or _free_port()}",
+        f"--rdzv-id={port or name}",
+        "--rdzv-conf=last_call_timeout=2",
         EXAMPLE,
         "--ckpt",
-        str(tmp / f"{name}-ckpt"),
+        ckpt or str(tmp / f"{name}-ckpt"),
         "--steps",
         "30",
         "--save-every",
@@ -242,14 +245,21 @@ def _read_status(status: Path, rank: int) -> dict | None:
         return None
 
 
-@pytest.mark.slow
-def test_elastic_restart_resumes_from_the_last_checkpoint(tmp_path) -> None:
-    # The reference: the same job, never interrupted.
-    proc, _, ref_result = _torchrun(tmp_path, "ref")
-    log = _finish(proc, tmp_path, "ref")
+@pytest.fixture(scope="module")
+def reference_run(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """The job of the elastic tests, never interrupted: 2 workers, 30 steps."""
+    tmp = tmp_path_factory.mktemp("reference")
+    proc, _, ref_result = _torchrun(tmp, "ref")
+    log = _finish(proc, tmp, "ref")
     assert proc.returncode == 0, log
     ref = json.loads(ref_result.read_text())
-    assert ref["step"] == 30 and ref["restart"] == 0 and ref["resumed_from"] is None
+    assert ref["step"] == 30 and ref["restart"] == 0 and ref["resumed_from"] is None and ref["world"] == 2
+    return ref
+
+
+@pytest.mark.slow
+def test_elastic_restart_resumes_from_the_last_checkpoint(tmp_path, reference_run: dict) -> None:
+    ref = reference_run
 
     # The same job; one worker is SIGKILLed mid-run, torchrun restarts both.
     proc, status, result = _torchrun(tmp_path, "killed", "--step-sleep", "0.15")
@@ -293,3 +303,36 @@ def test_sigterm_to_torchrun_writes_a_last_checkpoint(tmp_path) -> None:
     # Saved at the first step boundary after the signal, not at the next multiple of 5.
     assert last is not None and sent_at <= last < 30, (last, sent_at, log)
     assert f"preempted: saved step {last}, exiting" in log, log
+
+
+@pytest.mark.slow
+def test_elastic_restart_continues_on_the_surviving_node(tmp_path, reference_run: dict) -> None:
+    # Two torchrun agents on one machine are two nodes of one worker each; node B dies whole
+    # (agent and worker SIGKILLed). The job restarts on node A alone, at world size 1, from
+    # the last checkpoint the two workers wrote.
+    port = _free_port()
+    ckpt = str(tmp_path / "ckpt")
+    node_a, _, result = _torchrun(tmp_path, "a", "--step-sleep", "0.15", nproc=1, port=port, ckpt=ckpt)
+    node_b, status_b, _ = _torchrun(tmp_path, "b", "--step-sleep", "0.15", nproc=1, port=port, ckpt=ckpt)
+    killed_at = None
+    deadline = time.monotonic() + 240
+    try:
+        while killed_at is None and time.monotonic() < deadline and node_a.poll() is None:
+            s = _read_status(status_b, 1)
+            if s is not None and s["step"] >= 13:
+                node_b.kill()
+                os.kill(s["pid"], signal.SIGKILL)
+                killed_at = s["step"]
+            time.sleep(0.02)
+    finally:
+        _finish(node_b, tmp_path, "b")
+    log = _finish(node_a, tmp_path, "a")
+    assert killed_at is not None, log
+    assert node_a.returncode == 0, log
+    out = json.loads(result.read_text())
+    assert out["restart"] == 1 and out["world"] == 1, (out, log)
+    assert out["resumed_from"] is not None and out["resumed_from"] >= 10 and out["resumed_from"] % 5 == 0, out
+    assert "start 1: 1 workers, training from step" in log
+    assert out["step"] == 30
+    # The same global batch on one worker instead of two: the same loss up to float summation order.
+    assert out["final_loss"] == pytest.approx(ref_loss := reference_run["final_loss"], rel=1e-5), (out, ref_loss)
