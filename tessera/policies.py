@@ -191,9 +191,10 @@ class SaveDecider:
 
     Collective contract: :meth:`should_save` and :meth:`agree_preemption` are collective
     over the process group (one all-reduce of two numbers on that group itself, in the
-    calling thread, ordered like the training loop's own collectives) whenever the answer could differ
-    between ranks, i.e. when the policy reads the clock or a handler is installed: call them
-    on every rank at the same steps. :meth:`record_save` is local. Not thread-safe.
+    calling thread, ordered like the training loop's own collectives) whenever the answer
+    could differ between ranks, i.e. when the policy reads the clock or a handler is
+    installed: call them on every rank at the same steps. :meth:`record_save` is local.
+    Not thread-safe.
 
     Example:
         >>> decider = SaveDecider(AnyOf(EveryNSteps(100), EveryNSeconds(900)))
@@ -272,11 +273,11 @@ class SaveDecider:
         if preempted and not self._preempted:
             self._preempted = True
             mine = self.preemption.received if self.preemption is not None else None
-            logger.warning(
-                "step %d: preemption agreed by all ranks (this rank %s); saving a durable checkpoint before exit",
-                step,
-                f"received signal {mine}" if mine is not None else "joined",
-            )
+            how = f"received signal {mine}" if mine is not None else "joined"
+            # Job-wide news from rank 0 only; every rank says at INFO whether it saw the signal.
+            if self._world().rank == 0:
+                logger.warning("step %d: preemption agreed by all ranks; saving a checkpoint before exit", step)
+            logger.info("step %d: preemption: this rank %s", step, how)
 
     def should_save(self, step: int) -> bool:
         """Whether every rank should save at ``step`` (the same answer on every rank).
