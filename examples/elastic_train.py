@@ -134,6 +134,9 @@ def main(args: argparse.Namespace) -> None:
                 if isinstance(pending, tessera.PendingSave):
                     pending.wait_staged()  # the optimizer may change the tensors from here on
             if manager.reached_preemption:  # the preemption checkpoint is committed
+                if args.status_dir is not None:
+                    status = {"pid": os.getpid(), "step": step, "restart": restart, "preempted_at": step}
+                    write_json(os.path.join(args.status_dir, f"{rank}.json"), status)
                 if rank == 0:
                     print(f"preempted: saved step {step}, exiting", flush=True)
                 return

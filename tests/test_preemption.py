@@ -303,6 +303,8 @@ def test_sigterm_to_torchrun_writes_a_last_checkpoint(tmp_path) -> None:
     # Saved at the first step boundary after the signal, not at the next multiple of 5.
     assert last is not None and sent_at <= last < 30, (last, sent_at, log)
     assert f"preempted: saved step {last}, exiting" in log, log
+    # Both workers, not only the one that printed, left their loop at that step.
+    assert [(_read_status(status, r) or {}).get("preempted_at") for r in (0, 1)] == [last, last], log
 
 
 @pytest.mark.slow
