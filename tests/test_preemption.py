@@ -315,6 +315,16 @@ def test_elastic_restart_continues_on_the_surviving_node(tmp_path, reference_run
     port = _free_port()
     ckpt = str(tmp_path / "ckpt")
     node_a, _, result = _torchrun(tmp_path, "a", "--step-sleep", "0.15", nproc=1, port=port, ckpt=ckpt)
+    # Node A must host the rendezvous store (torchrun's c10d rendezvous does not survive the
+    # loss of its host): start B once A listens on the endpoint.
+    deadline = time.monotonic() + 120
+    while True:
+        assert node_a.poll() is None and time.monotonic() < deadline, _finish(node_a, tmp_path, "a")
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            break
+        except OSError:
+            time.sleep(0.05)
     node_b, status_b, _ = _torchrun(tmp_path, "b", "--step-sleep", "0.15", nproc=1, port=port, ckpt=ckpt)
     killed_at = None
     deadline = time.monotonic() + 240
