@@ -66,6 +66,8 @@ if TYPE_CHECKING:  # what the lazy names below resolve to, for type checkers and
     from .hf_export import HFSaveResult, save_hf
     from .manager import CheckpointManager, StepLoadResult
     from .options import LoadOptions, SaveOptions, StagingMode
+    from .policies import AllOf, AnyOf, AtSteps, EveryNSeconds, EveryNSteps, OnPreemption, SaveContext, SavePolicy
+    from .preemption import PreemptionHandler
     from .shards import FlatShard, OnResize, ShardedTensor, per_rank
     from .verify import Problem, ProblemKind, VerifyReport, verify
 
@@ -86,6 +88,11 @@ _LAZY: dict[str, str] = {
     **dict.fromkeys(("LoadResult", "PendingSave", "SaveResult", "async_save", "load", "read_manifest", "save"), ".api"),
     **dict.fromkeys(("CheckpointManager", "StepLoadResult"), ".manager"),
     **dict.fromkeys(("LoadOptions", "SaveOptions", "StagingMode"), ".options"),
+    **dict.fromkeys(
+        ("AllOf", "AnyOf", "AtSteps", "EveryNSeconds", "EveryNSteps", "OnPreemption", "SaveContext", "SavePolicy"),
+        ".policies",
+    ),
+    "PreemptionHandler": ".preemption",
     **dict.fromkeys(("FlatShard", "OnResize", "ShardedTensor", "per_rank"), ".shards"),
     **dict.fromkeys(("Problem", "ProblemKind", "VerifyReport", "verify"), ".verify"),
 }
@@ -127,6 +134,9 @@ sys.modules[__name__].__class__ = _Package
 
 
 __all__ = [
+    "AllOf",
+    "AnyOf",
+    "AtSteps",
     "CheckpointError",
     "CheckpointManager",
     "CheckpointNotFoundError",
@@ -137,6 +147,8 @@ __all__ = [
     "CoverageError",
     "DataPosition",
     "DistributedError",
+    "EveryNSeconds",
+    "EveryNSteps",
     "FlatShard",
     "HFSaveResult",
     "InvalidStateError",
@@ -147,15 +159,19 @@ __all__ = [
     "ManifestError",
     "MissingKeysError",
     "ModelState",
+    "OnPreemption",
     "OnResize",
     "OptimizerState",
     "PendingSave",
     "PickleNotAllowedError",
+    "PreemptionHandler",
     "Problem",
     "ProblemKind",
     "RNGState",
     "ReshardableStream",
+    "SaveContext",
     "SaveOptions",
+    "SavePolicy",
     "SaveResult",
     "ShardedTensor",
     "StagingMode",

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import signal
 import sys
 import threading
 import time
@@ -52,6 +53,8 @@ from .errors import (
 from .local_tier import LocalTier
 from .manifest import MANIFEST_NAME
 from .options import LoadOptions, SaveOptions
+from .policies import SaveDecider, SavePolicy
+from .preemption import PreemptionHandler
 from .step_names import parse_step_dirname, step_dirname
 from .storage import Storage, storage_for
 from .storage.base import OWNER_MARKER_DIR
@@ -141,6 +144,14 @@ class CheckpointManager:
         durable_every: with ``local_dir``, only steps divisible by this also go to ``root``
             (None: every step does).
         local_keep_last: committed local steps each node keeps.
+        save_policy: what :meth:`should_save` answers (see :mod:`tessera.policies`).
+        preemption: install a handler for ``preemption_signal`` (main thread only): once
+            any rank receives it, :meth:`should_save` says True on every rank and the next
+            :meth:`save` is synchronous and durable; then :attr:`reached_preemption` is True
+            and the loop should exit. Restored by :meth:`close`. A
+            :class:`~tessera.PreemptionHandler` is installed as given (its signals, and
+            ``trigger()`` for a preemption notice that is not a signal).
+        preemption_signal: the signal that means preemption (default SIGTERM).
 
     Raises:
         ValueError: for ``keep_last``, ``keep_every``, ``durable_every`` or ``local_keep_last``
@@ -180,6 +191,9 @@ class CheckpointManager:
         local_replicas: int = 1,
         durable_every: int | None = None,
         local_keep_last: int = 2,
+        save_policy: SavePolicy | None = None,
+        preemption: bool | PreemptionHandler = False,
+        preemption_signal: int = signal.SIGTERM,
     ) -> None:
         for name, value in (
             ("keep_last", keep_last),
@@ -225,6 +239,12 @@ class CheckpointManager:
         self._closed = False
         self.retention_before_save = retention_before_save
         self._distributed = False
+        handler = preemption if isinstance(preemption, PreemptionHandler) else None
+        if handler is None and preemption:
+            handler = PreemptionHandler([preemption_signal])
+        self._decider = SaveDecider(save_policy, preemption=handler, process_group=process_group)
+        if handler is not None:  # after every argument is checked: a refused manager leaves no handler
+            handler.install()
         _OPEN.add(self)
 
     # ------------------------------------------------------------------------------------
@@ -319,11 +339,15 @@ class CheckpointManager:
         self._wait_previous()
         waited = time.monotonic() - t0
         background = self.async_save if async_save is None else async_save
+        preempted = self._decider.agree_preemption(step)  # collective only with preemption=True
+        if preempted:
+            background = False  # the job exits next: the step must be committed (and durable) first
+        self._decider.record_save(step)
         url = self.step_url(step)
         world = dist.world_for(self.process_group)
         self._distributed = self._distributed or world.distributed
         if self._tier is not None:
-            return self._save_tiered(step, state, background, world, t0, waited)
+            return self._save_tiered(step, state, background, world, t0, waited, durable=preempted or None)
         store = self._factory(url)
         if self.retention_before_save and world.is_coordinator:
             # Rank 0 makes room before it joins the save; no rank writes before rank 0 joins.
@@ -384,13 +408,21 @@ class CheckpointManager:
         future.set_result(result)
 
     def _save_tiered(
-        self, step: int, state: object, background: bool, world: dist.World, t0: float, waited: float
+        self,
+        step: int,
+        state: object,
+        background: bool,
+        world: dist.World,
+        t0: float,
+        waited: float,
+        durable: bool | None = None,
     ) -> SaveResult | PendingSave:
         """``save`` with a local tier: the local step (committed with its replicas), then,
-        for durable steps, a copy of it under ``root``."""
+        for durable steps (``durable_every``, or ``durable=True``: a preemption), a copy of it under ``root``."""
         tier = self._tier
         assert tier is not None
-        durable = self.durable_every is None or step % self.durable_every == 0
+        if not durable:
+            durable = self.durable_every is None or step % self.durable_every == 0
         local = tier.step_store(step, world)
         tier.before_save(step, world)
         with self._lock:
@@ -589,6 +621,25 @@ class CheckpointManager:
         self._root_store.delete([f for f in files if f != manifest])
         logger.info("deleted step %d under %s (%d files)", step, self.root, len(files))
 
+    def should_save(self, step: int) -> bool:
+        """Whether to save at ``step``: ``save_policy``, or a preemption any rank received.
+
+        Collective (one tiny all-reduce) when the policy reads the clock or ``preemption``
+        is on: call it on every rank after every step; every rank gets the same answer.
+
+        Example:
+            >>> if mgr.should_save(step):
+            ...     mgr.save(step, state)
+            >>> if mgr.reached_preemption:
+            ...     break  # the preemption checkpoint is committed
+        """
+        return self._decider.should_save(_check_step(step))
+
+    @property
+    def reached_preemption(self) -> bool:
+        """Whether the ranks agreed that the job is being preempted (the same on every rank)."""
+        return self._decider.reached_preemption
+
     # ------------------------------------------------------------------------------------
     # Load
 
@@ -783,6 +834,8 @@ class CheckpointManager:
             return
         self._closed = True
         _OPEN.discard(self)
+        if threading.current_thread() is threading.main_thread():
+            self._decider.close()
         try:
             self._wait_previous()
         finally:
