@@ -15,15 +15,16 @@ from typing import Any
 
 from . import dist
 from .broadcast import Broadcast, run_broadcasts, split_replicated
+from .commit import LOAD_TIMINGS_DIR
 from .dist import World
 from .dtypes import dtype_from_name
 from .errors import CheckpointError, CheckpointNotFoundError, MissingKeysError, StateMismatchError, StorageError
 from .geometry import Box
+from .inflight import wait_pending
 from .manifest import MANIFEST_NAME, Manifest, decode, read_bytes
 from .options import LoadOptions
 from .read import Reader, ReadRequest, ReadTarget, check_targets, plan_reads
 from .results import LoadResult
-from .saving import LOAD_TIMINGS_DIR, wait_pending
 from .shards import OnResize
 from .state import FlatState, dotted_parents, flatten, restore_values
 from .storage import Storage, storage_for

@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -29,6 +29,7 @@ from .geometry import Box, check_box_coverage, row_major_strides, runs
 from .manifest import Manifest, Tile
 from .stage import as_bytes
 from .storage.base import Storage
+from .storage.capabilities import MapsRanges
 
 logger = logging.getLogger(__name__)
 
@@ -405,19 +406,18 @@ class Reader:
         if req.direct:
             copy = req.copies[0]
             dest = as_bytes(copy.target)
-            self._read(req, memoryview(dest.numpy()))
+            self._read(req, dest.numpy().data)
             self._verify(req, dest, req.start)
             return
-        mapper = getattr(self.storage, "map_range", None) if self.mmap else None
-        if mapper is not None:
-            self._execute_mapped(req, mapper)
+        if self.mmap and isinstance(self.storage, MapsRanges):
+            self._execute_mapped(req, self.storage)
             return
         buf = self._buffers.get(req.nbytes)
         # Place file offset ``start`` at an address congruent to it modulo _ALIGN, so every
         # tile (aligned to its item size in the file) is aligned in memory too.
         base = (req.start - buf.data_ptr()) % _ALIGN
         region = buf[base : base + req.nbytes]
-        self._read(req, memoryview(region.numpy()))
+        self._read(req, region.numpy().data)
         self._verify(req, region, req.start)
         for c in req.copies:
             size = itemsize(c.dtype)
@@ -428,10 +428,10 @@ class Reader:
             with torch.no_grad():
                 c.target.copy_(src)
 
-    def _execute_mapped(self, req: ReadRequest, mapper: Callable[[str, int, int], memoryview]) -> None:
+    def _execute_mapped(self, req: ReadRequest, mapper: MapsRanges) -> None:
         """Verify and copy straight from a memory map of the file: no intermediate buffer."""
         try:
-            view = mapper(req.file, req.start, req.nbytes)
+            view = mapper.map_range(req.file, req.start, req.nbytes)
         except OSError as e:  # StorageError included
             raise self._read_error(req, e) from e
         self._verify_view(req, view)
@@ -447,9 +447,7 @@ class Reader:
             src = torch.as_strided(src_1d, c.rel.lengths, strides, offset)
             with torch.no_grad():
                 c.target.copy_(src)
-        release = getattr(self.storage, "release_range", None)
-        if release is not None:
-            release(req.file, req.start, req.nbytes)
+        mapper.release_range(req.file, req.start, req.nbytes)
 
     def _read(self, req: ReadRequest, out: memoryview) -> None:
         try:
@@ -473,7 +471,7 @@ class Reader:
         )
 
     def _verify(self, req: ReadRequest, data: torch.Tensor, start: int) -> None:
-        self._verify_view(req, memoryview(data.numpy()))
+        self._verify_view(req, data.numpy().data)
 
     def _verify_view(self, req: ReadRequest, data: memoryview) -> None:
         """Check every checksum chunk that lies wholly inside ``req`` (``data`` holds its bytes)."""
