@@ -16,7 +16,7 @@ import logging
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar, cast, overload
+from typing import Any, Generic, Literal, TypeVar, cast, overload
 
 import torch
 import torch.distributed as dist
@@ -263,7 +263,23 @@ def collective_step(world: World, what: str, local: Callable[[], T]) -> list[T]:
 
 @overload
 def collective_step(
-    world: World, what: str, local: Callable[[], T], coordinate: Callable[[Gathered[T]], Sequence[R] | None]
+    world: World,
+    what: str,
+    local: Callable[[], T],
+    coordinate: Callable[[Gathered[T]], R | None],
+    *,
+    per_rank: Literal[False] = False,
+) -> R: ...
+
+
+@overload
+def collective_step(
+    world: World,
+    what: str,
+    local: Callable[[], T],
+    coordinate: Callable[[Gathered[T]], Sequence[R] | None],
+    *,
+    per_rank: Literal[True],
 ) -> R: ...
 
 
@@ -271,14 +287,17 @@ def collective_step(
     world: World,
     what: str,
     local: Callable[[], T],
-    coordinate: Callable[[Gathered[T]], Sequence[R] | None] | None = None,
-) -> list[T] | R:
+    coordinate: Callable[[Gathered[T]], Any] | None = None,
+    *,
+    per_rank: bool = False,
+) -> Any:
     """Collective: one step of a save or load, with its errors raised on every rank.
 
     Every rank runs ``local``. Without ``coordinate`` the payloads are exchanged (one
-    all-gather) and every rank gets the list. With ``coordinate``, rank 0 gathers them,
+    all-gather) and every rank gets the list. With ``coordinate``, rank 0 gathers them and
     calls ``coordinate`` with what it gathered (also when some rank failed, so that it can
-    clean up) and each rank ``r`` receives element ``r`` of the sequence it returns.
+    clean up); its result reaches every rank (one broadcast), or with ``per_rank`` it
+    returns one result per rank and rank ``r`` receives element ``r``.
 
     Errors: an exception from ``local`` (any ``Exception``) is this rank's failure; an
     exception from ``coordinate`` is the step's failure on rank 0 and replaces the ranks'
@@ -292,14 +311,20 @@ def collective_step(
         world: the ranks taking part.
         what: the step, for messages ("planning the save").
         local: this rank's work; its result is this rank's payload (picklable).
-        coordinate: rank 0's work on every rank's payloads; returns one result per rank
-            (None only when some rank failed: the step raises then).
+        coordinate: rank 0's work on every rank's payloads (None only when some rank
+            failed: the step raises then).
+        per_rank: ``coordinate`` returns a sequence with one result per rank.
 
     Returns:
         every rank's payload (no ``coordinate``), else this rank's result from ``coordinate``.
 
     Raises:
         CheckpointError (or the failures' common subclass): on every rank if any rank failed.
+
+    Example:
+        >>> world = World(0, 1)
+        >>> collective_step(world, "adding", lambda: 2, lambda g: sum(g.all()))
+        2
     """
     own: BaseException | None = None
     payload: T | None = None
@@ -311,22 +336,28 @@ def collective_step(
     if coordinate is None:
         replies = all_gather(world, (record, payload), what)
         raise_failures(world, {r: f for r, (f, _) in enumerate(replies) if f is not None}, what, own=own)
-        return [p for _, p in replies]  # type: ignore[misc]  # every payload exists once nobody failed
+        return [p for _, p in replies]
     gathered = gather(world, (record, payload), what)
-    answers: list[tuple[dict[int, RankFailure], Any]] | None = None
+    Answer = tuple[dict[int, RankFailure], Any]  # (the step's failures, this rank's result)
+    answers: list[Answer] | None = None
     if world.is_coordinator:
         assert gathered is not None
         step = Gathered([p for _, p in gathered], {r: f for r, (f, _) in enumerate(gathered) if f is not None})
-        results: Sequence[R] | None = None
+        result: Any = None
         try:
-            results = coordinate(step)
+            result = coordinate(step)
             failures = step.failures
         except Exception as e:
             own, failures = e, {0: error_text(0, e)}
-        if failures or results is None:
-            answers = [(failures, None)] * world.size
+        if failures or result is None:
+            answers = [(failures, None)] * (world.size if per_rank else 1)
         else:
-            answers = [({}, r) for r in results]
-    failures, result = scatter(world, answers, what)
+            answers = [({}, r) for r in result] if per_rank else [({}, result)]
+    answer: Answer
+    if per_rank:
+        answer = scatter(world, answers, what)
+    else:
+        answer = broadcast(world, answers[0] if answers is not None else ({}, None), what)
+    failures, mine = answer
     raise_failures(world, failures, what, own=own)
-    return result  # type: ignore[no-any-return]
+    return mine

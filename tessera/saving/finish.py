@@ -60,9 +60,7 @@ def finish_save(
     def stage_locally() -> None:
         tiles.append(staged())
 
-    claim = dist.collective_step(
-        world, f"saving checkpoint {save.path}", stage_locally, lambda g: _claim(g, save, world.size)
-    )
+    claim = dist.collective_step(world, f"saving checkpoint {save.path}", stage_locally, lambda g: _claim(g, save))
     written: list[WrittenFile] = []
 
     def write_locally() -> RankReport:
@@ -77,7 +75,7 @@ def finish_save(
 
     try:
         outcome = dist.collective_step(
-            world, f"saving checkpoint {save.path}", write_locally, lambda g: _commit(g, save, claim, world.size)
+            world, f"saving checkpoint {save.path}", write_locally, lambda g: _commit(g, save, claim)
         )
     except BaseException:
         if not world.is_coordinator and written:
@@ -100,11 +98,11 @@ def finish_save(
     )
 
 
-def _claim(gathered: Gathered[None], save: PreparedSave, size: int) -> list[Claim] | None:
+def _claim(gathered: Gathered[None], save: PreparedSave) -> Claim | None:
     """Rank 0: claim the path once every rank has staged (see :mod:`tessera.commit`)."""
     if not gathered.ok:
         return None  # nobody claimed, nobody writes: nothing to clean up
-    return [commit.claim(save.store, save.save_id)] * size
+    return commit.claim(save.store, save.save_id)
 
 
 def _write(world: World, save: PreparedSave, staged: Staged) -> list[WrittenFile]:
@@ -125,7 +123,7 @@ def _write(world: World, save: PreparedSave, staged: Staged) -> list[WrittenFile
         ) from e
 
 
-def _commit(gathered: Gathered[RankReport], save: PreparedSave, claim: Claim, size: int) -> list[CommitOutcome] | None:
+def _commit(gathered: Gathered[RankReport], save: PreparedSave, claim: Claim) -> CommitOutcome | None:
     """Rank 0: commit the manifest, or remove the save's files if some rank failed.
 
     Raises:
@@ -143,13 +141,13 @@ def _commit(gathered: Gathered[RankReport], save: PreparedSave, claim: Claim, si
     reports = gathered.all()
     assert save.plan.metas is not None  # rank 0 holds the global tensor table
     try:
-        manifest = build_manifest(size, save.plan.metas, reports, save.save_id, save.options)
+        manifest = build_manifest(len(reports), save.plan.metas, reports, save.save_id, save.options)
     except BaseException:
         commit.abandon(save.store, claim, [w.path for rep in reports for w in rep.files], save.path)
         raise
     commit.commit_manifest(save.store, claim, manifest, save.path)
     timings = {r: rep.timings for r, rep in enumerate(reports)}
-    return [CommitOutcome(sum(f.nbytes for f in manifest.files), timings)] * size
+    return CommitOutcome(sum(f.nbytes for f in manifest.files), timings)
 
 
 def _delete_quietly(save: PreparedSave, paths: list[str]) -> None:

@@ -93,7 +93,7 @@ def _plan(world: World, ctx: SaveContext, local: LocalPlan, opts: SaveOptions) -
         plan_id = uuid.uuid4().hex[:16]
         return [PlanAssignment(plan_id, rp) for rp in gplan.rank_plans]
 
-    assignment = dist.collective_step(world, "planning the save", lambda: local, coordinate)
+    assignment = dist.collective_step(world, "planning the save", lambda: local, coordinate, per_rank=True)
     plan = SavePlan(
         plan_id=assignment.plan_id,
         fingerprint=local.fingerprint,
