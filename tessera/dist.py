@@ -213,16 +213,16 @@ def raise_failures(
 def exchange(world: World, error: BaseException | None, payload: T, what: str) -> list[T]:
     """Collective: every rank's ``payload``, unless some rank passes an error.
 
-    If only this rank failed, its own exception is raised unchanged (with ``failures``
-    set); otherwise every rank raises one error listing each failed rank's cause, of the
-    failures' common tessera type (:class:`DistributedError` if they differ). Either way
-    the type is the same on every rank and all ranks leave the exchange together, so no
-    rank is left waiting in a later collective.
+    :func:`collective_step` for a caller that has already caught its error (new code
+    passes the local work to :func:`collective_step` instead). Raises as it does.
     """
-    replies = all_gather(world, (None if error is None else error_text(world.rank, error), payload), what)
-    failures = {r: e for r, (e, _) in enumerate(replies) if e is not None}
-    raise_failures(world, failures, what, own=error)
-    return [p for _, p in replies]
+
+    def local() -> T:
+        if error is not None:
+            raise error
+        return payload
+
+    return collective_step(world, what, local)
 
 
 def _attach(error: BaseException, failures: Mapping[int, RankFailure | str]) -> None:
