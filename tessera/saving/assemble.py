@@ -39,17 +39,19 @@ def build_manifest(
     cols = {m.fqn: _Columns() for m in metas}
     files: list[FileEntry] = []
     for rank, rep in enumerate(reports):
-        for written in rep.files:
+        for f in rep.files:
             fi = len(files)
-            files.append(FileEntry(written.path, rank, written.nbytes))
-            for t in written.tiles:
-                c = cols[t.fqn]
+            files.append(FileEntry(f.path, rank, f.nbytes))
+            for fqn, offsets, lengths, byte_offset, sums in zip(
+                f.fqns, f.offsets, f.lengths, f.byte_offsets, f.checksums
+            ):
+                c = cols[fqn]
                 c.file.append(fi)
-                c.offsets.append(t.box.offsets)
-                c.lengths.append(t.box.lengths)
-                c.byte_offset.append(t.byte_offset)
-                c.chunks.append(len(t.checksums))
-                c.sums.extend(t.checksums)
+                c.offsets.append(offsets)
+                c.lengths.append(lengths)
+                c.byte_offset.append(byte_offset)
+                c.chunks.append(len(sums))
+                c.sums.extend(sums)
     paths = tuple(f.path for f in files)
     tensors = {m.fqn: TensorEntry(m.dtype, m.shape, table=_table(paths, m, cols[m.fqn])) for m in metas}
     values: dict[str, Any] = {}

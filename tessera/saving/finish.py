@@ -26,7 +26,7 @@ from ..storage.capabilities import AfterCommit
 from ..timing import PhaseTimer
 from ..write import FileWrite, WriteRequest, WrittenFile, write_tiles
 from .assemble import build_manifest
-from .handoff import CommitOutcome, PreparedSave, RankReport
+from .handoff import CommitOutcome, FileReport, PreparedSave, RankReport
 from .sources import Staged
 
 logger = logging.getLogger(__name__)
@@ -71,7 +71,7 @@ def finish_save(
         timings: dict[str, float] = {**timer.phases, "bytes": sum(w.nbytes for w in written)}
         if timer.stall is not None:
             timings["stall"] = timer.stall
-        return RankReport(files=tuple(written), values=save.values, timings=timings)
+        return RankReport(files=tuple(FileReport.of(w) for w in written), values=save.values, timings=timings)
 
     try:
         outcome = dist.collective_step(
