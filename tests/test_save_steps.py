@@ -4,6 +4,9 @@ optional capabilities of the shipped backends."""
 
 from __future__ import annotations
 
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -21,6 +24,8 @@ from tessera.storage import FileStorage, FsspecStorage, MemoryTierStorage
 from tessera.storage import capabilities as cap
 from tessera.tilefile import layout_file
 from tessera.write import FileWrite, WriteRequest, write_tiles
+
+_REPO = Path(__file__).resolve().parent.parent
 
 # --------------------------------------------------------------------------------------
 # dist.collective_step
@@ -178,3 +183,28 @@ def test_shipped_backends_declare_their_capabilities(tmp_path: Path) -> None:
             assert isinstance(tier, c), c
     finally:
         tier.close()
+
+
+# --------------------------------------------------------------------------------------
+# module boundaries
+
+
+def test_loading_does_not_import_saving() -> None:
+    code = "import sys, tessera.loading; print('tessera.saving' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=_REPO)
+    assert out.stdout.strip() == "False"
+
+
+_STORAGE_INDEPENDENT = ["saving", "loading.py", "commit.py", "write.py", "read.py", "api.py", "dist.py"]
+
+
+def test_storage_independent_code_never_looks_up_backend_methods_by_name() -> None:
+    pattern = re.compile(r"getattr\(\s*(self\.)?(store|storage|_?root_store|durable|backend)\b")
+    files = [p for name in _STORAGE_INDEPENDENT for p in sorted((_REPO / "tessera").glob(f"{name}/*.py"))] + [
+        _REPO / "tessera" / name for name in _STORAGE_INDEPENDENT if name.endswith(".py")
+    ]
+    assert len(files) > len(_STORAGE_INDEPENDENT)
+    offenders = [
+        f"{p.name}:{i}" for p in files for i, line in enumerate(p.read_text().splitlines(), 1) if pattern.search(line)
+    ]
+    assert offenders == []
