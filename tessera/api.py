@@ -17,10 +17,11 @@ from typing import Any
 
 from . import loading as _loading
 from ._args import check_path_state
+from .inflight import wait_pending
 from .loading import read_manifest
 from .options import LoadOptions, SaveOptions
 from .results import LoadResult, PendingSave, SaveResult
-from .saving import start_save, wait_pending
+from .saving import SaveRequest, start_save
 from .storage import Storage
 
 __all__ = ["LoadResult", "PendingSave", "SaveResult", "async_save", "load", "read_manifest", "save", "wait_pending"]
@@ -66,8 +67,8 @@ def save(
         >>> tessera.save("/ckpt/step100", {"model": model.state_dict(), "step": 100})
     """
     path = check_path_state("tessera.save", path, state)
-    pending = start_save(path, state, process_group, storage, allow_pickle, options, storage_options, background=False)
-    return pending.wait()
+    request = SaveRequest(path, state, process_group, storage, allow_pickle, options, storage_options, background=False)
+    return start_save(request).wait()
 
 
 def async_save(
@@ -101,7 +102,8 @@ def async_save(
         >>> pending.wait()
     """
     path = check_path_state("tessera.async_save", path, state)
-    return start_save(path, state, process_group, storage, allow_pickle, options, storage_options, background=True)
+    request = SaveRequest(path, state, process_group, storage, allow_pickle, options, storage_options, background=True)
+    return start_save(request)
 
 
 def load(

@@ -21,8 +21,13 @@ Every step a save takes against storage, in order (docs/guarantees.md says why i
 
 A failed save (:func:`abandon`) removes its own files and marker, nothing else.
 
-The hand-off types are frozen dataclasses: :class:`Claim` (what rank 0 holds from 1 to 5)
-and :class:`RankReport` (what each rank tells rank 0 after 2).
+The hand-off type is a frozen dataclass, :class:`Claim` (what rank 0 holds from 1 to 5);
+steps 3 to 5 take the :class:`~tessera.manifest.Manifest` to publish. Optional backend
+methods are declared in :mod:`tessera.storage.capabilities` and checked with ``isinstance``.
+
+Two callers: a distributed save (:mod:`tessera.saving`, rank 0 calls :func:`commit_manifest`
+with the ranks' files) and single-process writers such as converters, which call
+:func:`claim` before their first data file and :func:`commit_single` at the end.
 """
 
 from __future__ import annotations
@@ -30,15 +35,21 @@ from __future__ import annotations
 import inspect
 import logging
 import posixpath
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
 
 from .errors import CheckpointError, CommitCheckError, ConcurrentSaveError, LocationMismatchError, StorageError
-from .manifest import MANIFEST_NAME, Manifest, encode
-from .storage import Storage
-from .storage.base import OWNER_MARKER_DIR
+from .manifest import MANIFEST_NAME, FileEntry, Manifest, encode
+from .storage.base import OWNER_MARKER_DIR, Storage
+from .storage.capabilities import (
+    ConditionalPublish,
+    ListsSizes,
+    Locatable,
+    PartialVisibility,
+    RemovesEmptyDirs,
+    Versioned,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -74,27 +85,9 @@ class Claim:
         return f"{MARKER_DIR}/{self.save_id}"
 
 
-@dataclass(frozen=True)
-class RankReport:
-    """What one rank tells rank 0 once its data files are written (or failed).
-
-    Attributes:
-        error: the rank's failure as ``dist.error_text`` made it (untouched), or None.
-        files: ``(path, nbytes, tiles)`` per file it wrote, tiles as the manifest needs them.
-        values: the rank's plain and per-rank values (encoded).
-        timings: the rank's phase durations and byte count.
-    """
-
-    error: Any
-    files: tuple[tuple[str, int, list], ...]
-    values: dict[str, Any]
-    timings: dict[str, float]
-
-
 def location_of(store: Storage) -> str:
     """The location ``store`` writes to, as one string all ranks can compare."""
-    location = getattr(store, "location", None)
-    return str(location()) if callable(location) else str(store.url)
+    return str(store.location()) if isinstance(store, Locatable) else str(store.url)
 
 
 def check_locations(locations: list[str], path: str) -> None:
@@ -129,11 +122,9 @@ def claim(store: Storage, save_id: str) -> Claim:
     Raises:
         StorageError: if the manifest's version cannot be read or the marker not written.
     """
-    version = getattr(store, "version", None)
     try:
-        expected = version(MANIFEST_NAME) if callable(version) else None
-        fenced = callable(version) and callable(getattr(store, "replace_if", None))
-        c = Claim(save_id, expected, fenced)
+        expected = store.version(MANIFEST_NAME) if isinstance(store, Versioned) else None
+        c = Claim(save_id, expected, isinstance(store, ConditionalPublish))
         store.write_file(c.marker, [b""])
     except CheckpointError:
         raise
@@ -142,8 +133,8 @@ def claim(store: Storage, save_id: str) -> Claim:
     return c
 
 
-def check_files(store: Storage, claim: Claim, reports: list[RankReport], path: str) -> None:
-    """Rank 0, before publishing: every reported file exists with its reported size.
+def check_files(store: Storage, claim: Claim, files: Sequence[FileEntry], path: str) -> None:
+    """Rank 0, before publishing: every file the manifest lists exists with its size.
 
     One listing of ``data/<save id>/`` (``file_sizes``; on S3 one LIST per 1,000 objects),
     or one ``size`` per file in threads for backends without it.
@@ -151,8 +142,8 @@ def check_files(store: Storage, claim: Claim, reports: list[RankReport], path: s
     Raises:
         CommitCheckError: naming the missing or wrong-sized files and the ranks that wrote them.
     """
-    expected = {f: (n, rank) for rank, rep in enumerate(reports) for f, n, _ in rep.files}
-    if not expected or not getattr(store, "all_files_visible", True):
+    expected = {f.path: (f.nbytes, f.rank) for f in files}
+    if not expected or (isinstance(store, PartialVisibility) and not store.all_files_visible):
         return  # e.g. a per-node memory tier: its durable commit checks every rank's marker
     found = _sizes(store, claim.data_prefix, list(expected))
     problems = []
@@ -173,9 +164,8 @@ def check_files(store: Storage, claim: Claim, reports: list[RankReport], path: s
 
 
 def _sizes(store: Storage, prefix: str, paths: list[str]) -> dict[str, int]:
-    file_sizes = getattr(store, "file_sizes", None)
-    if callable(file_sizes):
-        return dict(file_sizes(prefix))
+    if isinstance(store, ListsSizes):
+        return dict(store.file_sizes(prefix))
 
     def one(p: str) -> tuple[str, int | None]:
         try:
@@ -199,14 +189,14 @@ def publish(store: Storage, claim: Claim, data: bytes, path: str) -> None:
         ConcurrentSaveError: another save committed first (nothing was written).
         StorageError: writing failed (nothing was committed).
     """
-    if claim.fenced:
-        if _takes_owner(store.replace_if):  # type: ignore[attr-defined]  # fenced against retention too
-            store.replace_if(MANIFEST_NAME, data, claim.expected, owner=claim.marker)  # type: ignore[attr-defined]
+    if claim.fenced and isinstance(store, ConditionalPublish):
+        replace_if: Callable[..., None] = store.replace_if
+        if _takes_owner(replace_if):  # fenced against retention too
+            replace_if(MANIFEST_NAME, data, claim.expected, owner=claim.marker)
         else:
-            store.replace_if(MANIFEST_NAME, data, claim.expected)  # type: ignore[attr-defined]
+            replace_if(MANIFEST_NAME, data, claim.expected)
         return
-    version = getattr(store, "version", None)
-    if callable(version) and version(MANIFEST_NAME) != claim.expected:
+    if isinstance(store, Versioned) and store.version(MANIFEST_NAME) != claim.expected:
         raise ConcurrentSaveError(
             f"not committing {path}: another save committed it while this one ran; two jobs are saving "
             "to one path. The other save's checkpoint stands"
@@ -214,7 +204,7 @@ def publish(store: Storage, claim: Claim, data: bytes, path: str) -> None:
     store.write_atomic(MANIFEST_NAME, data)
 
 
-def _takes_owner(replace_if: Any) -> bool:
+def _takes_owner(replace_if: Callable[..., None]) -> bool:
     """Whether a backend's ``replace_if`` checks the save's owner marker (``owner=``) under its
     fence, as :meth:`FileStorage.replace_if <tessera.storage.FileStorage.replace_if>` does
     (a subclass overriding it with the base signature, without ``**kwargs``, does not)."""
@@ -245,9 +235,8 @@ def clean_up(store: Storage, claim: Claim, live_before: set[str], path: str) -> 
         doomed += store.list(LOAD_TIMINGS_DIR)
         doomed.append(claim.marker)
         store.delete(doomed)
-        remove_empty_dirs = getattr(store, "remove_empty_dirs", None)
-        if callable(remove_empty_dirs):  # filesystems: directories of saves killed before their first file
-            remove_empty_dirs(DATA_DIR)
+        if isinstance(store, RemovesEmptyDirs):  # filesystems: directories of saves killed before their first file
+            store.remove_empty_dirs(DATA_DIR)
     except Exception as e:
         logger.warning("could not remove files of older saves under %s: %s", path, e)
 
@@ -258,10 +247,10 @@ def superseded(store: Storage, claim: Claim, path: str) -> ConcurrentSaveError |
     A save that lost the race may fail before it publishes (the winner's cleanup removed its
     files mid-write); this names that cause instead of the missing file it led to.
     """
-    if not claim.fenced:
+    if not claim.fenced or not isinstance(store, Versioned):
         return None
     try:
-        current = store.version(MANIFEST_NAME)  # type: ignore[attr-defined]
+        current = store.version(MANIFEST_NAME)
     except Exception:
         return None
     if current == claim.expected:
@@ -278,39 +267,34 @@ def may_have_committed(store: Storage, claim: Claim) -> bool:
     False only when the backend can prove the manifest is still the version claimed (say,
     the temporary file could not be written on a full disk): then the save's files can go.
     """
-    version = getattr(store, "version", None)
-    if not callable(version):
+    if not isinstance(store, Versioned):
         return True
     try:
-        return version(MANIFEST_NAME) != claim.expected
+        return store.version(MANIFEST_NAME) != claim.expected
     except Exception:
         return True
 
 
-def commit_single(store: Storage, claim: Claim, manifest: Manifest, path: str) -> None:
-    """Commit a checkpoint written by one process (a converter): steps 3 to 5, as rank 0 of a save.
+def commit_manifest(store: Storage, claim: Claim, manifest: Manifest, path: str) -> None:
+    """Rank 0 of a save: steps 3 to 5 for ``manifest``, or :func:`abandon` if they fail.
 
-    Call order: ``c = claim(store, save_id)`` before the first data file, write every data file
-    under ``c.data_prefix``, build the manifest (``save_id=c.save_id``) and call this. On failure
-    the save's files and marker are removed (only the marker if the manifest may have landed).
-    (Branch wt/save has the same function over ``commit_manifest``; on merge, take that side.)
+    Checks every file ``manifest.files`` lists (:func:`check_files`), publishes the manifest
+    over the version ``claim`` read (:func:`publish`), then removes what no save can commit
+    any more (:func:`clean_up`). On failure the save's files and marker are removed, unless
+    the manifest may have landed after all (then only the marker goes).
 
     Raises:
-        ValueError: if the manifest is not this claim's (nothing is removed then).
         ConcurrentSaveError: another save committed first.
         CommitCheckError: a listed file is missing or has the wrong size.
         StorageError: reading versions or publishing failed (any non-tessera error is wrapped).
     """
-    if manifest.save_id != claim.save_id or any(not f.path.startswith(claim.data_prefix + "/") for f in manifest.files):
-        raise ValueError(f"{path}: the manifest of save {manifest.save_id!r} is not the claim's ({claim.save_id!r})")
     files = [f.path for f in manifest.files]
-    report = RankReport(None, tuple((f.path, f.nbytes, []) for f in manifest.files), {}, {})
     published = False
     try:
         lost = superseded(store, claim, path)
         if lost is not None:
             raise lost
-        check_files(store, claim, [report], path)
+        check_files(store, claim, manifest.files, path)
         live_before = live_saves(store)
         data = encode(manifest)
         published = True  # from here on, a failure may have committed after all
@@ -324,6 +308,39 @@ def commit_single(store: Storage, claim: Claim, manifest: Manifest, path: str) -
             raise
         raise StorageError(f"committing the manifest of {path} failed: {type(e).__name__}: {e}") from e
     clean_up(store, claim, live_before, path)
+
+
+def commit_single(store: Storage, claim: Claim, manifest: Manifest, path: str) -> None:
+    """Commit a checkpoint written by one process (a converter): the same steps as a save.
+
+    Call order: ``c = claim(store, save_id)`` before writing the first data file, then write
+    every data file under ``c.data_prefix`` (:func:`tessera.write.write_files`), build the
+    manifest (``save_id=c.save_id``) and call this. On an error before this call, call
+    ``abandon(store, c, written_paths, path)``.
+
+    Args:
+        store: the backend bound to the checkpoint's root.
+        claim: what :func:`claim` returned for this save.
+        manifest: the manifest to publish; its files must lie under ``claim.data_prefix``.
+        path: the checkpoint's path, for messages.
+
+    Raises:
+        ValueError: if the manifest is not this claim's (its save id or a file outside
+            ``data/<save id>/``); nothing is removed then.
+        ConcurrentSaveError, CommitCheckError, StorageError: as :func:`commit_manifest`
+            (the save's files and marker are removed).
+
+    Example:
+        >>> c = commit.claim(store, save_id)  # doctest: +SKIP
+        >>> ...  # write data/<save_id>/..., build the manifest
+        >>> commit.commit_single(store, c, manifest, path)  # doctest: +SKIP
+    """
+    if manifest.save_id != claim.save_id:
+        raise ValueError(f"manifest of save {manifest.save_id!r} committed with the claim of save {claim.save_id!r}")
+    outside = [f.path for f in manifest.files if not f.path.startswith(claim.data_prefix + "/")]
+    if outside:
+        raise ValueError(f"{path}: data files outside {claim.data_prefix}/ would be removed by cleanup: {outside[:3]}")
+    commit_manifest(store, claim, manifest, path)
 
 
 def abandon(store: Storage, claim: Claim, files: Iterable[str], path: str, *, keep_data: bool = False) -> None:

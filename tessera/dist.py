@@ -14,9 +14,9 @@ import atexit
 import datetime
 import logging
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Generic, Literal, TypeVar, cast, overload
 
 import torch
 import torch.distributed as dist
@@ -26,6 +26,7 @@ from .errors import CheckpointError, CollectiveTimeoutError, RankFailure, collec
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
+R = TypeVar("R")
 
 _GROUPS: dict[object, Any] = {}
 _OWNED: list[Any] = []  # the gloo groups tessera created (not a caller's group used as is)
@@ -212,16 +213,16 @@ def raise_failures(
 def exchange(world: World, error: BaseException | None, payload: T, what: str) -> list[T]:
     """Collective: every rank's ``payload``, unless some rank passes an error.
 
-    If only this rank failed, its own exception is raised unchanged (with ``failures``
-    set); otherwise every rank raises one error listing each failed rank's cause, of the
-    failures' common tessera type (:class:`DistributedError` if they differ). Either way
-    the type is the same on every rank and all ranks leave the exchange together, so no
-    rank is left waiting in a later collective.
+    :func:`collective_step` for a caller that has already caught its error (new code
+    passes the local work to :func:`collective_step` instead). Raises as it does.
     """
-    replies = all_gather(world, (None if error is None else error_text(world.rank, error), payload), what)
-    failures = {r: e for r, (e, _) in enumerate(replies) if e is not None}
-    raise_failures(world, failures, what, own=error)
-    return [p for _, p in replies]
+
+    def local() -> T:
+        if error is not None:
+            raise error
+        return payload
+
+    return collective_step(world, what, local)
 
 
 def _attach(error: BaseException, failures: Mapping[int, RankFailure | str]) -> None:
@@ -230,6 +231,136 @@ def _attach(error: BaseException, failures: Mapping[int, RankFailure | str]) -> 
             error.failures = {r: str(f) for r, f in failures.items()}
         except AttributeError:  # a class that forbids it keeps its empty default
             pass
+
+
+@dataclass(frozen=True)
+class Gathered(Generic[T]):
+    """What the coordinator of a :func:`collective_step` sees: every rank's payload or failure.
+
+    Attributes:
+        payloads: rank ``r``'s payload at index ``r``; None for a rank that failed.
+        failures: the failed ranks' records (:func:`error_text`), by rank.
+    """
+
+    payloads: list[T | None]
+    failures: dict[int, RankFailure]
+
+    @property
+    def ok(self) -> bool:
+        """Whether every rank's local work succeeded."""
+        return not self.failures
+
+    def all(self) -> list[T]:
+        """Every rank's payload; only when :attr:`ok` (a failed rank has none)."""
+        if not self.ok:
+            raise CheckpointError(f"internal error: ranks {sorted(self.failures)} failed and have no payload")
+        return cast("list[T]", self.payloads)
+
+
+@overload
+def collective_step(world: World, what: str, local: Callable[[], T]) -> list[T]: ...
+
+
+@overload
+def collective_step(
+    world: World,
+    what: str,
+    local: Callable[[], T],
+    coordinate: Callable[[Gathered[T]], R | None],
+    *,
+    per_rank: Literal[False] = False,
+) -> R: ...
+
+
+@overload
+def collective_step(
+    world: World,
+    what: str,
+    local: Callable[[], T],
+    coordinate: Callable[[Gathered[T]], Sequence[R] | None],
+    *,
+    per_rank: Literal[True],
+) -> R: ...
+
+
+def collective_step(
+    world: World,
+    what: str,
+    local: Callable[[], T],
+    coordinate: Callable[[Gathered[T]], Any] | None = None,
+    *,
+    per_rank: bool = False,
+) -> Any:
+    """Collective: one step of a save or load, with its errors raised on every rank.
+
+    Every rank runs ``local``. Without ``coordinate`` the payloads are exchanged (one
+    all-gather) and every rank gets the list. With ``coordinate``, rank 0 gathers them and
+    calls ``coordinate`` with what it gathered (also when some rank failed, so that it can
+    clean up); its result reaches every rank (one broadcast), or with ``per_rank`` it
+    returns one result per rank and rank ``r`` receives element ``r``.
+
+    Errors: an exception from ``local`` (any ``Exception``) is this rank's failure; an
+    exception from ``coordinate`` is the step's failure on rank 0 and replaces the ranks'
+    failures (the coordinator knows the real cause, say a lost race behind missing files).
+    If anything failed, every rank raises: a rank whose own exception is the only failure
+    raises it unchanged (with ``failures`` set), the others one error listing each failed
+    rank's cause, of the failures' common tessera type (see :func:`raise_failures`). All
+    ranks leave the step together, so no rank is left waiting in a later collective.
+
+    Args:
+        world: the ranks taking part.
+        what: the step, for messages ("planning the save").
+        local: this rank's work; its result is this rank's payload (picklable).
+        coordinate: rank 0's work on every rank's payloads (None only when some rank
+            failed: the step raises then).
+        per_rank: ``coordinate`` returns a sequence with one result per rank.
+
+    Returns:
+        every rank's payload (no ``coordinate``), else this rank's result from ``coordinate``.
+
+    Raises:
+        CheckpointError (or the failures' common subclass): on every rank if any rank failed.
+
+    Example:
+        >>> world = World(0, 1)
+        >>> collective_step(world, "adding", lambda: 2, lambda g: sum(g.all()))
+        2
+    """
+    own: BaseException | None = None
+    payload: T | None = None
+    try:
+        payload = local()
+    except Exception as e:
+        own = e
+    record = None if own is None else error_text(world.rank, own)
+    if coordinate is None:
+        replies = all_gather(world, (record, payload), what)
+        raise_failures(world, {r: f for r, (f, _) in enumerate(replies) if f is not None}, what, own=own)
+        return [p for _, p in replies]
+    gathered = gather(world, (record, payload), what)
+    Answer = tuple[dict[int, RankFailure], Any]  # (the step's failures, this rank's result)
+    answers: list[Answer] | None = None
+    if world.is_coordinator:
+        assert gathered is not None
+        step = Gathered([p for _, p in gathered], {r: f for r, (f, _) in enumerate(gathered) if f is not None})
+        result: Any = None
+        try:
+            result = coordinate(step)
+            failures = step.failures
+        except Exception as e:
+            own, failures = e, {0: error_text(0, e)}
+        if failures or result is None:
+            answers = [(failures, None)] * (world.size if per_rank else 1)
+        else:
+            answers = [({}, r) for r in result] if per_rank else [({}, result)]
+    answer: Answer
+    if per_rank:
+        answer = scatter(world, answers, what)
+    else:
+        answer = broadcast(world, answers[0] if answers is not None else ({}, None), what)
+    failures, mine = answer
+    raise_failures(world, failures, what, own=own)
+    return mine
 
 
 run_collective = _run  # public name: one collective step; a dead peer or a timeout -> CollectiveTimeoutError

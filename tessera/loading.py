@@ -11,19 +11,21 @@ import json
 import logging
 import time
 import uuid
+from dataclasses import dataclass, replace
 from typing import Any
 
 from . import dist
 from .broadcast import Broadcast, run_broadcasts, split_replicated
-from .dist import World
+from .commit import LOAD_TIMINGS_DIR
+from .dist import Gathered, World
 from .dtypes import dtype_from_name
 from .errors import CheckpointError, CheckpointNotFoundError, MissingKeysError, StateMismatchError, StorageError
 from .geometry import Box
+from .inflight import wait_pending
 from .manifest import MANIFEST_NAME, Manifest, decode, read_bytes
 from .options import LoadOptions
 from .read import Reader, ReadRequest, ReadTarget, check_targets, plan_reads
 from .results import LoadResult
-from .saving import LOAD_TIMINGS_DIR, wait_pending
 from .shards import OnResize
 from .state import FlatState, dotted_parents, flatten, restore_values
 from .storage import Storage, storage_for
@@ -114,53 +116,111 @@ def load(
         >>> tessera.load("/ckpt/step100", {"model": model.state_dict()})
     """
     opts = options or LoadOptions()
-    early = wait_pending(process_group)  # a failed background save fails this load on every rank
+    previous = wait_pending(process_group)  # a failed background save fails this load on every rank
     timer = PhaseTimer()
     world = dist.world_for(process_group)
-    store: Storage | None = None
-    if early is None:
-        try:
-            store = storage_for(path, storage, storage_options=storage_options)
-        except Exception as e:  # reported with the validation exchange below, on every rank
-            early = e
+    stores: list[Storage] = []
+
+    def open_storage() -> None:
+        if previous is not None:
+            raise previous
+        stores.append(storage_for(path, storage, storage_options=storage_options))
 
     # Metadata: rank 0 reads the manifest once and every rank gets the same bytes.
-    data, failure, own = None, None, None
-    if world.is_coordinator:
-        try:
-            if store is None:
-                raise CheckpointError(f"rank 0 could not start the load: {early}")
-            data = _read_manifest_bytes(store, path)
-        except CheckpointNotFoundError as e:
-            failure, own = e, e  # every rank raises the same, typed error
-        except CheckpointError as e:  # ManifestError (oversized, a directory), StorageError, ...
-            failure, own = dist.error_text(0, e), e
-        except Exception as e:
-            own = StorageError(f"rank 0: reading {path}/{MANIFEST_NAME} failed: {type(e).__name__}: {e}")
-            own.__cause__ = e
-            failure = dist.error_text(0, own)
-    data, failure = dist.broadcast(world, (data, failure), "reading the manifest")
-    if isinstance(failure, BaseException):
-        raise failure
-    if failure is not None:
-        if own is not None and not world.distributed:
-            raise own
-        dist.raise_failures(world, {0: failure}, f"reading {path}/{MANIFEST_NAME}", own=own)
+    data = dist.collective_step(
+        world, f"reading {path}/{MANIFEST_NAME}", open_storage, lambda g: _manifest_bytes(g, stores, path)
+    )
+    store = stores[0]
     manifest = decode(data, source=f"{path}/{MANIFEST_NAME}")
     timer.mark("metadata")
+    plan = _plan_load(
+        world, manifest, state, path, strict=strict, cast=cast_dtypes, allow_pickle=allow_pickle, opts=opts
+    )
+    targets, broadcasts = plan.targets, list[Broadcast]()
+    if opts.broadcast_replicated:
+        targets, broadcasts = split_replicated(world, plan.targets)
 
-    targets: list[ReadTarget] = []
-    requests: list[ReadRequest] = []
-    missing: list[str] = []
-    unexpected: list[str] = []
-    flat = FlatState()
-    decoded: dict[str, tuple[bool, Any]] = {}
-    err: BaseException | None = early
+    def read() -> int:
+        requests = plan.requests
+        if broadcasts:  # this rank now reads only its share of the replicated targets
+            requests = plan_reads(manifest, targets, max_read_bytes=opts.max_read_bytes, rank=world.rank)
+        timer.mark("plan")
+        reader = Reader(store, manifest, rank=world.rank, verify=opts.verify, threads=opts.io_threads)
+        stats = reader.run(requests)
+        timer.mark("read")
+        return stats.bytes_read
+
+    # Every rank must know the reads succeeded everywhere before broadcasting, or before
+    # handing state to Stateful objects whose load_state_dict may itself communicate.
+    bytes_read = dist.collective_step(world, f"reading the tensors of {path}", read)[world.rank]
+    if broadcasts:
+        run_broadcasts(world, broadcasts)
+        timer.mark("broadcast")
+
+    def restore() -> dict[str, float]:
+        restore_values(
+            state,
+            plan.flat,
+            lambda k: plan.decoded[k] if k in plan.decoded else _lookup_value(manifest, k, world, allow_pickle),
+        )
+        timer.mark("values")
+        return {**timer.total(), "bytes": bytes_read}
+
+    reports = dist.collective_step(world, f"loading {path}", restore)
+    if world.is_coordinator:
+        logger.info("loaded %s (%d bytes on rank 0) in %.3fs", path, bytes_read, reports[0]["total"])
+        if opts.record_timings:
+            _record_load_timings(store, manifest, reports)
+    return LoadResult(plan.missing, plan.unexpected, bytes_read, timer.total(), manifest.save_id)
+
+
+def _manifest_bytes(gathered: Gathered[None], stores: list[Storage], path: str) -> bytes | None:
+    """Rank 0: the manifest's bytes, once every rank has opened its storage."""
+    if not gathered.ok:
+        return None
     try:
-        if err is not None:
-            raise err
+        return _read_manifest_bytes(stores[0], path)
+    except CheckpointError:  # CheckpointNotFoundError, ManifestError (oversized, a directory), StorageError, ...
+        raise
+    except Exception as e:
+        raise StorageError(f"rank 0: reading {path}/{MANIFEST_NAME} failed: {type(e).__name__}: {e}") from e
+
+
+@dataclass(frozen=True)
+class LoadPlan:
+    """What every rank agreed on before any byte is copied: this rank's reads and values."""
+
+    flat: FlatState
+    targets: list[ReadTarget]
+    requests: list[ReadRequest]
+    decoded: dict[str, tuple[bool, Any]]
+    """Plain values, decoded before any tensor is touched."""
+    missing: list[str]
+    unexpected: list[str]
+    """Checkpoint keys no rank wants (the same on every rank)."""
+
+
+def _plan_load(
+    world: World,
+    manifest: Manifest,
+    state: object,
+    path: str,
+    *,
+    strict: bool,
+    cast: bool,
+    allow_pickle: bool,
+    opts: LoadOptions,
+) -> LoadPlan:
+    """Collective: validate the target against the manifest and plan the reads, on every rank.
+
+    Raises:
+        StateMismatchError, MissingKeysError, CoverageError, ...: on every rank if any rank failed.
+    """
+    mine: list[LoadPlan] = []
+
+    def local() -> list[str]:
         flat = flatten(state, rank=world.rank, world_size=world.size, for_load=True, manifest=manifest)
-        targets, missing, unexpected = _validate(manifest, flat, world, state, strict=strict, cast=cast_dtypes)
+        targets, missing, unexpected = _validate(manifest, flat, world, state, strict=strict, cast=cast)
         check_targets(targets, world.rank)  # aliasing: before any rank writes a byte
         # Plan every read now: a gap or overlap in the saved tiles (coverage) is then found,
         # and agreed on by every rank, before any rank writes into its targets.
@@ -168,51 +228,17 @@ def load(
         # Decode plain values now, before any tensor is touched: a refused pickle or a
         # malformed value then leaves the caller's state exactly as it was.
         decoded = {k: _lookup_value(manifest, k, world, allow_pickle) for k in [*flat.values, *flat.per_rank_values]}
-    except Exception as e:
-        err = e
+        mine.append(LoadPlan(flat, targets, requests, decoded, sorted(missing), []))
+        return unexpected
+
+    replies = dist.collective_step(world, f"validating the load of {path}", local)
     # A key is unexpected only if no rank wants it: a pipeline stage holds only its layers.
-    replies = dist.exchange(world, err, unexpected, f"validating the load of {path}")
-    unexpected = sorted(set(unexpected).intersection(*(set(u) for u in replies)))
+    unexpected = sorted(set(replies[world.rank]).intersection(*(set(u) for u in replies)))
     if strict and unexpected:
         raise MissingKeysError(
             f"keys do not match (strict=True): in the checkpoint but wanted by no rank: {_preview(unexpected)}"
         )
-    broadcasts: list[Broadcast] = []
-    if opts.broadcast_replicated:
-        targets, broadcasts = split_replicated(world, targets)
-    bytes_read = 0
-    try:
-        if broadcasts:  # this rank now reads only its share of the replicated targets
-            requests = plan_reads(manifest, targets, max_read_bytes=opts.max_read_bytes, rank=world.rank)
-        timer.mark("plan")
-        assert store is not None  # an early error was raised by the validation exchange
-        reader = Reader(store, manifest, rank=world.rank, verify=opts.verify, threads=opts.io_threads)
-        stats = reader.run(requests)
-        bytes_read = stats.bytes_read
-        timer.mark("read")
-    except Exception as e:
-        err = e
-    # Every rank must know the reads succeeded everywhere before broadcasting, or before
-    # handing state to Stateful objects whose load_state_dict may itself communicate.
-    reads_ok = dist.all_true(world, err is None, "checking the reads of every rank")
-    if reads_ok and broadcasts:
-        run_broadcasts(world, broadcasts)
-        timer.mark("broadcast")
-    if reads_ok:
-        try:
-            restore_values(
-                state, flat, lambda k: decoded[k] if k in decoded else _lookup_value(manifest, k, world, allow_pickle)
-            )
-            timer.mark("values")
-        except Exception as e:
-            err = e
-    timings = {**timer.total(), "bytes": bytes_read}
-    reports = dist.exchange(world, err, timings, f"loading {path}")
-    if world.is_coordinator:
-        logger.info("loaded %s (%d bytes on rank 0) in %.3fs", path, bytes_read, timings["total"])
-        if opts.record_timings:
-            _record_load_timings(store, manifest, reports)
-    return LoadResult(sorted(missing), sorted(unexpected), bytes_read, timer.total(), manifest.save_id)
+    return replace(mine[0], unexpected=unexpected)
 
 
 def _record_load_timings(store: Storage, manifest: Manifest, ranks: list[dict[str, float]]) -> None:

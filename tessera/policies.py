@@ -242,7 +242,7 @@ class SaveDecider:
             return local_preempted, elapsed
         t = torch.tensor([1.0 if local_preempted else 0.0, elapsed], dtype=torch.float64, device=self._device)
         phase = "agreeing on whether to save (preemption, clock)"
-        dist._run(world, phase, lambda: tdist.all_reduce(t, op=tdist.ReduceOp.MAX, group=world.group))
+        dist.run_collective(world, phase, lambda: tdist.all_reduce(t, op=tdist.ReduceOp.MAX, group=world.group))
         return bool(t[0].item() > 0), float(t[1].item())
 
     def _world(self) -> dist.World:

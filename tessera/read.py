@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -27,6 +27,7 @@ from .manifest import Manifest
 from .read_plan import ReadRequest, ReadTarget, check_targets, plan_reads
 from .stage import as_bytes
 from .storage.base import Storage
+from .storage.capabilities import MapsRanges
 
 __all__ = ["ReadRequest", "ReadStats", "ReadTarget", "Reader", "check_targets", "plan_reads"]
 
@@ -104,9 +105,8 @@ class Reader:
             self._read(req, dest.numpy().data)
             self._verify(req, dest, req.start)
             return
-        mapper = getattr(self.storage, "map_range", None) if self.mmap else None
-        if mapper is not None:
-            self._execute_mapped(req, mapper)
+        if self.mmap and isinstance(self.storage, MapsRanges):
+            self._execute_mapped(req, self.storage)
             return
         buf = self._buffers.get(req.nbytes)
         # Place file offset ``start`` at an address congruent to it modulo ALIGN, so every
@@ -124,10 +124,10 @@ class Reader:
             with torch.no_grad():
                 c.target.copy_(src)
 
-    def _execute_mapped(self, req: ReadRequest, mapper: Callable[[str, int, int], memoryview]) -> None:
+    def _execute_mapped(self, req: ReadRequest, mapper: MapsRanges) -> None:
         """Verify and copy straight from a memory map of the file: no intermediate buffer."""
         try:
-            view = mapper(req.file, req.start, req.nbytes)
+            view = mapper.map_range(req.file, req.start, req.nbytes)
         except OSError as e:  # StorageError included
             raise self._read_error(req, e) from e
         self._verify_view(req, view)
@@ -143,9 +143,7 @@ class Reader:
             src = torch.as_strided(src_1d, c.rel.lengths, strides, offset)
             with torch.no_grad():
                 c.target.copy_(src)
-        release = getattr(self.storage, "release_range", None)
-        if release is not None:
-            release(req.file, req.start, req.nbytes)
+        mapper.release_range(req.file, req.start, req.nbytes)
 
     def _read(self, req: ReadRequest, out: memoryview) -> None:
         try:

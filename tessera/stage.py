@@ -33,7 +33,7 @@ class StagingBuffer:
 
     def __init__(self) -> None:
         self._buf: torch.Tensor | None = None
-        self._stream: object | None = None
+        self._stream: torch.cuda.Stream | None = None
 
     @property
     def nbytes(self) -> int:
@@ -92,7 +92,7 @@ class StagingBuffer:
                 stream.synchronize()
         return out  # type: ignore[return-value]  # every entry is filled above
 
-    def _copy_stream(self, on_device: list[torch.Tensor], after: object | None) -> object | None:
+    def _copy_stream(self, on_device: list[torch.Tensor], after: object | None) -> torch.cuda.Stream | None:
         if not on_device or not torch.cuda.is_available() or on_device[0].device.type != "cuda":
             return None
         if self._stream is None:
@@ -100,9 +100,9 @@ class StagingBuffer:
         stream = self._stream
         # Copies must see every kernel the training loop queued before the save.
         if after is not None:
-            stream.wait_event(after)  # type: ignore[attr-defined]
+            stream.wait_event(after)  # type: ignore[arg-type]  # a torch.cuda.Event from ready_event
         else:
-            stream.wait_stream(torch.cuda.current_stream(on_device[0].device))  # type: ignore[attr-defined]
+            stream.wait_stream(torch.cuda.current_stream(on_device[0].device))
         return stream
 
 

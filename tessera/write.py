@@ -18,13 +18,38 @@ import xxhash
 from .errors import StorageError
 from .geometry import Box
 from .storage.base import Storage
+from .storage.capabilities import SyncsDirs
 from .tilefile import FileLayout
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
+class FileWrite:
+    """One data file to write: its path, its layout and the staged bytes of its tiles."""
+
+    path: str
+    """Relative to the storage root (``data/<save id>/<rank>-<k>.safetensors``)."""
+    layout: FileLayout
+    tiles: Sequence[torch.Tensor]
+    """Host byte views (1-D uint8), in ``layout.slots`` order."""
+
+
+@dataclass(frozen=True)
+class WriteRequest:
+    """The write stage of one rank's save: every file it writes, and how."""
+
+    files: tuple[FileWrite, ...]
+    chunk_bytes: int
+    """Checksum granularity."""
+    threads: int
+    """Files written in parallel."""
+
+
+@dataclass(frozen=True)
 class WrittenTile:
+    """A tile as written: where its bytes are in the file and their chunk checksums."""
+
     fqn: str
     box: Box
     byte_offset: int
@@ -34,6 +59,8 @@ class WrittenTile:
 
 @dataclass(frozen=True)
 class WrittenFile:
+    """A data file as written (durably), reported to the coordinator for the manifest."""
+
     path: str
     nbytes: int
     tiles: tuple[WrittenTile, ...]
@@ -56,7 +83,7 @@ def _write_one(
     def chunks() -> Iterator[memoryview | bytes]:
         yield layout.header
         for slot, data in zip(layout.slots, staged):
-            view = memoryview(data.numpy()) if data.numel() else memoryview(b"")
+            view = data.numpy().data if data.numel() else memoryview(b"")
             sums = []
             for c, h in checksum_chunks(view, chunk_bytes):
                 sums.append(h)
@@ -77,7 +104,13 @@ def write_files(
     chunk_bytes: int,
     threads: int,
 ) -> list[WrittenFile]:
-    """Write every ``(path, layout, staged tile bytes)`` durably and return what was written.
+    """Write every ``(path, layout, staged tile bytes)``: :func:`write_tiles` for callers with tuples."""
+    request = WriteRequest(tuple(FileWrite(p, lay, st) for p, lay, st in files), chunk_bytes, threads)
+    return write_tiles(storage, request)
+
+
+def write_tiles(storage: Storage, request: WriteRequest) -> list[WrittenFile]:
+    """The write stage: write every file of ``request`` durably and return what was written.
 
     Durable means: each file fsync'ed by the backend, then (backends with ``sync_dirs``)
     the directories holding them, so that nothing can refer to a file whose directory
@@ -89,21 +122,21 @@ def write_files(
     Raises:
         StorageError: the first failure (the other files are still attempted to the end).
     """
+    files, chunk_bytes, threads = request.files, request.chunk_bytes, request.threads
     if not files:
         return []
     try:
         if len(files) == 1 or threads == 1:
-            written = [_write_one(storage, p, lay, st, chunk_bytes) for p, lay, st in files]
+            written = [_write_one(storage, f.path, f.layout, f.tiles, chunk_bytes) for f in files]
         else:
             with ThreadPoolExecutor(max_workers=min(threads, len(files)), thread_name_prefix="tessera-write") as pool:
-                futures = [pool.submit(_write_one, storage, p, lay, st, chunk_bytes) for p, lay, st in files]
+                futures = [pool.submit(_write_one, storage, f.path, f.layout, f.tiles, chunk_bytes) for f in files]
                 written = [f.result() for f in futures]
-        sync_dirs = getattr(storage, "sync_dirs", None)
-        if callable(sync_dirs):
-            sync_dirs([w.path for w in written])
+        if isinstance(storage, SyncsDirs):
+            storage.sync_dirs([w.path for w in written])
     except BaseException:
         try:
-            storage.delete([p for p, _, _ in files])
+            storage.delete([f.path for f in files])
         except Exception as e:
             logger.warning("could not remove the files of a failed write under %s: %s", storage.url, e)
         raise

@@ -20,6 +20,7 @@ from dist_utils import run_distributed
 
 import tessera
 from tessera import saving, stage
+from tessera.saving import context, finish
 from tessera.trace import blocked_seconds, rank_timings
 
 DELAY_S = 0.2
@@ -207,13 +208,13 @@ def test_check_staging_passes_a_gated_loop_and_the_knob_turns_it_on(tmp_path: Pa
 
 
 def _slow_writes(monkeypatch, delay: float) -> None:
-    real = saving.write_files
+    real = finish.write_tiles
 
     def slow(*args, **kwargs):
         time.sleep(delay)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(saving, "write_files", slow)
+    monkeypatch.setattr(finish, "write_tiles", slow)
 
 
 @pytest.mark.parametrize("staging", list(tessera.StagingMode))
@@ -357,7 +358,7 @@ def test_cuda_background_copy_is_ordered_after_queued_work(tmp_path: Path, slow_
         target = {"w": torch.zeros(1 << 20)}
         tessera.load(str(tmp_path / f"s{step}"), target)
         assert torch.equal(target["w"], torch.full((1 << 20,), float(step + 1)))
-    assert saving._context(None).staging.nbytes >= w.numel() * 4
+    assert context.context_for(None).staging.nbytes >= w.numel() * 4
 
 
 @pytest.mark.cuda

@@ -141,7 +141,7 @@ def run_transfers(
             for work in works:
                 work.wait()  # type: ignore[union-attr]
 
-        dist._run(world, what, post)
+        dist.run_collective(world, what, post)
     for t, sink in sinks:
         try:
             if error is None:

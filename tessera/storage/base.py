@@ -17,6 +17,8 @@ Call order during a save (every rank holds its own backend object for the same r
 
 The methods of :class:`CommitStorage` are optional: a backend without them still works, with
 weaker guarantees (no fencing of concurrent writers, one ``size`` call per file at commit).
+Every optional method is declared in :mod:`tessera.storage.capabilities` as a
+``runtime_checkable`` Protocol and checked with ``isinstance``.
 During a load every rank calls :meth:`Storage.read_file` (manifest) and
 :meth:`Storage.read_into` (byte ranges), from several threads at once.
 
@@ -31,6 +33,7 @@ from collections.abc import Iterable
 from typing import Protocol, runtime_checkable
 
 from ..errors import ManifestError
+from .capabilities import ConditionalPublish, ListsSizes, SyncsDirs
 
 Buffer = bytes | bytearray | memoryview
 
@@ -93,28 +96,13 @@ class Storage(Protocol):
 
 
 @runtime_checkable
-class CommitStorage(Protocol):
-    """Optional methods the commit protocol uses when a backend has them (see docs/guarantees.md)."""
+class CommitStorage(ConditionalPublish, ListsSizes, SyncsDirs, Protocol):
+    """The optional methods the commit protocol uses when a backend has them (docs/guarantees.md).
 
-    def version(self, path: str) -> str | None:
-        """An opaque token that changes whenever ``path`` is replaced; None if it does not exist."""
-        ...
-
-    def replace_if(self, path: str, data: bytes, expected: str | None) -> None:
-        """:meth:`Storage.write_atomic`, but only if :meth:`version` of ``path`` is still ``expected``.
-
-        Raises:
-            tessera.errors.ConcurrentSaveError: if it is not (nothing is written then).
-        """
-        ...
-
-    def file_sizes(self, prefix: str) -> dict[str, int]:
-        """``{relative path: size}`` of every file under ``prefix``, in as few requests as possible."""
-        ...
-
-    def sync_dirs(self, paths: Iterable[str]) -> None:
-        """Make the directory entries of the (already durable) files ``paths`` durable."""
-        ...
+    A backend with all of them is fenced, checked with one listing and directory-durable.
+    Code checks each capability on its own (:mod:`tessera.storage.capabilities`), so a
+    backend may offer any subset.
+    """
 
 
 def check_relpath(path: str) -> str:

@@ -1,0 +1,45 @@
+"""Per process group state kept between saves: cached plans, staging memory, a lock."""
+
+from __future__ import annotations
+
+import threading
+
+from .. import dist
+from ..stage import StagingBuffer
+from .handoff import SavePlan
+
+_MAX_PLANS = 4
+
+
+class SaveContext:
+    """Per process group: cached plans and the reused host staging buffer.
+
+    ``lock`` serialises the starts of saves of one group in this process (the save in
+    flight itself is tracked by :mod:`tessera.inflight`).
+    """
+
+    def __init__(self) -> None:
+        self.plans: dict[str, SavePlan] = {}
+        self.staging = StagingBuffer()
+        self.lock = threading.Lock()
+
+    def remember(self, plan: SavePlan) -> None:
+        """Cache ``plan`` under its fingerprint, dropping the oldest beyond a few."""
+        self.plans[plan.fingerprint] = plan
+        while len(self.plans) > _MAX_PLANS:
+            self.plans.pop(next(iter(self.plans)))
+
+
+_CONTEXTS: dict[object, SaveContext] = {}
+_CONTEXTS_LOCK = threading.Lock()
+
+
+def context_for(process_group: object) -> SaveContext:
+    """The context of ``process_group`` (created on first use)."""
+    # The default group may be named explicitly (dist.group.WORLD) or left as None.
+    key = "default" if dist.is_default_group(process_group) else process_group
+    with _CONTEXTS_LOCK:
+        ctx = _CONTEXTS.get(key)
+        if ctx is None:
+            ctx = _CONTEXTS[key] = SaveContext()
+        return ctx

@@ -1,0 +1,157 @@
+"""The claim, write and commit steps of a save (in the background for ``async_save``).
+
+1. **claim** (collective): every rank finishes staging; rank 0 claims the path
+   (:func:`tessera.commit.claim`) only if every rank staged, so no rank writes a data file
+   before rank 0's owner marker exists and nobody writes after any rank failed.
+2. **write** (every rank): :func:`tessera.write.write_tiles`, then the rank's report.
+3. **commit** (collective): rank 0 assembles the manifest and commits it
+   (:func:`tessera.commit.commit_manifest`), or removes the save's files if any rank failed.
+4. **after commit**: backends with :class:`~tessera.storage.capabilities.AfterCommit`.
+
+Errors anywhere are raised on every rank by :func:`tessera.dist.collective_step`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+
+from .. import commit, dist
+from ..commit import Claim
+from ..dist import Gathered, World
+from ..errors import CheckpointError, StorageError
+from ..results import SaveResult
+from ..storage.capabilities import AfterCommit
+from ..timing import PhaseTimer
+from ..write import FileWrite, WriteRequest, WrittenFile, write_tiles
+from .assemble import build_manifest
+from .handoff import CommitOutcome, FileReport, PreparedSave, RankReport
+from .sources import Staged
+
+logger = logging.getLogger(__name__)
+
+
+def finish_save(
+    world: World,
+    save: PreparedSave,
+    staged: Callable[[], Staged],
+    timer: PhaseTimer,
+    returned: threading.Event | None = None,
+) -> SaveResult:
+    """Collective: claim, write, commit. Runs in the save's background thread (or inline).
+
+    Args:
+        world: the ranks taking part.
+        save: what the prepare and plan steps agreed on.
+        staged: this rank's stage step: returns the staged bytes, or raises what failed.
+        timer: the save's phase timer (write and commit phases are charged here).
+        returned: set once ``async_save`` returned (its stall is in ``timer.stall`` then);
+            None for a synchronous save.
+
+    Returns:
+        this rank's :class:`SaveResult`.
+
+    Raises:
+        CheckpointError: any rank's failure, of the same type on every rank.
+    """
+    tiles: list[Staged] = []
+
+    def stage_locally() -> None:
+        tiles.append(staged())
+
+    claim = dist.collective_step(world, f"saving checkpoint {save.path}", stage_locally, lambda g: _claim(g, save))
+    written: list[WrittenFile] = []
+
+    def write_locally() -> RankReport:
+        written.extend(_write(world, save, tiles[0]))
+        timer.mark("write")
+        if returned is not None:
+            returned.wait()  # the caller's stall is known once async_save has returned
+        timings: dict[str, float] = {**timer.phases, "bytes": sum(w.nbytes for w in written)}
+        if timer.stall is not None:
+            timings["stall"] = timer.stall
+        return RankReport(files=tuple(FileReport.of(w) for w in written), values=save.values, timings=timings)
+
+    try:
+        outcome = dist.collective_step(
+            world, f"saving checkpoint {save.path}", write_locally, lambda g: _commit(g, save, claim)
+        )
+    except BaseException:
+        if not world.is_coordinator and written:
+            # Rank 0 removed what it can see; files on this rank's node-local storage too.
+            _delete_quietly(save, [w.path for w in written])
+        raise
+    timer.mark("commit")
+    if isinstance(save.store, AfterCommit):  # e.g. the memory tier: start this rank's copy to durable storage
+        save.store.after_commit(
+            rank=world.rank, world_size=world.size, save_id=save.save_id, files=[w.path for w in written]
+        )
+    my_bytes = sum(w.nbytes for w in written)
+    if world.is_coordinator:
+        logger.info(
+            "saved %s (%d bytes, %d ranks) in %.3fs", save.path, outcome.total_bytes, world.size, timer.total()["total"]
+        )
+    rank_timings = outcome.rank_timings if world.is_coordinator else {}
+    return SaveResult(
+        save.path, save.save_id, my_bytes, outcome.total_bytes, timer.total(), save.plan_cached, rank_timings
+    )
+
+
+def _claim(gathered: Gathered[None], save: PreparedSave) -> Claim | None:
+    """Rank 0: claim the path once every rank has staged (see :mod:`tessera.commit`)."""
+    if not gathered.ok:
+        return None  # nobody claimed, nobody writes: nothing to clean up
+    return commit.claim(save.store, save.save_id)
+
+
+def _write(world: World, save: PreparedSave, staged: Staged) -> list[WrittenFile]:
+    """The write stage of this rank. Raises StorageError naming the rank for any non-tessera error."""
+    prefix = f"{commit.DATA_DIR}/{save.save_id}"
+    request = WriteRequest(
+        files=tuple(FileWrite(f"{prefix}/{lay.name}", lay, st) for lay, st in zip(save.plan.layouts, staged)),
+        chunk_bytes=save.options.chunk_bytes,
+        threads=save.options.io_threads,
+    )
+    try:
+        return write_tiles(save.store, request)
+    except CheckpointError:
+        raise
+    except Exception as e:
+        raise StorageError(
+            f"rank {world.rank}: writing data files of {save.path} failed: {type(e).__name__}: {e}"
+        ) from e
+
+
+def _commit(gathered: Gathered[RankReport], save: PreparedSave, claim: Claim) -> CommitOutcome | None:
+    """Rank 0: commit the manifest, or remove the save's files if some rank failed.
+
+    Raises:
+        ConcurrentSaveError: another save committed since the claim (also when ranks
+            failed: it is the real cause, as the winner's cleanup removed our files).
+        CheckpointError: the commit failed (see :func:`tessera.commit.commit_manifest`).
+    """
+    if not gathered.ok:
+        files = [w.path for rep in gathered.payloads if rep is not None for w in rep.files]
+        commit.abandon(save.store, claim, files, save.path)
+        lost = commit.superseded(save.store, claim, save.path)
+        if lost is not None:
+            raise lost
+        return None
+    reports = gathered.all()
+    assert save.plan.metas is not None  # rank 0 holds the global tensor table
+    try:
+        manifest = build_manifest(len(reports), save.plan.metas, reports, save.save_id, save.options)
+    except BaseException:
+        commit.abandon(save.store, claim, [w.path for rep in reports for w in rep.files], save.path)
+        raise
+    commit.commit_manifest(save.store, claim, manifest, save.path)
+    timings = {r: rep.timings for r, rep in enumerate(reports)}
+    return CommitOutcome(sum(f.nbytes for f in manifest.files), timings)
+
+
+def _delete_quietly(save: PreparedSave, paths: list[str]) -> None:
+    try:
+        save.store.delete(paths)
+    except Exception as e:
+        logger.warning("could not remove files of a failed save: %s", e)

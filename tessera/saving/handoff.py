@@ -1,0 +1,155 @@
+"""The typed hand-offs between the stages of a save, in the order a save meets them.
+
+request (:class:`SaveRequest`) -> prepare step (:class:`PrepareReport` from every rank)
+-> plan (:class:`SavePlan`, the coordinator's :class:`PlanAssignment` per rank)
+-> :class:`PreparedSave` -> claim -> write (:class:`RankReport` per rank)
+-> commit (:class:`CommitOutcome` on every rank).
+
+A :class:`RankReport` lists :class:`FileReport` s.
+
+All are frozen dataclasses; those crossing ranks are picklable.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ..options import SaveOptions
+from ..plan import RankPlan, TensorMeta
+from ..state import FlatState
+from ..storage import Storage
+from ..tilefile import FileLayout
+from ..write import WrittenFile
+
+
+@dataclass(frozen=True)
+class SaveRequest:
+    """One call of ``save`` or ``async_save``, as the public API received it."""
+
+    path: str
+    """Directory or URL of the checkpoint."""
+    state: object
+    """The state to save (see :func:`tessera.save`)."""
+    process_group: Any = None
+    """The ranks taking part; None: all."""
+    storage: Storage | None = None
+    """A backend to use instead of choosing one from ``path``."""
+    allow_pickle: bool = False
+    """Store values that are not plain."""
+    options: SaveOptions | None = None
+    """Tunables; None: the defaults."""
+    storage_options: dict[str, Any] | None = None
+    """Backend options when ``storage`` is None."""
+    background: bool = False
+    """Write and commit in a background thread (``async_save``)."""
+
+
+@dataclass(frozen=True)
+class EncodedValues:
+    """A rank's plain values, encoded when the save was called (the caller may change them later)."""
+
+    values: dict[str, Any]
+    """Replicated plain values by key (the lowest rank's copy is kept)."""
+    per_rank: dict[str, tuple[Any, str]]
+    """Rank-local values by key: (encoded value, resize policy)."""
+
+
+@dataclass(frozen=True)
+class PrepareReport:
+    """What each rank announces in the prepare step."""
+
+    plan_id: str | None
+    """Id of this rank's cached global plan for its structure, if it has one."""
+    save_id: str | None
+    """A fresh save id (rank 0's is used)."""
+    location: str | None
+    """Where this rank's storage writes (all ranks must agree)."""
+
+
+@dataclass(frozen=True)
+class PlanAssignment:
+    """The coordinator's answer to one rank in the plan step."""
+
+    plan_id: str
+    rank_plan: RankPlan
+
+
+@dataclass(frozen=True)
+class SavePlan:
+    """A rank's share of a global plan, as cached per process group for later saves."""
+
+    plan_id: str
+    fingerprint: str
+    """The local plan's fingerprint: an unchanged structure reuses the plan."""
+    rank_plan: RankPlan
+    layouts: tuple[FileLayout, ...]
+    """The data files this rank writes, in order."""
+    metas: tuple[TensorMeta, ...] | None
+    """The global tensor table (rank 0 only; None elsewhere)."""
+
+
+@dataclass(frozen=True)
+class PreparedSave:
+    """Everything a rank knows once the prepare and plan steps succeeded."""
+
+    path: str
+    store: Storage
+    save_id: str
+    plan: SavePlan
+    plan_cached: bool
+    flat: FlatState
+    values: EncodedValues
+    options: SaveOptions
+
+
+@dataclass(frozen=True)
+class FileReport:
+    """A data file one rank wrote, as rank 0 needs it for the manifest.
+
+    The tiles are named columns of plain tuples (index ``i`` of each is tile ``i``), not
+    one object per tile: a rank may report tens of thousands of tiles, and plain tuples
+    pickle an order of magnitude faster than dataclasses.
+    """
+
+    path: str
+    nbytes: int
+    fqns: tuple[str, ...]
+    offsets: tuple[tuple[int, ...], ...]
+    lengths: tuple[tuple[int, ...], ...]
+    byte_offsets: tuple[int, ...]
+    checksums: tuple[tuple[int, ...], ...]
+    """Each tile's chunk checksums (xxh3-64), in order."""
+
+    @classmethod
+    def of(cls, written: WrittenFile) -> FileReport:
+        """The report of a file :func:`tessera.write.write_tiles` wrote."""
+        tiles = written.tiles
+        return cls(
+            path=written.path,
+            nbytes=written.nbytes,
+            fqns=tuple(t.fqn for t in tiles),
+            offsets=tuple(t.box.offsets for t in tiles),
+            lengths=tuple(t.box.lengths for t in tiles),
+            byte_offsets=tuple(t.byte_offset for t in tiles),
+            checksums=tuple(t.checksums for t in tiles),
+        )
+
+
+@dataclass(frozen=True)
+class RankReport:
+    """What one rank tells rank 0 once its data files are written."""
+
+    files: tuple[FileReport, ...]
+    """The files this rank wrote, with their tiles and checksums."""
+    values: EncodedValues
+    timings: dict[str, float]
+    """The rank's phase durations and byte count."""
+
+
+@dataclass(frozen=True)
+class CommitOutcome:
+    """What rank 0 announces once the manifest is published."""
+
+    total_bytes: int
+    rank_timings: dict[int, dict[str, float]]

@@ -1,0 +1,164 @@
+"""Optional backend capabilities: what a backend may offer beyond :class:`~tessera.storage.base.Storage`.
+
+Each capability is a small ``runtime_checkable`` Protocol; storage-independent code asks
+``isinstance(store, Capability)`` and never looks methods up by name. A backend without a
+capability still works, with the weaker behaviour each protocol's docstring states.
+
+Who uses what, in the order a save and a load meet them:
+
+- :class:`Locatable` (every rank, planning): the location ranks compare before writing.
+- :class:`Versioned` / :class:`ConditionalPublish` (rank 0, claim and publish): fencing of
+  concurrent writers; without them a later writer silently wins.
+- :class:`SyncsDirs` (every rank, after writing): directory entries made durable.
+- :class:`ListsSizes` (rank 0, commit check): one listing instead of one ``size`` per file.
+- :class:`PartialVisibility` (rank 0, commit check): a per-node tier that cannot see every
+  rank's files (the check is then left to its own durable commit).
+- :class:`RemovesEmptyDirs` (rank 0, clean-up): directories of saves killed early removed.
+- :class:`AfterCommit` (every rank, after the commit): e.g. the memory tier starts its copy
+  to durable storage.
+- :class:`Uncommits` (rank 0, manager retention): withdraw a manifest under the fence.
+- :class:`MapsRanges` (every rank, load): zero-copy reads from a memory map.
+- :class:`Persisting` / :class:`Closable` (manager, CLI): wait for durability, release
+  descriptors.
+
+Note that ``isinstance`` against a runtime protocol checks that the members exist, not their
+signatures; :func:`tessera.commit` inspects the one optional keyword it relies on (``owner``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Protocol, runtime_checkable
+
+__all__ = [
+    "AfterCommit",
+    "Closable",
+    "ConditionalPublish",
+    "ListsSizes",
+    "Locatable",
+    "MapsRanges",
+    "PartialVisibility",
+    "Persisting",
+    "RemovesEmptyDirs",
+    "SyncsDirs",
+    "Uncommits",
+    "Versioned",
+]
+
+
+@runtime_checkable
+class Locatable(Protocol):
+    """A backend that can say where it writes better than its ``url`` (e.g. a resolved path)."""
+
+    def location(self) -> str:
+        """The location this backend writes to, as one string all ranks can compare."""
+        ...
+
+
+@runtime_checkable
+class Versioned(Protocol):
+    """A backend that versions files; the commit reads the manifest's version when it claims."""
+
+    def version(self, path: str) -> str | None:
+        """An opaque token that changes whenever ``path`` is replaced; None if it does not exist."""
+        ...
+
+
+@runtime_checkable
+class ConditionalPublish(Versioned, Protocol):
+    """A backend that publishes a file only over an expected version (the commit's fence)."""
+
+    def replace_if(self, path: str, data: bytes, expected: str | None) -> None:
+        """:meth:`Storage.write_atomic`, but only if :meth:`version` of ``path`` is still ``expected``.
+
+        A backend may also accept ``owner=<marker path>`` and then refuse to publish once
+        that owner marker is gone (fencing against retention; see :mod:`tessera.commit`).
+
+        Raises:
+            tessera.errors.ConcurrentSaveError: if it is not (nothing is written then).
+        """
+        ...
+
+
+@runtime_checkable
+class ListsSizes(Protocol):
+    """A backend that lists the sizes under a prefix in few requests."""
+
+    def file_sizes(self, prefix: str) -> dict[str, int]:
+        """``{relative path: size}`` of every file under ``prefix``, in as few requests as possible."""
+        ...
+
+
+@runtime_checkable
+class SyncsDirs(Protocol):
+    """A filesystem backend whose directory entries need their own fsync."""
+
+    def sync_dirs(self, paths: Iterable[str]) -> None:
+        """Make the directory entries of the (already durable) files ``paths`` durable."""
+        ...
+
+
+@runtime_checkable
+class RemovesEmptyDirs(Protocol):
+    """A filesystem backend that keeps empty directories after their files are deleted."""
+
+    def remove_empty_dirs(self, prefix: str) -> None:
+        """Remove the empty directories under ``prefix``."""
+        ...
+
+
+@runtime_checkable
+class PartialVisibility(Protocol):
+    """A backend that may not see every rank's files (e.g. a node-local memory tier)."""
+
+    all_files_visible: bool
+    """False when rank 0 cannot see the files other ranks wrote; the commit check is skipped."""
+
+
+@runtime_checkable
+class AfterCommit(Protocol):
+    """A backend with work to do on every rank once a save has committed."""
+
+    def after_commit(self, *, rank: int, world_size: int, save_id: str, files: Iterable[str]) -> None:
+        """Called on every rank, after rank 0 committed, with the files this rank wrote."""
+        ...
+
+
+@runtime_checkable
+class Uncommits(Protocol):
+    """A fenced backend that can withdraw a committed manifest (retention under the fence)."""
+
+    def uncommit(self, manifest: str, expected: str | None, markers: Iterable[str]) -> bool:
+        """Remove ``manifest`` if it is still at version ``expected`` and no save in ``markers`` is live."""
+        ...
+
+
+@runtime_checkable
+class MapsRanges(Protocol):
+    """A backend that can hand out read-only memory maps of byte ranges."""
+
+    def map_range(self, path: str, offset: int, length: int) -> memoryview:
+        """A read-only, zero-copy view of ``[offset, offset + length)`` of ``path``."""
+        ...
+
+    def release_range(self, path: str, offset: int, length: int) -> None:
+        """Drop this process's hold on a range returned by :meth:`map_range`."""
+        ...
+
+
+@runtime_checkable
+class Persisting(Protocol):
+    """A backend that makes commits durable in the background (e.g. the memory tier)."""
+
+    def wait_persisted(self, timeout: float | None = None) -> None:
+        """Block until every committed save is durable."""
+        ...
+
+
+@runtime_checkable
+class Closable(Protocol):
+    """A backend holding resources (descriptors, maps, threads) to release when done."""
+
+    def close(self) -> None:
+        """Release the backend's resources; the object must not be used afterwards."""
+        ...
