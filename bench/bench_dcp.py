@@ -24,6 +24,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import torch.distributed as dist
@@ -35,6 +36,7 @@ from torch.distributed.tensor import DTensor, Shard
 import tessera
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
+WRITE_BYTES = 64 << 20  # one os.write / readinto call of the limit measurements
 
 
 def rss() -> int:
@@ -126,6 +128,110 @@ def timed(fn: Callable[[], object]) -> float:
     return time.perf_counter() - t0
 
 
+def _write_part(path: str, data: memoryview) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        for i in range(0, len(data), WRITE_BYTES):
+            view = data[i : i + WRITE_BYTES]
+            while len(view):
+                view = view[os.write(fd, view) :]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_durably(paths: list[str], data: memoryview) -> None:
+    """Write ``data`` split over ``paths`` (one thread each), fsync every file and the directory."""
+    step = -(-len(data) // len(paths))
+    parts = [data[i * step : (i + 1) * step] for i in range(len(paths))]
+    if len(paths) == 1:
+        _write_part(paths[0], parts[0])
+    else:
+        with ThreadPoolExecutor(len(paths)) as pool:
+            list(pool.map(_write_part, paths, parts))
+    fd = os.open(os.path.dirname(paths[0]), os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def read_into(path: str, out: memoryview) -> None:
+    with open(path, "rb", buffering=0) as f:
+        pos = 0
+        while pos < len(out):
+            n = f.readinto(out[pos : pos + WRITE_BYTES])
+            if not n:
+                raise EOFError(path)
+            pos += n
+
+
+def measure_limits(args: argparse.Namespace, rank_bytes: int, add: Callable[[str, float], None]) -> None:
+    """This machine's limits for these bytes, all ranks at once (each its own ``rank_bytes``).
+
+    ``limit_write``: the fastest durable write of the rank's bytes (1 file, or ``--limit-files``
+    files written by as many threads; each file fsync'ed, then the directory), with large
+    ``os.write`` calls from memory that is already resident. ``limit_read_cold``: reading the
+    rank's bytes back after ``posix_fadvise(DONTNEED)`` into preallocated memory.
+    """
+    rank = dist.get_rank()
+    data = torch.randn(rank_bytes // 4).view(torch.uint8)
+    view = memoryview(data.numpy())
+    out = torch.zeros_like(data)
+    out_view = memoryview(out.numpy())
+    ldir = os.path.join(args.dir, f"limits-{rank}")
+    os.makedirs(ldir, exist_ok=True)
+    for trial in range(args.repeat):
+        best = float("inf")
+        for nfiles in sorted({1, args.limit_files}):
+            paths = [os.path.join(ldir, f"{trial}-{nfiles}-{k}") for k in range(nfiles)]
+            secs = timed(lambda p=paths: write_durably(p, view))
+            add(f"limit_write_{nfiles}", secs)
+            best = min(best, secs)
+        add("limit_write", best)
+        one = os.path.join(ldir, f"{trial}-1-0")
+        dist.barrier()
+        evict(ldir)
+        add("limit_read_cold", timed(lambda p=one: read_into(p, out_view)))
+        assert torch.equal(out, data), "the read-back limit file differs"
+        for name in os.listdir(ldir):
+            os.unlink(os.path.join(ldir, name))
+    shutil.rmtree(ldir, ignore_errors=True)
+
+
+def bytecheckpoint_model(mesh, total_bytes: int) -> torch.nn.Module | None:
+    """An FSDP2 model of ``total_bytes`` of fp32 weights for ByteCheckpoint, None if it cannot run."""
+    try:
+        import bytecheckpoint  # noqa: F401 - checked here so a missing package skips the rows
+        from torch.distributed.fsdp import fully_shard
+    except Exception as e:  # ImportError, or a version clash with this torch
+        if dist.get_rank() == 0:
+            print(f"ByteCheckpoint skipped: {type(e).__name__}: {e}")
+        return None
+    cols = 4096
+    n_layers = 8
+    rows = max(1, total_bytes // (4 * cols * n_layers))
+    model = torch.nn.Sequential(*[torch.nn.Linear(cols, rows, bias=False) for _ in range(n_layers)])
+    for layer in model:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def measure_bytecheckpoint(model: torch.nn.Module, path: str, add: Callable[[str, float], None]) -> None:
+    """ByteCheckpoint (FSDP2 checkpointer): sync save, and load in the same layout."""
+    import bytecheckpoint as bcp
+
+    add("save_bcp", timed(lambda: bcp.save(path + "-sync", {"model": model}, framework="fsdp2")))
+    add("load_warm_bcp", timed(lambda: bcp.load(path + "-sync", {"model": model}, framework="fsdp2")))
+    # Not measured: fast_saving (its async save). Its completion is only observable through
+    # its callback, which in this harness never fired (the run hung); see docs/benchmarks.md.
+    dist.barrier()
+    if dist.get_rank() == 0:
+        for p in (path + "-sync", path + "-async"):
+            shutil.rmtree(p, ignore_errors=True)
+
+
 def worker(rank: int, world: int, store: str, args: argparse.Namespace, results: dict) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
@@ -136,7 +242,8 @@ def worker(rank: int, world: int, store: str, args: argparse.Namespace, results:
     rows = max(world, total // (4 * cols * n_tensors))
     src = make_state(mesh, n_tensors, rows, cols, Shard(0), fill=True)
     rank_bytes = sum(t.to_local().numel() * 4 for t in src.values())
-    rec: dict[str, list[float]] = {}
+    rec: dict[str, list] = {}
+    bcp_model = bytecheckpoint_model(mesh, rank_bytes * world) if args.bytecheckpoint else None
 
     def add(key: str, v: float) -> None:
         rec.setdefault(key, []).append(v)
@@ -150,11 +257,14 @@ def worker(rank: int, world: int, store: str, args: argparse.Namespace, results:
             dst[k].copy_(v.to_local())
         add("memcpy", time.perf_counter() - t0)
     del dst
+    measure_limits(args, rank_bytes, add)
 
     for trial in range(args.repeat):
         tdir = os.path.join(args.dir, f"tessera-{trial}")
         ddir = os.path.join(args.dir, f"dcp-{trial}")
-        add("save_tessera", timed(lambda: tessera.save(tdir, src)))  # noqa: B023 - called at once
+        sync_result: list = []
+        add("save_tessera", timed(lambda: sync_result.append(tessera.save(tdir, src))))  # noqa: B023 - called at once
+        add("sync_phases_tessera", sync_result[0].timings)
         add("save_dcp", timed(lambda: dcp.save(src, checkpoint_id=ddir)))  # noqa: B023 - called at once
 
         # Async: the stall is the time until the state may change again (the call returns,
@@ -178,6 +288,26 @@ def worker(rank: int, world: int, store: str, args: argparse.Namespace, results:
         fut = dcp.async_save(src, checkpoint_id=adir_d)
         add("stall_dcp", time.perf_counter() - t0)
         fut.result()
+
+        # Call to commit of an async save, without the memory sampler (its thread takes the GIL).
+        for lib in ("tessera", "dcp"):
+            cdir = os.path.join(args.dir, f"{lib}-commit-{trial}")
+            dist.barrier()
+            t0 = time.perf_counter()
+            if lib == "tessera":
+                tp = tessera.async_save(cdir, src)
+                add(
+                    "async_phases_tessera",
+                    {**tp.wait().timings, **{f"stall.{k}": v for k, v in tp.stall_parts.items()}},
+                )
+            else:
+                dcp.async_save(src, checkpoint_id=cdir).result()
+            dist.barrier()
+            add(f"async_commit_{lib}", time.perf_counter() - t0)
+            if rank == 0:
+                shutil.rmtree(cdir, ignore_errors=True)
+        if bcp_model is not None:
+            measure_bytecheckpoint(bcp_model, os.path.join(args.dir, f"bcp-{trial}"), add)
 
         for cache in ("warm", "cold"):
             for lib, path in (("tessera", tdir), ("dcp", ddir)):
@@ -265,12 +395,80 @@ def report(ranks: list[dict[str, list[float]]], args: argparse.Namespace) -> Non
     )
 
 
+def report_limits(ranks: list[dict[str, list]], args: argparse.Namespace) -> None:
+    """Every figure beside this machine's limit for the same bytes, measured in the same run."""
+
+    def med(key: str) -> float | None:
+        if key not in ranks[0]:
+            return None
+        return statistics.median(max(v) for v in zip(*(r[key] for r in ranks)))
+
+    def fmt(v: float | None) -> str:
+        return "-" if v is None else f"{v:.3f} s"
+
+    def ratio(num: float | None, den: float | None) -> str:
+        return "-" if num is None or den is None else f"{num / den:.2f}x"
+
+    write, read, memcpy = med("limit_write"), med("limit_read_cold"), med("memcpy")
+    sync = {lib: med(f"save_{lib}") for lib in ("tessera", "dcp", "bcp")}
+    commit = {lib: med(f"async_commit_{lib}") for lib in ("tessera", "dcp", "bcp")}
+    stall = {lib: med(f"stall_{lib}") for lib in ("tessera", "dcp", "bcp")}
+    warm = {lib: med(f"load_warm_{lib}") for lib in ("tessera", "dcp", "bcp")}
+    cold = {lib: med(f"load_cold_{lib}") for lib in ("tessera", "dcp")}
+    print("\nAgainst this machine's limits (same bytes, same run; the slowest rank, medians):")
+    print(
+        f"durable write limit {fmt(write)} (1 file: {fmt(med('limit_write_1'))}, {args.limit_files} files: "
+        f"{fmt(med(f'limit_write_{args.limit_files}'))}), cold read limit {fmt(read)}, memcpy {fmt(memcpy)}\n"
+    )
+    print("| figure | tessera | DCP | ByteCheckpoint | tessera against | target | DCP against | BCP against |")
+    print("|---|---|---|---|---|---|---|---|")
+
+    def row(label: str, vals: dict, target: str, against: Callable[[float | None], str]) -> None:
+        cells = [fmt(vals.get(lib)) for lib in ("tessera", "dcp", "bcp")]
+        print(
+            f"| {label} | {' | '.join(cells)} | {against(vals.get('tessera'))} | {target} | "
+            f"{against(vals.get('dcp'))} | {against(vals.get('bcp'))} |"
+        )
+
+    row("sync save (write limit / save)", sync, ">= 0.9x", lambda v: ratio(write, v))
+    print(
+        f"| async save, call to commit (/ own sync save) | {fmt(commit['tessera'])} | {fmt(commit['dcp'])} | "
+        f"{fmt(commit['bcp'])} | {ratio(commit['tessera'], sync['tessera'])} | <= 1.1x | "
+        f"{ratio(commit['dcp'], sync['dcp'])} | {ratio(commit['bcp'], sync['bcp'])} |"
+    )
+    row("stall: until the state may change (/ memcpy)", stall, "<= 1.2x", lambda v: ratio(v, memcpy))
+    print(
+        f"| load resharded, warm (DCP / lib) | {fmt(warm['tessera'])} | {fmt(warm['dcp'])} | "
+        f"{fmt(warm['bcp'])} (same layout) | {ratio(warm['dcp'], warm['tessera'])} | >= 3x | 1.00x | "
+        f"{ratio(warm['dcp'], warm['bcp'])} |"
+    )
+    print(
+        f"| load resharded, cold (DCP / lib) | {fmt(cold['tessera'])} | {fmt(cold['dcp'])} | - | "
+        f"{ratio(cold['dcp'], cold['tessera'])} | >= 1.5x | 1.00x | - |"
+    )
+    print(
+        f"| load resharded, cold (read limit / load) | | | | {ratio(read, cold['tessera'])} | | "
+        f"{ratio(read, cold['dcp'])} | |"
+    )
+    phases = {}
+    for key in ("sync_phases_tessera", "async_phases_tessera"):
+        if key in ranks[0]:
+            names = ranks[0][key][0].keys()
+            phases[key] = {n: statistics.median(t.get(n, 0.0) for t in ranks[0][key]) for n in names}
+            print(
+                f"- rank 0 {key.split('_')[0]} save phases (medians): "
+                + ", ".join(f"{n} {v:.3f}" for n, v in phases[key].items() if n != "bytes")
+            )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--gb", type=float, default=1.0)
     ap.add_argument("--procs", type=int, default=2)
     ap.add_argument("--tensors", type=int, default=8)
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--limit-files", type=int, default=4, help="files (threads) per rank of the write limit")
+    ap.add_argument("--no-bytecheckpoint", dest="bytecheckpoint", action="store_false", help="leave out ByteCheckpoint")
     ap.add_argument("--dir", default=None, help="where to write (default: a temporary directory)")
     args = ap.parse_args()
     args.dir = args.dir or tempfile.mkdtemp(prefix="tessera-bench-")
@@ -284,6 +482,7 @@ def main() -> None:
     with open(os.path.join(args.dir, "results.json")) as f:
         ranks = json.load(f)
     report(ranks, args)
+    report_limits(ranks, args)
     shutil.rmtree(args.dir, ignore_errors=True)
 
 

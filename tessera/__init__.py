@@ -65,7 +65,7 @@ if TYPE_CHECKING:  # what the lazy names below resolve to, for type checkers and
     from .api import LoadResult, PendingSave, SaveResult, async_save, load, read_manifest, save
     from .hf_export import HFSaveResult, save_hf
     from .manager import CheckpointManager, StepLoadResult
-    from .options import LoadOptions, SaveOptions, StagingMode
+    from .options import LoadOptions, SaveOptions, StagingMode, WriterMode
     from .policies import AllOf, AnyOf, AtSteps, EveryNSeconds, EveryNSteps, OnPreemption, SaveContext, SavePolicy
     from .preemption import PreemptionHandler
     from .shards import FlatShard, OnResize, ShardedTensor, per_rank
@@ -87,7 +87,7 @@ _LAZY: dict[str, str] = {
     **dict.fromkeys(("HFSaveResult", "save_hf"), ".hf_export"),
     **dict.fromkeys(("LoadResult", "PendingSave", "SaveResult", "async_save", "load", "read_manifest", "save"), ".api"),
     **dict.fromkeys(("CheckpointManager", "StepLoadResult"), ".manager"),
-    **dict.fromkeys(("LoadOptions", "SaveOptions", "StagingMode"), ".options"),
+    **dict.fromkeys(("LoadOptions", "SaveOptions", "StagingMode", "WriterMode"), ".options"),
     **dict.fromkeys(
         ("AllOf", "AnyOf", "AtSteps", "EveryNSeconds", "EveryNSteps", "OnPreemption", "SaveContext", "SavePolicy"),
         ".policies",
@@ -180,6 +180,7 @@ __all__ = [
     "StepLoadResult",
     "StorageError",
     "VerifyReport",
+    "WriterMode",
     "__version__",
     "async_save",
     "load",

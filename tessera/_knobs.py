@@ -47,3 +47,8 @@ def staging_mode() -> str:
 def check_staging() -> bool:
     """Debug check of async saves' sources after staging (``TESSERA_CHECK_STAGING=1``; default off)."""
     return os.environ.get("TESSERA_CHECK_STAGING", "0") not in ("", "0", "false", "no")
+
+
+def writer_mode() -> str:
+    """Who writes a save's data files (``TESSERA_WRITER``: ``thread`` (default) or ``process``)."""
+    return os.environ.get("TESSERA_WRITER", "") or "thread"

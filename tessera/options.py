@@ -27,6 +27,21 @@ class StagingMode(str, Enum):
     BLOCKING = "blocking"
 
 
+class WriterMode(str, Enum):
+    """Where a save's data files are written, checksummed and fsync'ed.
+
+    ``THREAD``: by threads of the saving process (``SaveOptions.io_threads`` of them).
+    ``PROCESS``: by a long-lived writer process per training process, fed from shared memory
+    (see :mod:`tessera.writer_process`), so background writes never take the training loop's
+    GIL; the bytes are copied into the shared arena first. Only local filesystems
+    (:class:`~tessera.storage.local.FileStorage`) are written from the writer process; other
+    backends fall back to threads. Planning and the commit stay in the saving process.
+    """
+
+    THREAD = "thread"
+    PROCESS = "process"
+
+
 @dataclass(frozen=True)
 class SaveOptions:
     """How a save runs. Defaults suit most jobs; environment knobs override some of them."""
@@ -51,9 +66,12 @@ class SaveOptions:
     and, for CPU tensors, a CRC32 of its bytes are taken (one extra read, blocking); after
     the background copy both are checked, and a mismatch fails the save on every rank with a
     :class:`~tessera.errors.StagingMutationError` naming the tensor. Off by default."""
+    writer: WriterMode = field(default_factory=lambda: _writer_mode(_knobs.writer_mode()))
+    """Who writes the data files (:class:`WriterMode`; knob ``TESSERA_WRITER``)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "staging", _staging_mode(self.staging))
+        object.__setattr__(self, "writer", _writer_mode(self.writer))
         if self.io_threads < 1:
             raise ValueError(f"SaveOptions.io_threads must be >= 1, got {self.io_threads}")
         if self.chunk_bytes < 4096:
@@ -92,3 +110,11 @@ def _staging_mode(value: object) -> StagingMode:
     except ValueError:
         choices = ", ".join(repr(m.value) for m in StagingMode)
         raise ValueError(f"SaveOptions.staging (or TESSERA_STAGING) must be one of {choices}, got {value!r}") from None
+
+
+def _writer_mode(value: object) -> WriterMode:
+    try:
+        return WriterMode(value)
+    except ValueError:
+        choices = ", ".join(repr(m.value) for m in WriterMode)
+        raise ValueError(f"SaveOptions.writer (or TESSERA_WRITER) must be one of {choices}, got {value!r}") from None

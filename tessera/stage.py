@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
@@ -51,7 +52,14 @@ class StagingBuffer:
     def release(self) -> None:
         self._buf = None
 
-    def stage(self, sources: Sequence[torch.Tensor], *, copy: bool, after: object | None = None) -> list[torch.Tensor]:
+    def stage(
+        self,
+        sources: Sequence[torch.Tensor],
+        *,
+        copy: bool,
+        after: object | None = None,
+        on_staged: Callable[[int, torch.Tensor], None] | None = None,
+    ) -> list[torch.Tensor]:
         """Host byte views (1-D uint8) of ``sources``, in order.
 
         Args:
@@ -61,6 +69,8 @@ class StagingBuffer:
             after: a CUDA event from :func:`ready_event`, recorded by the thread that owns
                 the tensors; device copies wait for it. None: they wait for the current
                 stream of the calling thread.
+            on_staged: called with ``(index, host view)`` as soon as each source's bytes are
+                in host memory (CPU copies: one by one; device copies: after their stream).
         """
         out: list[torch.Tensor | None] = [None] * len(sources)
         todo = []
@@ -69,6 +79,8 @@ class StagingBuffer:
                 out[i] = as_bytes(src)
             else:
                 todo.append(i)
+        todo_set = set(todo)
+        stream = None
         if todo:
             offsets = []
             pos = 0
@@ -88,8 +100,15 @@ class StagingBuffer:
                     region = buf[off : off + n]
                     region.view(src.dtype).view(src.shape).copy_(src, non_blocking=stream is not None)
                     out[i] = region
+                    if stream is None and on_staged is not None:
+                        on_staged(i, region)
             if stream is not None:
                 stream.synchronize()
+        if on_staged is not None:
+            for i, view in enumerate(out):
+                if stream is None and i in todo_set:
+                    continue  # already reported
+                on_staged(i, view)  # type: ignore[arg-type]  # filled above
         return out  # type: ignore[return-value]  # every entry is filled above
 
     def _copy_stream(self, on_device: list[torch.Tensor], after: object | None) -> torch.cuda.Stream | None:
@@ -119,3 +138,61 @@ def ready_event(sources: Sequence[torch.Tensor]) -> object | None:
     event = torch.cuda.Event()
     event.record(torch.cuda.current_stream(device))
     return event
+
+
+class StagedTiles(Sequence[torch.Tensor]):
+    """Host views of tiles that a copy running in another thread fills in, one by one.
+
+    Indexing (or iterating) waits until that tile is staged, so a writer can start on the
+    first tiles while later ones are still being copied. :meth:`fail` makes every wait for
+    a tile not yet staged raise the copy's error.
+    """
+
+    def __init__(self, n: int) -> None:
+        self._tiles: list[torch.Tensor | None] = [None] * n
+        self._cond = threading.Condition()
+        self._error: BaseException | None = None
+
+    def put(self, i: int, view: torch.Tensor) -> None:
+        with self._cond:
+            self._tiles[i] = view
+            self._cond.notify_all()
+
+    def fail(self, error: BaseException) -> None:
+        with self._cond:
+            self._error = error
+            self._cond.notify_all()
+
+    def __len__(self) -> int:
+        return len(self._tiles)
+
+    def __getitem__(self, i: int) -> torch.Tensor:  # type: ignore[override]  # no slices needed
+        with self._cond:
+            while self._tiles[i] is None:
+                if self._error is not None:
+                    raise self._error
+                self._cond.wait()
+            return self._tiles[i]  # type: ignore[return-value]  # not None: checked above
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        return (self[i] for i in range(len(self)))
+
+    def part(self, start: int, stop: int) -> _Part:
+        """The tiles ``[start, stop)`` (one file's), waiting like this sequence does."""
+        return _Part(self, start, stop)
+
+
+class _Part(Sequence[torch.Tensor]):
+    def __init__(self, tiles: StagedTiles, start: int, stop: int) -> None:
+        self._tiles, self._start, self._stop = tiles, start, stop
+
+    def __len__(self) -> int:
+        return self._stop - self._start
+
+    def __getitem__(self, i: int) -> torch.Tensor:  # type: ignore[override]  # no slices needed
+        if not 0 <= i < len(self):
+            raise IndexError(i)
+        return self._tiles[self._start + i]
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        return (self[i] for i in range(len(self)))

@@ -30,10 +30,10 @@ def _slow_copies(delay: float = DELAY_S) -> None:
     """Make every staging copy of this process start ``delay`` seconds late (in the copy thread)."""
     real = stage.StagingBuffer.stage
 
-    def slow(self, sources, *, copy, after=None):
+    def slow(self, sources, *, copy, after=None, **kwargs):
         if threading.current_thread() is not threading.main_thread():
             time.sleep(delay)
-        return real(self, sources, copy=copy, after=after)
+        return real(self, sources, copy=copy, after=after, **kwargs)
 
     stage.StagingBuffer.stage = slow  # type: ignore[method-assign]
 

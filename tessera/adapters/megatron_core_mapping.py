@@ -31,7 +31,7 @@ TORCH_SAVE_FIRST = "__torch_save_first__"
 
 def _mapping() -> Any:
     try:
-        from megatron.core.dist_checkpointing import mapping  # type: ignore[import-untyped]
+        from megatron.core.dist_checkpointing import mapping
     except ImportError as e:  # pragma: no cover - exercised only without megatron-core
         raise ImportError(
             "tessera.adapters.megatron_core needs megatron-core (pip install 'tessera[interop]' or megatron-core)"
@@ -184,9 +184,9 @@ def to_tessera_state(
         >>> tessera.load(path, state)
         >>> model.load_state_dict(from_tessera_state(state, conv))
     """
-    from megatron.core.dist_checkpointing.dict_utils import extract_matching_values, nested_values  # type: ignore[import-untyped]
-    from megatron.core.dist_checkpointing.state_dict_utils import load_preprocess  # type: ignore[import-untyped]
-    from megatron.core.dist_checkpointing.utils import extract_nonpersistent, extract_sharded_base  # type: ignore[import-untyped]
+    from megatron.core.dist_checkpointing.dict_utils import extract_matching_values, nested_values
+    from megatron.core.dist_checkpointing.state_dict_utils import load_preprocess
+    from megatron.core.dist_checkpointing.utils import extract_nonpersistent, extract_sharded_base
 
     m = _mapping()
     if not isinstance(sharded_state_dict, Mapping):
@@ -273,7 +273,7 @@ def from_tessera_state(
     Example:
         >>> model.load_state_dict(from_tessera_state(state, conv))
     """
-    from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace, merge  # type: ignore[import-untyped]
+    from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace, merge
 
     m = _mapping()
 

@@ -1,8 +1,10 @@
 """The claim, write and commit steps of a save (in the background for ``async_save``).
 
-1. **claim** (collective): every rank finishes staging; rank 0 claims the path
-   (:func:`tessera.commit.claim`) only if every rank staged, so no rank writes a data file
-   before rank 0's owner marker exists and nobody writes after any rank failed.
+1. **claim** (collective): every rank runs its stage step; rank 0 claims the path
+   (:func:`tessera.commit.claim`) only if every rank's stage step succeeded, so no rank
+   writes a data file before rank 0's owner marker exists and nobody writes after any rank
+   failed. (A background save's stage step only starts the copy, which the writes then
+   follow tile by tile: a copy failing later fails the write step, on every rank.)
 2. **write** (every rank): :func:`tessera.write.write_tiles`, then the rank's report.
 3. **commit** (collective): rank 0 assembles the manifest and commits it
    (:func:`tessera.commit.commit_manifest`), or removes the save's files if any rank failed.
@@ -21,10 +23,12 @@ from .. import commit, dist
 from ..commit import Claim
 from ..dist import Gathered, World
 from ..errors import CheckpointError, StorageError
+from ..options import WriterMode
 from ..results import SaveResult
 from ..storage.capabilities import AfterCommit
 from ..timing import PhaseTimer
 from ..write import FileWrite, WriteRequest, WrittenFile, write_tiles
+from ..writer_process import write_tiles_in_process
 from .assemble import build_manifest
 from .handoff import CommitOutcome, FileReport, PreparedSave, RankReport
 from .sources import Staged
@@ -113,8 +117,9 @@ def _write(world: World, save: PreparedSave, staged: Staged) -> list[WrittenFile
         chunk_bytes=save.options.chunk_bytes,
         threads=save.options.io_threads,
     )
+    write = write_tiles_in_process if save.options.writer is WriterMode.PROCESS else write_tiles
     try:
-        return write_tiles(save.store, request)
+        return write(save.store, request)
     except CheckpointError:
         raise
     except Exception as e:

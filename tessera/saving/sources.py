@@ -6,18 +6,20 @@ thread (``StagingMode.BACKGROUND``); either way its result is the staged bytes p
 
 from __future__ import annotations
 
+import threading
 import zlib
+from collections.abc import Callable, Sequence
 
 import torch
 
 from ..errors import CheckpointError, StagingMutationError
 from ..geometry import Box
 from ..results import PendingSave
-from ..stage import StagingBuffer, as_bytes
+from ..stage import StagedTiles, StagingBuffer, as_bytes
 from ..state import FlatState, TensorPiece
 from .handoff import SavePlan
 
-Staged = list[list[torch.Tensor]]
+Staged = Sequence[Sequence[torch.Tensor]]
 """Host byte views (1-D uint8) per data file, in each file's slot order."""
 
 
@@ -65,6 +67,56 @@ def stage(
         out.append(flat_staged[i : i + len(lay.slots)])
         i += len(lay.slots)
     return out
+
+
+class OverlappedCopy:
+    """The stage step of a background save, overlapped with the write step.
+
+    :meth:`start` starts a copy thread and returns at once with per-file sequences that wait
+    tile by tile, so each file's writer starts on its first tiles while later ones are still
+    being copied. A failed copy makes the waiting writers raise its error (naming the rank).
+    :meth:`join` waits for the copy thread: the staging buffer is free for the next save
+    only after it, also when the save failed before writing everything.
+    """
+
+    def __init__(
+        self,
+        plan: SavePlan,
+        srcs: list[torch.Tensor],
+        buffer: StagingBuffer,
+        rank: int,
+        after: object | None,
+        on_done: Callable[[], None],
+    ) -> None:
+        self._plan, self._srcs, self._buffer, self._rank = plan, srcs, buffer, rank
+        self._after, self._on_done = after, on_done
+        self._tiles = StagedTiles(len(srcs))
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> Staged:
+        """Start the copy; this rank's staged bytes per file, each tile waiting for its copy."""
+        self._thread = threading.Thread(target=self._copy, name="tessera-copy", daemon=True)
+        self._thread.start()
+        out, i = [], 0
+        for lay in self._plan.layouts:
+            out.append(self._tiles.part(i, i + len(lay.slots)))
+            i += len(lay.slots)
+        return out
+
+    def join(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+
+    def _copy(self) -> None:
+        try:
+            self._buffer.stage(self._srcs, copy=True, after=self._after, on_staged=self._tiles.put)
+        except Exception as e:
+            error = CheckpointError(f"rank {self._rank}: staging tensors to host memory failed: {e}")
+            error.__cause__ = e
+            self._tiles.fail(error)  # the writers raise it; the commit step reports it on every rank
+        finally:
+            self._srcs.clear()  # let the caller's tensors go
+            self._on_done()
 
 
 def fingerprints(srcs: list[torch.Tensor]) -> list[tuple[int, int | None]]:

@@ -16,7 +16,7 @@ from .context import context_for
 from .finish import finish_save
 from .handoff import SaveRequest
 from .prepare import prepare
-from .sources import Staged, check_unchanged, fingerprints, install_gates, sources, stage
+from .sources import OverlappedCopy, Staged, check_unchanged, fingerprints, install_gates, sources, stage
 
 _STALL_PARTS = ("wait_previous", "plan", "stage", "schedule")
 
@@ -54,6 +54,7 @@ def start_save(request: SaveRequest) -> PendingSave:
         # The background report waits for the caller's stall, known once this returns.
         returned = threading.Event() if request.background else None
         staged: Callable[[], Staged]
+        overlapped: OverlappedCopy | None = None
         if not overlap:
             blocking: Future[Staged] = Future()  # the copy's bytes, or what failed
             try:
@@ -70,21 +71,34 @@ def start_save(request: SaveRequest) -> PendingSave:
             staged_event = threading.Event()
             event = staged_event
 
-            def staged() -> Staged:
-                try:
-                    out = stage(save.plan, srcs, ctx.staging, world.rank, copy=True, after=after)
-                    if reference is not None:
-                        check_unchanged(srcs, names, out, reference, world.rank, request.path)
-                    return out
-                finally:
-                    srcs.clear()  # let the caller's tensors go
+            if reference is None:  # the copy and the writes overlap (issue #13)
+
+                def copied() -> None:
                     event.set()
                     timer.mark("copy")
+
+                overlapped = OverlappedCopy(save.plan, srcs, ctx.staging, world.rank, after, copied)
+                staged = overlapped.start
+            else:  # the debug check compares every byte once the copy is over, before writing
+
+                def staged() -> Staged:
+                    try:
+                        out = stage(save.plan, srcs, ctx.staging, world.rank, copy=True, after=after)
+                        check_unchanged(srcs, names, out, reference, world.rank, request.path)
+                        return out
+                    finally:
+                        srcs.clear()  # let the caller's tensors go
+                        event.set()
+                        timer.mark("copy")
 
             timer.mark("schedule")
 
         def finish() -> SaveResult:
-            return finish_save(world, save, staged, timer, returned)
+            try:
+                return finish_save(world, save, staged, timer, returned)
+            finally:
+                if overlapped is not None:
+                    overlapped.join()  # the staging buffer is reused by the next save
 
         future: Future[SaveResult] = Future()
         if not overlap and blocking.exception() is not None:

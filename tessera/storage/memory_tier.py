@@ -622,14 +622,17 @@ class MemoryTierStorage:
                 except Exception as e:
                     failure = (files[0], e)
         if failure is not None:
-            path, e = failure
+            path, cause = failure
             logger.error(
-                "persisting %s failed on %s: %s; the durable copy still holds its previous commit", self.url, path, e
+                "persisting %s failed on %s: %s; the durable copy still holds its previous commit",
+                self.url,
+                path,
+                cause,
             )
             raise StorageError(
-                f"persisting {self.url} failed copying {path}: {e}; the durable checkpoint at "
+                f"persisting {self.url} failed copying {path}: {cause}; the durable checkpoint at "
                 f"{self.durable.url} still holds its previous commit"
-            ) from e
+            ) from cause
         return copied
 
     def _copy_file(self, path: str) -> int:
