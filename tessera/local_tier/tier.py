@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from .. import api, dist, manifest
+from .. import api, commit, dist, manifest
 from ..errors import CheckpointError, StorageError
 from ..manifest import MANIFEST_NAME
 from ..results import LoadResult
@@ -192,28 +192,57 @@ class LocalTier:
         return data
 
     def copy_to_durable(self, step: int, data: bytes, durable: Storage, world: dist.World) -> None:
-        """Collective: make the committed local ``step`` durable: each rank uploads the files it
-        wrote, then rank 0 publishes the same manifest atomically.
+        """Collective: make the committed local ``step`` durable through the commit protocol.
+
+        The same protocol as a save (:mod:`tessera.commit`): rank 0 claims the durable path
+        (owner marker, the manifest version it replaces), each rank uploads the files it wrote
+        (created, never rewritten, under ``data/<save id>/``), rank 0 checks every file's size,
+        publishes the manifest fenced against any other writer and removes what no save can
+        commit any more. A failure anywhere removes this copy's files and raises on every rank;
+        the durable root keeps its previous commit.
 
         Raises:
-            StorageError: on every rank, if an upload or the manifest failed (nothing committed).
+            ConcurrentSaveError: another writer committed the durable path since the claim.
+            CheckpointError: an upload or the commit failed (on every rank).
         """
         m = manifest.decode(data)
         store = self.step_store(step, world)
-        error: BaseException | None = None
-        try:
-            for f in m.files:
-                if f.rank == world.rank:
-                    durable.write_file(f.path, [store.read_file(f.path)])
-        except Exception as e:
-            error = _storage_error(e, f"rank {world.rank}: step {step}: copying to durable storage")
-        dist.exchange(world, error, None, f"step {step}: copying to durable storage")
-        if world.is_coordinator:
+        what = f"step {step}: copying to durable storage {durable.url}"
+        claim = dist.collective_step(
+            world, what, lambda: None, lambda g: commit.claim(durable, m.save_id) if g.ok else None
+        )
+        if claim is None:
+            raise CheckpointError(f"internal error: {what}: no claim")
+        uploaded: list[str] = []
+
+        def upload() -> list[str]:
             try:
-                durable.write_atomic(MANIFEST_NAME, data)
+                for f in m.files:
+                    if f.rank == world.rank:
+                        durable.write_file(f.path, [store.read_file(f.path)])
+                        uploaded.append(f.path)
+            except CheckpointError:
+                raise
             except Exception as e:
-                error = _storage_error(e, f"step {step}: publishing the durable manifest")
-        dist.exchange(world, error, None, f"step {step}: publishing the durable manifest")
+                raise _storage_error(e, f"rank {world.rank}: {what}") from e
+            return uploaded
+
+        def publish(g: dist.Gathered[list[str]]) -> None:
+            if not g.ok:
+                files = [p for paths in g.payloads if paths is not None for p in paths]
+                commit.abandon(durable, claim, files, durable.url)
+                return
+            commit.commit_manifest(durable, claim, m, durable.url)
+
+        try:
+            dist.collective_step(world, what, upload, publish)
+        except BaseException:
+            if not world.is_coordinator and uploaded:
+                try:  # rank 0 removed what it can see; a node-local durable root needs each rank
+                    durable.delete(uploaded)
+                except Exception as e:
+                    logger.warning("could not remove the files of a failed durable copy: %s", e)
+            raise
 
     def apply_retention(self, world: dist.World, newest: int) -> list[int]:
         """Node leaders: delete committed local steps beyond the newest ``keep_last`` and
