@@ -11,7 +11,9 @@ test module that skips itself whole while being collected.
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import os
+import types
 from collections.abc import Iterator
 
 import pytest
@@ -39,6 +41,8 @@ def _missing(packages: tuple[str, ...]) -> list[str]:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     skip_cuda = pytest.mark.skip(reason="needs a CUDA device")
     for item in items:
+        if isinstance(item, pytest.Function) and _uses_harness(item.function, item.module):
+            item.add_marker(pytest.mark.distributed)
         if "cuda" in item.keywords and not torch.cuda.is_available():
             item.add_marker(skip_cuda)
             continue
@@ -53,6 +57,38 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.stash[_MISSING] = reason
         else:
             item.add_marker(pytest.mark.skip(reason=reason))
+
+
+_HARNESS_NAMES = ("run_distributed", "run_ranks", "start_ranks", "start", "RankGroup")
+
+
+def _code_names(code: types.CodeType) -> set[str]:
+    """Global names a function's code refers to, nested functions and lambdas included."""
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= _code_names(const)
+    return names
+
+
+def _uses_harness(fn: object, module: types.ModuleType | None, depth: int = 0) -> bool:
+    """Whether a test starts processes through tests/dist_utils.py, directly or through a
+    helper function of its module (the ``distributed`` marker)."""
+    code = getattr(fn, "__code__", None)
+    if module is None or code is None or depth > 2:
+        return False
+    from tests import dist_utils
+
+    harness = [getattr(dist_utils, n) for n in _HARNESS_NAMES]
+    for name in _code_names(code):
+        obj = getattr(module, name, None)
+        if obj is None:
+            continue
+        if any(obj is h for h in harness):
+            return True
+        if inspect.isfunction(obj) and obj.__module__ == module.__name__ and _uses_harness(obj, module, depth + 1):
+            return True
+    return False
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:

@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dist_utils import run_distributed
 
 import tessera
 from tessera.convert import export_dcp, import_dcp
 from tessera.errors import MissingKeysError
+from tests.dist_utils import run_distributed
 
 pytestmark = [
     pytest.mark.interop(),

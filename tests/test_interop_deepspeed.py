@@ -16,10 +16,10 @@ import os
 import ds_engine
 import pytest
 import torch
-from dist_utils import run_distributed
 
 import tessera
 from tessera.convert import import_deepspeed
+from tests.dist_utils import run_distributed
 
 pytestmark = [pytest.mark.interop("deepspeed"), pytest.mark.slow]
 

@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from dist_utils import run_distributed
 
 import tessera
 from tessera import commit, dist
@@ -24,6 +23,7 @@ from tessera.storage import FileStorage, FsspecStorage, MemoryTierStorage
 from tessera.storage import capabilities as cap
 from tessera.tilefile import layout_file
 from tessera.write import FileWrite, WriteRequest, write_tiles
+from tests.dist_utils import run_distributed
 
 _REPO = Path(__file__).resolve().parent.parent
 

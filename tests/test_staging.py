@@ -16,12 +16,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from dist_utils import run_distributed
 
 import tessera
 from tessera import saving, stage
 from tessera.saving import context, finish
 from tessera.trace import blocked_seconds, rank_timings
+from tests.dist_utils import run_distributed
 
 DELAY_S = 0.2
 

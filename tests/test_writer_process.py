@@ -18,11 +18,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from dist_utils import run_distributed
 
 import tessera
 from tessera import SaveOptions, WriterMode, writer_process
 from tessera.errors import StorageError
+from tests.dist_utils import run_distributed
 
 THREAD = SaveOptions(writer=WriterMode.THREAD)
 PROCESS = SaveOptions(writer=WriterMode.PROCESS)
