@@ -6,6 +6,10 @@ bash scripts/setup.sh
 # setup.sh installed the interop extra: an interop test that cannot find its framework fails
 # here instead of skipping (tests/conftest.py), so a broken install is never a green run.
 export TESSERA_REQUIRE_INTEROP=${TESSERA_REQUIRE_INTEROP:-1}
+# Lint, format and types first (pyproject.toml configures them): seconds, and a failure names the line.
+.venv/bin/python -m ruff check .
+.venv/bin/python -m ruff format --check .
+.venv/bin/python -m mypy
 set +e
 .venv/bin/python -m pytest "$@"
 rc=$?
