@@ -96,6 +96,19 @@ def async_save(
     Call ``.wait()`` before relying on the checkpoint; an error in the background (the
     copy's too) is raised there, and by the next save if nobody waited.
 
+    Args:
+        path, state, process_group, storage, allow_pickle, options, storage_options: as
+            :func:`save`.
+
+    Returns:
+        a :class:`PendingSave`: ``wait_staged()``, ``wait()``, ``done()``, ``stall_s``.
+
+    Raises:
+        TypeError: if ``path`` is not a path or ``state`` not a dict/Stateful, before any work.
+        CheckpointError: a failure before the save was handed to the background (the
+            previous save's, planning, a blocking copy), on every rank; later failures are
+            raised by ``wait()``.
+
     Example:
         >>> pending = tessera.async_save("/ckpt/step100", {"model": ModelState(m), "optim": OptimizerState(m, opt)})
         >>> ...  # keep training: opt.step() waits for the copy if it still runs

@@ -40,6 +40,14 @@ def read_manifest(
 ) -> Manifest:
     """Read and validate the committed manifest at ``path`` (no communication).
 
+    Args:
+        path: directory or URL of the checkpoint.
+        storage: a backend instance to use instead of choosing one from ``path``.
+        storage_options: backend options when ``storage`` is not given (see docs/storage.md).
+
+    Returns:
+        the decoded :class:`~tessera.manifest.Manifest` (tensors, tiles, files, values).
+
     Example:
         >>> m = tessera.read_manifest("/ckpt/step100")
         >>> m.tensors["model.w"].shape

@@ -87,6 +87,7 @@ class EveryNSteps:
         _check_positive("EveryNSteps", "n", self.n, int, "integer")
 
     def should_save(self, context: SaveContext) -> bool:
+        """Whether to save at ``context.step`` (see the class docstring)."""
         return context.step % self.n == 0
 
 
@@ -106,6 +107,7 @@ class AtSteps:
         object.__setattr__(self, "steps", frozenset(int(s) for s in steps))
 
     def should_save(self, context: SaveContext) -> bool:
+        """Whether to save at ``context.step`` (see the class docstring)."""
         return context.step in self.steps
 
 
@@ -125,6 +127,7 @@ class EveryNSeconds:
         _check_positive("EveryNSeconds", "seconds", self.seconds, (int, float), "number")
 
     def should_save(self, context: SaveContext) -> bool:
+        """Whether to save at ``context.step`` (see the class docstring)."""
         return context.seconds_since_save >= self.seconds
 
 
@@ -140,6 +143,7 @@ class OnPreemption:
     uses_clock = False
 
     def should_save(self, context: SaveContext) -> bool:
+        """Whether to save at ``context.step`` (see the class docstring)."""
         return context.preempted
 
 
@@ -159,6 +163,7 @@ class AnyOf:
         self.uses_clock = any(_uses_clock(p) for p in self.policies)
 
     def should_save(self, context: SaveContext) -> bool:
+        """Whether to save at ``context.step`` (see the class docstring)."""
         return any(p.should_save(context) for p in self.policies)
 
     def __repr__(self) -> str:
@@ -174,6 +179,7 @@ class AllOf(AnyOf):
     """
 
     def should_save(self, context: SaveContext) -> bool:
+        """Whether to save at ``context.step`` (see the class docstring)."""
         return all(p.should_save(context) for p in self.policies)
 
     def __repr__(self) -> str:

@@ -105,6 +105,7 @@ class PendingSave:
             raise TimeoutError(f"the save to {self.path} was not staged within {timeout} s")
 
     def done(self) -> bool:
+        """Whether the save has finished (committed or failed); never blocks."""
         return self._future.done()
 
     def wait(self, timeout: float | None = None) -> SaveResult:

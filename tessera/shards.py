@@ -165,6 +165,16 @@ def per_rank(value: T, *, on_resize: OnResize | str = OnResize.ERROR) -> PerRank
     a different world size ``on_resize`` decides (see :class:`OnResize`); the default is an
     error, because guessing is how resumed runs silently diverge.
 
+    Args:
+        value: the rank's own value (a tensor, a plain value, a nested container).
+        on_resize: what a load under another world size does (:class:`OnResize` or its name).
+
+    Returns:
+        the marked value, to put in the state in place of ``value``.
+
+    Raises:
+        ValueError: for an unknown ``on_resize``.
+
     Example:
         >>> state = {"rng": tessera.per_rank(torch.get_rng_state())}
     """

@@ -77,9 +77,15 @@ class DataPosition:
         self.samples_seen += global_batch_size
 
     def state_dict(self) -> dict[str, int]:
+        """The epoch and the samples seen in it (global counts: the same on every rank)."""
         return {"epoch": self.epoch, "samples_seen": self.samples_seen}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Resume at the saved epoch and sample count (under any world size).
+
+        Raises:
+            ValueError: if ``state_dict`` lacks an integer ``epoch`` or ``samples_seen``.
+        """
         try:
             self.epoch, self.samples_seen = int(state_dict["epoch"]), int(state_dict["samples_seen"])
         except (KeyError, TypeError, ValueError) as e:
