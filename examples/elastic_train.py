@@ -19,9 +19,11 @@ SIGTERM (what schedulers and torchrun's agent send before killing a job) is turn
 last checkpoint: at the next step boundary every rank agrees (even ranks that saw no
 signal), saves synchronously, and exits 0. Disable with ``--no-preemption``.
 
-With ``--local-tier`` (needs a tessera whose ``CheckpointManager`` takes ``local_dir``),
-every step is checkpointed to node-local memory, replicated to another node, and every
-``--durable-every``-th step also goes to ``--ckpt``.
+With ``--local-tier``, every checkpoint goes to node-local memory (``--local-dir``) and is
+replicated to another node, and every ``--durable-every``-th step also goes to ``--ckpt``: a
+restart on the surviving nodes resumes from the newest step they hold between them. Give
+``--local-dir`` a directory that stays with the physical node (``/dev/shm/...``): node indices
+(``{node}``) can change between restarts of an elastic job.
 
 ``--status-dir`` and ``--result`` write JSON for tests and dashboards: each rank's pid and
 step, and rank 0's final loss.
@@ -30,7 +32,6 @@ step, and rank 0's final loss.
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import os
 import sys
@@ -78,8 +79,6 @@ def make_manager(args: argparse.Namespace) -> tessera.CheckpointManager:
         "preemption": not args.no_preemption,
     }
     if args.local_tier:
-        if "local_dir" not in inspect.signature(tessera.CheckpointManager).parameters:
-            raise SystemExit("--local-tier: this tessera's CheckpointManager has no local tier (local_dir=...)")
         kwargs.update(local_dir=args.local_dir, local_replicas=args.local_replicas, durable_every=args.durable_every)
     return tessera.CheckpointManager(args.ckpt, **kwargs)
 
@@ -102,9 +101,10 @@ def main(args: argparse.Namespace) -> None:
     x, y = common.dataset()
 
     with make_manager(args) as manager:
-        resumed_from = None
+        resumed_from = source = None
         try:
-            resumed_from = manager.load(state).step
+            loaded = manager.load(state)
+            resumed_from, source = loaded.step, loaded.source
         except tessera.CheckpointNotFoundError:
             pass  # the first start: nothing saved yet
         if rank == 0:
@@ -145,7 +145,7 @@ def main(args: argparse.Namespace) -> None:
             print(f"finished step {state['step']}: loss {loss_value!r}", flush=True)
             if args.result is not None:
                 result = {"final_loss": loss_value, "step": state["step"], "restart": restart}
-                write_json(args.result, {**result, "resumed_from": resumed_from, "world": world})
+                write_json(args.result, {**result, "resumed_from": resumed_from, "source": source, "world": world})
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ import time
 import pytest
 
 from tessera.local_tier import NodeInventory, StepHolding, choose_step, node_index, place
-from tessera.local_tier.tier import plan_fetches, plan_manifest_fetches
+from tessera.local_tier.fetch_plan import plan_fetches, plan_manifest_fetches
 from tessera.local_tier.transfer import Transfer
 from tests.crash_worker import run_ranks, start_ranks
 from tests.local_tier_worker import (

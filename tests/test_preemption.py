@@ -308,13 +308,22 @@ def test_sigterm_to_torchrun_writes_a_last_checkpoint(tmp_path) -> None:
 
 
 @pytest.mark.slow
-def test_elastic_restart_continues_on_the_surviving_node(tmp_path, reference_run: dict) -> None:
+@pytest.mark.parametrize("tier", ["durable", "local"])
+def test_elastic_restart_continues_on_the_surviving_node(tmp_path, reference_run: dict, tier: str) -> None:
     # Two torchrun agents on one machine are two nodes of one worker each; node B dies whole
     # (agent and worker SIGKILLed). The job restarts on node A alone, at world size 1, from
-    # the last checkpoint the two workers wrote.
+    # the last checkpoint the two workers wrote: durable ones, or (tier="local") the newest
+    # step in node-local directories, node B's part from the replica node A holds, with no
+    # step ever written to the durable root.
     port = _free_port()
     ckpt = str(tmp_path / "ckpt")
-    node_a, _, result = _torchrun(tmp_path, "a", "--step-sleep", "0.15", nproc=1, port=port, ckpt=ckpt)
+
+    def local(node: str) -> tuple[str, ...]:
+        if tier == "durable":
+            return ()
+        return ("--local-tier", "--local-dir", str(tmp_path / f"shm-{node}"), "--durable-every", "1000")
+
+    node_a, _, result = _torchrun(tmp_path, "a", "--step-sleep", "0.15", *local("a"), nproc=1, port=port, ckpt=ckpt)
     # Node A must host the rendezvous store (torchrun's c10d rendezvous does not survive the
     # loss of its host): start B once A listens on the endpoint.
     deadline = time.monotonic() + 120
@@ -325,7 +334,7 @@ def test_elastic_restart_continues_on_the_surviving_node(tmp_path, reference_run
             break
         except OSError:
             time.sleep(0.05)
-    node_b, status_b, _ = _torchrun(tmp_path, "b", "--step-sleep", "0.15", nproc=1, port=port, ckpt=ckpt)
+    node_b, status_b, _ = _torchrun(tmp_path, "b", "--step-sleep", "0.15", *local("b"), nproc=1, port=port, ckpt=ckpt)
     killed_at = None
     deadline = time.monotonic() + 240
     try:
@@ -345,6 +354,9 @@ def test_elastic_restart_continues_on_the_surviving_node(tmp_path, reference_run
     assert out["restart"] == 1 and out["world"] == 1, (out, log)
     assert out["resumed_from"] is not None and out["resumed_from"] >= 10 and out["resumed_from"] % 5 == 0, out
     assert "start 1: 1 workers, training from step" in log
+    if tier == "local":
+        assert out["source"] == "local", out  # node A's directory held both workers' files
+        assert not list((tmp_path / "ckpt").glob("step*")), "a local-tier run wrote a durable step"
     assert out["step"] == 30
     # The same global batch on one worker instead of two: the same loss up to float summation order.
     assert out["final_loss"] == pytest.approx(ref_loss := reference_run["final_loss"], rel=1e-5), (out, ref_loss)

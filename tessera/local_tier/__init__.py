@@ -3,7 +3,8 @@
 and recovery from whatever the surviving nodes hold. See ``docs/resilience.md``.
 
 Modules: :mod:`.placement` (node indices, the replica ring), :mod:`.inventory` (what a node
-holds, the choice of step), :mod:`.transfer` (files between ranks), :mod:`.tier` (save,
+holds, the choice of step), :mod:`.transfer` (files between ranks), :mod:`.fetch_plan` (which files move on
+recovery), :mod:`.tier` (save,
 commit, retention, recovery).
 """
 

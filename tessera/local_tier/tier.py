@@ -24,7 +24,6 @@ import logging
 import os
 import shutil
 import threading
-from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,7 +35,8 @@ from ..manifest import MANIFEST_NAME
 from ..results import LoadResult
 from ..step_names import parse_step_dirname, step_dirname
 from ..storage import FileStorage, Storage
-from .inventory import MARKER_NAME, NodeInventory, StepHolding, choose_step, marker_bytes, read_marker, scan_node
+from .fetch_plan import holdings_of, plan_fetches, plan_manifest_fetches
+from .inventory import MARKER_NAME, NodeInventory, choose_step, marker_bytes, read_marker, scan_node
 from .needs import needed_files
 from .placement import Placement, node_dir, node_index, place
 from .transfer import Transfer, run_transfers
@@ -314,7 +314,7 @@ class LocalTier:
         node = placement.node_of[world.rank]
         leader = placement.leader(node) == world.rank
         store = self.step_store(step, world)
-        holdings = _holdings(inventories, step, save_id)
+        holdings = holdings_of(inventories, step, save_id)
         if leader and node not in holdings:
             _remove(os.path.join(store.root, MARKER_NAME))  # another save of this step, if any
 
@@ -348,70 +348,6 @@ class LocalTier:
         )  # fmt: skip
         result = api.load(self.step_label(step), state, storage=store, **kwargs)
         return Recovery(step, result, "peers" if moved else "local", received)
-
-
-def plan_manifest_fetches(
-    inventories: Sequence[NodeInventory | None], placement: Placement, step: int, save_id: str
-) -> list[Transfer]:
-    """The manifest of ``(step, save_id)`` for each node of ``placement`` that lacks it, from
-    the first node holding it (its leader to the node's leader). Pure and deterministic."""
-    holdings = _holdings(inventories, step, save_id)
-    if not holdings:
-        return []
-    src = min(holdings)
-    return [
-        Transfer(placement.leader(src), placement.leader(node), MANIFEST_NAME, holdings[src].manifest_bytes)
-        for node in sorted(placement.nodes)
-        if node not in holdings
-    ]
-
-
-def plan_fetches(
-    inventories: Sequence[NodeInventory | None],
-    placement: Placement,
-    step: int,
-    save_id: str,
-    files: Sequence[tuple[str, int]],
-    needs: Mapping[int, Iterable[int]] | None = None,
-) -> list[Transfer]:
-    """The data files (``files``: the manifest's, in order) each node needs but lacks, and
-    who sends them.
-
-    Args:
-        needs: per node, the indices of the files its ranks will read (None: every file).
-
-    Pure and deterministic (every rank computes the same list). Each missing file comes
-    from one of the nodes holding it, rotating over holders and over their ranks to spread
-    the load, to one of the needing node's ranks (rotating too).
-    """
-    holdings = _holdings(inventories, step, save_id)
-    holders_of: dict[int, list[int]] = {}
-    for n in sorted(holdings):
-        for i in holdings[n].held:
-            holders_of.setdefault(i, []).append(n)
-    out = []
-    for node in sorted(placement.nodes):
-        members = placement.nodes[node]
-        have = holdings[node].held if node in holdings else frozenset()
-        wanted = range(len(files)) if needs is None else sorted(set(needs.get(node, ())))
-        for i in wanted:
-            if i in have:
-                continue
-            path, nbytes = files[i]
-            holders = holders_of[i]
-            src_members = placement.nodes[holders[(i + node) % len(holders)]]
-            out.append(Transfer(src_members[i % len(src_members)], members[i % len(members)], path, nbytes))
-    return out
-
-
-def _holdings(inventories: Sequence[NodeInventory | None], step: int, save_id: str) -> dict[int, StepHolding]:
-    out = {}
-    for inv in inventories:
-        if inv is not None:
-            h = inv.holding(step, save_id)
-            if h is not None:
-                out[inv.node] = h
-    return out
 
 
 def _global_rank(world: dist.World) -> int | None:
