@@ -29,6 +29,8 @@ Methods must be thread-safe. Errors are raised as :class:`tessera.errors.Storage
 from __future__ import annotations
 
 import posixpath
+import re
+import uuid
 from collections.abc import Iterable
 from typing import Protocol, runtime_checkable
 
@@ -39,6 +41,40 @@ Buffer = bytes | bytearray | memoryview
 
 OWNER_MARKER_DIR = ".tessera-saves"
 """Directory (in a checkpoint) of the owner markers of saves in progress (see tessera.commit)."""
+
+TEMP_RE = re.compile(r"\.tmp-[0-9a-f]{32}$")
+"""Matches the end of a name made by :func:`temp_name` (the one temporary-file naming rule)."""
+
+
+def temp_name(path: str) -> str:
+    """A fresh temporary name beside ``path``, for a file published to ``path`` by a rename.
+
+    Every backend names its temporary files this way, so that listings can leave them out
+    (:data:`TEMP_RE`) and leftovers of a writer that died can be found (:func:`is_temp_name`).
+
+    Args:
+        path: the final path (absolute, relative or a URL: only its end changes).
+
+    Returns:
+        ``<path>.tmp-<32 hex digits>``, unique per call.
+
+    Example:
+        >>> bool(TEMP_RE.search(temp_name("ckpt/manifest.json")))
+        True
+    """
+    return f"{path}.tmp-{uuid.uuid4().hex}"
+
+
+def is_temp_name(name: str, of: str | None = None) -> bool:
+    """Whether ``name`` was made by :func:`temp_name` (for ``of``'s path when given).
+
+    Example:
+        >>> is_temp_name(temp_name("manifest.json"), of="manifest.json")
+        True
+    """
+    if of is None:
+        return TEMP_RE.search(name) is not None
+    return name.startswith(of) and TEMP_RE.fullmatch(name[len(of) :]) is not None
 
 
 @runtime_checkable
