@@ -42,6 +42,8 @@ Buffer = bytes | bytearray | memoryview
 OWNER_MARKER_DIR = ".tessera-saves"
 """Directory (in a checkpoint) of the owner markers of saves in progress (see tessera.commit)."""
 
+TEMP_MARK = ".tmp-"
+"""What :func:`temp_name` puts between a path and its random suffix."""
 TEMP_RE = re.compile(r"\.tmp-[0-9a-f]{32}$")
 """Matches the end of a name made by :func:`temp_name` (the one temporary-file naming rule)."""
 
@@ -50,7 +52,7 @@ def temp_name(path: str) -> str:
     """A fresh temporary name beside ``path``, for a file published to ``path`` by a rename.
 
     Every backend names its temporary files this way, so that listings can leave them out
-    (:data:`TEMP_RE`) and leftovers of a writer that died can be found (:func:`is_temp_name`).
+    (:func:`is_temp_name`) and leftovers of a writer that died can be found.
 
     Args:
         path: the final path (absolute, relative or a URL: only its end changes).
@@ -59,22 +61,32 @@ def temp_name(path: str) -> str:
         ``<path>.tmp-<32 hex digits>``, unique per call.
 
     Example:
-        >>> bool(TEMP_RE.search(temp_name("ckpt/manifest.json")))
+        >>> is_temp_name(temp_name("ckpt/manifest.json"))
         True
     """
-    return f"{path}.tmp-{uuid.uuid4().hex}"
+    return f"{path}{TEMP_MARK}{uuid.uuid4().hex}"
 
 
 def is_temp_name(name: str, of: str | None = None) -> bool:
-    """Whether ``name`` was made by :func:`temp_name` (for ``of``'s path when given).
+    """Whether ``name`` is a temporary file of :func:`temp_name`'s rule.
+
+    Args:
+        name: a file name or path.
+        of: the final name the temporary file was made for. Given, any ``<of>.tmp-*``
+            counts (a leftover to remove before publishing ``of``, whatever wrote it);
+            otherwise ``name`` must end like :func:`temp_name`'s names (:data:`TEMP_RE`), so a
+            listing leaves out exactly those.
+
+    Returns:
+        Whether it is one.
 
     Example:
-        >>> is_temp_name(temp_name("manifest.json"), of="manifest.json")
-        True
+        >>> is_temp_name("manifest.json.tmp-0123", of="manifest.json"), is_temp_name("data/a.tmp-notes")
+        (True, False)
     """
-    if of is None:
-        return TEMP_RE.search(name) is not None
-    return name.startswith(of) and TEMP_RE.fullmatch(name[len(of) :]) is not None
+    if of is not None:
+        return name.startswith(of + TEMP_MARK)
+    return TEMP_RE.search(name) is not None
 
 
 @runtime_checkable
