@@ -110,7 +110,7 @@ class TierPersistence:
         collective: it waits only for this process's previous persistence (backpressure), then
         returns; the copy runs on the persistence thread. This rank's files are copied to the
         durable store and reported with a marker; rank 0 then waits for every rank's marker
-        and publishes the manifest (see the module docstring). Failures are not raised here:
+        and publishes the manifest (see :mod:`tessera.storage.memory_tier`). Failures are not raised here:
         :meth:`wait_persisted` reports them (on rank 0, every rank's). A no-op unless
         ``per_rank`` is on, and for a ``save_id`` this process already handled.
 

@@ -22,7 +22,7 @@ logger = logging.getLogger(__name__)
 class MemoryTierStorage(TierPersistence):
     """Two-stage storage: commit to a host-memory directory, persist to ``durable`` in the background.
 
-    Implements :class:`~tessera.storage.Storage`; see the module docstring for the exact
+    Implements :class:`~tessera.storage.Storage`; see :mod:`tessera.storage.memory_tier` for the exact
     semantics. Thread-safe.
 
     Args:
