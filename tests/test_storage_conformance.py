@@ -371,3 +371,25 @@ def test_fsspec_options_are_validated() -> None:
         FsspecStorage("memory://x", max_concurrency=0)
     with pytest.raises(ValueError, match="no protocol"):
         FsspecStorage(os.fspath("/plain/path"))
+
+
+def test_one_temporary_file_name_rule(tmp_path: Path) -> None:
+    """Temporary files follow storage.base.temp_name: the tier's listing skips them, a commit removes leftovers."""
+    from tessera.storage.base import TEMP_RE, is_temp_name, temp_name
+
+    name = temp_name("data/x.safetensors")
+    assert name.startswith("data/x.safetensors.tmp-") and TEMP_RE.search(name)
+    assert is_temp_name(name) and is_temp_name(name, of="data/x.safetensors")
+    assert temp_name("a") != temp_name("a")
+    assert not is_temp_name("data/x.safetensors") and not is_temp_name("a.tmp-notes")
+    assert not is_temp_name(name, of="data/y.safetensors")
+
+    durable = FileStorage(str(tmp_path / "durable"))
+    tier = MemoryTierStorage(durable, memory_root=str(tmp_path / "memory"), auto_persist=False)
+    durable.write_atomic("keep.bin", b"k")
+    durable.write_file(temp_name("manifest.json"), [b"{"])  # a publish in progress
+    assert tier.list() == ["keep.bin"]
+    durable.write_file("manifest.json.tmp-0123abcd", [b"{"])  # any <name>.tmp-* is a leftover to remove
+    durable.replace_if("manifest.json", b"{}", None)
+    assert [p for p in durable.list() if ".tmp" in p] == []
+    assert durable.read_file("manifest.json") == b"{}" and durable.read_file("keep.bin") == b"k"

@@ -29,6 +29,8 @@ Methods must be thread-safe. Errors are raised as :class:`tessera.errors.Storage
 from __future__ import annotations
 
 import posixpath
+import re
+import uuid
 from collections.abc import Iterable
 from typing import Protocol, runtime_checkable
 
@@ -39,6 +41,52 @@ Buffer = bytes | bytearray | memoryview
 
 OWNER_MARKER_DIR = ".tessera-saves"
 """Directory (in a checkpoint) of the owner markers of saves in progress (see tessera.commit)."""
+
+TEMP_MARK = ".tmp-"
+"""What :func:`temp_name` puts between a path and its random suffix."""
+TEMP_RE = re.compile(r"\.tmp-[0-9a-f]{32}$")
+"""Matches the end of a name made by :func:`temp_name` (the one temporary-file naming rule)."""
+
+
+def temp_name(path: str) -> str:
+    """A fresh temporary name beside ``path``, for a file published to ``path`` by a rename.
+
+    Every backend names its temporary files this way, so that listings can leave them out
+    (:func:`is_temp_name`) and leftovers of a writer that died can be found.
+
+    Args:
+        path: the final path (absolute, relative or a URL: only its end changes).
+
+    Returns:
+        ``<path>.tmp-<32 hex digits>``, unique per call.
+
+    Example:
+        >>> is_temp_name(temp_name("ckpt/manifest.json"))
+        True
+    """
+    return f"{path}{TEMP_MARK}{uuid.uuid4().hex}"
+
+
+def is_temp_name(name: str, of: str | None = None) -> bool:
+    """Whether ``name`` is a temporary file of :func:`temp_name`'s rule.
+
+    Args:
+        name: a file name or path.
+        of: the final name the temporary file was made for. Given, any ``<of>.tmp-*``
+            counts (a leftover to remove before publishing ``of``, whatever wrote it);
+            otherwise ``name`` must end like :func:`temp_name`'s names (:data:`TEMP_RE`), so a
+            listing leaves out exactly those.
+
+    Returns:
+        Whether it is one.
+
+    Example:
+        >>> is_temp_name("manifest.json.tmp-0123", of="manifest.json"), is_temp_name("data/a.tmp-notes")
+        (True, False)
+    """
+    if of is not None:
+        return name.startswith(of + TEMP_MARK)
+    return TEMP_RE.search(name) is not None
 
 
 @runtime_checkable

@@ -35,14 +35,13 @@ from __future__ import annotations
 
 import functools
 import logging
-import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import TypeVar
 
 from ..errors import ConcurrentSaveError, StorageError
 from ._retry import RetryOptions, Truncated, call_with_retry, failure
 from ._s3 import S3Objects, s3_filesystem
-from .base import Buffer, check_relpath
+from .base import Buffer, check_relpath, temp_name
 
 logger = logging.getLogger(__name__)
 
@@ -175,7 +174,7 @@ class FsspecStorage:
         if self._object_store:
             self._retry("committing", rel, lambda: self.fs.pipe_file(full, data))
             return
-        tmp = f"{full}.tmp-{uuid.uuid4().hex}"
+        tmp = temp_name(full)
 
         def publish() -> None:
             self.fs.makedirs(self.fs._parent(full), exist_ok=True)

@@ -18,12 +18,11 @@ import logging
 import mmap
 import os
 import threading
-import uuid
 from collections.abc import Iterable
 from urllib.parse import urlparse
 
 from ..errors import ConcurrentSaveError, StorageError
-from .base import Buffer, check_relpath
+from .base import Buffer, check_relpath, is_temp_name, temp_name
 
 logger = logging.getLogger(__name__)
 
@@ -97,7 +96,7 @@ class FileStorage:
             fd = self._create(full)
             target = full
         except FileExistsError:
-            target = f"{full}.tmp-{uuid.uuid4().hex}"
+            target = temp_name(full)
             try:
                 fd = self._create(target)
             except OSError as e:
@@ -177,7 +176,7 @@ class FileStorage:
         """Atomically make ``full`` hold ``data``: a durable temporary file, a rename, then the
         directory fsync'ed, so the new name is durable when this returns (and nothing partial is
         ever visible under ``full``)."""
-        tmp = f"{full}.tmp-{uuid.uuid4().hex}"
+        tmp = temp_name(full)
         try:
             self._write_new(tmp, data)
             os.replace(tmp, full)
@@ -245,9 +244,9 @@ class FileStorage:
                     "(another job's CheckpointManager deleted this unfinished checkpoint as a leftover, "
                     "with some of its files); two jobs are saving under one root. Nothing was committed"
                 )
-            prefix = os.path.basename(full) + ".tmp-"
+            base = os.path.basename(full)
             for name in os.listdir(directory):  # leftovers of writers that died mid-commit
-                if name.startswith(prefix):
+                if is_temp_name(name, of=base):
                     self._unlink_quietly(os.path.join(directory, name))
             self._replace_with(full, data)
         finally:
