@@ -1,118 +1,39 @@
-"""Checkpoints of a training run: one directory per step, a ``latest`` pointer, retention.
+"""The :class:`CheckpointManager` facade: saves and loads by step, with retention.
 
-Layout under ``root`` (any URL :func:`tessera.storage.storage_for` accepts)::
-
-    <root>/
-      step-00000100/     a checkpoint (see tessera.save): manifest.json + data/
-      step-00000200/
-      latest             one line: the directory name of the newest committed step
-
-A step directory is ``step-`` followed by the step number zero-padded to 8 digits
-(``step-00000100``); steps past 99,999,999 simply get more digits. Names that are not in
-exactly this form are ignored, so other files may live under ``root``.
-
-Crash safety: a step is committed when its ``manifest.json`` is (see :func:`tessera.save`);
-``latest`` is rewritten atomically only after that, so it never names an uncommitted step,
-though after a crash it may lag one step behind. :meth:`CheckpointManager.load` therefore
-looks at the step directories themselves and resumes from the newest one that is committed
-and intact. Retention deletes a step's ``manifest.json`` before its data, so a deletion cut
-short leaves an incomplete step (skipped by loads), never a corrupt "committed" one.
-
-Distributed contract: every rank constructs the manager with the same arguments and calls
-:meth:`~CheckpointManager.save` and :meth:`~CheckpointManager.load` together (they are
-collective, like :func:`tessera.save`); only rank 0 moves ``latest`` and deletes old steps.
-:meth:`~CheckpointManager.steps` and :meth:`~CheckpointManager.latest_step` only read
-storage and may be called by any rank alone. A manager is meant for one thread.
+See the package docstring (:mod:`tessera.manager`) for the layout, crash safety and the
+distributed contract. The concepts live beside this module: step names and listing in
+:mod:`~tessera.manager.steps`, retention in :mod:`~tessera.manager.retention`, the
+asynchronous bookkeeping in :mod:`~tessera.manager.background`, the local tier's save in
+:mod:`~tessera.manager.tiered`, and resuming in :mod:`~tessera.manager.resume`.
 """
 
 from __future__ import annotations
 
-import atexit
 import logging
 import signal
-import sys
 import threading
 import time
-import warnings
-import weakref
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
-from concurrent.futures import wait as wait_futures
-from dataclasses import dataclass, field
 from typing import Any
 
-from . import _args, api, dist
-from .api import LoadResult, PendingSave, SaveResult
-from .errors import (
-    CheckpointError,
-    CheckpointNotFoundError,
-    CollectiveTimeoutError,
-    DistributedError,
-    StorageError,
-)
-from .local_tier import LocalTier
-from .manifest import MANIFEST_NAME
-from .options import LoadOptions, SaveOptions
-from .policies import SaveDecider, SavePolicy
-from .preemption import PreemptionHandler
-from .step_names import parse_step_dirname, step_dirname
-from .storage import Storage, storage_for
-from .storage.base import OWNER_MARKER_DIR
+from .. import _args, api, dist
+from ..errors import StorageError
+from ..local_tier import LocalTier
+from ..options import LoadOptions, SaveOptions
+from ..policies import SaveDecider, SavePolicy
+from ..preemption import PreemptionHandler
+from ..results import PendingSave, SaveResult
+from ..step_names import step_dirname
+from ..storage import Storage, storage_for
+from ..storage.capabilities import Persisting
+from . import background, resume, retention, tiered
+from .resume import StepLoadResult
+from .steps import LATEST_NAME, check_step, close_store, join_root, read_pointer, scan_steps, write_pointer
+
+__all__ = ["CheckpointManager"]
 
 logger = logging.getLogger(__name__)
-
-LATEST_NAME = "latest"
-# Errors that mean "this step's checkpoint is unusable", as opposed to a problem with the
-# caller's state or the job. Compared by name because a peer's failure reaches the other
-# ranks as text inside a DistributedError.
-_SKIPPABLE = frozenset({"CorruptCheckpointError", "ManifestError", "CheckpointNotFoundError"})
-
-
-def _join(root: str, name: str) -> str:
-    return root + name if root.endswith("/") else f"{root}/{name}"
-
-
-@dataclass(frozen=True)
-class StepLoadResult:
-    """What :meth:`CheckpointManager.load` loaded.
-
-    Attributes:
-        step: the step that was loaded.
-        result: the :class:`~tessera.LoadResult` of loading it.
-        skipped: newer steps that were passed over, with the reason (incomplete or corrupt).
-        source: where the bytes came from, job-wide: ``"local"`` (every node already held
-            all the files it needed in its local tier), ``"peers"`` (some nodes fetched
-            files from other nodes' local tiers first) or ``"durable"`` (the durable root).
-        peer_bytes: bytes this rank received from peers before loading (``"peers"`` only).
-    """
-
-    step: int
-    result: LoadResult
-    skipped: dict[int, str] = field(default_factory=dict)
-    source: str = "durable"
-    peer_bytes: int = 0
-
-
-_OPEN: weakref.WeakSet[CheckpointManager] = weakref.WeakSet()
-
-
-@atexit.register
-def _close_all() -> None:
-    # Daemon threads die abruptly at interpreter exit; finish pending saves first.
-    for manager in list(_OPEN):
-        try:
-            manager.close()
-        except Exception as e:
-            logger.error("checkpoint manager for %s: a pending save failed at exit: %s", manager.root, e)
-            # Straight to stderr too: logging may be unconfigured or go to a file nobody reads.
-            # (An atexit handler cannot change the exit status; Python ignores it.)
-            try:
-                sys.stderr.write(
-                    f"tessera: ERROR: checkpoint manager for {manager.root}: a pending save failed at exit: {e}\n"
-                )
-                sys.stderr.flush()
-            except Exception:
-                pass
 
 
 class CheckpointManager:
@@ -245,7 +166,7 @@ class CheckpointManager:
         self._decider = SaveDecider(save_policy, preemption=handler, process_group=process_group)
         if handler is not None:  # after every argument is checked: a refused manager leaves no handler
             handler.install()
-        _OPEN.add(self)
+        background.close_at_exit(self)
 
     # ------------------------------------------------------------------------------------
     # Naming and listing (local: no communication)
@@ -257,18 +178,11 @@ class CheckpointManager:
             >>> CheckpointManager("/ckpt/run1").step_url(100)
             '/ckpt/run1/step-00000100'
         """
-        return _join(self.root, step_dirname(_check_step(step)))
+        return join_root(self.root, step_dirname(check_step(step)))
 
     def _scan(self) -> dict[int, bool]:
         """Every step directory under root: ``{step: committed}``."""
-        found: dict[int, bool] = {}
-        for rel in self._root_store.list(""):
-            head, _, rest = rel.partition("/")
-            step = parse_step_dirname(head)
-            if step is None or not rest:
-                continue
-            found[step] = found.get(step, False) or rest == MANIFEST_NAME
-        return found
+        return scan_steps(self._root_store)
 
     def steps(self) -> list[int]:
         """Committed steps (those with a ``manifest.json``), oldest first.
@@ -295,14 +209,7 @@ class CheckpointManager:
 
     def pointer_step(self) -> int | None:
         """The step the ``latest`` pointer names (None if absent or unreadable). Not collective."""
-        try:
-            text = self._root_store.read_file(LATEST_NAME)
-        except FileNotFoundError:
-            return None
-        step = parse_step_dirname(text.decode("utf-8", "replace").strip())
-        if step is None:
-            logger.warning("%s/%s does not name a step directory (%r); ignoring it", self.root, LATEST_NAME, text[:80])
-        return step
+        return read_pointer(self._root_store, self.root)
 
     # ------------------------------------------------------------------------------------
     # Save
@@ -332,22 +239,22 @@ class CheckpointManager:
             >>> mgr.save(100, {"model": model.state_dict(), "step": 100})
         """
         _args.check_manager_save(step, state)
-        step = _check_step(step)
+        step = check_step(step)
         if self._closed:
             raise ValueError(f"CheckpointManager({self.root!r}) is closed")
         t0 = time.monotonic()  # the stall counts the wait for the previous save too
         self._wait_previous()
         waited = time.monotonic() - t0
-        background = self.async_save if async_save is None else async_save
+        in_background = self.async_save if async_save is None else async_save
         preempted = self._decider.agree_preemption(step)  # collective only with preemption=True
         if preempted:
-            background = False  # the job exits next: the step must be committed (and durable) first
+            in_background = False  # the job exits next: the step must be committed (and durable) first
         self._decider.record_save(step)
         url = self.step_url(step)
         world = dist.world_for(self.process_group)
         self._distributed = self._distributed or world.distributed
         if self._tier is not None:
-            return self._save_tiered(step, state, background, world, t0, waited, durable=preempted or None)
+            return tiered.save_tiered(self, step, state, in_background, world, t0, waited, durable=preempted or None)
         store = self._factory(url)
         if self.retention_before_save and world.is_coordinator:
             # Rank 0 makes room before it joins the save; no rank writes before rank 0 joins.
@@ -363,7 +270,7 @@ class CheckpointManager:
             "allow_pickle": self.allow_pickle,
             "options": self.save_options,
         }
-        if not background:
+        if not in_background:
             try:
                 result = api.save(url, state, **kwargs)
                 self._after_commit(step, store, world)
@@ -375,19 +282,11 @@ class CheckpointManager:
         except BaseException:
             self._forget(step, store)
             raise
-        future: Future[SaveResult] = Future()
-        thread = threading.Thread(
-            target=self._finish, args=(future, inner, step, store, world), name="tessera-manager", daemon=True
-        )
-        self._thread = thread
-        thread.start()
-        stall = time.monotonic() - t0
-        parts = dict(inner.stall_parts)
-        parts["wait_previous"] = parts.get("wait_previous", 0.0) + waited
-        parts["prepare"] = max(0.0, stall - sum(parts.values()))  # storage, retention, threads
-        # The gate is the inner save's: wait_staged() here waits for the same copy.
-        self._pending = PendingSave(future, stall, path=url, staged_event=inner._staged, stall_parts=parts)
-        return self._pending
+
+        def finish(future: Future[SaveResult]) -> None:
+            self._finish(future, inner, step, store, world)
+
+        return background.finish_in_background(self, inner, finish, path=url, t0=t0, waited=waited)
 
     def _finish(
         self, future: Future[SaveResult], inner: PendingSave, step: int, store: Storage, world: dist.World
@@ -396,7 +295,7 @@ class CheckpointManager:
             result = inner.wait()
         except BaseException as e:
             self._forget(step, store)
-            future.set_exception(self._explain(e, step))
+            future.set_exception(background.explain(self, e, step))
             return
         try:
             self._after_commit(step, store, world)
@@ -407,93 +306,13 @@ class CheckpointManager:
         self._forget(step, store)
         future.set_result(result)
 
-    def _save_tiered(
-        self,
-        step: int,
-        state: object,
-        background: bool,
-        world: dist.World,
-        t0: float,
-        waited: float,
-        durable: bool | None = None,
-    ) -> SaveResult | PendingSave:
-        """``save`` with a local tier: the local step (committed with its replicas), then,
-        for durable steps (``durable_every``, or ``durable=True``: a preemption), a copy of it under ``root``."""
-        tier = self._tier
-        assert tier is not None
-        if not durable:
-            durable = self.durable_every is None or step % self.durable_every == 0
-        local = tier.step_store(step, world)
-        tier.before_save(step, world)
-        with self._lock:
-            self._in_flight.add(step)
-        kwargs: dict[str, Any] = {
-            "process_group": self.process_group,
-            "storage": local,
-            "allow_pickle": self.allow_pickle,
-            "options": self.save_options,
-        }
-        label = tier.step_label(step)
-        if not background:
-            try:
-                result = api.save(label, state, **kwargs)
-                self._finish_tiered(step, durable, world)
-            finally:
-                self._forget(step, local)
-            return result
-        try:
-            inner = api.async_save(label, state, **kwargs)
-        except BaseException:
-            self._forget(step, local)
-            raise
-        future: Future[SaveResult] = Future()
-
-        def finish() -> None:
-            try:
-                result = inner.wait()
-                self._finish_tiered(step, durable, world)
-            except BaseException as e:
-                future.set_exception(self._explain(e, step))
-                return
-            finally:
-                self._forget(step, local)
-            future.set_result(result)
-
-        thread = threading.Thread(target=finish, name="tessera-manager", daemon=True)
-        self._thread = thread
-        thread.start()
-        stall = time.monotonic() - t0
-        parts = dict(inner.stall_parts)
-        parts["wait_previous"] = parts.get("wait_previous", 0.0) + waited
-        parts["prepare"] = max(0.0, stall - sum(parts.values()))
-        self._pending = PendingSave(future, stall, path=label, staged_event=inner._staged, stall_parts=parts)
-        return self._pending
-
-    def _finish_tiered(self, step: int, durable: bool, world: dist.World) -> None:
-        """After the local save of ``step``: replicas and the local commit, then the durable copy."""
-        tier = self._tier
-        assert tier is not None
-        data = tier.commit(step, world)
-        if not durable:
-            return
-        store = self._factory(self.step_url(step))
-        try:
-            tier.copy_to_durable(step, data, store, world)
-            self._after_commit(step, store, world)
-        finally:
-            close = getattr(store, "close", None)
-            if callable(close):
-                close()
-
     def _forget(self, step: int, store: Storage) -> None:
         with self._lock:
             self._in_flight.discard(step)
-        close = getattr(store, "close", None)
-        if callable(close):
-            try:
-                close()
-            except Exception as e:
-                logger.warning("closing the storage of %s failed: %s", self.step_url(step), e)
+        try:
+            close_store(store)
+        except Exception as e:
+            logger.warning("closing the storage of %s failed: %s", self.step_url(step), e)
 
     def _after_commit(self, step: int, store: Storage, world: dist.World) -> None:
         """Rank 0, after ``step`` committed: move ``latest``, then apply retention.
@@ -508,10 +327,9 @@ class CheckpointManager:
             return
         # A tiered backend commits to host memory first. Until the step is durable, neither
         # "latest" nor retention may act on it: older steps are the safe ones.
-        wait_persisted = getattr(store, "wait_persisted", None)
-        if callable(wait_persisted):
+        if isinstance(store, Persisting):
             try:
-                wait_persisted()
+                store.wait_persisted()
             except Exception as e:
                 raise StorageError(
                     f"step {step} is committed in host memory but copying it to {self.step_url(step)} failed; "
@@ -524,27 +342,13 @@ class CheckpointManager:
             return
         try:
             if step >= max((s for s, c in found.items() if c), default=step):
-                self._root_store.write_atomic(LATEST_NAME, (step_dirname(step) + "\n").encode())
+                write_pointer(self._root_store, step)
         except Exception as e:
             logger.warning("step %d is committed but moving %s/%s failed: %s", step, self.root, LATEST_NAME, e)
         try:
             self._apply_retention(step, found, keep_last=self.keep_last)
         except Exception as e:
             logger.warning("retention under %s failed after step %d: %s", self.root, step, e)
-
-    def _explain(self, e: BaseException, step: int) -> BaseException:
-        """``e``, or an error saying what to do if the process group went away under the save."""
-        import torch.distributed as tdist
-
-        if not self._distributed or (tdist.is_available() and tdist.is_initialized()):
-            return e
-        out = CheckpointError(
-            f"CheckpointManager({self.root!r}): step {step} was NOT committed: the process group was destroyed "
-            f"while its asynchronous save was still running. Call mgr.close() (or mgr.wait()) before "
-            f"torch.distributed.destroy_process_group(). Cause: {type(e).__name__}: {e}"
-        )
-        out.__cause__ = e
-        return out
 
     def apply_retention(self, *, making_room_for: int | None = None) -> list[int]:
         """Rank 0: delete the steps retention does not keep; returns the steps deleted. Not collective.
@@ -577,49 +381,19 @@ class CheckpointManager:
         keep_last: int | None,
         also_keep: frozenset[int] = frozenset(),
     ) -> list[int]:
-        committed = sorted(s for s, c in found.items() if c)
-        keep = set(committed) if keep_last is None else set(committed[-keep_last:])
-        if self.keep_every is not None:
-            keep |= {s for s in committed if s % self.keep_every == 0}
         with self._lock:
-            keep |= self._in_flight
-        keep |= set(also_keep)
-        if committed_step is not None:
-            keep.add(committed_step)
-        if committed:
-            keep.add(committed[-1])  # the last good checkpoint survives anything
-        pointer = self.pointer_step()
-        if pointer is not None:
-            keep.add(pointer)
-        doomed = [s for s in committed if s not in keep]
-        # Leftovers of saves that never committed (a crash); newer ones are left alone,
-        # since nothing says their save is over.
-        newest = committed_step if committed_step is not None else -1
-        doomed += [s for s, c in found.items() if not c and s < newest and s not in keep]
-        for s in sorted(doomed):
-            self._delete_step(s)
-        return sorted(doomed)
-
-    def _delete_step(self, step: int) -> None:
-        name = step_dirname(step)
-        manifest = f"{name}/{MANIFEST_NAME}"
-        uncommit = getattr(self._root_store, "uncommit", None)
-        version = getattr(self._root_store, "version", None)
-        expected = version(manifest) if callable(uncommit) and callable(version) else None
-        files = self._root_store.list(name)  # relative to root: "step-.../data/..."
-        # Un-commit first: a deletion cut short must not leave a "committed" step without data.
-        if callable(uncommit) and callable(version):
-            # Fenced (filesystems): under the step's commit lock, and only if no save committed
-            # it meanwhile; the owner markers go with the manifest, so a save still writing
-            # into this step (another job's) can no longer publish over the files deleted next.
-            markers = [f for f in files if f.startswith(f"{name}/{OWNER_MARKER_DIR}/")]
-            if not uncommit(manifest, expected, markers):
-                logger.info("not deleting step %d under %s: a save committed it meanwhile", step, self.root)
-                return
-        else:
-            self._root_store.delete([manifest])
-        self._root_store.delete([f for f in files if f != manifest])
-        logger.info("deleted step %d under %s (%d files)", step, self.root, len(files))
+            keep = set(self._in_flight)
+        doomed = retention.doomed_steps(
+            found,
+            committed_step=committed_step,
+            keep_last=keep_last,
+            keep_every=self.keep_every,
+            keep=keep | set(also_keep),
+            pointer=self.pointer_step(),
+        )
+        for s in doomed:
+            retention.delete_step(self._root_store, self.root, s)
+        return doomed
 
     def should_save(self, step: int) -> bool:
         """Whether to save at ``step``: ``save_policy``, or a preemption any rank received.
@@ -633,7 +407,7 @@ class CheckpointManager:
             >>> if mgr.reached_preemption:
             ...     break  # the preemption checkpoint is committed
         """
-        return self._decider.should_save(_check_step(step))
+        return self._decider.should_save(check_step(step))
 
     @property
     def reached_preemption(self) -> bool:
@@ -693,115 +467,23 @@ class CheckpointManager:
             "options": self.load_options,
         }
         if step is not None:
-            step = _check_step(step)
+            step = check_step(step)
         if self._tier is not None:
-            recovered = self._recover(state, world, kwargs, step)
+            recovered = resume.recover(self, state, world, kwargs, step)
             if recovered is not None:
                 return recovered
         if step is not None:
-            return StepLoadResult(step, self._load_step(step, state, kwargs), {})
-
-        listing: tuple[list[tuple[int, bool]] | None, Any] = (None, None)
-        own: BaseException | None = None
-        if world.is_coordinator:
-            try:
-                listing = (sorted(self._scan().items(), reverse=True), None)
-            except Exception as e:
-                own = e
-                listing = (None, dist.error_text(0, e))
-        candidates, error = dist.broadcast(world, listing, "listing checkpoint steps")
-        if error is not None:  # rank 0's failure record, untouched
-            if own is not None and not world.distributed:
-                if isinstance(own, CheckpointError):
-                    raise own
-                raise StorageError(f"listing the steps under {self.root} failed: {type(own).__name__}: {own}") from own
-            dist.raise_failures(world, {0: error}, f"listing the steps under {self.root}")
-        if candidates is None:
-            raise CheckpointError(f"listing {self.root} failed")
-        skipped: dict[int, str] = {}
-        for s, committed in candidates:
-            if not committed:
-                self._skip(world, s, skipped, "incomplete: no manifest.json (its save never finished)")
-                continue
-            try:
-                result = self._load_step(s, state, kwargs)
-            except CheckpointError as e:
-                if not _is_skippable(e):
-                    raise
-                self._skip(world, s, skipped, f"corrupt or unreadable: {e}")
-                continue
-            return StepLoadResult(s, result, skipped)
-        detail = "".join(f"\n  step {s}: {why}" for s, why in skipped.items())
-        raise CheckpointNotFoundError(
-            f"no loadable checkpoint under {self.root}" + (f":{detail}" if detail else " (no steps)")
-        )
-
-    def _recover(
-        self, state: object, world: dist.World, kwargs: dict[str, Any], step: int | None
-    ) -> StepLoadResult | None:
-        """The local tier's recovery (own node, then peers), or None to fall back to ``root``."""
-        tier = self._tier
-        assert tier is not None
-        newest_durable = None
-        if step is None:
-            # A durable step newer than anything local (say local saves failed for a while) wins:
-            # the newest step that can be assembled from anything that survives. Rank 0 lists.
-            listed: int | None = None
-            if world.is_coordinator:
-                try:
-                    listed = max((s for s, c in self._scan().items() if c), default=None)
-                except Exception as e:  # the local tier may not need it; the durable path reports it
-                    logger.warning("listing %s before recovering from the local tier failed: %s", self.root, e)
-            newest_durable = dist.broadcast(world, listed, "listing the durable steps")
-        try:
-            got = tier.recover(state, world, kwargs, only_step=step, at_least=newest_durable)
-        except CheckpointError as e:
-            if not _is_skippable(e) and not isinstance(e, StorageError):
-                raise
-            message = f"the local tier at {self.local_dir} could not be used, falling back to {self.root}: {e}"
-            if world.is_coordinator:  # job-wide news: said once, by rank 0
-                warnings.warn(message, RuntimeWarning, stacklevel=3)
-            logger.debug("%s", message)
-            return None
-        if got is None:
-            return None
-        return StepLoadResult(got.step, got.result, {}, source=got.source, peer_bytes=got.peer_bytes)
-
-    def _load_step(self, step: int, state: object, kwargs: dict[str, Any]) -> LoadResult:
-        url = self.step_url(step)
-        store = self._factory(url)
-        try:
-            return api.load(url, state, storage=store, **kwargs)
-        finally:
-            close = getattr(store, "close", None)
-            if callable(close):
-                close()
-
-    def _skip(self, world: dist.World, step: int, skipped: dict[int, str], why: str) -> None:
-        skipped[step] = why
-        message = f"skipping checkpoint step {step} under {self.root}: {why}"
-        if world.is_coordinator:  # job-wide news: said once, by rank 0
-            warnings.warn(message, RuntimeWarning, stacklevel=3)
-        else:
-            logger.debug("%s", message)
+            return StepLoadResult(step, resume.load_step(self, step, state, kwargs), {})
+        return resume.load_newest(self, state, world, kwargs)
 
     # ------------------------------------------------------------------------------------
     # Lifecycle
 
     def _wait_previous(self) -> None:
-        pending, self._pending = self._pending, None
-        if pending is None:
-            return
-        try:
-            wait_futures([pending._future])
-            pending._raise_unobserved()  # raises only if nobody saw the failure yet
-        finally:
-            self._join()
+        background.wait_previous(self)
 
     def _join(self) -> None:
-        thread, self._thread = self._thread, None
-        if thread is not None:
-            thread.join()
+        background.join(self)
 
     def wait(self) -> SaveResult | None:
         """Block until the pending save (if any) is committed and retention is done.
@@ -833,7 +515,7 @@ class CheckpointManager:
         if self._closed:
             return
         self._closed = True
-        _OPEN.discard(self)
+        background.forget_at_exit(self)
         if threading.current_thread() is threading.main_thread():
             self._decider.close()
         try:
@@ -856,26 +538,3 @@ class CheckpointManager:
 
     def __repr__(self) -> str:
         return f"CheckpointManager({self.root!r}, keep_last={self.keep_last}, keep_every={self.keep_every})"
-
-
-def _check_step(step: int) -> int:
-    if type(step) is not int or step < 0:
-        raise ValueError(f"a checkpoint step must be an integer >= 0, got {step!r}")
-    return step
-
-
-def _is_skippable(e: BaseException) -> bool:
-    """Whether a load failed because the checkpoint is unusable, identically on every rank.
-
-    A peer's failure arrives as a DistributedError carrying ``"TypeName: message"`` texts; a
-    rank's own failure is the exception itself. Either way the decision depends only on
-    the failures every rank was told about, so all ranks skip or raise together.
-    """
-    if isinstance(e, CollectiveTimeoutError):
-        return False
-    if isinstance(e, DistributedError):
-        if not e.failures:
-            return False
-        # str() of a failure record is "TypeName: message", whether it is a str or a record object.
-        return all(str(text).split(":", 1)[0] in _SKIPPABLE for text in e.failures.values())
-    return type(e).__name__ in _SKIPPABLE
