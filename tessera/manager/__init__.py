@@ -30,6 +30,7 @@ Modules, one concept each:
 - :mod:`~tessera.manager.steps`: step names, listing, the ``latest`` pointer (no communication).
 - :mod:`~tessera.manager.retention`: which steps are kept; deleting a step manifest first.
 - :mod:`~tessera.manager.background`: the asynchronous save's thread, waiting for it, closing at exit.
+- :mod:`~tessera.manager.direct`: the save under ``root``; ``latest`` and retention after a commit.
 - :mod:`~tessera.manager.tiered`: the save with a node-local tier (``local_dir``).
 - :mod:`~tessera.manager.resume`: which step a load uses, falling back past unusable ones.
 """

@@ -3,7 +3,8 @@
 See the package docstring (:mod:`tessera.manager`) for the layout, crash safety and the
 distributed contract. The concepts live beside this module: step names and listing in
 :mod:`~tessera.manager.steps`, retention in :mod:`~tessera.manager.retention`, the
-asynchronous bookkeeping in :mod:`~tessera.manager.background`, the local tier's save in
+asynchronous bookkeeping in :mod:`~tessera.manager.background`, the save under ``root`` and
+what follows a commit in :mod:`~tessera.manager.direct`, the local tier's save in
 :mod:`~tessera.manager.tiered`, and resuming in :mod:`~tessera.manager.resume`.
 """
 
@@ -14,11 +15,9 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Mapping
-from concurrent.futures import Future
 from typing import Any
 
-from .. import _args, api, dist
-from ..errors import StorageError
+from .. import _args, dist
 from ..local_tier import LocalTier
 from ..options import LoadOptions, SaveOptions
 from ..policies import SaveDecider, SavePolicy
@@ -26,10 +25,9 @@ from ..preemption import PreemptionHandler
 from ..results import PendingSave, SaveResult
 from ..step_names import step_dirname
 from ..storage import Storage, storage_for
-from ..storage.capabilities import Persisting
-from . import background, resume, retention, tiered
+from . import background, direct, resume, retention, tiered
 from .resume import StepLoadResult
-from .steps import LATEST_NAME, check_step, close_store, join_root, read_pointer, scan_steps, write_pointer
+from .steps import check_step, join_root, read_pointer, scan_steps
 
 __all__ = ["CheckpointManager"]
 
@@ -250,105 +248,11 @@ class CheckpointManager:
         if preempted:
             in_background = False  # the job exits next: the step must be committed (and durable) first
         self._decider.record_save(step)
-        url = self.step_url(step)
         world = dist.world_for(self.process_group)
         self._distributed = self._distributed or world.distributed
         if self._tier is not None:
             return tiered.save_tiered(self, step, state, in_background, world, t0, waited, durable=preempted or None)
-        store = self._factory(url)
-        if self.retention_before_save and world.is_coordinator:
-            # Rank 0 makes room before it joins the save; no rank writes before rank 0 joins.
-            try:
-                self.apply_retention(making_room_for=step)
-            except Exception as e:
-                logger.warning("retention before saving step %d under %s failed: %s", step, self.root, e)
-        with self._lock:
-            self._in_flight.add(step)
-        kwargs: dict[str, Any] = {
-            "process_group": self.process_group,
-            "storage": store,
-            "allow_pickle": self.allow_pickle,
-            "options": self.save_options,
-        }
-        if not in_background:
-            try:
-                result = api.save(url, state, **kwargs)
-                self._after_commit(step, store, world)
-            finally:
-                self._forget(step, store)
-            return result
-        try:
-            inner = api.async_save(url, state, **kwargs)
-        except BaseException:
-            self._forget(step, store)
-            raise
-
-        def finish(future: Future[SaveResult]) -> None:
-            self._finish(future, inner, step, store, world)
-
-        return background.finish_in_background(self, inner, finish, path=url, t0=t0, waited=waited)
-
-    def _finish(
-        self, future: Future[SaveResult], inner: PendingSave, step: int, store: Storage, world: dist.World
-    ) -> None:
-        try:
-            result = inner.wait()
-        except BaseException as e:
-            self._forget(step, store)
-            future.set_exception(background.explain(self, e, step))
-            return
-        try:
-            self._after_commit(step, store, world)
-        except BaseException as e:
-            self._forget(step, store)
-            future.set_exception(e)
-            return
-        self._forget(step, store)
-        future.set_result(result)
-
-    def _forget(self, step: int, store: Storage) -> None:
-        with self._lock:
-            self._in_flight.discard(step)
-        try:
-            close_store(store)
-        except Exception as e:
-            logger.warning("closing the storage of %s failed: %s", self.step_url(step), e)
-
-    def _after_commit(self, step: int, store: Storage, world: dist.World) -> None:
-        """Rank 0, after ``step`` committed: move ``latest``, then apply retention.
-
-        Raises:
-            StorageError: if a tiered backend failed to make the step durable (the step then
-                exists only in host memory; ``latest`` and retention are left alone).
-
-        Other failures here are logged, not raised: the step is committed whatever happens next.
-        """
-        if not world.is_coordinator:
-            return
-        # A tiered backend commits to host memory first. Until the step is durable, neither
-        # "latest" nor retention may act on it: older steps are the safe ones.
-        if isinstance(store, Persisting):
-            try:
-                store.wait_persisted()
-            except Exception as e:
-                raise StorageError(
-                    f"step {step} is committed in host memory but copying it to {self.step_url(step)} failed; "
-                    f"it is not durable and 'latest' still names an older step: {e}"
-                ) from e
-        try:
-            found = self._scan()
-        except Exception as e:
-            logger.warning("step %d: not moving %s/%s nor applying retention: %s", step, self.root, LATEST_NAME, e)
-            return
-        try:
-            if step >= max((s for s, c in found.items() if c), default=step):
-                write_pointer(self._root_store, step)
-        except Exception as e:
-            logger.warning("step %d is committed but moving %s/%s failed: %s", step, self.root, LATEST_NAME, e)
-        try:
-            self._apply_retention(step, found, keep_last=self.keep_last)
-        except Exception as e:
-            logger.warning("retention under %s failed after step %d: %s", self.root, step, e)
+        return direct.save_direct(self, step, state, in_background, world, t0, waited)
 
     def apply_retention(self, *, making_room_for: int | None = None) -> list[int]:
         """Rank 0: delete the steps retention does not keep; returns the steps deleted. Not collective.
@@ -363,37 +267,7 @@ class CheckpointManager:
         Example:
             >>> mgr.apply_retention(making_room_for=step)  # the disk is tight
         """
-        found = self._scan()
-        committed = sorted(s for s, c in found.items() if c)
-        if making_room_for is None:
-            if not committed:
-                return []
-            return self._apply_retention(committed[-1], found, keep_last=self.keep_last)
-        keep_last = None if self.keep_last is None else max(1, self.keep_last - 1)
-        newest = committed[-1] if committed else None
-        return self._apply_retention(newest, found, keep_last=keep_last, also_keep=frozenset({making_room_for}))
-
-    def _apply_retention(
-        self,
-        committed_step: int | None,
-        found: dict[int, bool],
-        *,
-        keep_last: int | None,
-        also_keep: frozenset[int] = frozenset(),
-    ) -> list[int]:
-        with self._lock:
-            keep = set(self._in_flight)
-        doomed = retention.doomed_steps(
-            found,
-            committed_step=committed_step,
-            keep_last=keep_last,
-            keep_every=self.keep_every,
-            keep=keep | set(also_keep),
-            pointer=self.pointer_step(),
-        )
-        for s in doomed:
-            retention.delete_step(self._root_store, self.root, s)
-        return doomed
+        return retention.apply_retention(self, making_room_for=making_room_for)
 
     def should_save(self, step: int) -> bool:
         """Whether to save at ``step``: ``save_policy``, or a preemption any rank received.

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 from ..manifest import MANIFEST_NAME
 from ..step_names import step_dirname
@@ -16,7 +17,10 @@ from ..storage import Storage
 from ..storage.base import OWNER_MARKER_DIR
 from ..storage.capabilities import Uncommits, Versioned
 
-__all__ = ["delete_step", "doomed_steps"]
+if TYPE_CHECKING:
+    from .core import CheckpointManager
+
+__all__ = ["apply_retention", "delete_step", "doomed_steps", "retain"]
 
 logger = logging.getLogger(__name__)
 
@@ -87,3 +91,59 @@ def delete_step(store: Storage, root: str, step: int) -> None:
         store.delete([manifest])
     store.delete([f for f in files if f != manifest])
     logger.info("deleted step %d under %s (%d files)", step, root, len(files))
+
+
+def apply_retention(manager: CheckpointManager, *, making_room_for: int | None = None) -> list[int]:
+    """:meth:`CheckpointManager.apply_retention`: list ``root``, then :func:`retain`.
+
+    Args:
+        manager: the manager whose root is trimmed.
+        making_room_for: a step about to be saved (one of the ``keep_last`` places stays free).
+
+    Returns:
+        the steps deleted, oldest first.
+    """
+    found = manager._scan()
+    committed = sorted(s for s, c in found.items() if c)
+    if making_room_for is None:
+        if not committed:
+            return []
+        return retain(manager, committed[-1], found, keep_last=manager.keep_last)
+    keep_last = None if manager.keep_last is None else max(1, manager.keep_last - 1)
+    newest = committed[-1] if committed else None
+    return retain(manager, newest, found, keep_last=keep_last, also_keep=frozenset({making_room_for}))
+
+
+def retain(
+    manager: CheckpointManager,
+    committed_step: int | None,
+    found: dict[int, bool],
+    *,
+    keep_last: int | None,
+    also_keep: frozenset[int] = frozenset(),
+) -> list[int]:
+    """Delete what retention does not keep of ``found``, sparing the manager's saves in flight.
+
+    Args:
+        manager: the manager (its rules, saves in flight, root backend and ``latest``).
+        committed_step: the step just committed, or None.
+        found: the listing, ``{step: committed}``.
+        keep_last: the ``keep_last`` rule to apply (the manager's, or one less to make room).
+        also_keep: further steps to keep.
+
+    Returns:
+        the steps deleted, oldest first.
+    """
+    with manager._lock:
+        keep = set(manager._in_flight)
+    doomed = doomed_steps(
+        found,
+        committed_step=committed_step,
+        keep_last=keep_last,
+        keep_every=manager.keep_every,
+        keep=keep | set(also_keep),
+        pointer=manager.pointer_step(),
+    )
+    for s in doomed:
+        delete_step(manager._root_store, manager.root, s)
+    return doomed

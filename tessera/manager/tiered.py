@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 from .. import api, dist
 from ..results import PendingSave, SaveResult
 from .background import explain, finish_in_background
+from .direct import after_commit, forget
 from .steps import close_store
 
 if TYPE_CHECKING:
@@ -68,12 +69,12 @@ def save_tiered(
             result = api.save(label, state, **kwargs)
             finish_tiered(manager, step, durable, world)
         finally:
-            manager._forget(step, local)
+            forget(manager, step, local)
         return result
     try:
         inner = api.async_save(label, state, **kwargs)
     except BaseException:
-        manager._forget(step, local)
+        forget(manager, step, local)
         raise
     copy = durable
 
@@ -85,7 +86,7 @@ def save_tiered(
             future.set_exception(explain(manager, e, step))
             return
         finally:
-            manager._forget(step, local)
+            forget(manager, step, local)
         future.set_result(result)
 
     return finish_in_background(manager, inner, finish, path=label, t0=t0, waited=waited)
@@ -101,6 +102,6 @@ def finish_tiered(manager: CheckpointManager, step: int, durable: bool, world: d
     store = manager._factory(manager.step_url(step))
     try:
         tier.copy_to_durable(step, data, store, world)
-        manager._after_commit(step, store, world)
+        after_commit(manager, step, store, world)
     finally:
         close_store(store)
