@@ -158,6 +158,7 @@ def list_steps(root: str, storage_options: dict[str, Any] | None = None) -> list
     """
     from .manager import LATEST_NAME, parse_step_dirname, step_dirname
     from .storage import storage_for
+    from .storage.capabilities import Closable
 
     store = storage_for(root, storage_options=storage_options)
     try:
@@ -172,9 +173,8 @@ def list_steps(root: str, storage_options: dict[str, Any] | None = None) -> list
         except FileNotFoundError:
             pointer = None
     finally:
-        close = getattr(store, "close", None)
-        if callable(close):
-            close()
+        if isinstance(store, Closable):
+            store.close()
     join = (lambda name: root + name) if root.endswith("/") else (lambda name: f"{root}/{name}")
     return [StepInfo(s, join(step_dirname(s)), c, s == pointer) for s, c in sorted(found.items())]
 

@@ -1,0 +1,414 @@
+"""The :class:`CheckpointManager` facade: saves and loads by step, with retention.
+
+See the package docstring (:mod:`tessera.manager`) for the layout, crash safety and the
+distributed contract. The concepts live beside this module: step names and listing in
+:mod:`~tessera.manager.steps`, retention in :mod:`~tessera.manager.retention`, the
+asynchronous bookkeeping in :mod:`~tessera.manager.background`, the save under ``root`` and
+what follows a commit in :mod:`~tessera.manager.direct`, the local tier's save in
+:mod:`~tessera.manager.tiered`, and resuming in :mod:`~tessera.manager.resume`.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from .. import _args, dist
+from ..local_tier import LocalTier
+from ..options import LoadOptions, SaveOptions
+from ..policies import SaveDecider, SavePolicy
+from ..preemption import PreemptionHandler
+from ..results import PendingSave, SaveResult
+from ..step_names import step_dirname
+from ..storage import Storage, storage_for
+from . import background, direct, resume, retention, tiered
+from .resume import StepLoadResult
+from .steps import check_step, join_root, read_pointer, scan_steps
+
+__all__ = ["CheckpointManager"]
+
+logger = logging.getLogger(__name__)
+
+
+class CheckpointManager:
+    """Save and resume a training run's checkpoints by step, with retention.
+
+    Args:
+        root: directory or URL holding one subdirectory per step.
+        keep_last: keep at most this many of the newest committed steps (None: keep all).
+        keep_every: also keep every step divisible by this (e.g. 1000), whatever ``keep_last``.
+        async_save: default of :meth:`save`: return once the save is planned; copy to host
+            memory, write and commit in the background (see :func:`tessera.async_save` for
+            when the state may change: ``PendingSave.wait_staged``).
+        process_group: the ranks taking part (default: all).
+        allow_pickle: store and load values that need pickle (see :func:`tessera.save`).
+        save_options: passed to every save.
+        load_options: passed to every load.
+        storage_options: options of the backend :func:`~tessera.storage.storage_for` builds.
+        storage_factory: builds the backend of a URL (a step directory, or ``root``); the
+            default is :func:`~tessera.storage.storage_for` with ``storage_options``.
+        retention_before_save: also apply retention *before* each save, keeping room for the
+            step being saved (``keep_last - 1`` older steps), so that a disk that holds
+            ``keep_last`` checkpoints and no more can still take the next one. The newest
+            committed step is never deleted before the new one is committed.
+        local_dir: a node-local directory (e.g. ``/dev/shm/tessera-{node}``) that turns on the
+            replicated local tier: every save goes there first; ``{node}`` is replaced by
+            the node index (``GROUP_RANK``, else ``RANK // LOCAL_WORLD_SIZE``). Use one
+            directory per run. See ``docs/resilience.md``.
+        local_replicas: copies of each rank's files kept on other nodes' local tiers (0: none).
+        durable_every: with ``local_dir``, only steps divisible by this also go to ``root``
+            (None: every step does).
+        local_keep_last: committed local steps each node keeps.
+        save_policy: what :meth:`should_save` answers (see :mod:`tessera.policies`).
+        preemption: install a handler for ``preemption_signal`` (main thread only): once
+            any rank receives it, :meth:`should_save` says True on every rank and the next
+            :meth:`save` is synchronous and durable; then :attr:`reached_preemption` is True
+            and the loop should exit. Restored by :meth:`close`. A
+            :class:`~tessera.PreemptionHandler` is installed as given (its signals, and
+            ``trigger()`` for a preemption notice that is not a signal).
+        preemption_signal: the signal that means preemption (default SIGTERM).
+
+    Raises:
+        ValueError: for ``keep_last``, ``keep_every``, ``durable_every`` or ``local_keep_last``
+            below 1, or ``local_replicas`` below 0.
+
+    Collective contract: every rank constructs the manager alike and calls ``save``/``load``
+    in the same order; only rank 0 moves ``latest`` and deletes old steps (after a commit,
+    never the newest committed step, the one ``latest`` names, or one being saved). Close it
+    (or use it as a context manager) before tearing down ``torch.distributed``, so that a
+    pending save is finished; interpreter exit also closes it.
+
+    Example:
+        >>> with tessera.CheckpointManager("/ckpt/run1", keep_last=3, keep_every=1000, async_save=True) as mgr:
+        ...     if mgr.latest_step() is not None:
+        ...         start = mgr.load(state).step + 1
+        ...     for step in range(start, steps):
+        ...         train_step()
+        ...         if step % 100 == 0:
+        ...             mgr.save(step, state)
+    """
+
+    def __init__(
+        self,
+        root: str,
+        *,
+        keep_last: int | None = None,
+        keep_every: int | None = None,
+        async_save: bool = False,
+        process_group: Any = None,
+        allow_pickle: bool = False,
+        save_options: SaveOptions | None = None,
+        load_options: LoadOptions | None = None,
+        storage_options: Mapping[str, object] | None = None,
+        storage_factory: Callable[[str], Storage] | None = None,
+        retention_before_save: bool = False,
+        local_dir: str | None = None,
+        local_replicas: int = 1,
+        durable_every: int | None = None,
+        local_keep_last: int = 2,
+        save_policy: SavePolicy | None = None,
+        preemption: bool | PreemptionHandler = False,
+        preemption_signal: int = signal.SIGTERM,
+    ) -> None:
+        for name, value in (
+            ("keep_last", keep_last),
+            ("keep_every", keep_every),
+            ("durable_every", durable_every),
+            ("local_keep_last", local_keep_last),
+        ):
+            if value is not None and (type(value) is not int or value < 1):
+                raise ValueError(f"CheckpointManager({root!r}): {name} must be None or an integer >= 1, got {value!r}")
+        if type(local_replicas) is not int or local_replicas < 0:
+            raise ValueError(
+                f"CheckpointManager({root!r}): local_replicas must be an integer >= 0, got {local_replicas!r}"
+            )
+        if local_dir is not None and (not isinstance(local_dir, str) or "://" in local_dir or not local_dir):
+            raise ValueError(
+                f"CheckpointManager({root!r}): local_dir must be a local directory path, got {local_dir!r}"
+            )
+        self.local_dir = local_dir
+        self.local_replicas = local_replicas
+        self.durable_every = durable_every
+        self._tier = (
+            LocalTier(local_dir, root, replicas=local_replicas, keep_last=local_keep_last, process_group=process_group)
+            if local_dir is not None
+            else None
+        )
+        self.root = root
+        self.keep_last = keep_last
+        self.keep_every = keep_every
+        self.async_save = async_save
+        self.process_group = process_group
+        self.allow_pickle = allow_pickle
+        self.save_options = save_options
+        self.load_options = load_options
+        self._factory = storage_factory or (lambda url: storage_for(url, storage_options=storage_options))
+        # Listing, the pointer and retention go through one backend bound to root. For a
+        # ``tier::`` root that is a memory tier too: it lists committed steps from the durable
+        # store, writes ``latest`` through to both copies and deletes both copies of a step.
+        self._root_store = self._factory(root)
+        self._pending: PendingSave | None = None
+        self._thread: threading.Thread | None = None
+        self._in_flight: set[int] = set()
+        self._lock = threading.Lock()
+        self._closed = False
+        self.retention_before_save = retention_before_save
+        self._distributed = False
+        handler = preemption if isinstance(preemption, PreemptionHandler) else None
+        if handler is None and preemption:
+            handler = PreemptionHandler([preemption_signal])
+        self._decider = SaveDecider(save_policy, preemption=handler, process_group=process_group)
+        if handler is not None:  # after every argument is checked: a refused manager leaves no handler
+            handler.install()
+        background.close_at_exit(self)
+
+    # ------------------------------------------------------------------------------------
+    # Naming and listing (local: no communication)
+
+    def step_url(self, step: int) -> str:
+        """The path or URL of ``step``'s checkpoint (it need not exist).
+
+        Example:
+            >>> CheckpointManager("/ckpt/run1").step_url(100)
+            '/ckpt/run1/step-00000100'
+        """
+        return join_root(self.root, step_dirname(check_step(step)))
+
+    def _scan(self) -> dict[int, bool]:
+        """Every step directory under root: ``{step: committed}``."""
+        return scan_steps(self._root_store)
+
+    def steps(self) -> list[int]:
+        """Committed steps (those with a ``manifest.json``), oldest first.
+
+        Not collective; reads storage. A committed step may still turn out corrupt on load.
+
+        Example:
+            >>> mgr.steps()
+            [300, 400, 500]
+        """
+        return sorted(s for s, committed in self._scan().items() if committed)
+
+    def latest_step(self) -> int | None:
+        """The newest committed step, or None when there is none. Not collective.
+
+        This is where :meth:`load` starts; it does not depend on the ``latest`` pointer,
+        which may lag one step behind after a crash.
+
+        Example:
+            >>> start = 0 if mgr.latest_step() is None else mgr.load(state).step + 1
+        """
+        steps = self.steps()
+        return steps[-1] if steps else None
+
+    def pointer_step(self) -> int | None:
+        """The step the ``latest`` pointer names (None if absent or unreadable). Not collective."""
+        return read_pointer(self._root_store, self.root)
+
+    # ------------------------------------------------------------------------------------
+    # Save
+
+    def save(self, step: int, state: object, *, async_save: bool | None = None) -> SaveResult | PendingSave:
+        """Save ``state`` as ``step``; collective over the process group.
+
+        Waits for the previous save of this manager first (and raises its error if nobody
+        saw it). Once the step is committed, rank 0 points ``latest`` at it (if it is the
+        newest) and applies retention. Saving a step that exists replaces it atomically.
+
+        Args:
+            step: the training step, an integer >= 0.
+            state: what to save, as for :func:`tessera.save`.
+            async_save: override the manager's default for this call.
+
+        Returns:
+            :class:`~tessera.SaveResult` for a synchronous save; for an asynchronous one a
+            :class:`~tessera.PendingSave` whose ``wait()`` returns after the commit and,
+            on rank 0, after ``latest`` and retention are done.
+
+        Raises:
+            CheckpointError: if the save fails on any rank (the previous steps stay intact).
+            ValueError: for a bad step number or a closed manager.
+
+        Example:
+            >>> mgr.save(100, {"model": model.state_dict(), "step": 100})
+        """
+        _args.check_manager_save(step, state)
+        step = check_step(step)
+        if self._closed:
+            raise ValueError(f"CheckpointManager({self.root!r}) is closed")
+        t0 = time.monotonic()  # the stall counts the wait for the previous save too
+        self._wait_previous()
+        waited = time.monotonic() - t0
+        in_background = self.async_save if async_save is None else async_save
+        preempted = self._decider.agree_preemption(step)  # collective only with preemption=True
+        if preempted:
+            in_background = False  # the job exits next: the step must be committed (and durable) first
+        self._decider.record_save(step)
+        world = dist.world_for(self.process_group)
+        self._distributed = self._distributed or world.distributed
+        if self._tier is not None:
+            return tiered.save_tiered(self, step, state, in_background, world, t0, waited, durable=preempted or None)
+        return direct.save_direct(self, step, state, in_background, world, t0, waited)
+
+    def apply_retention(self, *, making_room_for: int | None = None) -> list[int]:
+        """Rank 0: delete the steps retention does not keep; returns the steps deleted. Not collective.
+
+        Runs after every commit anyway. Call it (or pass ``retention_before_save=True``) to
+        free space *before* a save, e.g. after a save failed on a full disk.
+
+        Args:
+            making_room_for: a step about to be saved: one of the ``keep_last`` places is kept
+                free for it. The newest committed step is kept whatever ``keep_last`` says.
+
+        Example:
+            >>> mgr.apply_retention(making_room_for=step)  # the disk is tight
+        """
+        return retention.apply_retention(self, making_room_for=making_room_for)
+
+    def should_save(self, step: int) -> bool:
+        """Whether to save at ``step``: ``save_policy``, or a preemption any rank received.
+
+        Collective (one tiny all-reduce) when the policy reads the clock or ``preemption``
+        is on: call it on every rank after every step; every rank gets the same answer.
+
+        Example:
+            >>> if mgr.should_save(step):
+            ...     mgr.save(step, state)
+            >>> if mgr.reached_preemption:
+            ...     break  # the preemption checkpoint is committed
+        """
+        return self._decider.should_save(check_step(step))
+
+    @property
+    def reached_preemption(self) -> bool:
+        """Whether the ranks agreed that the job is being preempted (the same on every rank)."""
+        return self._decider.reached_preemption
+
+    # ------------------------------------------------------------------------------------
+    # Load
+
+    def load(
+        self,
+        state: object,
+        step: int | None = None,
+        *,
+        strict: bool = True,
+        cast_dtypes: bool = False,
+    ) -> StepLoadResult:
+        """Load a step into ``state`` in place; collective over the process group.
+
+        With ``step=None``, resumes from the newest committed step that loads cleanly:
+        incomplete steps (no ``manifest.json``) and corrupt ones (invalid manifest, missing
+        or truncated data, checksum mismatch) are skipped with a warning saying why, and
+        the next older step is tried. Rank 0 lists the steps and every rank tries the same
+        ones. Errors that are not about the checkpoint (keys or shapes that do not match
+        the state, pickle not allowed, a rank failing) are raised at once.
+
+        Note: tensors filled from a step that then fails are overwritten by the older step
+        that loads; with ``strict=False``, tensors the older step lacks keep what was read.
+
+        Args:
+            state: the structure to fill, as for :func:`tessera.load`.
+            step: a specific step to load (no fallback), or None for the newest valid one.
+            strict: as for :func:`tessera.load`.
+            cast_dtypes: as for :func:`tessera.load`.
+
+        Returns:
+            :class:`StepLoadResult`: the step, its LoadResult, and the steps skipped.
+
+        Raises:
+            CheckpointNotFoundError: if no step loads (every reason is listed).
+            CheckpointError: what loading failed with, for errors that are not skipped.
+
+        Example:
+            >>> loaded = mgr.load({"model": model.state_dict(), "step": 0})
+            >>> print(f"resumed from step {loaded.step}")
+        """
+        _args.check_manager_load(state, step)
+        if self._closed:
+            raise ValueError(f"CheckpointManager({self.root!r}) is closed")
+        self._wait_previous()
+        world = dist.world_for(self.process_group)
+        kwargs: dict[str, Any] = {
+            "strict": strict,
+            "process_group": self.process_group,
+            "allow_pickle": self.allow_pickle,
+            "cast_dtypes": cast_dtypes,
+            "options": self.load_options,
+        }
+        if step is not None:
+            step = check_step(step)
+        if self._tier is not None:
+            recovered = resume.recover(self, state, world, kwargs, step)
+            if recovered is not None:
+                return recovered
+        if step is not None:
+            return StepLoadResult(step, resume.load_step(self, step, state, kwargs), {})
+        return resume.load_newest(self, state, world, kwargs)
+
+    # ------------------------------------------------------------------------------------
+    # Lifecycle
+
+    def _wait_previous(self) -> None:
+        background.wait_previous(self)
+
+    def _join(self) -> None:
+        background.join(self)
+
+    def wait(self) -> SaveResult | None:
+        """Block until the pending save (if any) is committed and retention is done.
+
+        Returns:
+            the pending save's result, or None if there was none.
+
+        Raises:
+            CheckpointError: if the pending save failed.
+
+        Example:
+            >>> mgr.save(100, state)  # async
+            >>> mgr.wait()
+        """
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return None
+        try:
+            return pending.wait()
+        finally:
+            self._join()
+
+    def close(self) -> None:
+        """Finish the pending save and stop accepting new ones. Idempotent.
+
+        Raises:
+            CheckpointError: if the pending save failed and nobody has seen that yet.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        background.forget_at_exit(self)
+        if threading.current_thread() is threading.main_thread():
+            self._decider.close()
+        try:
+            self._wait_previous()
+        finally:
+            if self._tier is not None:
+                self._tier.wait_deletions()
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        if exc is None:
+            self.close()
+            return
+        try:
+            self.close()
+        except Exception as e:
+            logger.error("closing the checkpoint manager for %s after an error: %s", self.root, e)
+
+    def __repr__(self) -> str:
+        return f"CheckpointManager({self.root!r}, keep_last={self.keep_last}, keep_every={self.keep_every})"

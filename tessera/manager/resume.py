@@ -1,0 +1,168 @@
+"""Resuming: which step a manager loads, falling back past incomplete or corrupt steps.
+
+Rank 0 lists the steps and every rank tries the same ones, newest first; a step is skipped
+only for a failure that says the checkpoint is unusable (the same decision on every rank).
+With a local tier, the tier's recovery (own node, then peers) is tried first.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from .. import api, dist
+from ..errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    CollectiveTimeoutError,
+    DistributedError,
+    StorageError,
+)
+from ..results import LoadResult
+from .steps import close_store
+
+if TYPE_CHECKING:
+    from .core import CheckpointManager
+
+__all__ = ["StepLoadResult", "is_skippable", "load_newest", "load_step", "recover"]
+
+logger = logging.getLogger(__name__)
+
+# Errors that mean "this step's checkpoint is unusable", as opposed to a problem with the
+# caller's state or the job. Compared by name because a peer's failure reaches the other
+# ranks as text inside a DistributedError.
+_SKIPPABLE = frozenset({"CorruptCheckpointError", "ManifestError", "CheckpointNotFoundError"})
+
+
+@dataclass(frozen=True)
+class StepLoadResult:
+    """What :meth:`CheckpointManager.load` loaded.
+
+    Attributes:
+        step: the step that was loaded.
+        result: the :class:`~tessera.LoadResult` of loading it.
+        skipped: newer steps that were passed over, with the reason (incomplete or corrupt).
+        source: where the bytes came from, job-wide: ``"local"`` (every node already held
+            all the files it needed in its local tier), ``"peers"`` (some nodes fetched
+            files from other nodes' local tiers first) or ``"durable"`` (the durable root).
+        peer_bytes: bytes this rank received from peers before loading (``"peers"`` only).
+    """
+
+    step: int
+    result: LoadResult
+    skipped: dict[int, str] = field(default_factory=dict)
+    source: str = "durable"
+    peer_bytes: int = 0
+
+
+def load_newest(manager: CheckpointManager, state: object, world: dist.World, kwargs: dict[str, Any]) -> StepLoadResult:
+    """Load the newest committed step under ``root`` that loads cleanly; collective.
+
+    Raises:
+        CheckpointNotFoundError: if no step loads (every reason is listed).
+        CheckpointError: what loading failed with, for errors that are not skipped.
+    """
+    listing: tuple[list[tuple[int, bool]] | None, Any] = (None, None)
+    own: BaseException | None = None
+    if world.is_coordinator:
+        try:
+            listing = (sorted(manager._scan().items(), reverse=True), None)
+        except Exception as e:
+            own = e
+            listing = (None, dist.error_text(0, e))
+    candidates, error = dist.broadcast(world, listing, "listing checkpoint steps")
+    if error is not None:  # rank 0's failure record, untouched
+        if own is not None and not world.distributed:
+            if isinstance(own, CheckpointError):
+                raise own
+            raise StorageError(f"listing the steps under {manager.root} failed: {type(own).__name__}: {own}") from own
+        dist.raise_failures(world, {0: error}, f"listing the steps under {manager.root}")
+    if candidates is None:
+        raise CheckpointError(f"listing {manager.root} failed")
+    skipped: dict[int, str] = {}
+    for s, committed in candidates:
+        if not committed:
+            _skip(manager, world, s, skipped, "incomplete: no manifest.json (its save never finished)")
+            continue
+        try:
+            result = load_step(manager, s, state, kwargs)
+        except CheckpointError as e:
+            if not is_skippable(e):
+                raise
+            _skip(manager, world, s, skipped, f"corrupt or unreadable: {e}")
+            continue
+        return StepLoadResult(s, result, skipped)
+    detail = "".join(f"\n  step {s}: {why}" for s, why in skipped.items())
+    raise CheckpointNotFoundError(
+        f"no loadable checkpoint under {manager.root}" + (f":{detail}" if detail else " (no steps)")
+    )
+
+
+def recover(
+    manager: CheckpointManager, state: object, world: dist.World, kwargs: dict[str, Any], step: int | None
+) -> StepLoadResult | None:
+    """The local tier's recovery (own node, then peers), or None to fall back to ``root``."""
+    tier = manager._tier
+    assert tier is not None
+    newest_durable = None
+    if step is None:
+        # A durable step newer than anything local (say local saves failed for a while) wins:
+        # the newest step that can be assembled from anything that survives. Rank 0 lists.
+        listed: int | None = None
+        if world.is_coordinator:
+            try:
+                listed = max((s for s, c in manager._scan().items() if c), default=None)
+            except Exception as e:  # the local tier may not need it; the durable path reports it
+                logger.warning("listing %s before recovering from the local tier failed: %s", manager.root, e)
+        newest_durable = dist.broadcast(world, listed, "listing the durable steps")
+    try:
+        got = tier.recover(state, world, kwargs, only_step=step, at_least=newest_durable)
+    except CheckpointError as e:
+        if not is_skippable(e) and not isinstance(e, StorageError):
+            raise
+        message = f"the local tier at {manager.local_dir} could not be used, falling back to {manager.root}: {e}"
+        if world.is_coordinator:  # job-wide news: said once, by rank 0
+            warnings.warn(message, RuntimeWarning, stacklevel=3)
+        logger.debug("%s", message)
+        return None
+    if got is None:
+        return None
+    return StepLoadResult(got.step, got.result, {}, source=got.source, peer_bytes=got.peer_bytes)
+
+
+def load_step(manager: CheckpointManager, step: int, state: object, kwargs: dict[str, Any]) -> LoadResult:
+    """Load ``step`` under ``root`` into ``state`` (no fallback); collective."""
+    url = manager.step_url(step)
+    store = manager._factory(url)
+    try:
+        return api.load(url, state, storage=store, **kwargs)
+    finally:
+        close_store(store)
+
+
+def _skip(manager: CheckpointManager, world: dist.World, step: int, skipped: dict[int, str], why: str) -> None:
+    skipped[step] = why
+    message = f"skipping checkpoint step {step} under {manager.root}: {why}"
+    if world.is_coordinator:  # job-wide news: said once, by rank 0
+        warnings.warn(message, RuntimeWarning, stacklevel=4)
+    else:
+        logger.debug("%s", message)
+
+
+def is_skippable(e: BaseException) -> bool:
+    """Whether a load failed because the checkpoint is unusable, identically on every rank.
+
+    A peer's failure arrives as a DistributedError carrying ``"TypeName: message"`` texts; a
+    rank's own failure is the exception itself. Either way the decision depends only on
+    the failures every rank was told about, so all ranks skip or raise together.
+    """
+    if isinstance(e, CollectiveTimeoutError):
+        return False
+    if isinstance(e, DistributedError):
+        if not e.failures:
+            return False
+        # str() of a failure record is "TypeName: message", whether it is a str or a record object.
+        return all(str(text).split(":", 1)[0] in _SKIPPABLE for text in e.failures.values())
+    return type(e).__name__ in _SKIPPABLE
