@@ -21,9 +21,10 @@ signal), saves synchronously, and exits 0. Disable with ``--no-preemption``.
 
 With ``--local-tier``, every checkpoint goes to node-local memory (``--local-dir``) and is
 replicated to another node, and every ``--durable-every``-th step also goes to ``--ckpt``: a
-restart on the surviving nodes resumes from the newest step they hold between them. Give
-``--local-dir`` a directory that stays with the physical node (``/dev/shm/...``): node indices
-(``{node}``) can change between restarts of an elastic job.
+restart on the surviving nodes resumes from the newest step they hold between them. On a
+cluster give ``--local-dir`` a node-local path, the same string on every node
+(``/dev/shm/tessera-run-7``); ``{node}`` in it (the node index) is for several simulated nodes
+on one machine.
 
 ``--status-dir`` and ``--result`` write JSON for tests and dashboards: each rank's pid and
 step, and rank 0's final loss.

@@ -319,9 +319,11 @@ def test_elastic_restart_continues_on_the_surviving_node(tmp_path, reference_run
     ckpt = str(tmp_path / "ckpt")
 
     def local(node: str) -> tuple[str, ...]:
+        # One machine plays both nodes: "{node}" gives each its own directory (on a real
+        # cluster the same /dev/shm path is node-local by itself).
         if tier == "durable":
             return ()
-        return ("--local-tier", "--local-dir", str(tmp_path / f"shm-{node}"), "--durable-every", "1000")
+        return ("--local-tier", "--local-dir", str(tmp_path / "shm-{node}"), "--durable-every", "1000")
 
     node_a, _, result = _torchrun(tmp_path, "a", "--step-sleep", "0.15", *local("a"), nproc=1, port=port, ckpt=ckpt)
     # Node A must host the rendezvous store (torchrun's c10d rendezvous does not survive the
