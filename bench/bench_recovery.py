@@ -32,6 +32,7 @@ import logging
 import os
 import shutil
 import statistics
+import sys
 import tempfile
 import time
 import uuid
@@ -43,17 +44,10 @@ import torch.multiprocessing as mp
 import tessera
 from tessera.manager import CheckpointManager
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_storage import AWS_ENV
+
 WORLD = 4
-_AWS_ENV = {
-    "AWS_ACCESS_KEY_ID": "bench",
-    "AWS_SECRET_ACCESS_KEY": "bench",
-    "AWS_DEFAULT_REGION": "us-east-1",
-    "AWS_CONFIG_FILE": "/dev/null",
-    "AWS_SHARED_CREDENTIALS_FILE": "/dev/null",
-    "AWS_EC2_METADATA_DISABLED": "true",
-    "NO_PROXY": "127.0.0.1,localhost",
-    "no_proxy": "127.0.0.1,localhost",
-}
 
 
 def _state(rank: int, args: argparse.Namespace, step: int, empty: bool = False) -> dict:
@@ -172,7 +166,7 @@ def main() -> None:
         from moto.server import ThreadedMotoServer
 
         logging.getLogger("werkzeug").setLevel(logging.ERROR)
-        os.environ.update(_AWS_ENV)
+        os.environ.update(AWS_ENV)
         server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
         server.start()
         host, port = server.get_host_and_port()

@@ -54,7 +54,7 @@ from tessera.storage.memory_tier import default_memory_root
 
 COLS = 4096
 BACKENDS = ("local", "tier", "s3", "memory")
-_AWS_ENV = {
+AWS_ENV = {
     "AWS_ACCESS_KEY_ID": "bench",
     "AWS_SECRET_ACCESS_KEY": "bench",
     "AWS_DEFAULT_REGION": "us-east-1",
@@ -62,6 +62,7 @@ _AWS_ENV = {
     "AWS_SHARED_CREDENTIALS_FILE": "/dev/null",
     "AWS_EC2_METADATA_DISABLED": "true",
     "NO_PROXY": "127.0.0.1,localhost",
+    "no_proxy": "127.0.0.1,localhost",
 }
 
 
@@ -239,7 +240,7 @@ def main() -> None:
         from moto.server import ThreadedMotoServer
 
         logging.getLogger("werkzeug").setLevel(logging.ERROR)  # a line per request otherwise
-        os.environ.update(_AWS_ENV)
+        os.environ.update(AWS_ENV)
         server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
         server.start()
         host, port = server.get_host_and_port()

@@ -9,6 +9,7 @@ happens next.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
@@ -24,7 +25,7 @@ from .steps import LATEST_NAME, close_store, write_pointer
 if TYPE_CHECKING:
     from .core import CheckpointManager
 
-__all__ = ["after_commit", "finish_direct", "forget", "save_direct"]
+__all__ = ["after_commit", "forget", "run_save", "save_direct"]
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +63,28 @@ def save_direct(
             logger.warning("retention before saving step %d under %s failed: %s", step, manager.root, e)
     with manager._lock:
         manager._in_flight.add(step)
+    return run_save(
+        manager, step, url, state, store, in_background, lambda: after_commit(manager, step, store, world), t0, waited
+    )
+
+
+def run_save(
+    manager: CheckpointManager,
+    step: int,
+    path: str,
+    state: object,
+    store: Storage,
+    in_background: bool,
+    then: Callable[[], None],
+    t0: float,
+    waited: float,
+) -> SaveResult | PendingSave:
+    """Save ``state`` to ``path`` through ``store``, then call ``then()`` once it is committed;
+    ``step`` stops being in flight and ``store`` is released either way.
+
+    Synchronous, or (``in_background``) the save runs as ``async_save`` and ``then`` in the
+    manager's thread; errors of either reach the returned PendingSave.
+    """
     kwargs: dict[str, Any] = {
         "process_group": manager.process_group,
         "storage": store,
@@ -70,46 +93,29 @@ def save_direct(
     }
     if not in_background:
         try:
-            result = api.save(url, state, **kwargs)
-            after_commit(manager, step, store, world)
+            result = api.save(path, state, **kwargs)
+            then()
         finally:
             forget(manager, step, store)
         return result
     try:
-        inner = api.async_save(url, state, **kwargs)
+        inner = api.async_save(path, state, **kwargs)
     except BaseException:
         forget(manager, step, store)
         raise
 
     def finish(future: Future[SaveResult]) -> None:
-        finish_direct(manager, future, inner, step, store, world)
+        try:
+            result = inner.wait()
+            then()
+        except BaseException as e:
+            future.set_exception(explain(manager, e, step))
+            return
+        finally:
+            forget(manager, step, store)
+        future.set_result(result)
 
-    return finish_in_background(manager, inner, finish, path=url, t0=t0, waited=waited)
-
-
-def finish_direct(
-    manager: CheckpointManager,
-    future: Future[SaveResult],
-    inner: PendingSave,
-    step: int,
-    store: Storage,
-    world: dist.World,
-) -> None:
-    """The manager's thread: wait for ``inner``, then :func:`after_commit`; resolve ``future``."""
-    try:
-        result = inner.wait()
-    except BaseException as e:
-        forget(manager, step, store)
-        future.set_exception(explain(manager, e, step))
-        return
-    try:
-        after_commit(manager, step, store, world)
-    except BaseException as e:
-        forget(manager, step, store)
-        future.set_exception(e)
-        return
-    forget(manager, step, store)
-    future.set_result(result)
+    return finish_in_background(manager, inner, finish, path=path, t0=t0, waited=waited)
 
 
 def forget(manager: CheckpointManager, step: int, store: Storage) -> None:

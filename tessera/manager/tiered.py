@@ -8,13 +8,12 @@ where ``latest`` and retention follow as for any save. Loading from the tier is
 
 from __future__ import annotations
 
-from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any
+import functools
+from typing import TYPE_CHECKING
 
-from .. import api, dist
+from .. import dist
 from ..results import PendingSave, SaveResult
-from .background import explain, finish_in_background
-from .direct import after_commit, forget
+from .direct import after_commit, run_save
 from .steps import close_store
 
 if TYPE_CHECKING:
@@ -57,39 +56,8 @@ def save_tiered(
     tier.before_save(step, world)
     with manager._lock:
         manager._in_flight.add(step)
-    kwargs: dict[str, Any] = {
-        "process_group": manager.process_group,
-        "storage": local,
-        "allow_pickle": manager.allow_pickle,
-        "options": manager.save_options,
-    }
-    label = tier.step_label(step)
-    if not background:
-        try:
-            result = api.save(label, state, **kwargs)
-            finish_tiered(manager, step, durable, world)
-        finally:
-            forget(manager, step, local)
-        return result
-    try:
-        inner = api.async_save(label, state, **kwargs)
-    except BaseException:
-        forget(manager, step, local)
-        raise
-    copy = durable
-
-    def finish(future: Future[SaveResult]) -> None:
-        try:
-            result = inner.wait()
-            finish_tiered(manager, step, copy, world)
-        except BaseException as e:
-            future.set_exception(explain(manager, e, step))
-            return
-        finally:
-            forget(manager, step, local)
-        future.set_result(result)
-
-    return finish_in_background(manager, inner, finish, path=label, t0=t0, waited=waited)
+    then = functools.partial(finish_tiered, manager, step, durable, world)
+    return run_save(manager, step, tier.step_label(step), state, local, background, then, t0, waited)
 
 
 def finish_tiered(manager: CheckpointManager, step: int, durable: bool, world: dist.World) -> None:
