@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib.util
 import inspect
 import os
+import sys
 import types
 from collections.abc import Iterator
 
@@ -77,8 +78,9 @@ def _uses_harness(fn: object, module: types.ModuleType | None, depth: int = 0) -
     code = getattr(fn, "__code__", None)
     if module is None or code is None or depth > 2:
         return False
-    from tests import dist_utils
-
+    dist_utils = sys.modules.get("tests.dist_utils")
+    if dist_utils is None:  # nothing collected imports the harness (or a conftest copied elsewhere)
+        return False
     harness = [getattr(dist_utils, n) for n in _HARNESS_NAMES]
     for name in _code_names(code):
         obj = getattr(module, name, None)
