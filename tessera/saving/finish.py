@@ -77,12 +77,20 @@ def finish_save(
             timings["stall"] = timer.stall
         return RankReport(files=tuple(FileReport.of(w) for w in written), values=save.values, timings=timings)
 
+    committing = [False]  # rank 0 reached the commit (it then cleans up a failure itself)
+
+    def commit_step(gathered: Gathered[RankReport]) -> CommitOutcome | None:
+        committing[0] = True
+        return _commit(gathered, save, claim)
+
     try:
-        outcome = dist.collective_step(
-            world, f"saving checkpoint {save.path}", write_locally, lambda g: _commit(g, save, claim)
-        )
+        outcome = dist.collective_step(world, f"saving checkpoint {save.path}", write_locally, commit_step)
     except BaseException:
-        if not world.is_coordinator and written:
+        if world.is_coordinator and claim is not None and not committing[0]:
+            # The exchange itself failed (a rank died or hangs): nothing was published, so
+            # rank 0 removes the save's files and marker, as it would for a reported failure.
+            commit.abandon(save.store, claim, [w.path for w in written], save.path)
+        elif not world.is_coordinator and written:
             # Rank 0 removed what it can see; files on this rank's node-local storage too.
             _delete_quietly(save, [w.path for w in written])
         raise
