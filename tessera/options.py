@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any
+from typing import Any, TypeVar
 
 from . import _knobs
 from .plan import PlanOptions
+
+_M = TypeVar("_M", bound=Enum)
 
 
 class StagingMode(str, Enum):
@@ -104,17 +106,18 @@ class LoadOptions:
             raise ValueError(f"LoadOptions.max_read_bytes must be >= 65536, got {self.max_read_bytes}")
 
 
-def _staging_mode(value: object) -> StagingMode:
+def _mode(kind: type[_M], value: object, option: str) -> _M:
+    """``value`` as a member of the enum ``kind``, or a ValueError naming ``option`` and the choices."""
     try:
-        return StagingMode(value)
+        return kind(value)
     except ValueError:
-        choices = ", ".join(repr(m.value) for m in StagingMode)
-        raise ValueError(f"SaveOptions.staging (or TESSERA_STAGING) must be one of {choices}, got {value!r}") from None
+        choices = ", ".join(repr(m.value) for m in kind)
+        raise ValueError(f"{option} must be one of {choices}, got {value!r}") from None
+
+
+def _staging_mode(value: object) -> StagingMode:
+    return _mode(StagingMode, value, "SaveOptions.staging (or TESSERA_STAGING)")
 
 
 def _writer_mode(value: object) -> WriterMode:
-    try:
-        return WriterMode(value)
-    except ValueError:
-        choices = ", ".join(repr(m.value) for m in WriterMode)
-        raise ValueError(f"SaveOptions.writer (or TESSERA_WRITER) must be one of {choices}, got {value!r}") from None
+    return _mode(WriterMode, value, "SaveOptions.writer (or TESSERA_WRITER)")
