@@ -433,23 +433,38 @@ def test_two_ranks_save_retain_and_skip_a_corrupt_step_together(tmp_path) -> Non
     assert Path(root, "latest").read_text() == "step-00000003\n"
 
 
-def test_manager_over_the_memory_tier(tmp_path) -> None:
-    from tessera.storage.memory_tier import default_memory_root
+def test_a_tier_root_is_the_local_tier_in_host_memory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``CheckpointManager("tier::<url>")`` is the local tier (one concept): whole steps in
+    ``default_memory_root(url)``, every step also durable under ``url``, loads from memory."""
+    from tessera.storage.host_memory import default_memory_root
 
+    for var in ("GROUP_RANK", "RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(var, raising=False)
     durable = str(tmp_path / "run")
     memory = default_memory_root(durable)
     try:
-        with CheckpointManager("tier::" + durable, keep_last=1, async_save=True) as mgr:
-            for step in (1, 2):
-                mgr.save(step, _state(step))
-            mgr.wait()
-            assert mgr.steps() == [2] and mgr.pointer_step() == 2
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", DeprecationWarning)  # the manager's spelling is not the deprecated one
+            with CheckpointManager("tier::" + durable, keep_last=1, local_keep_last=1, async_save=True) as mgr:
+                assert mgr.root == durable and mgr.local_dir == memory
+                for step in (1, 2):
+                    mgr.save(step, _state(step))
+                mgr.wait()
+                assert mgr.steps() == [2] and mgr.pointer_step() == 2
         # The durable store holds the committed step and the pointer...
         assert sorted(os.listdir(durable)) == ["latest", "step-00000002"]
         assert os.path.exists(os.path.join(durable, "step-00000002", "manifest.json"))
-        # ...the memory copy holds the kept step, and retention removed step 1 from both.
-        assert os.path.exists(os.path.join(memory, "step-00000002", "manifest.json"))
-        assert not os.path.exists(os.path.join(memory, "step-00000001"))
+        # ...host memory holds the same step, committed locally; retention removed step 1 from both.
+        assert sorted(os.listdir(memory)) == ["step-00000002"]
+        assert os.path.exists(os.path.join(memory, "step-00000002", "local-commit.json"))
+        manifests = [Path(d, "step-00000002", "manifest.json").read_bytes() for d in (memory, durable)]
+        assert manifests[0] == manifests[1]
+        # A restarted process on this node loads from memory; a durable-only manager from the root.
+        target = _blank()
+        with CheckpointManager("tier::" + durable) as mgr:
+            loaded = mgr.load(target)
+        assert (loaded.step, loaded.source) == (2, "local")
+        _assert_is(target, 2)
         target = _blank()
         assert CheckpointManager(durable).load(target).step == 2
         _assert_is(target, 2)

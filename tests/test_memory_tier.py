@@ -1,8 +1,10 @@
-"""The host-memory tier: two-stage commit, load preference, deferred deletes, failures, exit."""
+"""The deprecated one-checkpoint host-memory tier: two-stage commit, load preference, deferred deletes,
+failures, exit (a manager's ``tier::`` root is the local tier: tests/test_local_tier.py, test_manager.py)."""
 
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -15,7 +17,7 @@ import pytest
 from s3_server import FaultProxy, fault_proxy, moto_endpoint, s3_bucket, s3_options  # noqa: F401 (fixtures)
 
 from tessera.errors import StorageError
-from tessera.storage import FileStorage, FsspecStorage, MemoryTierStorage, RetryOptions
+from tessera.storage import FileStorage, FsspecStorage, MemoryTierStorage, RetryOptions, storage_for
 from tessera.storage.memory_tier import default_memory_root
 
 FAST_RETRY = RetryOptions(max_attempts=5, initial_backoff_s=0.01, max_backoff_s=0.05)
@@ -34,6 +36,27 @@ def _save(tier: MemoryTierStorage, gen: str, files: dict[str, bytes], manifest: 
     for name, content in files.items():
         tier.write_file(f"data/{gen}/{name}", [memoryview(content)])
     tier.write_atomic("manifest.json", manifest)
+
+
+def test_the_one_checkpoint_tier_is_deprecated_with_a_pointer_to_the_local_tier(tmp_path: Path) -> None:
+    import tessera
+
+    path = str(tmp_path / "ckpt")
+    try:
+        with pytest.warns(DeprecationWarning, match=r"CheckpointManager\('tier::<url>'\)") as seen:
+            tessera.save("tier::" + path, {"w": tessera_tensor()})
+            storage_for("tier::" + path).wait_persisted()
+    finally:
+        shutil.rmtree(default_memory_root(path), ignore_errors=True)
+    assert any(w.filename == __file__ for w in seen)  # attributed to the caller, not to tessera
+    with pytest.warns(DeprecationWarning, match="deprecated"):
+        MemoryTierStorage(str(tmp_path / "other"), memory_root=str(tmp_path / "mem"))
+
+
+def tessera_tensor() -> object:
+    import torch
+
+    return torch.arange(4.0)
 
 
 def test_commit_lands_in_memory_then_durable(durable: FileStorage, tmp_path: Path) -> None:

@@ -90,14 +90,25 @@ class LocalTier:
         replicas: copies of each rank's files on other nodes.
         keep_last: committed local steps each node keeps.
         process_group: the ranks taking part.
+        warn_single_node: warn when ``replicas`` cannot be honoured because the job has one node.
     """
 
-    def __init__(self, local_dir: str, root: str, *, replicas: int, keep_last: int, process_group: Any) -> None:
+    def __init__(
+        self,
+        local_dir: str,
+        root: str,
+        *,
+        replicas: int,
+        keep_last: int,
+        process_group: Any,
+        warn_single_node: bool = True,
+    ) -> None:
         self.local_dir = local_dir
         self.root = root
         self.replicas = replicas
         self.keep_last = keep_last
         self.process_group = process_group
+        self.warn_single_node = warn_single_node
         self._placement: Placement | None = None
         self._placement_key: tuple[int, int] | None = None
         self._deleter: threading.Thread | None = None
@@ -113,7 +124,7 @@ class LocalTier:
             nodes = dist.all_gather(world, node_index(rank), "gathering node indices")
             self._placement = place([int(n) for n in nodes], self.replicas)
             self._placement_key = key
-            if self.replicas > 0 and len(self._placement.nodes) < 2:
+            if self.warn_single_node and self.replicas > 0 and len(self._placement.nodes) < 2 and world.is_coordinator:
                 logger.warning("local tier at %s: one node only, so no replicas are kept", self.local_dir)
         return self._placement
 

@@ -25,6 +25,7 @@ from ..preemption import PreemptionHandler
 from ..results import PendingSave, SaveResult
 from ..step_names import step_dirname
 from ..storage import Storage, storage_for
+from ..storage.host_memory import TIER_PREFIX, default_memory_root
 from . import background, direct, resume, retention, tiered
 from .resume import StepLoadResult
 from .steps import check_step, join_root, read_pointer, scan_steps
@@ -38,7 +39,10 @@ class CheckpointManager:
     """Save and resume a training run's checkpoints by step, with retention.
 
     Args:
-        root: directory or URL holding one subdirectory per step.
+        root: directory or URL holding one subdirectory per step. ``tier::<url>`` is short
+            for ``root=<url>`` with the local tier in host memory: ``local_dir`` defaults to
+            ``/dev/shm/tessera/<store>/<path of url>`` and, unless ``durable_every`` says
+            otherwise, every step is also saved under ``<url>``.
         keep_last: keep at most this many of the newest committed steps (None: keep all).
         keep_every: also keep every step divisible by this (e.g. 1000), whatever ``keep_last``.
         async_save: default of :meth:`save`: return once the save is planned; copy to host
@@ -60,6 +64,8 @@ class CheckpointManager:
             the node index (``GROUP_RANK``, else ``RANK // LOCAL_WORLD_SIZE``). Use one
             directory per run. See ``docs/resilience.md``.
         local_replicas: copies of each rank's files kept on other nodes' local tiers (0: none).
+            Default (None): 1, and no warning when the job has a single node (an explicit
+            value warns there, since no copy can be placed).
         durable_every: with ``local_dir``, only steps divisible by this also go to ``root``
             (None: every step does).
         local_keep_last: committed local steps each node keeps.
@@ -107,7 +113,7 @@ class CheckpointManager:
         storage_factory: Callable[[str], Storage] | None = None,
         retention_before_save: bool = False,
         local_dir: str | None = None,
-        local_replicas: int = 1,
+        local_replicas: int | None = None,
         durable_every: int | None = None,
         local_keep_last: int = 2,
         save_policy: SavePolicy | None = None,
@@ -122,10 +128,18 @@ class CheckpointManager:
         ):
             if value is not None and (type(value) is not int or value < 1):
                 raise ValueError(f"CheckpointManager({root!r}): {name} must be None or an integer >= 1, got {value!r}")
+        warn_single_node = local_replicas is not None
+        if local_replicas is None:
+            local_replicas = 1
         if type(local_replicas) is not int or local_replicas < 0:
             raise ValueError(
                 f"CheckpointManager({root!r}): local_replicas must be an integer >= 0, got {local_replicas!r}"
             )
+        if isinstance(root, str) and root.startswith(TIER_PREFIX):
+            # "tier::<url>": the local tier in host memory, every step also durable under <url>.
+            root = root[len(TIER_PREFIX) :]
+            if local_dir is None:
+                local_dir = default_memory_root(root)
         if local_dir is not None and (not isinstance(local_dir, str) or "://" in local_dir or not local_dir):
             raise ValueError(
                 f"CheckpointManager({root!r}): local_dir must be a local directory path, got {local_dir!r}"
@@ -134,7 +148,14 @@ class CheckpointManager:
         self.local_replicas = local_replicas
         self.durable_every = durable_every
         self._tier = (
-            LocalTier(local_dir, root, replicas=local_replicas, keep_last=local_keep_last, process_group=process_group)
+            LocalTier(
+                local_dir,
+                root,
+                replicas=local_replicas,
+                keep_last=local_keep_last,
+                process_group=process_group,
+                warn_single_node=warn_single_node,
+            )
             if local_dir is not None
             else None
         )
@@ -147,9 +168,7 @@ class CheckpointManager:
         self.save_options = save_options
         self.load_options = load_options
         self._factory = storage_factory or (lambda url: storage_for(url, storage_options=storage_options))
-        # Listing, the pointer and retention go through one backend bound to root. For a
-        # ``tier::`` root that is a memory tier too: it lists committed steps from the durable
-        # store, writes ``latest`` through to both copies and deletes both copies of a step.
+        # Listing, the pointer and retention go through one backend bound to root.
         self._root_store = self._factory(root)
         self._pending: PendingSave | None = None
         self._thread: threading.Thread | None = None

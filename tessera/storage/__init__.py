@@ -21,8 +21,9 @@ def storage_for(
 
     * plain paths and ``file://`` URLs: :class:`FileStorage` (``storage_options`` are its
       keyword arguments, e.g. ``{"durable": False}``);
-    * ``tier::<durable url>``: :class:`MemoryTierStorage`, committing to host memory first and
-      persisting to the durable URL (chosen by these same rules) in the background;
+    * ``tier::<durable url>``: :class:`MemoryTierStorage` (deprecated: a
+      :class:`~tessera.CheckpointManager` root ``tier::<url>`` is the local tier instead),
+      committing to host memory first and persisting to the durable URL in the background;
     * any other ``scheme://`` URL (``s3://``, ``gs://``, ``memory://``, ``hdfs://``...):
       :class:`FsspecStorage`, with ``storage_options`` passed to the fsspec filesystem.
 

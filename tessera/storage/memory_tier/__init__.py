@@ -1,4 +1,11 @@
-"""Host-memory tier: commit a checkpoint to RAM first, persist it to durable storage in the background.
+"""Deprecated one-checkpoint host-memory tier: commit a checkpoint to RAM first, persist it in the background.
+
+Deprecated: host-memory checkpoints are the local tier of :class:`~tessera.CheckpointManager`
+(:mod:`tessera.local_tier`; ``CheckpointManager("tier::<url>")`` or ``local_dir=...``), which
+keeps whole steps per node, replicates them to other nodes and recovers from peers. A
+``tier::`` root of a manager is that local tier; this package serves only ``tier::`` paths
+given to :func:`tessera.save` / :func:`tessera.load` and :class:`MemoryTierStorage` itself,
+and is removed in tessera 0.2.
 
 A save through :class:`MemoryTierStorage` finishes at host-memory speed, and a restart on the
 same node loads at host-memory speed, while the durable store (S3, a shared filesystem...)

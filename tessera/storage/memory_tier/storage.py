@@ -5,6 +5,8 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import os
+import sys
+import warnings
 from collections.abc import Iterable, Mapping
 
 from ... import _knobs
@@ -18,9 +20,28 @@ from .registry import state_for, wait_last_job
 
 logger = logging.getLogger(__name__)
 
+DEPRECATION = (
+    "the one-checkpoint host-memory tier (tessera.storage.MemoryTierStorage, 'tier::' paths given to "
+    "tessera.save/load) is deprecated and will be removed in tessera 0.2: host-memory checkpoints are "
+    "CheckpointManager's local tier, CheckpointManager('tier::<url>') or CheckpointManager(<url>, "
+    "local_dir=...) (replicas on other nodes, recovery from peers; see docs/resilience.md)"
+)
+
+
+def _caller_level() -> int:
+    """The stack level of the first frame outside tessera (the user's call), for the warning."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_globals.get("__name__", "").startswith("tessera."):
+        frame, level = frame.f_back, level + 1  # type: ignore[assignment]
+    return level
+
 
 class MemoryTierStorage(TierPersistence):
-    """Two-stage storage: commit to a host-memory directory, persist to ``durable`` in the background.
+    """Deprecated two-stage storage: commit to a host-memory directory, persist to ``durable`` in the background.
+
+    Deprecated (a :class:`DeprecationWarning` at construction): host-memory checkpoints are the
+    local tier of :class:`~tessera.CheckpointManager` (``CheckpointManager("tier::<url>")`` or
+    ``local_dir=...``), which adds replicas on other nodes and recovery from peers.
 
     Implements :class:`~tessera.storage.Storage`; see :mod:`tessera.storage.memory_tier` for the exact
     semantics. Thread-safe.
@@ -60,6 +81,7 @@ class MemoryTierStorage(TierPersistence):
         per_rank: bool | None = None,
         commit_timeout_s: float | None = None,
     ) -> None:
+        warnings.warn(DEPRECATION, DeprecationWarning, stacklevel=_caller_level())
         if isinstance(durable, str):
             from .. import storage_for  # the package imports this module; resolve lazily
 
