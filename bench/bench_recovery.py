@@ -90,6 +90,43 @@ def _drop_cache(root: str) -> None:
                 os.close(fd)
 
 
+def _exchange(rank: int, pairs: list[tuple[int, int]], nbytes: int) -> None:
+    """Bare gloo: every (src, dst) pair moves ``nbytes`` from one preallocated buffer to another."""
+    sends = [torch.ones(nbytes, dtype=torch.uint8) for src, _ in pairs if src == rank]
+    recvs = [torch.empty(nbytes, dtype=torch.uint8) for _, dst in pairs if dst == rank]
+    for b in recvs:
+        b.fill_(0)  # paged in, as the tier's MAP_POPULATE'd files are
+
+    def run() -> None:
+        works, s, r = [], iter(sends), iter(recvs)
+        for tag, (src, dst) in enumerate(pairs):
+            if dst == rank:
+                works.append(dist.irecv(next(r), src=src, tag=tag))
+        for tag, (src, dst) in enumerate(pairs):
+            if src == rank:
+                works.append(dist.isend(next(s), dst=dst, tag=tag))
+        for w in works:
+            w.wait()
+
+    return run  # type: ignore[return-value]
+
+
+def _limits(rank: int, args: argparse.Namespace, results: dict[str, list[float]]) -> None:
+    """This machine's own limit for the same bytes: bare gloo between the pairs the tier uses."""
+    from tessera.local_tier import place
+
+    per_rank = sum(t.local.numel() * 4 for t in _state(rank, args, 1)["model"].values())
+    placement = place([0, 0, 1, 1], 1)
+    replica_pairs = [(src, dst) for src, dsts in enumerate(placement.targets) for dst in dsts]
+    # Recovery of node 1: its ranks' files come from the ranks on node 0 that hold their replicas.
+    fetch_pairs = [(src, dst) for src, dst in replica_pairs if dst in placement.nodes[0] and src in placement.nodes[1]]
+    fetch_pairs = [(dst, src) for src, dst in fetch_pairs]
+    for name, pairs in (("gloo limit, replica bytes", replica_pairs), ("gloo limit, fetched bytes", fetch_pairs)):
+        run = _exchange(rank, pairs, per_rank)
+        run()  # warm-up
+        results[name] = [_timed(run) for _ in range(args.repeat)]
+
+
 def worker(rank: int, store: str, args: argparse.Namespace) -> None:
     os.environ.update({"LOCAL_WORLD_SIZE": "2", "OMP_NUM_THREADS": "1"})
     torch.set_num_threads(1)
@@ -110,6 +147,13 @@ def worker(rank: int, store: str, args: argparse.Namespace) -> None:
             last = args.repeat + 1
             times = []
             for _ in range(args.repeat):
+                target = _state(rank, args, 0, empty=True)
+                got = []
+                times.append(_timed(lambda m=mgr, t=target, g=got: g.append(m.load(t))))
+                assert got[0].source == "local" and got[0].step == last, (got[0].source, got[0].step)
+            results["recover, nothing lost"] = times
+            times = []
+            for _ in range(args.repeat):
                 if rank == 2:
                     shutil.rmtree(local.format(node=1), ignore_errors=True)
                 dist.barrier()
@@ -124,6 +168,7 @@ def worker(rank: int, store: str, args: argparse.Namespace) -> None:
             shutil.rmtree(local.format(node=0), ignore_errors=True)
         if rank == 2:
             shutil.rmtree(local.format(node=1), ignore_errors=True)
+    _limits(rank, args, results)
     roots = {"cold read, local disk": os.path.join(args.disk, "durable")}
     if args.bucket:
         roots["loopback S3 (moto)"] = f"s3://{args.bucket}/run"
@@ -192,6 +237,13 @@ def main() -> None:
     if "recover from peers" in rows:
         extra = rows["save, local + 1 replica"] - rows["save, local only"]
         print(f"replication overhead per save: {extra:.3f} s ({extra / rows['save, local only']:.2f}x one local copy)")
+        if "gloo limit, replica bytes" in rows:
+            limit = rows["gloo limit, replica bytes"]
+            print(f"replication overhead / bare gloo exchange of the same bytes: {extra / limit:.2f}x")
+            floor = rows["gloo limit, fetched bytes"] + rows["recover, nothing lost"]
+            print(
+                f"recover from peers / (bare gloo fetch + load from memory): {rows['recover from peers'] / floor:.2f}x"
+            )
         for other in ("cold read, local disk", "loopback S3 (moto)"):
             if other in rows:
                 print(f"recover from peers vs {other}: {rows[other] / rows['recover from peers']:.1f}x faster")

@@ -126,3 +126,53 @@ def fsdp2_load_and_check(rank: int, world: int, root: str, local_dir: str, want_
     exact = all(torch.equal(have[n], want[n]) for n in want)
     exact_opt = sorted(want_opt) == sorted(have_opt) and all(torch.equal(have_opt[n], want_opt[n]) for n in want_opt)
     return {"step": got.step, "k": state["k"], "source": got.source, "exact": exact, "exact_optim": exact_opt}
+
+
+def _uneven_state(rank: int, k: int) -> dict[str, Any]:
+    """Rank 0 holds 1024 rows of 'w' (1 MiB), rank 1 two rows: rank 1's own files stay small."""
+    import torch
+
+    import tessera
+
+    start, rows = (0, 1024) if rank == 0 else (1024, 2)
+    local = torch.arange(start * 256, (start + rows) * 256, dtype=torch.float32).reshape(rows, 256) + k
+    return {"w": tessera.ShardedTensor(local, (1026, 256), (start, 0)), "step": k}
+
+
+def replica_space_runs_out(rank: int, world: int, root: str, local_dir: str) -> dict[str, Any]:
+    """2 nodes x 1 rank. Step 1 saves; then rank 1's filesystem refuses files over 256 KiB (a
+    kernel-enforced RLIMIT_FSIZE, as a full /dev/shm would) and step 2's replica of rank 0's
+    1 MiB file cannot be written there: the save must fail on both ranks, leave no partial
+    file, and step 1 stay the one that recovers."""
+    import resource
+
+    import torch
+
+    from tessera.errors import CheckpointError
+
+    mgr = CheckpointManager(root, local_dir=local_dir, local_replicas=1)
+    mgr.save(1, _uneven_state(rank, 1))
+    if rank == 1:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # EFBIG from the call instead of the signal
+        resource.setrlimit(resource.RLIMIT_FSIZE, (256 << 10, resource.RLIM_INFINITY))
+    error = None
+    try:
+        mgr.save(2, _uneven_state(rank, 2))
+    except CheckpointError as e:
+        error = f"{type(e).__name__}: {e}"
+    node = local_dir.replace("{node}", str(rank))
+    leftovers = sorted(n for _, _, names in os.walk(node) for n in names if ".recv-" in n)
+    target = {"w": tessera_sharded_zeros(rank), "step": 0}
+    got = mgr.load(target)
+    exact = torch.equal(target["w"].local, _uneven_state(rank, 1)["w"].local)
+    mgr.close()
+    return {"error": error, "leftovers": leftovers, "step": got.step, "source": got.source, "exact": exact}
+
+
+def tessera_sharded_zeros(rank: int) -> Any:
+    import torch
+
+    import tessera
+
+    start, rows = (0, 1024) if rank == 0 else (1024, 2)
+    return tessera.ShardedTensor(torch.zeros(rows, 256), (1026, 256), (start, 0))

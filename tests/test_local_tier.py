@@ -22,6 +22,7 @@ from tests.local_tier_worker import (
     fsdp2_load_and_check,
     fsdp2_save_then_die,
     load_and_check,
+    replica_space_runs_out,
     save_then_die,
     save_then_die_mid_save,
 )
@@ -235,3 +236,17 @@ def test_placement_is_decided_once() -> None:
     first = tier.placement(world)
     assert tier.placement(world) is first  # cached: no second exchange of node indices
     assert first.targets == ((),)  # one node: no replica
+
+
+def test_a_replica_that_does_not_fit_fails_the_save_everywhere(tmp_path: os.PathLike) -> None:
+    """The receiving node's filesystem refuses the replica (RLIMIT_FSIZE, as a full /dev/shm
+    would): a StorageError on both ranks, no partial file, the previous step recovers."""
+    root, local_dir = _dirs(tmp_path)
+    got = _ok(run_ranks(replica_space_runs_out, 2, root, local_dir, env={"LOCAL_WORLD_SIZE": "1"}, timeout=120))
+    for rank, g in enumerate(got):
+        assert g["error"] is not None and g["error"].startswith("StorageError"), (rank, g["error"])
+        assert "replicating" in g["error"], g["error"]
+        assert g["leftovers"] == [], (rank, g["leftovers"])
+        assert (g["step"], g["source"], g["exact"]) == (1, "local", True), (rank, g)
+    assert "File too large" in got[1]["error"]
+    assert _committed(local_dir.format(node=0)) == _committed(local_dir.format(node=1)) == ["step-00000001"]

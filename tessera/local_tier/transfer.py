@@ -7,6 +7,7 @@ that name it, so the traffic is point to point (no rank relays another's bytes).
 
 from __future__ import annotations
 
+import errno
 import logging
 import mmap
 import os
@@ -59,10 +60,15 @@ class FileSink:
         self.tmp = f"{self.final}.recv-{uuid.uuid4().hex}"
         fd = os.open(self.tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
         try:
-            os.ftruncate(fd, nbytes)
-            # MAP_POPULATE: the pages are allocated in one call, not faulted in 4 KiB at a time.
-            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-            self._map = mmap.mmap(fd, nbytes, flags=flags) if nbytes else None
+            # Allocate the file's pages in one call; mapping them is left to the receive. Measured
+            # on tmpfs, 4 ranks x 256 MB on 2 cores: 0.59 s per replication against 0.69 s with
+            # MAP_POPULATE, whose page-table setup costs more than the allocation itself.
+            if nbytes:
+                _allocate(fd, nbytes)
+            self._map = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED) if nbytes else None
+        except OSError as e:
+            self.abort()
+            raise StorageError(f"cannot receive {path} ({nbytes} bytes) into {self.final}: {e}") from e
         finally:
             os.close(fd)
         self.buffer = torch.frombuffer(self._map, dtype=torch.uint8) if self._map is not None else torch.empty(0)
@@ -77,6 +83,16 @@ class FileSink:
             os.remove(self.tmp)
         except FileNotFoundError:
             pass
+
+
+def _allocate(fd: int, nbytes: int) -> None:
+    """Give the open file ``nbytes`` of allocated space (a sparse file where the filesystem cannot)."""
+    try:
+        os.posix_fallocate(fd, 0, nbytes)
+    except OSError as e:
+        if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+            raise  # ENOSPC, EFBIG: said now, where a sparse file would SIGBUS the receive
+        os.ftruncate(fd, nbytes)
 
 
 def read_tensor(root: str, path: str) -> torch.Tensor:
@@ -158,8 +174,8 @@ def run_transfers(
 
 
 def _as_storage_error(e: BaseException, what: str, rank: int) -> BaseException:
-    if isinstance(e, StorageError):
-        return e
-    out = StorageError(f"rank {rank}: {what}: {type(e).__name__}: {e}")
+    """A StorageError naming the rank and the step of the collective (``what``)."""
+    cause = str(e) if isinstance(e, StorageError) else f"{type(e).__name__}: {e}"
+    out = StorageError(f"rank {rank}: {what}: {cause}")
     out.__cause__ = e
     return out
