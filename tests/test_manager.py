@@ -498,6 +498,34 @@ def test_local_tier_single_process(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     mgr.close()
 
 
+def test_a_local_manifest_replaced_by_another_save_is_not_loaded(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A zombie job writing into the same local_dir replaces a committed local step's manifest:
+    its save id no longer matches the commit marker's, so the step is skipped with a warning and
+    the newest durable step loads, never the other job's data under this step's name."""
+    for var in ("GROUP_RANK", "RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    root, local = str(tmp_path / "durable"), str(tmp_path / "shm")
+    with CheckpointManager(root, local_dir=local, durable_every=2) as mgr:
+        for k in (1, 2, 3):
+            mgr.save(k, {"w": torch.full((3,), float(k))})
+    # The other job's save of "step 3", complete with its files, lands in the same directory.
+    other = str(tmp_path / "other")
+    tessera.save(other, {"w": torch.full((3,), 99.0)})
+    step3 = Path(local, step_dirname(3))
+    shutil.copytree(Path(other, "data"), step3 / "data", dirs_exist_ok=True)
+    shutil.copy(Path(other, "manifest.json"), step3 / "manifest.json")
+    state = {"w": torch.zeros(3)}
+    with (
+        CheckpointManager(root, local_dir=local, durable_every=2) as mgr,
+        pytest.warns(RuntimeWarning, match="is another job writing into"),
+    ):
+        got = mgr.load(state)
+    assert (got.step, got.source) == (2, "durable")
+    assert torch.equal(state["w"], torch.full((3,), 2.0))
+
+
 def test_local_tier_async_and_specific_step(tmp_path: Path) -> None:
     root, local = str(tmp_path / "durable"), str(tmp_path / "shm")
     with CheckpointManager(root, local_dir=local, durable_every=3, async_save=True) as mgr:

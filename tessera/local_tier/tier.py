@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from .. import api, commit, dist, manifest
-from ..errors import CheckpointError, StorageError
+from ..errors import CheckpointError, CorruptCheckpointError, StorageError
 from ..manifest import MANIFEST_NAME
 from ..results import LoadResult
 from ..step_names import parse_step_dirname, step_dirname
@@ -338,6 +338,14 @@ class LocalTier:
         wanted = b""
         try:
             m = manifest.decode(store.read_file(MANIFEST_NAME), source=f"{store.root}/{MANIFEST_NAME}")
+            if m.save_id != save_id:
+                # Another writer replaced the manifest after this step's commit (a zombie job on
+                # the same local_dir): its files are not the ones the commit markers vouch for.
+                raise CorruptCheckpointError(
+                    f"rank {world.rank}: local step {step} in {store.root}: {MANIFEST_NAME} is of save "
+                    f"{m.save_id}, but the step was committed as save {save_id}; is another job writing "
+                    f"into {self.local_dir}?"
+                )
             files = [(f.path, f.nbytes) for f in m.files]
             # Each rank says which files its load reads (one bit per file): a node fetches only those.
             wanted = np.packbits(needed_files(state, m, rank=world.rank, world_size=world.size)).tobytes()
