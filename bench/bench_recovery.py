@@ -40,6 +40,7 @@ import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -94,7 +95,7 @@ def _drop_cache(root: str) -> None:
                 os.close(fd)
 
 
-def _exchange(rank: int, pairs: list[tuple[int, int]], nbytes: int) -> None:
+def _exchange(rank: int, pairs: list[tuple[int, int]], nbytes: int) -> Callable[[], None]:
     """Bare gloo: every (src, dst) pair moves ``nbytes`` from one preallocated buffer to another."""
     sends = [torch.ones(nbytes, dtype=torch.uint8) for src, _ in pairs if src == rank]
     recvs = [torch.empty(nbytes, dtype=torch.uint8) for _, dst in pairs if dst == rank]
@@ -112,7 +113,7 @@ def _exchange(rank: int, pairs: list[tuple[int, int]], nbytes: int) -> None:
         for w in works:
             w.wait()
 
-    return run  # type: ignore[return-value]
+    return run
 
 
 def _limits(rank: int, args: argparse.Namespace, results: dict[str, list[float]]) -> None:
@@ -122,9 +123,8 @@ def _limits(rank: int, args: argparse.Namespace, results: dict[str, list[float]]
     per_rank = sum(t.local.numel() * 4 for t in _state(rank, args, 1)["model"].values())
     placement = place([0, 0, 1, 1], 1)
     replica_pairs = [(src, dst) for src, dsts in enumerate(placement.targets) for dst in dsts]
-    # Recovery of node 1: its ranks' files come from the ranks on node 0 that hold their replicas.
-    fetch_pairs = [(src, dst) for src, dst in replica_pairs if dst in placement.nodes[0] and src in placement.nodes[1]]
-    fetch_pairs = [(dst, src) for src, dst in fetch_pairs]
+    # Recovery of node 1: each of its ranks gets its files back from the rank holding their replica.
+    fetch_pairs = [(holder, rank) for rank in placement.nodes[1] for holder in placement.targets[rank]]
     for name, pairs in (("gloo limit, replica bytes", replica_pairs), ("gloo limit, fetched bytes", fetch_pairs)):
         run = _exchange(rank, pairs, per_rank)
         run()  # warm-up

@@ -162,17 +162,9 @@ def replica_space_runs_out(rank: int, world: int, root: str, local_dir: str) -> 
         error = f"{type(e).__name__}: {e}"
     node = local_dir.replace("{node}", str(rank))
     leftovers = sorted(n for _, _, names in os.walk(node) for n in names if ".recv-" in n)
-    target = {"w": tessera_sharded_zeros(rank), "step": 0}
+    target = _uneven_state(rank, 0)
+    target["w"].local.zero_()
     got = mgr.load(target)
     exact = torch.equal(target["w"].local, _uneven_state(rank, 1)["w"].local)
     mgr.close()
     return {"error": error, "leftovers": leftovers, "step": got.step, "source": got.source, "exact": exact}
-
-
-def tessera_sharded_zeros(rank: int) -> Any:
-    import torch
-
-    import tessera
-
-    start, rows = (0, 1024) if rank == 0 else (1024, 2)
-    return tessera.ShardedTensor(torch.zeros(rows, 256), (1026, 256), (start, 0))

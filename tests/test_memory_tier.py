@@ -14,8 +14,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+import torch
 from s3_server import FaultProxy, fault_proxy, moto_endpoint, s3_bucket, s3_options  # noqa: F401 (fixtures)
 
+import tessera
 from tessera.errors import StorageError
 from tessera.storage import FileStorage, FsspecStorage, MemoryTierStorage, RetryOptions, storage_for
 from tessera.storage.memory_tier import default_memory_root
@@ -39,24 +41,16 @@ def _save(tier: MemoryTierStorage, gen: str, files: dict[str, bytes], manifest: 
 
 
 def test_the_one_checkpoint_tier_is_deprecated_with_a_pointer_to_the_local_tier(tmp_path: Path) -> None:
-    import tessera
-
     path = str(tmp_path / "ckpt")
     try:
         with pytest.warns(DeprecationWarning, match=r"CheckpointManager\('tier::<url>'\)") as seen:
-            tessera.save("tier::" + path, {"w": tessera_tensor()})
+            tessera.save("tier::" + path, {"w": torch.arange(4.0)})
             storage_for("tier::" + path).wait_persisted()
     finally:
         shutil.rmtree(default_memory_root(path), ignore_errors=True)
     assert any(w.filename == __file__ for w in seen)  # attributed to the caller, not to tessera
     with pytest.warns(DeprecationWarning, match="deprecated"):
         MemoryTierStorage(str(tmp_path / "other"), memory_root=str(tmp_path / "mem"))
-
-
-def tessera_tensor() -> object:
-    import torch
-
-    return torch.arange(4.0)
 
 
 def test_commit_lands_in_memory_then_durable(durable: FileStorage, tmp_path: Path) -> None:

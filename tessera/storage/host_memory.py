@@ -29,15 +29,15 @@ def default_memory_root(durable_url: str) -> str:
     ``/dev/shm/tessera/<store>/<path of the URL>``, where ``<store>`` is ``local`` for paths
     and ``file://`` URLs, and ``<scheme>-<host or bucket>-<hash>`` otherwise: for example
     ``s3://ckpts/run-7/step-100`` maps to ``/dev/shm/tessera/s3-ckpts-1f0e2a9c/run-7/step-100``.
-    The path is kept (not hashed) so that the memory copies of checkpoints nest like the
-    checkpoints do: a tier opened on ``.../run-7`` (e.g. by a checkpoint manager applying
-    retention) sees and deletes the memory copies of ``.../run-7/step-*``. Where ``/dev/shm``
-    does not exist, the system temporary directory is used instead (possibly disk-backed).
+    The path is kept (not hashed) so that memory copies nest like the checkpoints do: a
+    manager on ``tier::s3://ckpts/run-7`` keeps its steps under ``.../run-7/step-*``. Where
+    ``/dev/shm`` does not exist, the system temporary directory is used instead (possibly
+    disk-backed).
     """
     base = "/dev/shm"
     if not (os.path.isdir(base) and os.access(base, os.W_OK)):
         base = tempfile.gettempdir()
-        logger.warning("no writable /dev/shm; the memory tier uses %s, which may be on disk", base)
+        logger.warning("no writable /dev/shm; host-memory checkpoints go to %s, which may be on disk", base)
     scheme, sep, rest = durable_url.partition("://")
     if not sep or scheme == "file":
         store, path = "local", os.path.realpath(local_root(durable_url))  # one copy per directory, however reached
