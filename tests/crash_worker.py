@@ -134,6 +134,9 @@ class CrashStorage:
         if self.at == "after_atomic" and hit:
             _die()
 
+    def location(self) -> str:
+        return self.inner.location()
+
     def read_file(self, path: str) -> bytes:
         return self.inner.read_file(path)
 
@@ -344,9 +347,20 @@ def _fenced(e: BaseException) -> bool:
     return bool(failures) and all(str(f).startswith(names) for f in failures.values())
 
 
-def rank_save_loop(rank: int, world: int, target: str, progress_dir: str, mode: str, first: int = 1) -> None:
-    """:func:`save_loop` as one rank of :func:`start_ranks` (progress in ``progress_dir/<rank>``)."""
-    save_loop(target, os.path.join(progress_dir, str(rank)), mode, first=first, rank=rank, world=world)
+def rank_save_loop(
+    rank: int,
+    world: int,
+    target: str,
+    progress_dir: str,
+    mode: str,
+    first: int = 1,
+    crash: dict[str, Any] | None = None,
+    crash_rank: int = 0,
+) -> None:
+    """:func:`save_loop` as one rank of :func:`start_ranks` (progress in ``progress_dir/<rank>``);
+    rank ``crash_rank`` saves through a :class:`CrashStorage` made with ``crash``, if given."""
+    mine = crash if rank == crash_rank else None
+    save_loop(target, os.path.join(progress_dir, str(rank)), mode, mine, first=first, rank=rank, world=world)
 
 
 def wait_for_line(progress: str, line: str, timeout: float = 60.0) -> None:

@@ -168,3 +168,25 @@ def replica_space_runs_out(rank: int, world: int, root: str, local_dir: str) -> 
     exact = torch.equal(target["w"].local, _uneven_state(rank, 1)["w"].local)
     mgr.close()
     return {"error": error, "leftovers": leftovers, "step": got.step, "source": got.source, "exact": exact}
+
+
+def durable_copy_dies_after_publish(rank: int, world: int, root: str, local_dir: str) -> dict[str, Any]:
+    """2 nodes x 1 rank, every step durable. Rank 0 is SIGKILLed right after it published step
+    2's durable manifest; rank 1 sees only a failed exchange and reports its error."""
+    from tessera.errors import DistributedError
+    from tessera.manifest import MANIFEST_NAME
+    from tessera.storage import FileStorage
+    from tests.crash_worker import CrashStorage
+
+    def factory(url: str) -> Any:
+        if rank == 0 and url.rstrip("/").endswith("step-00000002"):
+            return CrashStorage(url, at="after_atomic", name=MANIFEST_NAME)
+        return FileStorage(url)
+
+    mgr = CheckpointManager(root, local_dir=local_dir, local_replicas=1, durable_every=1, storage_factory=factory)
+    mgr.save(1, make_rank_state(1, rank, world))
+    try:
+        mgr.save(2, make_rank_state(2, rank, world))
+    except DistributedError as e:  # a peer died or timed out
+        return {"error": f"{type(e).__name__}: {e}"}
+    return {"error": None}

@@ -251,6 +251,33 @@ def _two_rank_trial(tmp_path, trial: int, rng: random.Random, mode: str) -> str:
     return _check_manager_after_kill(target, merged, pointer_done=progress[0][1])
 
 
+@pytest.mark.parametrize(
+    "crash",
+    [{"at": "after_atomic", "name": MANIFEST_NAME}, {"at": "delete"}],
+    ids=["after-publish", "mid-cleanup"],
+)
+def test_rank_0_killed_after_it_committed_leaves_the_commit_intact(tmp_path, crash: dict) -> None:
+    # Rank 1 only learns that the exchange failed, not whether rank 0 published first: it
+    # must not remove its files, which the committed manifest names (CI run of stop 19).
+    target = str(tmp_path / "ckpt")
+    progress_dir = str(tmp_path / "progress")
+    os.makedirs(progress_dir)
+    timeout = 10
+    tessera.save(target, make_state(1))
+    group = start_ranks(
+        rank_save_loop, 2, target, progress_dir, "path", 2, crash, 0, env={"TESSERA_TIMEOUT_S": str(timeout)}
+    )
+    out = group.collect(timeout + 30)
+    assert out[0].status == "died", out[0]
+    assert out[1].status == "error" and out[1].error_is("DistributedError"), out[1]
+    report = verify(target)
+    assert report.ok, report.summary()
+    assert _load_path(target) == 2  # rank 0 published step 2 before it died
+    tessera.save(target, make_state(3))  # the next save removes what the dead one left
+    assert _load_path(target) == 3
+    _no_leftovers(target)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["path", "manager_async"])
 def test_two_ranks_one_killed_mid_save(tmp_path, mode: str) -> None:

@@ -17,8 +17,11 @@ from tessera.local_tier import NodeInventory, StepHolding, choose_step, node_ind
 from tessera.local_tier.fetch_plan import plan_fetches, plan_manifest_fetches
 from tessera.local_tier.inventory import MARKER_NAME
 from tessera.local_tier.transfer import Transfer
-from tests.crash_worker import run_ranks, start_ranks
+from tessera.manager import CheckpointManager
+from tessera.verify import verify
+from tests.crash_worker import check_state, empty_state, run_ranks, start_ranks
 from tests.local_tier_worker import (
+    durable_copy_dies_after_publish,
     fsdp2_load_and_check,
     fsdp2_save_then_die,
     load_and_check,
@@ -250,3 +253,22 @@ def test_a_replica_that_does_not_fit_fails_the_save_everywhere(tmp_path: os.Path
         assert (g["step"], g["source"], g["exact"]) == (1, "local", True), (rank, g)
     assert "File too large" in got[1]["error"]
     assert _committed(local_dir.format(node=0)) == _committed(local_dir.format(node=1)) == ["step-00000001"]
+
+
+def test_a_durable_copy_committed_by_a_rank_that_then_died_stays_whole(tmp_path: os.PathLike) -> None:
+    """Rank 1 cannot tell whether rank 0 published before dying, so it keeps its uploads:
+    the durable step 2 verifies and loads, with the local tier gone."""
+    root, local_dir = _dirs(tmp_path)
+    group = start_ranks(
+        durable_copy_dies_after_publish, 2, root, local_dir, env={"LOCAL_WORLD_SIZE": "1", "TESSERA_TIMEOUT_S": "10"}
+    )
+    out = group.collect(120)
+    assert out[0].status == "died", out[0]
+    assert out[1].status == "ok" and out[1].value["error"] is not None, out[1]
+    shutil.rmtree(os.path.join(tmp_path, "shm"))
+    mgr = CheckpointManager(root)
+    report = verify(mgr.step_url(2))
+    assert report.ok, report.summary()
+    state = empty_state()
+    got = mgr.load(state)
+    assert (got.step, check_state(state)) == (2, 2)

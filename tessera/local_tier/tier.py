@@ -209,8 +209,9 @@ class LocalTier:
         (owner marker, the manifest version it replaces), each rank uploads the files it wrote
         (created, never rewritten, under ``data/<save id>/``), rank 0 checks every file's size,
         publishes the manifest fenced against any other writer and removes what no save can
-        commit any more. A failure anywhere removes this copy's files and raises on every rank;
-        the durable root keeps its previous commit.
+        commit any more. A failure reported by any rank removes this copy's files and raises on
+        every rank; the durable root keeps its previous commit. (A failed exchange leaves them
+        to the next commit at the root: it may have come after rank 0 published.)
 
         Raises:
             ConcurrentSaveError: another writer committed the durable path since the claim.
@@ -245,15 +246,10 @@ class LocalTier:
                 return
             commit.commit_manifest(durable, claim, m, durable.url)
 
-        try:
-            dist.collective_step(world, what, upload, publish)
-        except BaseException:
-            if not world.is_coordinator and uploaded:
-                try:  # rank 0 removed what it can see; a node-local durable root needs each rank
-                    durable.delete(uploaded)
-                except Exception as e:
-                    logger.warning("could not remove the files of a failed durable copy: %s", e)
-            raise
+        # A failed exchange leaves the uploads in place on ranks other than 0: they cannot tell
+        # whether rank 0 published before it failed. Uncommitted, they are the files of a save
+        # whose owner marker stays, which the next commit at the durable root removes.
+        dist.collective_step(world, what, upload, publish)
 
     def apply_retention(self, world: dist.World, newest: int) -> list[int]:
         """Node leaders: delete committed local steps beyond the newest ``keep_last`` and

@@ -90,9 +90,10 @@ def finish_save(
             # The exchange itself failed (a rank died or hangs): nothing was published, so
             # rank 0 removes the save's files and marker, as it would for a reported failure.
             commit.abandon(save.store, claim, [w.path for w in written], save.path)
-        elif not world.is_coordinator and written:
-            # Rank 0 removed what it can see; files on this rank's node-local storage too.
-            _delete_quietly(save, [w.path for w in written])
+        # Other ranks keep their files: the exchange failing does not tell them whether rank 0
+        # published the manifest before it died, and removing files a committed manifest
+        # names would corrupt the checkpoint. If the save did not commit, its files are under
+        # data/<save id>/ with its owner marker, and the next commit at the path removes them.
         raise
     timer.mark("commit")
     if isinstance(save.store, AfterCommit):  # e.g. the memory tier: start this rank's copy to durable storage
@@ -161,10 +162,3 @@ def _commit(gathered: Gathered[RankReport], save: PreparedSave, claim: Claim) ->
     commit.commit_manifest(save.store, claim, manifest, save.path)
     timings = {r: rep.timings for r, rep in enumerate(reports)}
     return CommitOutcome(sum(f.nbytes for f in manifest.files), timings)
-
-
-def _delete_quietly(save: PreparedSave, paths: list[str]) -> None:
-    try:
-        save.store.delete(paths)
-    except Exception as e:
-        logger.warning("could not remove files of a failed save: %s", e)
