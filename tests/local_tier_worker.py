@@ -190,3 +190,43 @@ def durable_copy_dies_after_publish(rank: int, world: int, root: str, local_dir:
     except DistributedError as e:  # a peer died or timed out
         return {"error": f"{type(e).__name__}: {e}"}
     return {"error": None}
+
+
+def transfer_files(rank: int, world: int, root: str) -> dict[str, Any]:
+    """3 ranks: files of odd sizes (one empty), each rank both sends and receives; then a transfer
+    whose receiver cannot create its file fails on every rank."""
+    import hashlib
+
+    from tessera import dist
+    from tessera.errors import StorageError
+    from tessera.local_tier.transfer import Transfer, run_transfers
+
+    mine = os.path.join(root, str(rank))
+    os.makedirs(mine, exist_ok=True)
+    sizes = {"a": 10_007, "b": 999, "c": 0, "d": 3_000}
+    for name, n in sizes.items():
+        with open(os.path.join(mine, f"{name}-from-{rank}"), "wb") as f:
+            f.write(bytes((rank * 31 + i * 7) % 251 for i in range(n)))
+    transfers = [
+        Transfer(0, 1, "a-from-0", sizes["a"]),
+        Transfer(0, 2, "b-from-0", sizes["b"]),
+        Transfer(2, 1, "d-from-2", sizes["d"]),
+        Transfer(1, 2, "c-from-1", 0),
+        Transfer(1, 0, "a-from-1", sizes["a"]),
+        Transfer(2, 0, "d-from-2", sizes["d"]),
+    ]
+    world_ = dist.world_for(None)
+    received = run_transfers(world_, transfers, mine, "test transfer")
+    digests = {}
+    for name in sorted(os.listdir(mine)):
+        if "-from-" in name and not name.endswith(f"-from-{rank}"):
+            with open(os.path.join(mine, name), "rb") as f:
+                digests[name] = hashlib.sha256(f.read()).hexdigest()
+    with open(os.path.join(mine, "blocked"), "wb"):  # a file where rank 1 needs a directory
+        pass
+    error = None
+    try:  # rank 1 cannot create blocked/y: every rank must fail, and nobody hang
+        run_transfers(world_, [Transfer(0, 1, "blocked/y", 2_500)], mine, "blocked transfer")
+    except StorageError as e:
+        error = str(e)
+    return {"received": received, "digests": digests, "error": error}

@@ -28,6 +28,7 @@ from tests.local_tier_worker import (
     replica_space_runs_out,
     save_then_die,
     save_then_die_mid_save,
+    transfer_files,
 )
 
 ENV = {"LOCAL_WORLD_SIZE": "2"}
@@ -272,3 +273,26 @@ def test_a_durable_copy_committed_by_a_rank_that_then_died_stays_whole(tmp_path:
     state = empty_state()
     got = mgr.load(state)
     assert (got.step, check_state(state)) == (2, 2)
+
+
+def test_transfers_arrive_whole_and_a_failed_receiver_fails_every_rank(tmp_path: os.PathLike) -> None:
+    """Files of odd sizes (one empty) between 3 ranks arrive bit-exact; a receiver that cannot
+    create its file fails the transfer on every rank, naming it, with no partial file left."""
+    import hashlib
+
+    got = _ok(run_ranks(transfer_files, 3, str(tmp_path), timeout=120))
+
+    def digest(rank: int, name: str) -> str:
+        with open(os.path.join(tmp_path, str(rank), name), "rb") as f:
+            return hashlib.sha256(f.read()).hexdigest()
+
+    want = {
+        0: {"a-from-1": digest(1, "a-from-1"), "d-from-2": digest(2, "d-from-2")},
+        1: {"a-from-0": digest(0, "a-from-0"), "d-from-2": digest(2, "d-from-2")},
+        2: {"b-from-0": digest(0, "b-from-0"), "c-from-1": digest(1, "c-from-1")},
+    }
+    assert [g["digests"] for g in got] == [want[0], want[1], want[2]]
+    assert [g["received"] for g in got] == [10_007 + 3_000, 10_007 + 3_000, 999]
+    for rank, g in enumerate(got):
+        assert g["error"] is not None and "blocked/y" in g["error"] and "rank 1" in g["error"], (rank, g["error"])
+    assert not [n for _, _, names in os.walk(tmp_path) for n in names if ".recv-" in n]
