@@ -100,7 +100,7 @@ def _exchange(rank: int, pairs: list[tuple[int, int]], nbytes: int) -> Callable[
     sends = [torch.ones(nbytes, dtype=torch.uint8) for src, _ in pairs if src == rank]
     recvs = [torch.empty(nbytes, dtype=torch.uint8) for _, dst in pairs if dst == rank]
     for b in recvs:
-        b.fill_(0)  # paged in, as the tier's MAP_POPULATE'd files are
+        b.fill_(0)  # paged in, as the tier's fallocate'd receive files are
 
     def run() -> None:
         works, s, r = [], iter(sends), iter(recvs)

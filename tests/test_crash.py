@@ -22,6 +22,7 @@ from tessera.manager import CheckpointManager, parse_step_dirname
 from tessera.manifest import MANIFEST_NAME
 from tessera.verify import verify
 from tests.crash_worker import (
+    RankGroup,
     check_state,
     empty_state,
     make_state,
@@ -224,12 +225,22 @@ def test_random_kills_quick(tmp_path) -> None:
 # Two ranks: one is killed mid-save
 
 
+TWO_RANK_TIMEOUT_S = 10
+
+
+def _start_two_savers(target: str, progress_dir: str, mode: str, *args: object) -> RankGroup:
+    """:func:`rank_save_loop` on 2 ranks (``args``: its ``first``, ``crash``, ``crash_rank``),
+    with a short collective timeout so that the survivor of a kill fails quickly."""
+    os.makedirs(progress_dir)
+    env = {"TESSERA_TIMEOUT_S": str(TWO_RANK_TIMEOUT_S)}
+    return start_ranks(rank_save_loop, 2, target, progress_dir, mode, *args, env=env)
+
+
 def _two_rank_trial(tmp_path, trial: int, rng: random.Random, mode: str) -> str:
     target = str(tmp_path / f"{mode}-{trial}")
     progress_dir = str(tmp_path / f"{mode}-{trial}.progress")
-    os.makedirs(progress_dir)
-    timeout = 10
-    group = start_ranks(rank_save_loop, 2, target, progress_dir, mode, env={"TESSERA_TIMEOUT_S": str(timeout)})
+    timeout = TWO_RANK_TIMEOUT_S
+    group = _start_two_savers(target, progress_dir, mode)
     for r in range(2):
         wait_for_line(os.path.join(progress_dir, str(r)), "ready")
     victim = rng.randrange(2)
@@ -260,14 +271,9 @@ def test_rank_0_killed_after_it_committed_leaves_the_commit_intact(tmp_path, cra
     # Rank 1 only learns that the exchange failed, not whether rank 0 published first: it
     # must not remove its files, which the committed manifest names (CI run of stop 19).
     target = str(tmp_path / "ckpt")
-    progress_dir = str(tmp_path / "progress")
-    os.makedirs(progress_dir)
-    timeout = 10
     tessera.save(target, make_state(1))
-    group = start_ranks(
-        rank_save_loop, 2, target, progress_dir, "path", 2, crash, 0, env={"TESSERA_TIMEOUT_S": str(timeout)}
-    )
-    out = group.collect(timeout + 30)
+    group = _start_two_savers(target, str(tmp_path / "progress"), "path", 2, crash, 0)
+    out = group.collect(TWO_RANK_TIMEOUT_S + 30)
     assert out[0].status == "died", out[0]
     assert out[1].status == "error" and out[1].error_is("DistributedError"), out[1]
     report = verify(target)

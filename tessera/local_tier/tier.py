@@ -225,9 +225,9 @@ class LocalTier:
         )
         if claim is None:
             raise CheckpointError(f"internal error: {what}: no claim")
-        uploaded: list[str] = []
 
         def upload() -> list[str]:
+            uploaded: list[str] = []
             try:
                 for f in m.files:
                     if f.rank == world.rank:

@@ -77,16 +77,17 @@ def finish_save(
             timings["stall"] = timer.stall
         return RankReport(files=tuple(FileReport.of(w) for w in written), values=save.values, timings=timings)
 
-    committing = [False]  # rank 0 reached the commit (it then cleans up a failure itself)
+    committing = False  # rank 0 reached the commit (it then cleans up a failure itself)
 
     def commit_step(gathered: Gathered[RankReport]) -> CommitOutcome | None:
-        committing[0] = True
+        nonlocal committing
+        committing = True
         return _commit(gathered, save, claim)
 
     try:
         outcome = dist.collective_step(world, f"saving checkpoint {save.path}", write_locally, commit_step)
     except BaseException:
-        if world.is_coordinator and claim is not None and not committing[0]:
+        if world.is_coordinator and claim is not None and not committing:
             # The exchange itself failed (a rank died or hangs): nothing was published, so
             # rank 0 removes the save's files and marker, as it would for a reported failure.
             commit.abandon(save.store, claim, [w.path for w in written], save.path)
