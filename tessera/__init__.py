@@ -60,6 +60,7 @@ if TYPE_CHECKING:  # what the lazy names below resolve to, for type checkers and
         OptimizerState,
         ReshardableStream,
         RNGState,
+        StagingGate,
         reshard_stream_states,
     )
     from .api import LoadResult, PendingSave, SaveResult, async_save, load, read_manifest, save
@@ -80,6 +81,7 @@ _LAZY: dict[str, str] = {
             "OptimizerState",
             "ReshardableStream",
             "RNGState",
+            "StagingGate",
             "reshard_stream_states",
         ),
         ".adapters",
@@ -174,6 +176,7 @@ __all__ = [
     "SavePolicy",
     "SaveResult",
     "ShardedTensor",
+    "StagingGate",
     "StagingMode",
     "StagingMutationError",
     "StateMismatchError",

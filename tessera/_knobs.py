@@ -40,13 +40,18 @@ def verify_checksums() -> bool:
 
 
 def staging_mode() -> str:
-    """How ``async_save`` stages (``TESSERA_STAGING``: ``background`` (default) or ``blocking``)."""
-    return os.environ.get("TESSERA_STAGING", "") or "background"
+    """How ``async_save`` stages (``TESSERA_STAGING``: ``auto`` (default), ``background`` or ``blocking``)."""
+    return os.environ.get("TESSERA_STAGING", "") or "auto"
 
 
-def check_staging() -> bool:
-    """Debug check of async saves' sources after staging (``TESSERA_CHECK_STAGING=1``; default off)."""
-    return os.environ.get("TESSERA_CHECK_STAGING", "0") not in ("", "0", "false", "no")
+def check_staging() -> str:
+    """How background copies are checked (``TESSERA_CHECK_STAGING``: ``sampled`` (default), ``full``, ``off``).
+
+    ``1``/``true`` mean ``full`` and ``0``/``false`` mean ``off``, as before the levels existed.
+    """
+    raw = os.environ.get("TESSERA_CHECK_STAGING", "").strip().lower()
+    aliases = {"": "sampled", "1": "full", "true": "full", "yes": "full", "0": "off", "false": "off", "no": "off"}
+    return aliases.get(raw, raw)
 
 
 def writer_mode() -> str:

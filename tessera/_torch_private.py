@@ -86,3 +86,13 @@ def is_dtensor(value: object) -> TypeGuard[DTensor]:
 def local_tensor(dt: DTensor) -> torch.Tensor:
     """The rank's local shard, sharing storage with ``dt`` (writes go into the DTensor)."""
     return dt._local_tensor if hasattr(dt, "_local_tensor") else dt.to_local()
+
+
+def version_counter(t: torch.Tensor) -> int:
+    """``t``'s autograd version counter: bumped by every in-place op on ``t``, its views and ``detach()``es.
+
+    ``Tensor._version`` is the only way to read it (autograd's own saved-tensor check uses
+    it); there is no public accessor. The staging mutation check reads it at ``async_save``
+    and again after the background copy.
+    """
+    return int(t._version)

@@ -15,18 +15,50 @@ _M = TypeVar("_M", bound=Enum)
 class StagingMode(str, Enum):
     """When ``async_save`` copies the state to host memory.
 
-    ``BACKGROUND``: ``async_save`` returns once the save is planned and the copy scheduled;
-    the copy runs in the background (CPU tensors: a copy thread; CUDA tensors: a side stream
-    into reused pinned memory, after the training stream's queued work). Until
-    :meth:`PendingSave.wait_staged` returns, the saved tensors must not be modified:
-    :class:`~tessera.OptimizerState`, :class:`~tessera.ModelState` and
-    :class:`~tessera.CheckpointManager` wait for it themselves before ``optimizer.step()``,
-    a forward pass, and the next save or load.
-    ``BLOCKING``: ``async_save`` returns after the copy (the state may change at once).
+    ``AUTO`` (the default): tensors held by a gated Stateful (:class:`~tessera.ModelState`,
+    :class:`~tessera.OptimizerState`, or your own object implementing
+    :class:`~tessera.state.GatedStateful`) are copied in the background while training goes
+    on, and the calls that change them (``optimizer.step()``, the model's forward pass,
+    ``load_state_dict``) wait until their bytes are in host memory. Every other tensor (raw
+    ``model.state_dict()`` / ``optimizer.state_dict()`` tensors, a tensor in a plain dict) is
+    copied before ``async_save`` returns, as ``torch.distributed.checkpoint.async_save`` does:
+    nothing holds the loop back from changing those.
+    ``BACKGROUND``: every tensor is copied in the background, raw ones too. An explicit
+    opt-in: the caller promises not to modify a saved tensor before
+    :meth:`PendingSave.wait_staged` returns (the mutation check of
+    ``SaveOptions.check_staging`` fails the save loudly where it sees a broken promise).
+    ``BLOCKING``: ``async_save`` returns after the whole copy (the state may change at once).
     """
 
+    AUTO = "auto"
     BACKGROUND = "background"
     BLOCKING = "blocking"
+
+
+class StagingCheck(str, Enum):
+    """How a save copied in the background checks that nothing changed the state meanwhile.
+
+    The check compares what a tensor was at the ``async_save`` call with what was copied;
+    a difference fails the save on every rank with
+    :class:`~tessera.errors.StagingMutationError` naming the tensor, instead of committing a
+    checkpoint that mixes two moments.
+
+    ``SAMPLED`` (the default): every tensor's autograd version counter (bumped by any
+    in-place op on the tensor, a view or a ``detach()`` of it: ``p.add_()`` under
+    ``no_grad``, ``copy_``, ``load_state_dict``, foreach and fused optimizers), plus, for CPU
+    tensors, a few sampled elements compared byte for byte (dense writes through aliases
+    that have their own counter, such as ``p.data.mul_()``). Costs microseconds per tensor
+    at the call. It cannot see a write through an alias with its own version counter
+    (``.data``, a numpy view, raw storage) to CUDA memory, nor such a write on CPU that
+    leaves the sampled elements alone (``p.data[3] = 0``).
+    ``FULL``: adds a CRC32 of every CPU byte taken at the call (one extra read of the
+    state, blocking: for debugging).
+    ``OFF``: no check.
+    """
+
+    SAMPLED = "sampled"
+    FULL = "full"
+    OFF = "off"
 
 
 class WriterMode(str, Enum):
@@ -60,19 +92,18 @@ class SaveOptions:
     metadata: dict[str, Any] = field(default_factory=dict)
     """User metadata stored in the manifest (JSON values)."""
     staging: StagingMode = field(default_factory=lambda: _staging_mode(_knobs.staging_mode()))
-    """When ``async_save`` copies to host memory (:class:`StagingMode`; knob
-    ``TESSERA_STAGING``). ``tessera.save`` always stages before it writes."""
-    check_staging: bool = field(default_factory=_knobs.check_staging)
-    """Debug: detect tensors modified before :meth:`PendingSave.wait_staged` returned
-    (knob ``TESSERA_CHECK_STAGING=1``). At ``async_save`` each saved tensor's version counter
-    and, for CPU tensors, a CRC32 of its bytes are taken (one extra read, blocking); after
-    the background copy both are checked, and a mismatch fails the save on every rank with a
-    :class:`~tessera.errors.StagingMutationError` naming the tensor. Off by default."""
+    """When ``async_save`` copies to host memory (:class:`StagingMode`, default ``AUTO``;
+    knob ``TESSERA_STAGING``). ``tessera.save`` always stages before it writes."""
+    check_staging: StagingCheck = field(default_factory=lambda: _staging_check(_knobs.check_staging()))
+    """How tensors copied in the background are checked for changes made before their copy
+    (:class:`StagingCheck`, default ``SAMPLED``; knob ``TESSERA_CHECK_STAGING``). ``True``
+    means ``FULL`` and ``False`` means ``OFF``."""
     writer: WriterMode = field(default_factory=lambda: _writer_mode(_knobs.writer_mode()))
     """Who writes the data files (:class:`WriterMode`; knob ``TESSERA_WRITER``)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "staging", _staging_mode(self.staging))
+        object.__setattr__(self, "check_staging", _staging_check(self.check_staging))
         object.__setattr__(self, "writer", _writer_mode(self.writer))
         if self.io_threads < 1:
             raise ValueError(f"SaveOptions.io_threads must be >= 1, got {self.io_threads}")
@@ -117,6 +148,14 @@ def _mode(kind: type[_M], value: object, option: str) -> _M:
 
 def _staging_mode(value: object) -> StagingMode:
     return _mode(StagingMode, value, "SaveOptions.staging (or TESSERA_STAGING)")
+
+
+def _staging_check(value: object) -> StagingCheck:
+    if value is True:
+        return StagingCheck.FULL
+    if value is False:
+        return StagingCheck.OFF
+    return _mode(StagingCheck, value, "SaveOptions.check_staging (or TESSERA_CHECK_STAGING)")
 
 
 def _writer_mode(value: object) -> WriterMode:

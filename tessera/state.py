@@ -15,7 +15,7 @@ Names are unique: two entries of one state that join to the same FQN (``{"a.b": 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol, TypeGuard, runtime_checkable
 
 import torch
@@ -50,6 +50,9 @@ class TensorPiece:
     data: torch.Tensor
     flat: tuple[int, int] | None = None
     per_rank: OnResize | None = None
+    gated: bool = False
+    """Whether a :class:`GatedStateful` produced the piece: its mutations can be held until
+    an async save has copied it, so the copy may run in the background."""
 
 
 @dataclass
@@ -78,6 +81,40 @@ class Stateful(Protocol):
     def state_dict(self) -> dict[str, Any]: ...
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> Any: ...
+
+
+@runtime_checkable
+class GatedStateful(Protocol):
+    """A Stateful that holds its own mutations while an async save copies its tensors.
+
+    ``async_save`` calls :meth:`hold_mutations` on every such object in the state before it
+    returns; from then until ``pending.wait_staged()`` returns, whatever changes the tensors
+    its ``state_dict()`` handed out must wait (:class:`tessera.StagingGate` does the waiting).
+    In exchange, the copy of those tensors runs in the background under the default
+    ``StagingMode.AUTO`` instead of before ``async_save`` returns. :class:`tessera.ModelState`
+    and :class:`tessera.OptimizerState` implement it; so can an EMA model or any object of
+    yours whose tensors change only through methods you control.
+
+    Example:
+        >>> class EMA:
+        ...     def __init__(self, model):
+        ...         self.shadow = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        ...         self.gate = tessera.StagingGate()
+        ...     def state_dict(self): return self.shadow
+        ...     def load_state_dict(self, sd): ...
+        ...     def hold_mutations(self, pending): self.gate.hold(pending)
+        ...     def update(self, model):
+        ...         self.gate.wait()  # returns at once unless a save is still copying
+        ...         ...
+    """
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> Any: ...
+
+    def hold_mutations(self, pending: Any) -> None:
+        """Make every change to this object's saved tensors wait for ``pending.wait_staged()``."""
+        ...
 
 
 def is_stateful(value: object) -> TypeGuard[Stateful]:
@@ -136,6 +173,7 @@ class _Flattener:
         self.allow_pickle = allow_pickle
         self.manifest = manifest
         self.out = FlatState()
+        self.gated = False  # inside a GatedStateful's state dict
         self.sources: dict[str, str] = {}
         """FQN -> where in the state its entry is (``state['a']['b']``), to name collisions."""
 
@@ -192,7 +230,11 @@ class _Flattener:
                 )
             # A state dict is a structure, not a value: its keys are names even when it holds
             # no tensor (a fresh optimizer saves the same keys as a trained one, minus state).
-            self.visit(sd, fqn, per_rank, container=True, where=f"{where}.state_dict()", depth=depth + 1)
+            outer, self.gated = self.gated, self.gated or isinstance(value, GatedStateful)
+            try:
+                self.visit(sd, fqn, per_rank, container=True, where=f"{where}.state_dict()", depth=depth + 1)
+            finally:
+                self.gated = outer
             self.out.statefuls.append((value, sd))
         elif isinstance(value, (dict, list, tuple)) and (container or _contains_tensor(value) or not fqn):
             items = value.items() if isinstance(value, dict) else enumerate(value)
@@ -259,6 +301,8 @@ class _Flattener:
             self.add(TensorPiece(fqn, s.global_shape, local.dtype, box, view.detach(), flat=flat))
 
     def add(self, piece: TensorPiece) -> None:
+        if self.gated:
+            piece = replace(piece, gated=True)
         self.out.tensors.append(piece)
 
 

@@ -110,7 +110,8 @@ def test_mutations_after_the_gate_never_reach_the_checkpoint(tmp_path: Path, slo
         w.add_(step)
         want = (w.clone(), b.clone())
         pending = tessera.async_save(str(tmp_path / f"s{step}"), {"w": w, "b": b[::2]}, options=opts)
-        assert pending.staged() is (staging is tessera.StagingMode.BLOCKING)
+        # AUTO copies raw tensors before returning, as BLOCKING does; only BACKGROUND defers it.
+        assert pending.staged() is (staging is not tessera.StagingMode.BACKGROUND)
         pending.wait_staged()
         assert pending.staged()
         w.fill_(-1)
@@ -124,7 +125,8 @@ def test_mutations_after_the_gate_never_reach_the_checkpoint(tmp_path: Path, slo
 
 
 def test_background_copy_returns_before_staging(tmp_path: Path, slow_copies) -> None:
-    pending = tessera.async_save(str(tmp_path / "a"), {"w": torch.ones(100)})
+    opts = tessera.SaveOptions(staging=tessera.StagingMode.BACKGROUND)
+    pending = tessera.async_save(str(tmp_path / "a"), {"w": torch.ones(100)}, options=opts)
     assert not pending.staged() and pending.stall_s < DELAY_S  # returned before the (slowed) copy
     assert set(pending.stall_parts) == {"wait_previous", "plan", "schedule"}
     with pytest.raises(TimeoutError):
@@ -139,14 +141,19 @@ def test_optimizer_step_and_forward_are_gated(tmp_path: Path, slow_copies) -> No
     _check_loaded(str(tmp_path), snapshots)
 
 
-def test_without_the_gate_the_step_reaches_the_checkpoint(tmp_path: Path, slow_copies, monkeypatch) -> None:
-    # The control for the test above: with the hooks switched off, the same loop saves
-    # state the optimizer changed after the call, so the bit-exact comparison catches it.
-    monkeypatch.setattr(tessera.OptimizerState, "_tessera_gate", lambda self, pending: None)
-    monkeypatch.setattr(tessera.ModelState, "_tessera_gate", lambda self, pending: None)
-    snapshots = _train_and_save(str(tmp_path), steps=2)
+def test_without_the_gate_the_check_fails_the_save(tmp_path: Path, slow_copies, monkeypatch) -> None:
+    # The control for the test above: with the hooks switched off, the same loop changes the
+    # state after the call. The default mutation check fails the save; with the check off
+    # too, the checkpoint holds state the optimizer changed after the call, so the bit-exact
+    # comparison catches it.
+    monkeypatch.setattr(tessera.OptimizerState, "hold_mutations", lambda self, pending: None)
+    monkeypatch.setattr(tessera.ModelState, "hold_mutations", lambda self, pending: None)
+    with pytest.raises(tessera.StagingMutationError, match=r"tensor '(model|optim)\..*' was modified"):
+        _train_and_save(str(tmp_path / "checked"), steps=2)
+    monkeypatch.setenv("TESSERA_CHECK_STAGING", "off")
+    snapshots = _train_and_save(str(tmp_path / "unchecked"), steps=2)
     with pytest.raises(AssertionError):
-        _check_loaded(str(tmp_path), snapshots)
+        _check_loaded(str(tmp_path / "unchecked"), snapshots)
 
 
 def test_manager_saves_are_gated_and_wait_staged_delegates(tmp_path: Path, slow_copies) -> None:
@@ -175,7 +182,7 @@ def test_manager_saves_are_gated_and_wait_staged_delegates(tmp_path: Path, slow_
 
 
 def test_check_staging_catches_a_mutation_before_the_gate(tmp_path: Path, slow_copies) -> None:
-    opts = tessera.SaveOptions(check_staging=True)
+    opts = tessera.SaveOptions(staging=tessera.StagingMode.BACKGROUND, check_staging=True)
     w = torch.zeros(64)
     pending = tessera.async_save(str(tmp_path / "a"), {"w": w, "v": torch.ones(3)}, options=opts)
     w.add_(1)  # the caller's bug: before wait_staged()
@@ -185,7 +192,7 @@ def test_check_staging_catches_a_mutation_before_the_gate(tmp_path: Path, slow_c
 
 
 def test_check_staging_catches_a_mutation_the_version_counter_misses(tmp_path: Path, slow_copies) -> None:
-    opts = tessera.SaveOptions(check_staging=True)
+    opts = tessera.SaveOptions(staging=tessera.StagingMode.BACKGROUND, check_staging=True)
     w = torch.zeros(64)
     pending = tessera.async_save(str(tmp_path / "a"), {"w": w}, options=opts)
     w.numpy()[3] = 5.0  # no version bump: only the checksum sees it
@@ -195,7 +202,7 @@ def test_check_staging_catches_a_mutation_the_version_counter_misses(tmp_path: P
 
 def test_check_staging_passes_a_gated_loop_and_the_knob_turns_it_on(tmp_path: Path, slow_copies, monkeypatch) -> None:
     monkeypatch.setenv("TESSERA_CHECK_STAGING", "1")
-    assert tessera.SaveOptions().check_staging
+    assert tessera.SaveOptions().check_staging is tessera.options.StagingCheck.FULL
     snapshots = _train_and_save(str(tmp_path), steps=2)
     _check_loaded(str(tmp_path), snapshots)
     monkeypatch.setenv("TESSERA_STAGING", "sideways")
@@ -228,7 +235,7 @@ def test_stall_counts_the_wait_for_the_previous_save(tmp_path: Path, monkeypatch
     assert first.done() and wall > 0.2  # really blocked by the first save's write
     assert wall * 0.98 <= second.stall_s <= wall  # the whole blocked time, not just this save's own work
     parts = second.stall_parts
-    staging_part = "stage" if staging is tessera.StagingMode.BLOCKING else "schedule"
+    staging_part = "schedule" if staging is tessera.StagingMode.BACKGROUND else "stage"  # raw tensors
     assert set(parts) == {"wait_previous", "plan", staging_part}
     assert parts["wait_previous"] > 0.2 and sum(parts.values()) <= second.stall_s
     second.wait()
@@ -246,8 +253,9 @@ def test_trace_marks_what_blocked_training(tmp_path: Path, monkeypatch, capsys) 
     from tessera.cli import EXIT_OK, main
 
     _slow_writes(monkeypatch, 0.3)
-    tessera.async_save(str(tmp_path / "a"), {"w": torch.ones(100)})
-    second = tessera.async_save(str(tmp_path / "b"), {"w": torch.ones(100)})
+    opts = tessera.SaveOptions(staging=tessera.StagingMode.BACKGROUND)
+    tessera.async_save(str(tmp_path / "a"), {"w": torch.ones(100)}, options=opts)
+    second = tessera.async_save(str(tmp_path / "b"), {"w": torch.ones(100)}, options=opts)
     second.wait()
     capsys.readouterr()
     assert main(["trace", str(tmp_path / "b"), "--op", "save", "--json"]) == EXIT_OK
@@ -270,7 +278,8 @@ def test_manager_stall_counts_its_own_wait(tmp_path: Path, monkeypatch) -> None:
         assert isinstance(second, tessera.PendingSave)
         assert wall > 0.2 and wall * 0.98 <= second.stall_s <= wall
         assert second.stall_parts["wait_previous"] > 0.2
-        assert set(second.stall_parts) == {"wait_previous", "plan", "schedule", "prepare"}
+        # raw tensors: copied before the save returns
+        assert set(second.stall_parts) == {"wait_previous", "plan", "stage", "prepare"}
         assert sum(second.stall_parts.values()) == pytest.approx(second.stall_s)
 
 
@@ -289,7 +298,8 @@ def _dist_gated(rank: int, world: int, root: str) -> list[bool]:
         opt.step()
         want = w.detach().clone()
         state = {"w": tessera.ShardedTensor(w.detach(), (4 * world, 8), (4 * rank, 0)), "step": step}
-        pending = tessera.async_save(os.path.join(root, f"s{step}"), state)
+        opts = tessera.SaveOptions(staging=tessera.StagingMode.BACKGROUND)  # raw tensors, opted in
+        pending = tessera.async_save(os.path.join(root, f"s{step}"), state, options=opts)
         out.append(pending.staged())
         pending.wait_staged()
         w.data.fill_(-1)  # after the gate
@@ -321,7 +331,8 @@ def _dist_unchecked_mutation(rank: int, world: int, root: str) -> str:
     _slow_copies()
     w = torch.zeros(4, 8)
     state = {"w": tessera.ShardedTensor(w, (4 * world, 8), (4 * rank, 0))}
-    pending = tessera.async_save(os.path.join(root, "a"), state, options=tessera.SaveOptions(check_staging=True))
+    opts = tessera.SaveOptions(staging=tessera.StagingMode.BACKGROUND)  # the default check
+    pending = tessera.async_save(os.path.join(root, "a"), state, options=opts)
     if rank == 1:
         w.add_(1)  # rank 1's bug
     try:
@@ -350,7 +361,8 @@ def test_cuda_background_copy_is_ordered_after_queued_work(tmp_path: Path, slow_
         for _ in range(5):
             big = big @ big / 2048  # queue work on the training stream, then a write into w after it
         w.fill_(float(step + 1)).add_(big.sum() * 0)
-        pending = tessera.async_save(str(tmp_path / f"s{step}"), {"w": w})
+        opts = tessera.SaveOptions(staging=tessera.StagingMode.BACKGROUND)  # a raw tensor, opted in
+        pending = tessera.async_save(str(tmp_path / f"s{step}"), {"w": w}, options=opts)
         assert not pending.staged()
         pending.wait_staged()
         w.fill_(-1)  # after the gate

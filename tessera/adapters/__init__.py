@@ -13,6 +13,7 @@ and ``megatron_core_mapping`` (Megatron-Core sharded state dicts); ``_torch_comp
 the private torch APIs they need.
 """
 
+from ._gate import StagingGate
 from .data import LoaderState, ReshardableStream, reshard_stream_states
 from .model import ModelState
 from .optimizer import OptimizerState
@@ -26,5 +27,6 @@ __all__ = [
     "OptimizerState",
     "RNGState",
     "ReshardableStream",
+    "StagingGate",
     "reshard_stream_states",
 ]

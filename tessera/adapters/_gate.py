@@ -1,9 +1,11 @@
 """The staging gate: hold a Stateful's mutations until the save in flight has staged its bytes.
 
-``async_save`` copies to host memory in the background (see :class:`tessera.StagingMode`).
-Adapters whose tensors change only through known calls install a hook on those calls
-(``optimizer.step()``, a module's forward) that waits for the copy first, so that a training
-loop never has to call :meth:`tessera.PendingSave.wait_staged` itself.
+``async_save`` copies gated Statefuls' tensors to host memory in the background (see
+:class:`tessera.StagingMode`). Objects whose tensors change only through known calls hold
+those calls until the copy is done: the adapters install hooks on ``optimizer.step()``, a
+module's forward and ``load_state_dict``, so that a training loop never has to call
+:meth:`tessera.PendingSave.wait_staged` itself; a user's own Stateful (an EMA model, say)
+calls :meth:`StagingGate.wait` at the top of its mutating methods.
 """
 
 from __future__ import annotations
@@ -14,20 +16,41 @@ from typing import Any
 
 
 class StagingGate:
-    """Waits for the latest pending save of its owner; hooks call :meth:`wait`.
+    """Remembers the latest save copying its owner's tensors; :meth:`wait` holds until it has.
 
-    The hooks stay installed (one per hooked object, registered once) and cost one attribute
-    read per call when no save is being staged.
+    Thread-safe enough for its use: :meth:`hold` runs in the thread that called
+    ``async_save``, :meth:`wait` in whichever thread mutates; a wait that starts after the
+    save has staged returns at once (one attribute read).
+
+    Example:
+        >>> class EMA:  # a Stateful of yours, gated (see tessera.state.GatedStateful)
+        ...     def __init__(self):
+        ...         self.gate = tessera.StagingGate()
+        ...     def hold_mutations(self, pending):
+        ...         self.gate.hold(pending)
+        ...     def update(self, model):
+        ...         self.gate.wait()
+        ...         ...  # now change the saved tensors
     """
 
     def __init__(self) -> None:
         self._pending: Any = None
-        self._hooked: weakref.WeakSet[Any] | None = None
         self._handles: list[Any] = []
 
-    def arm(self, pending: Any, targets: list[Any], register: Callable[[Any, Callable[..., None]], Any]) -> None:
-        """Gate ``targets`` on ``pending``; ``register(target, hook)`` installs a hook once per target."""
+    def hold(self, pending: Any) -> None:
+        """Hold mutations until ``pending`` (a :class:`tessera.PendingSave`) has staged."""
         self._pending = pending
+
+    def arm(
+        self, pending: Any, targets: list[Any], kind: str, register: Callable[[Any, Callable[..., None]], Any]
+    ) -> None:
+        """:meth:`hold`, and make ``targets`` wait: ``register(target, hook)`` installs a hook
+        of ``kind`` (e.g. ``"forward"``) once per target.
+
+        The hooks stay installed (weakly bound to this gate) and cost one attribute read
+        per call when no save is being staged.
+        """
+        self.hold(pending)
         ref = weakref.ref(self)
 
         def hook(*_args: Any, **_kwargs: Any) -> None:
@@ -35,10 +58,10 @@ class StagingGate:
             if gate is not None:
                 gate.wait()
 
-        hooked = {id(h[0]) for h in self._handles}
+        hooked = {(id(target), k) for target, k, _ in self._handles}
         for target in targets:
-            if id(target) not in hooked:
-                self._handles.append((target, register(target, hook)))
+            if (id(target), kind) not in hooked:
+                self._handles.append((target, kind, register(target, hook)))
 
     def wait(self) -> None:
         """Block until the pending save (if any) has staged; then forget it."""

@@ -144,15 +144,20 @@ class ModelState:
         self._handed: dict[str, object] = {}
         self._gate = StagingGate()
 
-    def _tessera_gate(self, pending: Any) -> None:
-        """Called by ``async_save``: a forward pass waits until ``pending`` has staged.
+    def hold_mutations(self, pending: Any) -> None:
+        """Called by ``async_save``: a forward pass and ``load_state_dict`` wait until ``pending`` has staged.
 
         A forward pass may change buffers in place (batch norm's running statistics); a
         forward pre-hook on the model as given (outside any compiled region) holds it until
-        the saved bytes are in host memory. Parameters change in ``optimizer.step()``, which
-        :class:`~tessera.OptimizerState` gates.
+        the saved bytes are in host memory, and so does a load-state-dict pre-hook. Parameters
+        change in ``optimizer.step()``, which :class:`~tessera.OptimizerState` gates. Other
+        in-place changes (an EMA update, a manual ``p.add_()``) are not held: call
+        ``pending.wait_staged()`` before them, or let the save's mutation check
+        (``SaveOptions.check_staging``) fail it.
         """
-        self._gate.arm(pending, list(_as_modules(self._model)), lambda m, hook: m.register_forward_pre_hook(hook))
+        modules = list(_as_modules(self._model))
+        self._gate.arm(pending, modules, "forward", lambda m, hook: m.register_forward_pre_hook(hook))
+        self._gate.arm(pending, modules, "load", lambda m, hook: m.register_load_state_dict_pre_hook(hook))
 
     def state_dict(self) -> dict[str, object]:
         """This rank's part of every parameter and persistent buffer, by FQN (no copies)."""

@@ -82,13 +82,14 @@ class OptimizerState:
         self._targets: dict[tuple[str, Any], _Target] = {}
         self._gate = StagingGate()
 
-    def _tessera_gate(self, pending: Any) -> None:
-        """Called by ``async_save``: ``optimizer.step()`` waits until ``pending`` has staged.
+    def hold_mutations(self, pending: Any) -> None:
+        """Called by ``async_save``: ``optimizer.step()`` and ``load_state_dict`` wait until ``pending`` has staged.
 
         The step mutates the parameters and the optimizer state in place; a step pre-hook
         holds it until their bytes are in host memory (:meth:`tessera.PendingSave.wait_staged`).
         """
-        self._gate.arm(pending, self._optimizers, lambda opt, hook: opt.register_step_pre_hook(hook))
+        self._gate.arm(pending, self._optimizers, "step", lambda opt, hook: opt.register_step_pre_hook(hook))
+        self._gate.arm(pending, self._optimizers, "load", lambda opt, hook: opt.register_load_state_dict_pre_hook(hook))
 
     # ----------------------------------------------------------------------------------
     # Stateful

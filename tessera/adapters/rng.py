@@ -41,6 +41,10 @@ class RNGState:
         self.on_resize = OnResize(on_resize)
         self.cuda = torch.cuda.is_available() if cuda is None else cuda
 
+    def hold_mutations(self, pending: Any) -> None:
+        """Nothing to hold: :meth:`state_dict` builds fresh tensors that nothing else changes,
+        so an async save may copy them in the background (see ``tessera.state.GatedStateful``)."""
+
     def state_dict(self) -> dict[str, Any]:
         """The current generator states, each marked per rank."""
         version, internal, gauss = random.getstate()

@@ -42,6 +42,7 @@ def finish_save(
     staged: Callable[[], Staged],
     timer: PhaseTimer,
     returned: threading.Event | None = None,
+    verdict: Callable[[], None] | None = None,
 ) -> SaveResult:
     """Collective: claim, write, commit. Runs in the save's background thread (or inline).
 
@@ -52,6 +53,8 @@ def finish_save(
         timer: the save's phase timer (write and commit phases are charged here).
         returned: set once ``async_save`` returned (its stall is in ``timer.stall`` then);
             None for a synchronous save.
+        verdict: for a copy in the background, waits for it to end and raises what it found
+            (a source changed under it): checked after the writes, before the commit vote.
 
     Returns:
         this rank's :class:`SaveResult`.
@@ -69,6 +72,8 @@ def finish_save(
 
     def write_locally() -> RankReport:
         written.extend(_write(world, save, tiles[0]))
+        if verdict is not None:
+            verdict()
         timer.mark("write")
         if returned is not None:
             returned.wait()  # the caller's stall is known once async_save has returned

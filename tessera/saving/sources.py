@@ -6,41 +6,56 @@ thread (``StagingMode.BACKGROUND``); either way its result is the staged bytes p
 
 from __future__ import annotations
 
+import ctypes
 import threading
 import zlib
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
+from .._torch_private import version_counter
 from ..errors import CheckpointError, StagingMutationError
 from ..geometry import Box
+from ..options import StagingCheck
 from ..results import PendingSave
 from ..stage import StagedTiles, StagingBuffer, as_bytes
-from ..state import FlatState, TensorPiece
+from ..state import FlatState, GatedStateful, TensorPiece
 from .handoff import SavePlan
 
 Staged = Sequence[Sequence[torch.Tensor]]
 """Host byte views (1-D uint8) per data file, in each file's slot order."""
 
 
-def _source(pieces: dict[str, list[TensorPiece]], fqn: str, box: Box) -> torch.Tensor:
+def _source(pieces: dict[str, list[TensorPiece]], fqn: str, box: Box) -> tuple[torch.Tensor, bool]:
     for p in pieces.get(fqn, ()):
         if all(
             po <= bo and bo + bn <= po + pn
             for po, pn, bo, bn in zip(p.box.offsets, p.box.lengths, box.offsets, box.lengths)
         ):
             rel = box.relative_to(p.box)
-            return p.data[rel.slices()] if p.data.dim() else p.data
+            return (p.data[rel.slices()] if p.data.dim() else p.data), p.gated
     raise CheckpointError(f"internal error: no local piece of '{fqn}' holds box {box}")
 
 
-def sources(plan: SavePlan, flat: FlatState) -> tuple[list[torch.Tensor], list[str]]:
-    """The tensors this rank writes, in the plan's slot order, and their names."""
+@dataclass
+class Sources:
+    """The tensors this rank writes, in the plan's slot order, with their names and whether
+    a :class:`~tessera.state.GatedStateful` holds their mutations."""
+
+    tensors: list[torch.Tensor]
+    names: list[str]
+    gated: list[bool]
+
+
+def sources(plan: SavePlan, flat: FlatState) -> Sources:
+    """The tensors this rank writes, in the plan's slot order."""
     pieces: dict[str, list[TensorPiece]] = {}
     for p in flat.tensors:
         pieces.setdefault(p.fqn, []).append(p)
     slots = [s for lay in plan.layouts for s in lay.slots]
-    return [_source(pieces, s.fqn, s.box) for s in slots], [s.fqn for s in slots]
+    found = [_source(pieces, s.fqn, s.box) for s in slots]
+    return Sources([t for t, _ in found], [s.fqn for s in slots], [g for _, g in found])
 
 
 def stage(
@@ -87,11 +102,13 @@ class OverlappedCopy:
         rank: int,
         after: object | None,
         on_done: Callable[[], None],
+        check: Callable[[Sequence[torch.Tensor], Sequence[torch.Tensor]], None] | None = None,
     ) -> None:
         self._plan, self._srcs, self._buffer, self._rank = plan, srcs, buffer, rank
-        self._after, self._on_done = after, on_done
+        self._after, self._on_done, self._check = after, on_done, check
         self._tiles = StagedTiles(len(srcs))
         self._thread: threading.Thread | None = None
+        self._error: CheckpointError | None = None
 
     def start(self) -> Staged:
         """Start the copy; this rank's staged bytes per file, each tile waiting for its copy."""
@@ -107,57 +124,138 @@ class OverlappedCopy:
         if self._thread is not None:
             self._thread.join()
 
+    def verdict(self) -> None:
+        """Wait for the copy; raise what it found (a failed copy, a source changed under it).
+
+        The writers may have written every tile before the check ran; the caller raises
+        this before the commit vote, so those files are abandoned, never committed.
+        """
+        self.join()
+        if self._error is not None:
+            raise self._error
+
     def _copy(self) -> None:
         try:
-            self._buffer.stage(self._srcs, copy=True, after=self._after, on_staged=self._tiles.put)
+            staged = self._buffer.stage(self._srcs, copy=True, after=self._after, on_staged=self._tiles.put)
+            if self._check is not None:
+                self._check(self._srcs, staged)  # before the gate opens: a held mutation is no mutation
+        except StagingMutationError as e:
+            self._error = e
         except Exception as e:
             error = CheckpointError(f"rank {self._rank}: staging tensors to host memory failed: {e}")
             error.__cause__ = e
+            self._error = error
             self._tiles.fail(error)  # the writers raise it; the commit step reports it on every rank
         finally:
             self._srcs.clear()  # let the caller's tensors go
             self._on_done()
 
 
-def fingerprints(srcs: list[torch.Tensor]) -> list[tuple[int, int | None]]:
-    """Debug check: each source's version counter and, for CPU tensors, the CRC32 of its bytes."""
-    out = []
-    for src in srcs:
-        crc = zlib.crc32(as_bytes(src.contiguous()).numpy().data) if src.device.type == "cpu" else None
-        out.append((src._version, crc))
-    return out
+_SAMPLES = 3
+"""Elements sampled per CPU tensor by the ``SAMPLED`` check: the first, the middle, the last."""
 
 
-def check_unchanged(
-    srcs: list[torch.Tensor],
-    names: list[str],
-    staged: Staged,
-    reference: list[tuple[int, int | None]],
-    rank: int,
-    path: str,
-) -> None:
-    """Raise if a source changed between ``async_save`` and the end of its copy (a missing gate).
+@dataclass(frozen=True)
+class _Sample:
+    """A few elements of one source: their byte offsets in the source and in its staged copy."""
 
-    Raises:
-        StagingMutationError: naming the first tensor that changed.
+    src_offsets: tuple[int, ...]
+    staged_offsets: tuple[int, ...]
+    itemsize: int
+    expected: bytes
+
+
+def _sample(src: torch.Tensor) -> _Sample | None:
+    """Sampled elements of a CPU tensor, read straight from memory (no torch op: microseconds)."""
+    n = src.numel()
+    if n == 0 or src.device.type != "cpu":
+        return None
+    size = src.element_size()
+    flat = sorted({0, n // 2, n - 1})[:_SAMPLES]
+    src_offsets, staged_offsets = [], []
+    for k in flat:
+        rest, elem = k, 0
+        for dim, stride in zip(reversed(src.shape), reversed(src.stride())):
+            rest, i = divmod(rest, dim)
+            elem += i * stride
+        src_offsets.append(elem * size)
+        staged_offsets.append(k * size)
+    base = src.data_ptr()
+    expected = b"".join(ctypes.string_at(base + off, size) for off in src_offsets)
+    return _Sample(tuple(src_offsets), tuple(staged_offsets), size, expected)
+
+
+class MutationCheck:
+    """What each source copied in the background was at the ``async_save`` call.
+
+    Taken in the caller's thread before it returns; :meth:`verify` compares it with the
+    sources and their staged copies once the copy is over, before the gate opens, and
+    raises if something changed a source first (see :class:`~tessera.options.StagingCheck`).
+
+    Args:
+        srcs: the sources, in slot order.
+        names: their FQNs (for the error).
+        level: ``SAMPLED`` or ``FULL``.
+        skip: indices of sources nobody else can change (private copies made at the call).
     """
-    flat_staged = [t for per_file in staged for t in per_file]
-    for src, name, host, (version, crc) in zip(srcs, names, flat_staged, reference):
-        changed = src._version != version
-        if not changed and crc is not None:
-            changed = zlib.crc32(host.numpy().data) != crc
-        if changed:
-            raise StagingMutationError(
-                f"rank {rank}: tensor '{name}' was modified after async_save({path!r}) returned and before "
-                f"its bytes were staged (PendingSave.wait_staged()); the checkpoint would not hold the state at "
-                f"the time of the call, so the save is abandoned. Call wait_staged() (or step through "
-                f"tessera.OptimizerState) before modifying saved tensors"
-            )
+
+    def __init__(self, srcs: list[torch.Tensor], names: list[str], level: StagingCheck, skip: set[int]) -> None:
+        self._names = names
+        self._checked = [i for i in range(len(srcs)) if i not in skip]
+        self._versions = {i: version_counter(srcs[i]) for i in self._checked}
+        self._samples = {i: _sample(srcs[i]) for i in self._checked}
+        self._crcs: dict[int, int] = {}
+        if level is StagingCheck.FULL:
+            self._crcs = {
+                i: zlib.crc32(as_bytes(srcs[i].contiguous()).numpy().data)
+                for i in self._checked
+                if srcs[i].device.type == "cpu"
+            }
+
+    def verify(self, srcs: Sequence[torch.Tensor], staged: Sequence[torch.Tensor], rank: int, path: str) -> None:
+        """Raise if a source changed between the call and its copy.
+
+        Args:
+            srcs: the sources (still held by the copy).
+            staged: their host copies (1-D uint8), in the same order.
+
+        Raises:
+            StagingMutationError: naming the first tensor found changed, the rank and the path.
+        """
+        for i in self._checked:
+            how = None
+            if version_counter(srcs[i]) != self._versions[i]:
+                how = "an in-place operation changed it (its version counter moved)"
+            elif (sample := self._samples[i]) is not None:
+                base = staged[i].data_ptr()
+                got = b"".join(ctypes.string_at(base + off, sample.itemsize) for off in sample.staged_offsets)
+                if got != sample.expected:
+                    how = "its bytes changed through an alias (e.g. .data)"
+            if how is None and i in self._crcs and zlib.crc32(staged[i].numpy().data) != self._crcs[i]:
+                how = "its bytes changed (CRC32)"
+            if how is not None:
+                raise StagingMutationError(
+                    f"rank {rank}: tensor '{self._names[i]}' was modified after async_save({path!r}) returned and "
+                    f"before its bytes were copied to host memory: {how}. The checkpoint would mix two moments "
+                    f"of training, so the save is abandoned on every rank. Change saved tensors only after "
+                    f"pending.wait_staged(), through calls a gated Stateful holds (optimizer.step() with "
+                    f"tessera.OptimizerState, a forward with tessera.ModelState, or your own with "
+                    f"tessera.StagingGate), or save with SaveOptions(staging=StagingMode.AUTO or BLOCKING)"
+                )
 
 
-def install_gates(statefuls: list[object], pending: PendingSave) -> None:
-    """Let Stateful objects that know how (``_tessera_gate``) hold their mutations until staged."""
+def private_copies(srcs: list[torch.Tensor], which: Sequence[int]) -> None:
+    """Replace ``srcs[i]`` for ``i`` in ``which`` by a host copy taken now (the caller's thread).
+
+    For tensors nothing holds back from changing: the background copy then reads the private
+    copy, which nobody else can reach, instead of the live tensor.
+    """
+    for i in which:
+        srcs[i] = srcs[i].detach().to("cpu", copy=True)
+
+
+def hold_mutations(statefuls: list[object], pending: PendingSave) -> None:
+    """Let every :class:`~tessera.state.GatedStateful` in the state hold its mutations until staged."""
     for obj in statefuls:
-        gate = getattr(obj, "_tessera_gate", None)  # a Stateful's hook, not a storage capability
-        if callable(gate):
-            gate(pending)
+        if isinstance(obj, GatedStateful):
+            obj.hold_mutations(pending)

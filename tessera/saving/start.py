@@ -6,27 +6,46 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
+from dataclasses import dataclass
+from functools import partial
+
+import torch
 
 from .. import dist, inflight
-from ..options import SaveOptions, StagingMode
+from ..options import SaveOptions, StagingCheck, StagingMode
 from ..results import PendingSave, SaveResult
 from ..stage import ready_event
 from ..timing import PhaseTimer
-from .context import context_for
+from .context import SaveContext, context_for
 from .finish import finish_save
-from .handoff import SaveRequest
+from .handoff import PreparedSave, SaveRequest
 from .prepare import prepare
-from .sources import OverlappedCopy, Staged, check_unchanged, fingerprints, install_gates, sources, stage
+from .sources import MutationCheck, OverlappedCopy, Staged, hold_mutations, private_copies, sources, stage
 
 _STALL_PARTS = ("wait_previous", "plan", "stage", "schedule")
+
+
+@dataclass
+class _StageStep:
+    """How this rank's stage step runs, decided in the caller's thread.
+
+    ``staged`` gives the staged bytes (or raises what failed); ``failed`` is a blocking
+    copy's error, known before returning; ``event`` is set once the state may change again
+    (None: it may change at once); ``overlapped`` is a background copy to wait for.
+    """
+
+    staged: Callable[[], Staged]
+    failed: BaseException | None = None
+    event: threading.Event | None = None
+    overlapped: OverlappedCopy | None = None
 
 
 def start_save(request: SaveRequest) -> PendingSave:
     """Start a save; collective over ``request.process_group``.
 
     Waits for this process's previous save of the group, then (every rank together) flattens
-    the state, agrees on a save id, location and plan, and stages the bytes (blocking, or
-    scheduled on the background thread with ``StagingMode.BACKGROUND``). Writing and the
+    the state, agrees on a save id, location and plan, and stages the bytes: before returning,
+    or in the background for what :class:`~tessera.options.StagingMode` allows. Writing and the
     commit run in a background thread when ``request.background``, else before returning.
 
     Args:
@@ -49,59 +68,20 @@ def start_save(request: SaveRequest) -> PendingSave:
         world = dist.world_for(request.process_group)
         save = prepare(world, ctx, request, opts, previous)
         timer.mark("plan")
-        overlap = request.background and opts.staging is StagingMode.BACKGROUND
-        staged_event: threading.Event | None = None
+        step = _stage_step(request, save, ctx, world.rank, timer)
         # The background report waits for the caller's stall, known once this returns.
         returned = threading.Event() if request.background else None
-        staged: Callable[[], Staged]
-        overlapped: OverlappedCopy | None = None
-        if not overlap:
-            blocking: Future[Staged] = Future()  # the copy's bytes, or what failed
-            try:
-                srcs = sources(save.plan, save.flat)[0]
-                blocking.set_result(stage(save.plan, srcs, ctx.staging, world.rank, copy=request.background))
-            except Exception as e:  # raised in the claim step, so that every rank hears of it
-                blocking.set_exception(e)
-            timer.mark("stage")
-            staged = blocking.result
-        else:
-            srcs, names = sources(save.plan, save.flat)
-            after = ready_event(srcs)
-            reference = fingerprints(srcs) if opts.check_staging else None
-            staged_event = threading.Event()
-            event = staged_event
-
-            if reference is None:  # the copy and the writes overlap (issue #13)
-
-                def copied() -> None:
-                    event.set()
-                    timer.mark("copy")
-
-                overlapped = OverlappedCopy(save.plan, srcs, ctx.staging, world.rank, after, copied)
-                staged = overlapped.start
-            else:  # the debug check compares every byte once the copy is over, before writing
-
-                def staged() -> Staged:
-                    try:
-                        out = stage(save.plan, srcs, ctx.staging, world.rank, copy=True, after=after)
-                        check_unchanged(srcs, names, out, reference, world.rank, request.path)
-                        return out
-                    finally:
-                        srcs.clear()  # let the caller's tensors go
-                        event.set()
-                        timer.mark("copy")
-
-            timer.mark("schedule")
+        verdict = step.overlapped.verdict if step.overlapped is not None else None
 
         def finish() -> SaveResult:
             try:
-                return finish_save(world, save, staged, timer, returned)
+                return finish_save(world, save, step.staged, timer, returned, verdict)
             finally:
-                if overlapped is not None:
-                    overlapped.join()  # the staging buffer is reused by the next save
+                if step.overlapped is not None:
+                    step.overlapped.join()  # the staging buffer is reused by the next save
 
         future: Future[SaveResult] = Future()
-        if not overlap and blocking.exception() is not None:
+        if step.failed is not None:
             timer.stall = time.monotonic() - timer.t0
             if returned is not None:
                 returned.set()
@@ -115,9 +95,9 @@ def start_save(request: SaveRequest) -> PendingSave:
         else:
             _run_into(future, finish)
         parts = {k: timer.phases[k] for k in _STALL_PARTS if k in timer.phases}
-        pending = PendingSave(future, 0.0, path=request.path, staged_event=staged_event, stall_parts=parts)
-        if overlap:
-            install_gates([obj for obj, _ in save.flat.statefuls], pending)
+        pending = PendingSave(future, 0.0, path=request.path, staged_event=step.event, stall_parts=parts)
+        if step.event is not None:
+            hold_mutations([obj for obj, _ in save.flat.statefuls], pending)
         pending.stall_s = time.monotonic() - timer.t0
         if returned is not None and not returned.is_set():
             timer.stall = pending.stall_s
@@ -127,6 +107,51 @@ def start_save(request: SaveRequest) -> PendingSave:
         else:
             pending._observed = True
         return pending
+
+
+def _stage_step(request: SaveRequest, save: PreparedSave, ctx: SaveContext, rank: int, timer: PhaseTimer) -> _StageStep:
+    """Copy now what must be copied now; schedule the rest in the background.
+
+    A synchronous save writes straight from contiguous CPU tensors. An async save copies
+    in the caller's thread every tensor that nothing holds back from changing (all of them
+    with ``BLOCKING``, the ungated ones with ``AUTO``, none with ``BACKGROUND``) and the rest
+    in a copy thread that the writes follow tile by tile.
+    """
+    opts = save.options
+    srcs = sources(save.plan, save.flat)
+    mode = opts.staging
+    if not request.background or mode is StagingMode.BLOCKING or (mode is StagingMode.AUTO and not any(srcs.gated)):
+        return _blocking(save, srcs.tensors, ctx, rank, timer, copy=request.background)
+    # Ungated tensors of an AUTO save are copied now, into private copies the copy thread reads.
+    now = [i for i, g in enumerate(srcs.gated) if not g] if mode is StagingMode.AUTO else []
+    private_copies(srcs.tensors, now)
+    after = ready_event(srcs.tensors)
+    check = None
+    if opts.check_staging is not StagingCheck.OFF:
+        reference = MutationCheck(srcs.tensors, srcs.names, opts.check_staging, skip=set(now))
+        check = partial(reference.verify, rank=rank, path=request.path)
+    event = threading.Event()
+
+    def copied() -> None:
+        event.set()
+        timer.mark("copy")
+
+    overlapped = OverlappedCopy(save.plan, srcs.tensors, ctx.staging, rank, after, copied, check)
+    timer.mark("schedule")
+    return _StageStep(overlapped.start, event=event, overlapped=overlapped)
+
+
+def _blocking(
+    save: PreparedSave, srcs: list[torch.Tensor], ctx: SaveContext, rank: int, timer: PhaseTimer, *, copy: bool
+) -> _StageStep:
+    """The copy in the caller's thread (``copy=False``: CPU tensors are written in place)."""
+    done: Future[Staged] = Future()  # the copy's bytes, or what failed
+    try:
+        done.set_result(stage(save.plan, srcs, ctx.staging, rank, copy=copy))
+    except Exception as e:  # raised in the claim step, so that every rank hears of it
+        done.set_exception(e)
+    timer.mark("stage")
+    return _StageStep(done.result, failed=done.exception())
 
 
 def _run_into(future: Future[SaveResult], fn: Callable[[], SaveResult]) -> None:
