@@ -81,20 +81,25 @@ def async_save(
     options: SaveOptions | None = None,
     storage_options: dict[str, Any] | None = None,
 ) -> PendingSave:
-    """Like :func:`save`, but return once the save is planned; copy, write and commit in the background.
+    """Like :func:`save`, but return early; copy, write and commit in the background.
 
-    The copy of this rank's bytes to host memory runs in the background (CPU: a copy
-    thread; CUDA: a side stream into reused pinned memory, after the work queued on the
-    current stream), then the writes and the commit. The saved tensors must not change
-    until ``pending.wait_staged()`` returns: :class:`~tessera.OptimizerState` and
-    :class:`~tessera.ModelState` in ``state`` hold ``optimizer.step()`` and the forward
-    pass until then by themselves; tensors changed any other way need the call. Changing
-    them earlier is a bug of the caller (``SaveOptions(check_staging=True)`` detects it);
-    ``SaveOptions(staging=StagingMode.BLOCKING)`` copies before returning instead.
-    ``pending.stall_s`` is the whole time this call blocked, including the wait for the
-    previous save (at most one is in flight per process); ``pending.stall_parts`` splits it.
-    Call ``.wait()`` before relying on the checkpoint; an error in the background (the
-    copy's too) is raised there, and by the next save if nobody waited.
+    Commits exactly the state at the call, bit for bit, whatever the caller does next.
+    Under the default ``StagingMode.AUTO``, tensors held by a gated Stateful
+    (:class:`~tessera.ModelState`, :class:`~tessera.OptimizerState`, or an object of yours
+    implementing :class:`~tessera.state.GatedStateful`) are copied to host memory in the
+    background (CPU: a copy thread; CUDA: a side stream into reused pinned memory, after
+    the work queued on the current stream) while the calls that change them
+    (``optimizer.step()``, the forward pass, ``load_state_dict``) wait for the copy; every
+    other tensor (a raw ``model.state_dict()``) is copied before this returns, as
+    ``torch.distributed.checkpoint.async_save`` does. A tensor copied in the background
+    and changed before its copy some other way (``pending.wait_staged()`` says when it may
+    change) fails the save on every rank with
+    :class:`~tessera.errors.StagingMutationError` instead of committing a mix (the check of
+    ``SaveOptions.check_staging``, on by default). ``pending.stall_s`` is the whole time
+    this call blocked, including the wait for the previous save (at most one is in flight
+    per process); ``pending.stall_parts`` splits it. Call ``.wait()`` before relying on the
+    checkpoint; an error in the background is raised there, and by the next save if nobody
+    waited.
 
     Args:
         path, state, process_group, storage, allow_pickle, options, storage_options: as

@@ -97,9 +97,12 @@ class ConcurrentSaveError(CheckpointError, RuntimeError):
 
 
 class StagingMutationError(CheckpointError, RuntimeError):
-    """A saved tensor was modified before the save's staging gate (``PendingSave.wait_staged``).
+    """A tensor copied in the background was modified before its copy (``PendingSave.wait_staged``).
 
-    Raised only with the debug check (``SaveOptions.check_staging``); the save is not committed.
+    Raised on every rank by the mutation check of an async save (``SaveOptions.check_staging``,
+    on by default) instead of committing a checkpoint that mixes two moments; nothing was
+    committed. Change saved tensors after ``wait_staged()``, through calls a gated Stateful
+    holds, or save them with ``StagingMode.AUTO`` (raw tensors copied before the call returns).
     """
 
 

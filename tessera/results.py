@@ -57,11 +57,12 @@ class PendingSave:
     checkpoint is committed (or raises what went wrong) and ``done()`` says whether that has
     happened. Thread-safe.
 
-    Modifying a saved tensor before ``wait_staged()`` returns is a bug of the caller: the
-    checkpoint may hold the new bytes, or a mix. ``tessera.OptimizerState``,
-    ``tessera.ModelState`` and ``tessera.CheckpointManager`` wait themselves before
-    ``optimizer.step()``, a forward pass and the next save or load;
-    ``SaveOptions(check_staging=True)`` detects the bug.
+    Tensors copied in the background (those of gated Statefuls, or all of them with
+    ``StagingMode.BACKGROUND``) must not change before ``wait_staged()`` returns:
+    ``tessera.OptimizerState`` and ``tessera.ModelState`` hold ``optimizer.step()``, the
+    forward pass and ``load_state_dict`` until then, and the manager's next save or load
+    waits too; a change made some other way fails the save with ``StagingMutationError``
+    (the default check of ``SaveOptions.check_staging``).
     """
 
     def __init__(

@@ -246,14 +246,20 @@ class CheckpointManager:
         Returns:
             :class:`~tessera.SaveResult` for a synchronous save; for an asynchronous one a
             :class:`~tessera.PendingSave` whose ``wait()`` returns after the commit and,
-            on rank 0, after ``latest`` and retention are done.
+            on rank 0, after ``latest`` and retention are done. An asynchronous save commits
+            exactly the state at the call: raw tensors are copied before this returns, those
+            of gated Statefuls (``ModelState``, ``OptimizerState``) in the background while
+            their next step or forward waits (see :class:`tessera.StagingMode`).
 
         Raises:
-            CheckpointError: if the save fails on any rank (the previous steps stay intact).
+            CheckpointError: if the save fails on any rank (the previous steps stay intact);
+                :class:`~tessera.errors.StagingMutationError` (from ``wait()``) if a tensor
+                copied in the background was changed first.
             ValueError: for a bad step number or a closed manager.
 
         Example:
-            >>> mgr.save(100, {"model": model.state_dict(), "step": 100})
+            >>> state = {"model": tessera.ModelState(model), "optim": tessera.OptimizerState(model, opt)}
+            >>> mgr.save(100, {**state, "step": 100})  # then keep training: opt.step() waits if needed
         """
         _args.check_manager_save(step, state)
         step = check_step(step)
