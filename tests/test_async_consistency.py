@@ -128,6 +128,7 @@ class Loop:
     ema_model: nn.Module
     ema: _EMA
     sched: torch.optim.lr_scheduler.LRScheduler
+    extra: torch.Tensor
 
     def train_step(self, step: int, accumulate: int = 1) -> None:
         for micro in range(accumulate):
@@ -144,7 +145,7 @@ def _loop(kind: str, optim_kw: dict[str, Any], seed: int = 0, ddp: bool = False)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, **optim_kw)
     inner = model.module if ddp else model
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
-    return Loop(model, opt, kind, copy.deepcopy(inner), _EMA(inner), sched)
+    return Loop(model, opt, kind, copy.deepcopy(inner), _EMA(inner), sched, torch.arange(4096.0))
 
 
 # --------------------------------------------------------------------------------------
@@ -169,6 +170,15 @@ def _with_gated_ema(lp: Loop) -> dict[str, Any]:
 
 def _with_sched(lp: Loop) -> dict[str, Any]:
     return {**_wrapped(lp), "sched": lp.sched.state_dict()}
+
+
+def _with_raw_extra(lp: Loop) -> dict[str, Any]:
+    return {**_wrapped(lp), "extra": {"counts": lp.extra}}
+
+
+def _extra_then_step(lp: Loop) -> None:
+    lp.extra.mul_(3)
+    lp.train_step(100)
 
 
 def _step(lp: Loop) -> None:
@@ -233,6 +243,7 @@ CASES: dict[str, Case] = {
     "wrapped-data-write": ("transformer", {}, _wrapped, _data_write),
     "wrapped-ema-model-update": ("mlp", {}, _with_ema_model, _ema_update),
     "gated-ema-update": ("mlp", {}, _with_gated_ema, _gated_ema_update),
+    "gated-plus-raw-tensor": ("mlp", {}, _with_raw_extra, _extra_then_step),
 }
 """name -> (model, optimizer options, what is saved, what the loop does right after the call)."""
 
@@ -248,6 +259,7 @@ def _must_commit(name: str) -> bool:
         "wrapped-sched",
         "wrapped-load-state-dict",
         "gated-ema-update",
+        "gated-plus-raw-tensor",
     }
 
 
@@ -388,3 +400,14 @@ def test_two_ranks_ddp_commit_the_state_at_the_call_or_refuse_everywhere(tmp_pat
         assert all(o in ("committed", "refused") for o in outcomes), (name, outcomes)
         if _must_commit(name):
             assert outcomes == ["committed"] * 3, (name, outcomes)
+
+
+def test_auto_copies_raw_tensors_in_the_call_and_gated_ones_behind(tmp_path: Path, delay: _Delay) -> None:
+    delay.seconds = 0.3
+    lp = _loop("mlp", {})
+    gated = tessera.async_save(str(tmp_path / "g"), _with_raw_extra(lp))
+    assert not gated.staged() and "schedule" in gated.stall_parts and gated.stall_s < 0.3  # the fast path
+    gated.wait()
+    raw = tessera.async_save(str(tmp_path / "r"), _raw(lp))
+    assert raw.staged() and "stage" in raw.stall_parts  # copied before returning, as DCP does
+    raw.wait()
