@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import tessera
-from tessera import SaveOptions, WriterMode, writer_process
+from tessera import SaveOptions, StagingMode, WriterMode, writer_process
 from tessera.errors import StorageError
 from tests.dist_utils import run_distributed
 
@@ -73,7 +73,8 @@ def test_process_writer_files_are_identical_to_the_thread_writer(tmp_path: Path)
     tessera.save(str(tmp_path / "thread"), state, options=THREAD)
     tessera.save(str(tmp_path / "process"), state, options=PROCESS)
     tessera.async_save(str(tmp_path / "process-async"), state, options=PROCESS).wait()
-    tessera.async_save(str(tmp_path / "thread-async"), state, options=THREAD).wait()  # copy overlaps writes
+    overlapped = SaveOptions(writer=WriterMode.THREAD, staging=StagingMode.BACKGROUND)
+    tessera.async_save(str(tmp_path / "thread-async"), state, options=overlapped).wait()  # copy overlaps writes
     want = _data_files(tmp_path / "thread")
     assert want
     assert _data_files(tmp_path / "thread-async") == want
@@ -281,7 +282,8 @@ def _failing_copy(rank: int, world: int, root: str) -> tuple[str, str, list[str]
     state = _sharded(rank, world, 0)
     state["more"] = torch.arange(12.0) + rank  # a second tile on every rank
     try:
-        tessera.async_save(f"{root}/ck", state, options=THREAD).wait()
+        opts = SaveOptions(writer=WriterMode.THREAD, staging=StagingMode.BACKGROUND)  # copy in the background
+        tessera.async_save(f"{root}/ck", state, options=opts).wait()
     except Exception as e:
         return type(e).__name__, str(e), sorted(p.name for p in Path(root, "ck").glob("data/*/*"))
     raise AssertionError(f"rank {rank}: the save did not fail")
