@@ -144,6 +144,8 @@ def load(
     plan = _plan_load(
         world, manifest, state, path, strict=strict, cast=cast_dtypes, allow_pickle=allow_pickle, opts=opts
     )
+    if not strict:
+        _warn_skipped(world, path, plan.missing, plan.unexpected)
     targets, broadcasts = plan.targets, list[Broadcast]()
     if opts.broadcast_replicated:
         targets, broadcasts = split_replicated(world, plan.targets)
@@ -249,6 +251,30 @@ def _plan_load(
     return replace(mine[0], unexpected=unexpected)
 
 
+def _warn_skipped(world: World, path: str, missing: list[str], unexpected: list[str]) -> None:
+    """``strict=False``: say what the load leaves out, so that it never skips state silently.
+
+    Missing keys differ by rank (each rank says its own); unexpected keys are the same on
+    every rank (rank 0 says them).
+    """
+    unexpected = unexpected if world.is_coordinator else []
+    if not missing and not unexpected:
+        return
+    parts = []
+    if missing:
+        parts.append(
+            f"{len(missing)} key(s) of the state are not in the checkpoint and keep their values: {_preview(missing)}"
+        )
+    if unexpected:
+        parts.append(f"{len(unexpected)} key(s) of the checkpoint are not in the state: {_preview(unexpected)}")
+    logger.warning(
+        "rank %d: loading %s with strict=False skipped %s (LoadResult.missing_keys / unexpected_keys list them)",
+        world.rank,
+        path,
+        "; ".join(parts),
+    )
+
+
 def _record_load_timings(store: Storage, manifest: Manifest, ranks: list[dict[str, float]]) -> None:
     """Rank 0: keep this load's per-rank timings beside the checkpoint, for ``tessera trace``.
 
@@ -349,8 +375,25 @@ def _validate(
     if strict and missing:
         raise MissingKeysError(
             f"rank {world.rank}: keys do not match (strict=True): missing from the checkpoint: {_preview(sorted(missing))}"
+            + _structure_hint(manifest, flat, missing)
         )
     return targets, sorted(missing), unexpected
+
+
+def _structure_hint(manifest: Manifest, flat: FlatState, missing: set[str]) -> str:
+    """For a missing key that is one plain value in the state but whose entries the checkpoint stores: say so."""
+    keys = sorted(manifest.keys())
+    for k in sorted(missing):
+        if k not in flat.values:
+            continue
+        under = [n for n in keys if n.startswith(k + ".")]
+        if under:
+            return (
+                f". '{k}' is one plain value in the state ({type(flat.values[k]).__name__}), but the checkpoint "
+                f"stores {len(under)} entries under '{k}.' ({_preview(under, 3)}): give '{k}' the structure that "
+                "was saved (a dict holding those names; for an optimizer, tessera.OptimizerState(model, optimizer))"
+            )
+    return ""
 
 
 def _preview(keys: list[str], n: int = 10) -> str:

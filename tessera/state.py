@@ -24,6 +24,7 @@ from . import _torch_private
 from .dtypes import dtype_name
 from .errors import InvalidStateError
 from .geometry import Box
+from .optim_dict import is_optimizer_state_dict, missing_param_states
 from .shards import FlatShard, MultiShard, OnResize, PerRank, ShardedTensor
 from .values import MAX_DEPTH, check_depth, encode_value
 
@@ -66,6 +67,10 @@ class FlatState:
     """Rank-local plain values with their resize policy."""
     statefuls: list[tuple[Stateful, dict[str, Any]]] = field(default_factory=list)
     """(object, the state dict taken from it), innermost first, for ``load_state_dict``."""
+    structures: set[str] = field(default_factory=set)
+    """Load: FQNs of dicts without tensors that the checkpoint stores entry by entry (not as one value)."""
+    grown: list[tuple[dict[Any, Any], dict[Any, Any]]] = field(default_factory=list)
+    """Load: (a dict of the target, entries the checkpoint adds to it once the load succeeded)."""
 
     def tensor_fqns(self) -> set[str]:
         return {p.fqn for p in self.tensors}
@@ -176,6 +181,26 @@ class _Flattener:
         self.gated = False  # inside a GatedStateful's state dict
         self.sources: dict[str, str] = {}
         """FQN -> where in the state its entry is (``state['a']['b']``), to name collisions."""
+        self.parents: set[str] | None = None
+        """Load: every dotted prefix of the checkpoint's keys (computed when first needed)."""
+        self.extra: dict[int, dict[Any, Any]] = {}
+        """Load: id of a target dict -> entries to visit beside its own (see :mod:`tessera.optim_dict`)."""
+
+    def stored_as_structure(self, value: object, fqn: str) -> bool:
+        """Load: whether ``value``, a dict without tensors, is stored entry by entry.
+
+        True when the checkpoint has keys under ``fqn.`` and no value named ``fqn``: the
+        saved dict held tensors (an optimizer that had stepped) and the target's does not
+        (a fresh one), so its entries are matched by name instead of as one value.
+        """
+        m = self.manifest
+        if not self.for_load or m is None or not fqn or not isinstance(value, dict):
+            return False
+        if fqn in m.values or fqn in m.per_rank or fqn in m.tensors:  # type: ignore[attr-defined]
+            return False
+        if self.parents is None:
+            self.parents = dotted_parents(list(m.keys()))  # type: ignore[attr-defined]
+        return fqn in self.parents
 
     def claim(self, fqn: str, where: str) -> None:
         """Record that the entry at ``where`` is named ``fqn``; refuse a second entry of that name."""
@@ -236,8 +261,19 @@ class _Flattener:
             finally:
                 self.gated = outer
             self.out.statefuls.append((value, sd))
-        elif isinstance(value, (dict, list, tuple)) and (container or _contains_tensor(value) or not fqn):
-            items = value.items() if isinstance(value, dict) else enumerate(value)
+        elif isinstance(value, (dict, list, tuple)) and (
+            container or _contains_tensor(value) or not fqn or self.stored_as_structure(value, fqn)
+        ):
+            if isinstance(value, dict) and not container and not _contains_tensor(value) and fqn:
+                self.out.structures.add(fqn)
+            if self.for_load and self.manifest is not None and is_optimizer_state_dict(value):
+                grown = missing_param_states(value, fqn, self.manifest)  # type: ignore[arg-type]
+                if grown:
+                    self.extra[id(value["state"])] = grown
+                    self.out.grown.append((value["state"], grown))
+            items: Any = value.items() if isinstance(value, dict) else enumerate(value)
+            if isinstance(value, dict) and id(value) in self.extra:
+                items = [*items, *self.extra[id(value)].items()]
             seen: set[str] = set()
             for k, v in items:
                 if not isinstance(k, (str, int)):
@@ -348,6 +384,8 @@ def restore_values(state: object, flat: FlatState, lookup: Callable[[str], tuple
     """
     stateful_sds = {id(obj): sd for obj, sd in flat.statefuls}
     filled: dict[int, dict[str, Any]] = {}
+    for target, entries in flat.grown:  # filled by the reads, which all succeeded
+        target.update(entries)
 
     def rebuild(value: object, fqn: str, container: bool = False) -> object:
         if isinstance(value, PerRank):
@@ -359,7 +397,9 @@ def restore_values(state: object, flat: FlatState, lookup: Callable[[str], tuple
             if sd is not None:
                 filled[id(value)] = rebuild(sd, fqn, container=True)  # type: ignore[assignment]  # a dict in, the same dict out
             return value
-        if isinstance(value, (dict, list, tuple)) and (container or _contains_tensor(value) or not fqn):
+        if isinstance(value, (dict, list, tuple)) and (
+            container or _contains_tensor(value) or not fqn or fqn in flat.structures
+        ):
             if isinstance(value, dict):
                 for k in list(value):
                     value[k] = rebuild(value[k], join(fqn, k))

@@ -219,3 +219,60 @@ def test_a_failing_snippet_fails(tmp_path: Path) -> None:
     assert proc.returncode == 3
     proc = run_snippet(Snippet("x.md", 1, "import os, tessera\nprint(os.listdir('.'))\n"), tmp_path / "b")
     assert proc.returncode == 0 and proc.stdout.strip() == "[]"
+
+
+# ------------------------------------------------------------------------------------------
+# What the user docs say
+
+
+_ISSUE_NUMBER = re.compile(r"(?<![\w/&(])#\d+(?![\w-])|\bissues?\s+#?\d+|\bthe issue's\b", re.IGNORECASE)
+
+
+def test_user_docs_mention_no_issue_numbers() -> None:
+    """Users do not read our tracker: "(issue #13)" or "#12" in a user doc says nothing to them."""
+    found = [
+        f"{path.relative_to(REPO)}:{n}: {m.group(0)!r}"
+        for path in documented_files()
+        for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
+        for m in _ISSUE_NUMBER.finditer(line)
+    ]
+    assert not found, "issue-tracker numbers in user docs:\n  " + "\n  ".join(found)
+
+
+@pytest.mark.parametrize(
+    ("line", "hit"),
+    [("predate background staging (issue #13):", True), ("the targets of #12", True), ("issue 7", True),
+     ("see [guarantees](guarantees.md#7-the-commit-protocol)", False), ("[x](#7-the-commit-protocol)", False),
+     ("print(x)  # 1 1 tensor", False), ("https://github.com/pytorch/pytorch/issues/167288", False)],
+)  # fmt: skip
+def test_the_issue_number_check_itself(line: str, hit: bool) -> None:
+    assert bool(_ISSUE_NUMBER.search(line)) is hit
+
+
+def test_manager_doc_names_every_argument_and_public_member() -> None:
+    """docs/manager.md is the manager's whole API: every constructor argument and public member."""
+    import inspect
+
+    from tessera.manager import CheckpointManager
+
+    text = (REPO / "docs" / "manager.md").read_text(encoding="utf-8")
+    arguments = [p for p in inspect.signature(CheckpointManager.__init__).parameters if p != "self"]
+    members = [n for n in vars(CheckpointManager) if not n.startswith("_")]
+    assert "save" in members and "should_save" in members and "reached_preemption" in members
+    undocumented = [n for n in arguments + members if not re.search(rf"`{n}[`(]", text)]
+    assert not undocumented, f"docs/manager.md does not document: {undocumented}"
+
+
+def test_extras_named_in_docs_exist() -> None:
+    """``pip install ".[name]"`` in a user doc names an extra that pyproject.toml defines."""
+    import tomllib
+
+    extras = set(tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"])
+    named = {
+        (path.name, extra)
+        for path in documented_files()
+        for group in re.findall(r"\.\[([\w,-]+)\]", path.read_text(encoding="utf-8"))
+        for extra in group.split(",")
+    }
+    assert named, "no extra named in the docs: the pattern is wrong"
+    assert not {(f, e) for f, e in named if e not in extras}, f"extras not in pyproject.toml: {named}"

@@ -25,6 +25,7 @@ import os
 import shutil
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 from ..errors import CheckpointError
 from ..tools import UsageError
@@ -34,9 +35,14 @@ from .cmd_inspect import cmd_inspect, cmd_verify
 from .cmd_trace import cmd_trace
 from .render import EXIT_OK, EXIT_PROBLEMS, EXIT_USAGE
 
+if TYPE_CHECKING:
+    from rich.console import Console
+
 __all__ = ["EXIT_OK", "EXIT_PROBLEMS", "EXIT_USAGE", "UsageError", "build_parser", "main"]
 
 logger = logging.getLogger(__name__)
+
+_ROOT_HELP = "a manager root (its latest committed step) or ROOT@STEP"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -48,23 +54,31 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-v", "--verbose", action="count", default=0, help="log more (-vv: debug)")
     p.add_argument("--no-progress", action="store_true", help="never draw progress bars")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    # The same two options after the verb (`tessera convert A B -v`). Their own dests: argparse
+    # copies a subcommand's defaults over the values parsed before the verb.
+    after = argparse.ArgumentParser(add_help=False)
+    after.add_argument("-v", "--verbose", dest="verbose_after", action="count", default=0, help="log more (-vv: debug)")
+    after.add_argument("--no-progress", dest="no_progress_after", action="store_true", help="never draw progress bars")
 
-    s = sub.add_parser("inspect", help="list tensors, values, layout and metadata (or a manager root's steps)")
-    s.add_argument("path")
+    def verb(name: str, **kwargs: Any) -> argparse.ArgumentParser:
+        return sub.add_parser(name, parents=[after], **kwargs)
+
+    s = verb("inspect", help="list tensors, values, layout and metadata (or a manager root's steps)")
+    s.add_argument("path", help=f"a checkpoint, {_ROOT_HELP}, or a root itself (its steps are listed)")
     s.add_argument("--json", action="store_true", help="print JSON for machines")
     s.add_argument("--filter", metavar="REGEX", help="only tensors whose name matches")
-    s.set_defaults(func=cmd_inspect)
+    s.set_defaults(func=cmd_inspect, checkpoints=("path",), root_means_latest=False)
 
-    s = sub.add_parser("verify", help="check every checksum, file and tensor coverage (exit 1 on any problem)")
-    s.add_argument("path", help="a checkpoint, or a manager root (every committed step is verified)")
+    s = verb("verify", help="check every checksum, file and tensor coverage (exit 1 on any problem)")
+    s.add_argument("path", help=f"a checkpoint, {_ROOT_HELP}, or a root itself (every committed step is verified)")
     s.add_argument("--json", action="store_true")
     s.add_argument("--step", type=int, help="under a manager root: verify only this step")
     s.add_argument("--limit", type=int, default=50, help="problems listed at most (default 50)")
-    s.set_defaults(func=cmd_verify)
+    s.set_defaults(func=cmd_verify, checkpoints=("path",), root_means_latest=False)
 
-    s = sub.add_parser("diff", help="compare two checkpoints tensor by tensor (exit 1 if they differ)")
-    s.add_argument("a")
-    s.add_argument("b")
+    s = verb("diff", help="compare two checkpoints tensor by tensor (exit 1 if they differ)")
+    s.add_argument("a", help=f"a checkpoint of any format, {_ROOT_HELP}")
+    s.add_argument("b", help="the same")
     s.add_argument("--atol", type=float, default=0.0, help="absolute tolerance (default 0: exact)")
     s.add_argument("--rtol", type=float, default=0.0, help="relative tolerance (default 0: exact)")
     s.add_argument(
@@ -75,16 +89,16 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--strip-b", metavar="P", help="the same for B")
     s.add_argument("--prefix", metavar="P", help="compare only names under P (after --strip), in both")
     s.add_argument("--json", action="store_true")
-    s.set_defaults(func=cmd_diff, allow_pickle=False, tag=None, spec=None)
+    s.set_defaults(func=cmd_diff, allow_pickle=False, tag=None, spec=None, checkpoints=("a", "b"))
 
-    s = sub.add_parser(
+    s = verb(
         "convert",
         help="convert between tessera, hf, torch, dcp (and from deepspeed, megatron)",
         description="Convert a checkpoint. Reading tessera, --prefix selects names under it and strips it; "
         "writing tessera, --prefix is prepended to every name.",
     )
-    s.add_argument("src")
-    s.add_argument("dst")
+    s.add_argument("src", help=f"the checkpoint to read, {_ROOT_HELP}")
+    s.add_argument("dst", help="the output")
     formats = ["tessera", "hf", "dcp", "torch", "deepspeed", "megatron"]
     s.add_argument("--from", dest="src_format", choices=formats, help="source format (default: detected)")
     s.add_argument(
@@ -101,6 +115,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--force", action="store_true", help="replace an existing, non-empty output")
     s.add_argument("--dtype", help="cast floating-point tensors (bf16, fp16, fp32)")
     s.add_argument("--max-shard-size", default="5GB", help="largest safetensors shard for --to hf (default 5GB)")
+    s.add_argument(
+        "--config",
+        metavar="CONFIG",
+        help="--to hf: the config.json to write (the file, or a model directory holding one); "
+        "default: the one recorded in the checkpoint (metadata hf_config), if any",
+    )
     s.add_argument("--no-values", action="store_true", help="leave plain values out (torch, dcp)")
     s.add_argument(
         "--allow-pickle", action="store_true", help="unpickle objects in the source (only for files you trust)"
@@ -110,10 +130,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="deepspeed: the global_step directory to read instead of 'latest', or to write (default global_step<N>)",
     )
     s.add_argument("--spec", help="megatron: the layout spec (JSON) describing the files")
-    s.set_defaults(func=cmd_convert)
+    s.set_defaults(func=cmd_convert, checkpoints=("src",))
 
-    s = sub.add_parser("rename", help="rename tensors and values by rewriting only the manifest")
-    s.add_argument("path")
+    s = verb("rename", help="rename tensors and values by rewriting only the manifest")
+    s.add_argument("path", help=f"a checkpoint, {_ROOT_HELP}")
     s.add_argument(
         "--map", action=RuleAction, metavar="OLD=NEW", help="replace the name prefix OLD by NEW (repeatable)"
     )
@@ -122,10 +142,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument("--dry-run", action="store_true", help="show the renames without writing")
     s.add_argument("--limit", type=int, default=50, help="renames listed at most")
-    s.set_defaults(func=cmd_rename, rules=[])
+    s.set_defaults(func=cmd_rename, rules=[], checkpoints=("path",))
 
-    s = sub.add_parser("trace", help="per-rank, per-phase timings: stragglers, Chrome trace, PNG timeline")
-    s.add_argument("path")
+    s = verb("trace", help="per-rank, per-phase timings: stragglers, Chrome trace, PNG timeline")
+    s.add_argument("path", help=f"a checkpoint, {_ROOT_HELP}")
     s.add_argument(
         "--op", default="save", help="operation: save (default), load (the newest recorded load), convert or all"
     )
@@ -138,7 +158,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--png", metavar="OUT.png", help="write a timeline plot")
     s.add_argument("--json", action="store_true")
     s.add_argument("--fail-on-stragglers", action="store_true", help="exit 1 when a straggler is found")
-    s.set_defaults(func=cmd_trace)
+    s.set_defaults(func=cmd_trace, checkpoints=("path",))
+    p.set_defaults(root_means_latest=True)
     return p
 
 
@@ -156,6 +177,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(e.code or 0) if not isinstance(e.code, str) else EXIT_USAGE
     from rich.console import Console
 
+    args.verbose += args.verbose_after
+    args.no_progress = args.no_progress or args.no_progress_after
     level = logging.WARNING if args.verbose == 0 else logging.INFO if args.verbose == 1 else logging.DEBUG
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("tessera").setLevel(level)
@@ -164,6 +187,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     out = Console(width=width, highlight=False, markup=False)
     err = Console(stderr=True, highlight=False, markup=False, soft_wrap=True)  # messages stay whole lines
     try:
+        _resolve_checkpoints(args, err)
         return int(args.func(args, out))
     except BrokenPipeError:  # e.g. `tessera inspect --json | head`: the reader has what it wanted
         devnull = os.open(os.devnull, os.O_WRONLY)
@@ -177,3 +201,18 @@ def main(argv: Sequence[str] | None = None) -> int:
             logger.exception("tessera %s failed", args.command)
         err.print(f"tessera {args.command}: error: {e}")
         return EXIT_PROBLEMS
+
+
+def _resolve_checkpoints(args: argparse.Namespace, err: Console) -> None:
+    """Replace each checkpoint argument of the verb by the checkpoint it names, saying which on stderr.
+
+    One place for every verb: a manager root means its newest committed step (``inspect``
+    and ``verify`` keep a bare root: they list or verify its steps), ``ROOT@STEP`` a step.
+    """
+    from ..tools.steps import resolve_checkpoint
+
+    for name in args.checkpoints:
+        resolved = resolve_checkpoint(getattr(args, name), root_means_latest=args.root_means_latest)
+        if resolved.note is not None:
+            err.print(f"tessera {args.command}: {resolved.note}")
+        setattr(args, name, resolved.path)

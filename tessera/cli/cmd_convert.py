@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import re
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -86,7 +87,7 @@ def cmd_convert(args: argparse.Namespace, out: Console) -> int:
 
     options = ConvertOptions(
         prefix=args.prefix, include_values=not args.no_values, allow_pickle=args.allow_pickle, tag=args.tag,
-        spec=args.spec, progress=phase_progress(args),
+        spec=args.spec, hf_config=args.config, progress=phase_progress(args),
     )  # fmt: skip
     dst_fmt, result = convert_checkpoint(
         args.src, args.dst, src_format=args.src_format, dst_format=args.dst_format, dtype=args.dtype,
@@ -97,7 +98,22 @@ def cmd_convert(args: argparse.Namespace, out: Console) -> int:
         f"to {args.dst} ({dst_fmt.value}) in {result.seconds:.2f}s"
     )
     print_skipped(out, result.skipped, args.verbose)
+    if dst_fmt.value == "hf" and "://" not in args.dst:
+        _say_config(out, args)
     return EXIT_OK
+
+
+def _say_config(out: Console, args: argparse.Namespace) -> None:
+    """Whether a ``config.json`` went beside the model, and how to get one when it did not."""
+    if os.path.isfile(os.path.join(args.dst, "config.json")):
+        source = f"from {args.config}" if args.config else "recorded in the checkpoint"
+        out.print(f"  wrote config.json ({source})")
+        return
+    out.print(
+        "  no config.json: the checkpoint records no Hugging Face config. from_pretrained needs one: pass "
+        "--config CONFIG.json (or a model directory), save with SaveOptions(metadata={'hf_config': ...}), "
+        "or export from the model with tessera.save_hf"
+    )
 
 
 class RuleAction(argparse.Action):

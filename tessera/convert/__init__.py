@@ -31,6 +31,7 @@ from __future__ import annotations
 import os
 from enum import Enum
 
+from ..step_names import parse_step_dirname
 from ._common import ConvertResult, parse_dtype, parse_size
 from .compare import DiffKind, DiffReport, EntryDiff, diff_checkpoints
 from .dcp import export_dcp, import_dcp
@@ -77,6 +78,13 @@ def detect_format(path: str) -> Format:
         return Format.DCP
     if os.path.isdir(path):
         names = os.listdir(path)
+        steps = sorted(n for n in names if parse_step_dirname(n) is not None)
+        if any(os.path.isfile(os.path.join(path, n, "manifest.json")) for n in steps):
+            # A CheckpointManager root: its `latest` pointer must not pass for DeepSpeed's.
+            raise ValueError(
+                f"{path} is a tessera CheckpointManager root, not one checkpoint; name a step: "
+                f"{os.path.join(path, steps[-1])} (on the command line also {path}@STEP, or the root for its latest step)"
+            )
         if any(n.endswith(".safetensors") or n == "model.safetensors.index.json" for n in names):
             return Format.HF
         if any(n.endswith("_optim_states.pt") for n in names) or "latest" in names:

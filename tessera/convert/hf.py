@@ -15,8 +15,8 @@ import logging
 import os
 import re
 import time
-from collections.abc import Iterator
-from typing import NamedTuple
+from collections.abc import Iterator, Mapping
+from typing import Any, NamedTuple
 
 import torch
 from safetensors import safe_open
@@ -39,6 +39,7 @@ from ._common import (
     split_box,
     strip_prefix,
 )
+from .hf_config import HF_CONFIG_KEY, config_of_directory, read_config, write_config
 from .reader import CheckpointReader
 from .writer import CheckpointWriter
 
@@ -71,12 +72,15 @@ def export_hf(
     storage: Storage | None = None,
     block_bytes: int = DEFAULT_BLOCK_BYTES,
     progress: ProgressFn | None = None,
+    config: Mapping[str, Any] | str | None = None,
 ) -> ConvertResult:
     """Export the tensors of a tessera checkpoint as a Hugging Face safetensors directory.
 
     Single process; reads only the checkpoint and writes only ``out_dir``'s model files
-    (earlier ``model*.safetensors`` files and the index there are replaced; ``config.json``
-    and tokenizer files are left alone).
+    (earlier ``model*.safetensors`` files and the index there are replaced; tokenizer files
+    are left alone) and ``config.json`` when a config is known: ``config``, else the
+    checkpoint's ``metadata["hf_config"]`` (see :mod:`tessera.convert.hf_config`). Without
+    one, an existing ``config.json`` is left alone.
 
     Args:
         path: the tessera checkpoint (saved by any number of ranks, any layout).
@@ -88,12 +92,15 @@ def export_hf(
         storage: backend of the checkpoint (default: chosen from ``path``).
         block_bytes: most bytes of a tensor in memory at once.
         progress: called with ``(done_bytes, total_bytes)``.
+        config: the Hugging Face config to write as ``config.json``: a dict, a ``config.json``
+            file or a model directory holding one; its dtype is set to the dtype written.
 
     Returns:
         What was written; plain values and per-rank tensors and values are listed in ``skipped``.
 
     Raises:
-        ValueError: if no tensor matches ``prefix``.
+        ValueError: if no tensor matches ``prefix``, or ``config`` is not a JSON object.
+        FileNotFoundError: if ``config`` names no file.
         TypeError: for a tensor dtype safetensors cannot hold.
         CorruptCheckpointError: for data failing its checksum.
 
@@ -102,6 +109,7 @@ def export_hf(
     """
     t0 = time.monotonic()
     src = CheckpointReader(path, storage=storage)
+    hf_config = read_config(config) if config is not None else src.manifest.metadata.get(HF_CONFIG_KEY)
     limit = parse_size(max_shard_size)
     per_rank = src.per_rank_tensors()
     names = strip_prefix([n for n in src.manifest.tensors if n not in per_rank], prefix)
@@ -126,6 +134,8 @@ def export_hf(
         out.write_file(fname, _shard_chunks(src, shard, block_bytes, prog))
     if len(files) > 1:
         out.write_file(INDEX_NAME, [index_bytes(total, {s.name: f for f, shard in zip(files, shards) for s in shard})])
+    if isinstance(hf_config, Mapping):
+        write_config(out, hf_config, {s.dtype for s in specs})
     skipped = [f"{n} (plain value)" for n in src.manifest.values] + [f"{n} (per-rank tensor)" for n in sorted(per_rank)]
     skipped += [f"{n} (per-rank value)" for n in src.manifest.per_rank]
     if prefix:
@@ -133,9 +143,8 @@ def export_hf(
     logger.info(
         "exported %d tensors (%d bytes) from %s to %s in %d file(s)", len(specs), total, path, out_dir, len(files)
     )
-    return ConvertResult(
-        path, out_dir, len(specs), 0, total, len(files) + (len(files) > 1), time.monotonic() - t0, tuple(skipped)
-    )
+    written = len(files) + (len(files) > 1) + isinstance(hf_config, Mapping)
+    return ConvertResult(path, out_dir, len(specs), 0, total, written, time.monotonic() - t0, tuple(skipped))
 
 
 def plan_shards(sizes: list[int], limit: int) -> list[list[int]]:
@@ -256,6 +265,9 @@ def import_hf(
         file_bytes: size of the tessera data files written.
         progress: called with ``(done_bytes, total_bytes)``.
 
+    The directory's ``config.json``, if any, is kept in the checkpoint's
+    ``metadata["hf_config"]``, so that :func:`export_hf` writes it back.
+
     Returns:
         What was written.
 
@@ -301,7 +313,12 @@ def import_hf(
                         prog.advance(block.numel() * block.element_size())
                 # Blocks may be views of the file's mapping: write them before it is closed.
                 w.flush()
-        w.commit(source=f"hf:{src}", layout={"format": "huggingface-safetensors", "files": len(files)})
+        config = config_of_directory(src)  # kept, so that exporting again writes it back
+        w.commit(
+            source=f"hf:{src}",
+            layout={"format": "huggingface-safetensors", "files": len(files)},
+            metadata={HF_CONFIG_KEY: config} if config is not None else None,
+        )
         counts = (w.tensors_declared, w.values_added, w.tensor_bytes, w.files_written)
     logger.info("imported %d tensors from %s into %s", len(plan), src, path)
     return ConvertResult(src, path, *counts, time.monotonic() - t0)

@@ -8,6 +8,7 @@ checkpoint when neither side is tessera.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import shutil
 import tempfile
@@ -58,6 +59,9 @@ class ConvertOptions:
     """DeepSpeed: the ``global_step`` directory to read instead of ``latest``, or to write."""
     spec: str | None = None
     """Megatron: the layout spec (JSON) describing per-rank files."""
+    hf_config: str | None = None
+    """Hugging Face export: the ``config.json`` to write (the file, or a model directory
+    holding one); default: the checkpoint's ``metadata["hf_config"]``, if any."""
     progress: PhaseProgress = _no_progress
     """Opens a progress callback per phase."""
 
@@ -113,8 +117,9 @@ def export_checkpoint(fmt: Format, src: str, dst: str, options: ConvertOptions, 
     with options.progress(f"writing {fmt.value}") as cb:
         if fmt == cv.Format.HF:
             return cv.export_hf(
-                src, dst, max_shard_size=options.max_shard_size, dtype=dtype, prefix=prefix, progress=cb
-            )
+                src, dst, max_shard_size=options.max_shard_size, dtype=dtype, prefix=prefix, progress=cb,
+                config=options.hf_config,
+            )  # fmt: skip
         if fmt == cv.Format.TORCH:
             return cv.export_torch_save(
                 src, dst, dtype=dtype, prefix=prefix, include_values=options.include_values, progress=cb
@@ -234,9 +239,9 @@ def convert_checkpoint(
         raise UsageError(str(e)) from e
     if os.path.abspath(src) == os.path.abspath(dst):
         raise UsageError("the source and the destination are the same path")
-    opts = ConvertOptions(
-        cast, shard, base.prefix, base.include_values, base.allow_pickle, base.tag, base.spec, base.progress
-    )
+    if base.hf_config is not None and dst_fmt != cv.Format.HF:
+        raise UsageError("--config applies to --to hf (the config.json written beside the model)")
+    opts = dataclasses.replace(base, dtype=cast, max_shard_size=shard)
     prepare_output(dst, dst_fmt, force=force)
     if src_fmt != cv.Format.TESSERA and dst_fmt != cv.Format.TESSERA:
         # Two steps through a temporary tessera checkpoint next to the destination (or in the
