@@ -86,3 +86,24 @@ def is_dtensor(value: object) -> TypeGuard[DTensor]:
 def local_tensor(dt: DTensor) -> torch.Tensor:
     """The rank's local shard, sharing storage with ``dt`` (writes go into the DTensor)."""
     return dt._local_tensor if hasattr(dt, "_local_tensor") else dt.to_local()
+
+
+def dcp_metadata_private_classes() -> list[tuple[object, str]]:
+    """The private classes DCP pickles into ``.metadata``, as ``(class, "module.Name")``.
+
+    DCP's ``FileSystemWriter`` pickles each entry's location as ``filesystem._StorageInfo``
+    (and Megatron-Core's plans name ``filesystem._StoragePrefix``); ``TensorProperties``
+    pickles its memory format as ``metadata._MEM_FORMAT_ENCODING``. Importing a DCP
+    checkpoint without unpickling arbitrary code needs these exact classes allow-listed
+    (``FileSystemReader`` reads the first back by attribute). A class a torch release drops
+    is left out, so a checkpoint that names it is refused with a clear error.
+    """
+    import torch.distributed.checkpoint.filesystem as fs
+    import torch.distributed.checkpoint.metadata as md
+
+    out: list[tuple[object, str]] = []
+    for module, name in ((fs, "_StorageInfo"), (fs, "_StoragePrefix"), (md, "_MEM_FORMAT_ENCODING")):
+        cls = getattr(module, name, None)
+        if cls is not None:
+            out.append((cls, f"{module.__name__}.{name}"))
+    return out
