@@ -96,3 +96,24 @@ def version_counter(t: torch.Tensor) -> int:
     and again after the background copy.
     """
     return int(t._version)
+
+
+def dcp_metadata_private_classes() -> list[tuple[object, str]]:
+    """The private classes DCP pickles into ``.metadata``, as ``(class, "module.Name")``.
+
+    DCP's ``FileSystemWriter`` pickles each entry's location as ``filesystem._StorageInfo``
+    (and Megatron-Core's plans name ``filesystem._StoragePrefix``); ``TensorProperties``
+    pickles its memory format as ``metadata._MEM_FORMAT_ENCODING``. Importing a DCP
+    checkpoint without unpickling arbitrary code needs these exact classes allow-listed
+    (``FileSystemReader`` reads the first back by attribute). A class a torch release drops
+    is left out, so a checkpoint that names it is refused with a clear error.
+    """
+    import torch.distributed.checkpoint.filesystem as fs
+    import torch.distributed.checkpoint.metadata as md
+
+    out: list[tuple[object, str]] = []
+    for module, name in ((fs, "_StorageInfo"), (fs, "_StoragePrefix"), (md, "_MEM_FORMAT_ENCODING")):
+        cls = getattr(module, name, None)
+        if cls is not None:
+            out.append((cls, f"{module.__name__}.{name}"))
+    return out

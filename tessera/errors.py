@@ -62,7 +62,12 @@ class InvalidStateError(CheckpointError, ValueError, TypeError):
 
 
 class PickleNotAllowedError(CheckpointError, TypeError):
-    """A value needs pickle but the caller did not opt in (at save or at load)."""
+    """A value needs pickle but the caller did not opt in (at save or at load).
+
+    Also raised by imports (``tessera convert``, ``tessera diff``) for a file of another tool
+    that names a class outside its format's allow-list (DCP's ``.metadata``, DeepSpeed and
+    Megatron ``*.pt`` files): nothing from it was run.
+    """
 
 
 class StorageError(CheckpointError, OSError):

@@ -27,6 +27,20 @@ def tile_key(fqn: str, box: Box) -> str:
     return fqn + "[" + ",".join(f"{o}:{o + n}" for o, n in zip(box.offsets, box.lengths)) + "]"
 
 
+def tile_header_entry(dtype: torch.dtype, lengths: Sequence[int]) -> tuple[str, list[int]]:
+    """The ``dtype`` code and ``shape`` of a tile's safetensors header entry.
+
+    A dtype safetensors has no code for is stored as raw bytes: ``U8`` with the item size
+    as a last dimension.
+
+    Example:
+        >>> tile_header_entry(torch.float32, (2, 3))
+        ('F32', [2, 3])
+    """
+    code, raw = safetensors_code(dtype)
+    return code, list(lengths) + ([itemsize(dtype)] if raw else [])
+
+
 @dataclass(frozen=True)
 class TileSlot:
     """Where one tile goes in a data file."""
@@ -60,10 +74,8 @@ def layout_file(
     tiles = sorted(tiles, key=lambda t: -itemsize(t[2]))  # stable: keeps order within a size
     sizes = []
     for fqn, box, dtype in tiles:
-        size = itemsize(dtype)
-        n = box.numel * size
-        code, raw = safetensors_code(dtype)
-        shape = list(box.lengths) + ([size] if raw else [])
+        n = box.numel * itemsize(dtype)
+        code, shape = tile_header_entry(dtype, box.lengths)
         entries.append((tile_key(fqn, box), code, shape, n))
         sizes.append(n)
     header = encode_header(entries, {"producer": "tessera", **(metadata or {})})

@@ -15,11 +15,12 @@ from dataclasses import dataclass, field
 import numpy as np
 import xxhash
 
+from .dtypes import dtype_from_name
 from .geometry import Box
 from .manifest import FileEntry, Manifest, TensorEntry, Tile
 from .safetensors_header import parse_header
 from .storage import Storage
-from .tilefile import tile_key
+from .tilefile import tile_header_entry, tile_key
 from .verify_report import Problem, ProblemKind
 
 logger = logging.getLogger(__name__)
@@ -136,8 +137,10 @@ def _check_header(
         problem(ProblemKind.HEADER, f"{where} is not a valid safetensors file: {type(e).__name__}: {e}")
         return
     mismatched = 0
+    dtypes = {fqn: entry.dtype for fqn, entry, _ in tiles}
     for fqn, tile in iter_tiles(tiles):
-        key = tile_key(saved.get(fqn, fqn), Box(tile.offsets, tile.lengths))
+        box = Box(tile.offsets, tile.lengths)
+        key = tile_key(saved.get(fqn, fqn), box)
         info = header.get(key)
         want = [tile.byte_offset - base, tile.byte_offset - base + tile.nbytes]
         got = info.get("data_offsets") if isinstance(info, dict) else None
@@ -148,9 +151,25 @@ def _check_header(
             found = "has no entry" if info is None else f"has data_offsets {got!r:.60}"
             problem(
                 ProblemKind.HEADER,
-                f"tensor '{fqn}' tile {Box(tile.offsets, tile.lengths)} in {where}: the file's safetensors header "
+                f"tensor '{fqn}' tile {box} in {where}: the file's safetensors header "
                 f"{found} for key '{key}', the manifest says {want} (bytes [{tile.byte_offset}, "
                 f"{tile.byte_offset + tile.nbytes}) of the file); the manifest does not match the data",
+                fqn,
+            )
+            continue
+        # The bytes are where the manifest says; a header that describes them as another dtype
+        # or shape still makes every other safetensors reader return wrong values.
+        code, shape = tile_header_entry(dtype_from_name(dtypes[fqn]), tile.lengths)
+        got_code, got_shape = (info.get("dtype"), info.get("shape")) if isinstance(info, dict) else (None, None)
+        if got_code != code or got_shape != shape:
+            mismatched += 1
+            if mismatched > _MAX_PROBLEMS_PER_FILE:
+                continue
+            problem(
+                ProblemKind.HEADER,
+                f"tensor '{fqn}' tile {box} in {where}: the file's safetensors header describes key '{key}' as "
+                f"dtype {got_code!r:.30} shape {got_shape!r:.80}, the manifest as dtype '{code}' shape {shape} "
+                f"({dtypes[fqn]}); other safetensors readers would read wrong values from this file",
                 fqn,
             )
     if mismatched > _MAX_PROBLEMS_PER_FILE:

@@ -145,6 +145,54 @@ def test_flipped_bit_in_safetensors_header(ckpt: str) -> None:
     assert torch.equal(target["w"], _truth())
 
 
+def _rewrite_header(path: str, edit) -> None:
+    """Apply ``edit`` to a data file's safetensors header, keeping its length (and every data offset)."""
+    with open(path, "r+b") as f:
+        n = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(n))
+        header["__metadata__"] = {"format": "pt"}  # room for a longer shape
+        edit(header)
+        body = json.dumps(header, separators=(",", ":")).encode()
+        assert len(body) <= n
+        f.seek(8)
+        f.write(body + b" " * (n - len(body)))
+
+
+@pytest.mark.parametrize(
+    ("tensor", "field", "lie"),
+    [("w", "dtype", "I32"), ("w", "shape", [64, 32]), ("emb", "shape", [8, 5]), ("emb", "dtype", "F64")],
+)
+def test_verify_reports_a_header_that_lies_about_dtype_or_shape(
+    ckpt: str, capsys, tensor: str, field: str, lie
+) -> None:
+    from safetensors import safe_open
+
+    from tessera.cli import main
+
+    m = tessera.read_manifest(ckpt)
+    tile = m.tensors[tensor].tiles[-1]
+    rank = next(f.rank for f in m.files if f.path == tile.file)
+    key = f"{tensor}[" + ",".join(f"{o}:{o + n}" for o, n in zip(tile.offsets, tile.lengths)) + "]"
+    full = os.path.join(ckpt, tile.file)
+    before = safe_open(full, "pt").get_tensor(key)
+    _rewrite_header(full, lambda h: h[key].__setitem__(field, lie))
+    # The bytes did not move, but every other safetensors reader now gets wrong values.
+    after = safe_open(full, "pt").get_tensor(key)
+    assert after.dtype != before.dtype or after.shape != before.shape
+    report = verify(ckpt)
+    (p,) = report.problems
+    assert p.kind == ProblemKind.HEADER and not report.ok
+    _assert_names_all(p, tensor, tile.file, rank)
+    assert f"{field} {lie!r}" in p.message and key in p.message, p.message
+    assert main(["verify", ckpt]) == 1
+    out = "".join(capsys.readouterr().out.split())  # the console wraps long lines
+    assert "FAILED" in out and f"tensor'{tensor}'" in out and "othersafetensorsreaderswouldreadwrongvalues" in out
+    # Loads place tiles by the manifest and check their checksums, never the header: still exact.
+    target = _target()
+    tessera.load(ckpt, target)
+    assert torch.equal(target["w"], _truth()) and torch.equal(target["emb"], _emb())
+
+
 def test_truncated_file(ckpt: str) -> None:
     rel, _, _ = _rank1_file(ckpt)
     full = os.path.join(ckpt, rel)

@@ -16,7 +16,9 @@ batches of at most ``file_bytes``: every chunk (a whole tensor from a single-pro
 a shard from a sharded one) becomes one tessera tile, and no more than a batch of chunks is
 in memory (plus one chunk, which DCP's reader deserializes before copying it out). Non-tensor entries are loaded with ``weights_only=True`` unless pickle is allowed.
 
-Note that DCP's ``.metadata`` file is itself a pickle: import only checkpoints you trust.
+DCP's ``.metadata`` file is itself a pickle: it is read by :mod:`.dcp_metadata` with an
+allow-list of DCP's own classes (anything else needs ``allow_pickle=True``), so importing a
+crafted checkpoint never runs code from it.
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ from ._common import (
     numel,
     strip_prefix,
 )
+from .dcp_metadata import read_dcp_metadata
 from .reader import CheckpointReader
 from .writer import CheckpointWriter
 
@@ -219,7 +222,8 @@ def import_dcp(
         prefix: prepended to every name.
         dtype: cast floating-point tensors to this dtype.
         storage: backend of the new checkpoint.
-        allow_pickle: keep non-tensor entries that need pickle (stored pickled in tessera too).
+        allow_pickle: keep non-tensor entries that need pickle (stored pickled in tessera too),
+            and unpickle ``.metadata`` whatever classes it names (only for checkpoints you trust).
         file_bytes: most bytes of chunks read per batch, and the size of tessera data files.
         progress: called with ``(done_bytes, total_bytes)``.
 
@@ -228,14 +232,17 @@ def import_dcp(
 
     Raises:
         FileNotFoundError: if ``src`` has no ``.metadata``.
+        PickleNotAllowedError: if ``.metadata`` names a class DCP's metadata never holds
+            (nothing from it is run); ``allow_pickle=True`` reads it if you trust it.
+        CorruptCheckpointError: if ``.metadata`` is not well-formed DCP metadata.
         CoverageError: if the DCP chunks do not cover a tensor exactly once.
 
     Example:
         >>> import_dcp("/dcp/step100", "/ckpt/step100")
     """
     t0 = time.monotonic()
+    metadata = read_dcp_metadata(src, allow_pickle=allow_pickle)  # never DCP's own pickle.load
     reader = dcp.FileSystemReader(src)
-    metadata = reader.read_metadata()
     reader.set_up_storage_reader(metadata, True)
     pre = prefix or ""
     chunks: list[tuple[str, tuple[int, ...], tuple[int, ...], int, TensorStorageMetadata]] = []

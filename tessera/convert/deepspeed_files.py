@@ -10,14 +10,11 @@ The conversion itself is :mod:`.deepspeed`.
 from __future__ import annotations
 
 import os
-import pickle
 import re
-from collections.abc import Callable
 from typing import Any
 
-import torch
-
 from ..errors import CheckpointError
+from .safe_pickle import SafeGlobal, torch_load_restricted
 
 __all__ = ["SAFE_GLOBALS", "find_zero_dir", "load_file", "state_files"]
 
@@ -96,7 +93,7 @@ def _zero_stage(value: int) -> int:
     return int(value)
 
 
-SAFE_GLOBALS: list[Callable[..., Any] | tuple[Callable[..., Any], str]] = [
+SAFE_GLOBALS: list[SafeGlobal] = [
     (LossScaler, "deepspeed.runtime.fp16.loss_scaler.LossScaler"),
     (DynamicLossScaler, "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler"),
     (FragmentAddress, "deepspeed.utils.tensor_fragment.fragment_address"),
@@ -108,25 +105,10 @@ SAFE_GLOBALS: list[Callable[..., Any] | tuple[Callable[..., Any], str]] = [
 in a file still needs ``allow_pickle=True``."""
 
 
-def _torch_load(path: str, *, weights_only: bool) -> Any:
-    """``torch.load`` memory-mapped, falling back to a plain read for the legacy (non-zip) format."""
-    try:
-        return torch.load(path, map_location="cpu", mmap=True, weights_only=weights_only)
-    except RuntimeError as e:
-        if "mmap" not in str(e):
-            raise
-        return torch.load(path, map_location="cpu", weights_only=weights_only)
-
-
 def load_file(path: str, allow_pickle: bool) -> Any:
-    """A DeepSpeed ``*.pt`` file: safe unpickling with :data:`SAFE_GLOBALS`, or full unpickling if allowed."""
-    if allow_pickle:
-        return _torch_load(path, weights_only=False)
-    with torch.serialization.safe_globals(SAFE_GLOBALS):
-        try:
-            return _torch_load(path, weights_only=True)
-        except pickle.UnpicklingError as e:  # weights_only refused an object: anything else propagates as is
-            raise CheckpointError(
-                f"{path} holds objects outside DeepSpeed's usual checkpoint contents ({e}); pass allow_pickle=True "
-                "(--allow-pickle) only if you trust the file"
-            ) from e
+    """A DeepSpeed ``*.pt`` file: safe unpickling with :data:`SAFE_GLOBALS`, or full unpickling if allowed.
+
+    Raises:
+        PickleNotAllowedError: the file holds objects outside DeepSpeed's usual contents.
+    """
+    return torch_load_restricted(path, SAFE_GLOBALS, allow_pickle=allow_pickle, what="DeepSpeed checkpoint file")

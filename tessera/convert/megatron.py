@@ -27,7 +27,6 @@ import importlib
 import json
 import logging
 import os
-import pickle
 import re
 import time
 from collections.abc import Mapping
@@ -36,12 +35,13 @@ from typing import Any
 import torch
 
 from ..adapters.megatron import MegatronSpec, gpt_spec
-from ..errors import CheckpointError, CorruptCheckpointError
+from ..errors import CorruptCheckpointError
 from ..geometry import Box
 from ..storage import Storage
 from ..values import is_plain
 from ._common import ConvertResult, Progress, ProgressFn, cast_for
 from .megatron_torch_dist import TRACKER, import_torch_dist, is_torch_dist
+from .safe_pickle import torch_load_restricted
 from .writer import CheckpointWriter
 
 logger = logging.getLogger(__name__)
@@ -226,15 +226,7 @@ def import_megatron(
 
 
 def _load(path: str, allow_pickle: bool) -> dict:
-    try:
-        sd = torch.load(path, map_location="cpu", mmap=True, weights_only=not allow_pickle)
-    except pickle.UnpicklingError as e:  # weights_only refused an object: anything else propagates as is
-        if allow_pickle:
-            raise
-        raise CheckpointError(
-            f"{path} holds objects that need unpickling ({e}); pass allow_pickle=True (--allow-pickle) "
-            "if you trust the file"
-        ) from e
+    sd = torch_load_restricted(path, [], allow_pickle=allow_pickle, what="Megatron checkpoint file")
     if not isinstance(sd, dict):
         raise CorruptCheckpointError(f"{path} holds a {type(sd).__name__}, not a Megatron checkpoint dict")
     return sd

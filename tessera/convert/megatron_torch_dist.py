@@ -25,6 +25,7 @@ from ..errors import CheckpointError
 from ..geometry import Box
 from ..storage import Storage
 from ._common import ConvertResult, Progress, ProgressFn, cast_for
+from .dcp_metadata import read_dcp_metadata
 from .writer import CheckpointWriter
 
 logger = logging.getLogger(__name__)
@@ -89,6 +90,7 @@ def import_torch_dist(
     storage: Storage | None = None,
     file_bytes: int = 256 << 20,
     progress: ProgressFn | None = None,
+    allow_pickle: bool = False,
 ) -> ConvertResult:
     """Convert a Megatron-Core ``torch_dist`` checkpoint (model and optimizer) into tessera.
 
@@ -113,12 +115,16 @@ def import_torch_dist(
         storage: backend of the new checkpoint.
         file_bytes: most bytes of chunks read per batch, and the size of tessera data files.
         progress: called with ``(done_bytes, total_bytes)``.
+        allow_pickle: unpickle DCP's ``.metadata`` whatever classes it names (only for
+            checkpoints you trust); without it, only DCP's and Megatron's own classes are read.
 
     Returns:
         What was written.
 
     Raises:
         FileNotFoundError: if ``src`` is not a ``torch_dist`` checkpoint.
+        PickleNotAllowedError: if ``.metadata`` names another class (nothing from it is run).
+        CorruptCheckpointError: if ``.metadata`` is not well-formed DCP metadata.
         CoverageError: if the chunks do not cover a tensor exactly once.
 
     Example:
@@ -138,8 +144,8 @@ def import_torch_dist(
             info = json.load(f)
     if info and info.get("sharded_backend") not in (None, "torch_dist"):
         raise CheckpointError(f"{src}: sharded backend {info.get('sharded_backend')!r} is not torch_dist")
+    metadata = read_dcp_metadata(src, allow_pickle=allow_pickle)  # never DCP's own pickle.load
     reader = dcp.FileSystemReader(src)
-    metadata = reader.read_metadata()  # torch's own metadata pickle: import checkpoints you trust
     reader.set_up_storage_reader(metadata, True)
 
     def run(items: list[Any], planner: _TorchDistPlanner) -> None:

@@ -92,7 +92,7 @@ def import_checkpoint(
             )  # fmt: skip
         if fmt == cv.Format.MEGATRON:
             if cv.is_torch_dist(src):  # Megatron-Core's own format describes itself: no spec needed
-                return cv.import_torch_dist(src, dst, dtype=dtype, progress=cb)
+                return cv.import_torch_dist(src, dst, dtype=dtype, progress=cb, allow_pickle=options.allow_pickle)
             if not options.spec:
                 raise UsageError(
                     "--from megatron needs --spec LAYOUT_SPEC (the JSON layout spec of the per-rank files); "
