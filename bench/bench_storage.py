@@ -1,4 +1,4 @@
-"""tessera's storage backends side by side: local disk, memory tier, S3 (moto), ``memory://``.
+"""tessera's storage backends side by side: local disk, S3 (moto), ``memory://``.
 
 Workload, the same for every backend: ``--procs`` gloo processes hold ``--mb`` MB of fp32
 DTensors sharded ``Shard(0)``; they save them, then load them back resharded as ``Shard(1)``
@@ -9,10 +9,6 @@ that time. The first trial's load is checked element by element.
 Backends:
 
 * ``local``: a directory on local disk (``FileStorage``, fsync'ed before the commit).
-* ``tier::local``: the memory tier over that directory. "save" is the time until
-  ``tessera.save`` returns (committed in ``/dev/shm``); "until durable" is the time until the
-  background persistence has also committed the checkpoint on disk. The load reads the
-  memory copy.
 * ``s3 (moto)``: ``s3://`` through the S3 code path (multipart uploads, ranged GETs) to a moto
   server on 127.0.0.1, started by this script. moto is an in-process *Python* server holding
   objects in RAM, so this measures tessera's S3 path and moto's overhead, not S3's bandwidth.
@@ -25,7 +21,7 @@ Run (about 2 minutes for the defaults on 2 busy cores)::
     .venv/bin/python bench/bench_storage.py --mb 256 --procs 2 --repeat 3
 
 Options: ``--dir`` (where the local checkpoints go, default a temporary directory on disk),
-``--backends local,tier,s3,memory`` (a subset), ``--tensors`` (how many tensors).
+``--backends local,s3,memory`` (a subset), ``--tensors`` (how many tensors).
 """
 
 from __future__ import annotations
@@ -49,11 +45,10 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
 import tessera
-from tessera.storage import MemoryTierStorage, storage_for
-from tessera.storage.memory_tier import default_memory_root
+from tessera.storage import storage_for
 
 COLS = 4096
-BACKENDS = ("local", "tier", "s3", "memory")
+BACKENDS = ("local", "s3", "memory")
 AWS_ENV = {
     "AWS_ACCESS_KEY_ID": "bench",
     "AWS_SECRET_ACCESS_KEY": "bench",
@@ -110,8 +105,6 @@ def url_for(backend: str, args: argparse.Namespace, trial: int) -> str:
     name = f"ckpt-{backend}-{trial}"
     if backend == "local":
         return os.path.join(args.dir, name)
-    if backend == "tier":
-        return "tier::" + os.path.join(args.dir, name)
     if backend == "s3":
         return f"s3://{args.bucket}/{args.run}/{name}"
     return f"memory://{args.run}/{name}"
@@ -119,11 +112,8 @@ def url_for(backend: str, args: argparse.Namespace, trial: int) -> str:
 
 def remove(backend: str, url: str) -> None:
     """Rank 0: drop a checkpoint so that trials do not pile up in RAM or on disk."""
-    if backend in ("local", "tier"):
-        path = url.removeprefix("tier::")
-        shutil.rmtree(path, ignore_errors=True)
-        if backend == "tier":
-            shutil.rmtree(default_memory_root(path), ignore_errors=True)
+    if backend == "local":
+        shutil.rmtree(url, ignore_errors=True)
         return
     store = storage_for(url)
     store.delete(store.list())
@@ -149,18 +139,7 @@ def worker(rank: int, world: int, store: str, args: argparse.Namespace) -> None:
     for trial in range(args.repeat):
         for backend in args.backends:
             url = url_for(backend, args, trial)
-            if backend == "tier":
-                dist.barrier()
-                t0 = time.perf_counter()
-                tessera.save(url, src)
-                dist.barrier()
-                add("tier_save", time.perf_counter() - t0)
-                if rank == 0:  # rank 0's process persists the node's memory directory
-                    MemoryTierStorage(url.removeprefix("tier::")).wait_persisted()
-                dist.barrier()
-                add("tier_durable", time.perf_counter() - t0)
-            else:
-                add(f"{backend}_save", timed(functools.partial(tessera.save, url, src)))
+            add(f"{backend}_save", timed(functools.partial(tessera.save, url, src)))
             dim = 0 if backend == "memory" else 1  # memory:// is per process: no resharding
             target = make_state(mesh, args.tensors, rows, dim, fill=False)
             add(f"{backend}_load", timed(functools.partial(tessera.load, url, target)))
@@ -194,7 +173,6 @@ def report(ranks: list[dict[str, list[float]]], args: argparse.Namespace) -> Non
 
     labels = {
         "local": "local disk (fsync)",
-        "tier": "tier:: over local disk",
         "s3": "s3:// on loopback moto",
         "memory": "memory:// (fsspec)",
     }
@@ -202,17 +180,13 @@ def report(ranks: list[dict[str, list[float]]], args: argparse.Namespace) -> Non
         f"\n{len(ranks)} processes, {gb * 1e3:.0f} MB of fp32 DTensors Shard(0) in {args.tensors} tensors, "
         f"medians of {args.repeat} (slowest rank per trial)\n"
     )
-    print("| backend | save returns | until durable | load Shard(0) -> Shard(1) |")
-    print("|---|---|---|---|")
+    print("| backend | save | load Shard(0) -> Shard(1) |")
+    print("|---|---|---|")
     for b in args.backends:
-        save = cell(f"{b}_save")
-        durable = cell("tier_durable") if b == "tier" else save
         load = cell(f"{b}_load")
         if b == "memory":
             load += " [same layout]"
-        if b == "tier":
-            load += " [memory copy]"
-        print(f"| {labels[b]} | {save} | {durable} | {load} |")
+        print(f"| {labels[b]} | {cell(f'{b}_save')} | {load} |")
 
 
 def main() -> None:
@@ -255,7 +229,6 @@ def main() -> None:
     finally:
         if server is not None:
             server.stop()
-        shutil.rmtree(default_memory_root(args.dir), ignore_errors=True)  # the tier's memory copies
         if own_dir:
             shutil.rmtree(args.dir, ignore_errors=True)
         else:

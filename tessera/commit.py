@@ -144,7 +144,7 @@ def check_files(store: Storage, claim: Claim, files: Sequence[FileEntry], path: 
     """
     expected = {f.path: (f.nbytes, f.rank) for f in files}
     if not expected or (isinstance(store, PartialVisibility) and not store.all_files_visible):
-        return  # e.g. a per-node memory tier: its durable commit checks every rank's marker
+        return  # a node directory of the local tier: the tier checks every node's files itself
     found = _sizes(store, claim.data_prefix, list(expected))
     problems = []
     for f, (n, rank) in sorted(expected.items(), key=lambda kv: kv[1][1]):

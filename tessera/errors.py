@@ -115,6 +115,14 @@ class LocationMismatchError(CheckpointError, ValueError):
     """The ranks of one save named different checkpoint locations (paths or storage)."""
 
 
+class UnsupportedPathError(CheckpointError, ValueError):
+    """A path or URL names no checkpoint location a save or load can use.
+
+    For example ``tier::<root>``: that prefix names the local tier of a
+    :class:`~tessera.CheckpointManager` (``CheckpointManager("tier::<root>")``), not a storage backend.
+    """
+
+
 class CommitCheckError(StorageError):
     """At commit, a data file was missing or had the wrong size where the manifest would point.
 

@@ -28,7 +28,7 @@ import torch
 import tessera
 from tessera.errors import CommitCheckError, ConcurrentSaveError
 from tessera.manager import CheckpointManager
-from tessera.storage import FileStorage, FsspecStorage, MemoryTierStorage
+from tessera.storage import FileStorage, FsspecStorage
 from tests.dist_utils import RankGroup, RankOutcome, run_ranks, start, start_ranks  # noqa: F401 - the harness, re-exported
 
 A_NUMEL = 512 * 1024  # 2 MiB of float32
@@ -284,9 +284,7 @@ def save_loop(
         rank, world: with ``world > 1`` (inside :func:`start_ranks`), save this rank's
             part of the state (see :func:`make_rank_state`).
 
-    Modes: ``"path"`` (``tessera.save``), ``"tier"`` (``tessera.save`` through a
-    :class:`MemoryTierStorage` persisting to ``target``, memory copy in ``target + ".mem"``,
-    waiting until durable), ``"contended"`` (``tessera.save`` while another writer saves to
+    Modes: ``"path"`` (``tessera.save``), ``"contended"`` (``tessera.save`` while another writer saves to
     the same path: a save fenced off by the other one logs ``lost k`` and the loop goes on),
     ``"manager"`` and ``"manager_async"``.
     """
@@ -310,11 +308,7 @@ def save_loop(
     for k in range(first, first + count):
         state = make_state(k) if world == 1 else make_rank_state(k, rank, world)
         _log(progress, f"begin {k}")
-        if mode == "tier":
-            tier = MemoryTierStorage(target, memory_root=target + ".mem")
-            tessera.save(tier.url, state, storage=tier)
-            tier.wait_persisted()
-        elif mode == "contended":
+        if mode == "contended":
             try:
                 tessera.save(target, state)
             except tessera.CheckpointError as e:

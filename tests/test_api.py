@@ -229,3 +229,20 @@ def test_async_error_is_raised_on_wait_and_never_lost(tmp_path) -> None:
     with pytest.raises(tessera.CheckpointError):  # nobody waited: the next save raises it
         tessera.save(str(tmp_path / "ok"), {"w": torch.ones(3)})
     tessera.save(str(tmp_path / "ok"), {"w": torch.ones(3)})
+
+
+def test_a_tier_path_is_refused_and_names_the_manager(tmp_path) -> None:
+    """``tier::<root>`` means a CheckpointManager root with its local tier, and nothing else:
+    save, async_save and load refuse it in the call, say what to use, and write nothing."""
+    url = "tier::" + str(tmp_path / "ckpt")
+    calls = {
+        "save": lambda: tessera.save(url, {"w": torch.arange(4.0)}),
+        "async_save": lambda: tessera.async_save(url, {"w": torch.arange(4.0)}),
+        "load": lambda: tessera.load(url, {"w": torch.zeros(4)}),
+    }
+    for name, call in calls.items():
+        with pytest.raises(tessera.errors.UnsupportedPathError, match=r"CheckpointManager\('tier::") as e:
+            call()
+        assert isinstance(e.value, ValueError) and isinstance(e.value, tessera.CheckpointError), name
+        assert repr(str(tmp_path / "ckpt")) in str(e.value), name  # the durable location to use instead
+    assert os.listdir(tmp_path) == []

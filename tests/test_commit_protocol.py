@@ -1,9 +1,8 @@
-"""The commit protocol (docs/guarantees.md, "The commit protocol"): issue #10, items 1-4, 6 and 9.
+"""The commit protocol (docs/guarantees.md, "The commit protocol"): issue #10, items 2-4, 6 and 9.
 
 Each reproduction of the issue is a test here, run against real processes, real filesystems
 (a small tmpfs for full disks), loopback S3 (moto) for the object-store variants:
 
-1. the memory tier persists exactly the files of the save it persists;
 2. two writers of one path: at most one wins, the other fails clearly, the path loads;
 3. ranks that pass different paths fail on every rank, naming the mismatch;
 4. a full disk: a failed save leaves nothing behind; a manager can free room first;
@@ -28,7 +27,7 @@ import torch
 import tessera
 from tessera.errors import CommitCheckError, ConcurrentSaveError, LocationMismatchError, StorageError
 from tessera.manifest import MANIFEST_NAME
-from tessera.storage import FileStorage, MemoryTierStorage
+from tessera.storage import FileStorage
 from tessera.verify import verify
 from tests.crash_worker import check_state, empty_state, gated_save, make_state, start
 from tests.dist_utils import run_distributed
@@ -49,65 +48,6 @@ def _tree(root: str) -> list[str]:
     for d, _, files in os.walk(root):
         out += [os.path.relpath(os.path.join(d, f), root) for f in files]
     return sorted(out)
-
-
-# --------------------------------------------------------------------------------------
-# 1. The memory tier persists exactly the files of the save it persists
-
-
-class RecordingStorage(FileStorage):
-    """A real FileStorage that records every data file written to it."""
-
-    def __init__(self, url: str) -> None:
-        super().__init__(url)
-        self.writes: list[str] = []
-
-    def write_file(self, path: str, chunks) -> None:  # type: ignore[no-untyped-def]
-        if path.startswith("data/"):  # not the manifest's temporary file
-            self.writes.append(path)
-        super().write_file(path, chunks)
-
-
-def _copy_into(tier: MemoryTierStorage, src: str) -> list[str]:
-    """Write a committed checkpoint's files, then its manifest, through ``tier`` (as a save does)."""
-    files = [f for f in _tree(src) if f.startswith("data/")]
-    for f in files:
-        tier.write_file(f, [Path(src, f).read_bytes()])
-    tier.write_atomic(MANIFEST_NAME, Path(src, MANIFEST_NAME).read_bytes())
-    return files
-
-
-def test_tier_never_rewrites_files_of_the_committed_durable_checkpoint(tmp_path: Path) -> None:
-    # Reproduction 1: the second save's persistence used to copy every file in the memory
-    # directory, including the first save's (cleanup comes later), reopening the durable
-    # copies the committed durable manifest references with O_TRUNC.
-    s1, s2 = str(tmp_path / "s1"), str(tmp_path / "s2")
-    tessera.save(s1, make_state(1))
-    tessera.save(s2, make_state(2))
-    durable = RecordingStorage(str(tmp_path / "durable"))
-    tier = MemoryTierStorage(durable, memory_root=str(tmp_path / "mem"))
-    first = _copy_into(tier, s1)
-    tier.wait_persisted()
-    assert sorted(durable.writes) == first
-    committed = {f: os.stat(tmp_path / "durable" / f).st_ino for f in first}
-    durable.writes.clear()
-    second = _copy_into(tier, s2)  # the first save's files are still in memory
-    tier.wait_persisted()
-    assert sorted(durable.writes) == second, "the tier persisted files of another save"
-    assert {f: os.stat(tmp_path / "durable" / f).st_ino for f in first} == committed
-    assert _load(str(tmp_path / "durable")) == 2
-
-
-def test_tier_resaves_through_tessera_save_keep_every_durable_commit_loadable(tmp_path: Path) -> None:
-    durable = str(tmp_path / "durable")
-    for k in range(1, 5):
-        tier = MemoryTierStorage(durable, memory_root=str(tmp_path / "mem"))
-        tessera.save(tier.url, make_state(k), storage=tier)
-        tier.wait_persisted()
-        assert _load(durable) == k
-        assert verify(durable).ok
-    m = tessera.read_manifest(durable)
-    assert sorted(os.listdir(os.path.join(durable, "data"))) == [m.save_id]
 
 
 # --------------------------------------------------------------------------------------

@@ -296,41 +296,6 @@ def test_two_ranks_one_killed_mid_save(tmp_path, mode: str) -> None:
 
 
 # --------------------------------------------------------------------------------------
-# The memory tier, killed at random moments (issue #10, item 1)
-
-
-def _tier_trials(tmp_path, n: int, seed: int, max_delay: float) -> dict[str, int]:
-    rng = random.Random(seed)
-    outcomes: dict[str, int] = {}
-    for trial in range(n):
-        target = str(tmp_path / f"tier-{trial}")
-        progress = str(tmp_path / f"tier-{trial}.progress")
-        proc = start(save_loop, target, progress, "tier")
-        wait_for_line(progress, "ready")
-        proc.join(rng.uniform(0.2, max_delay))
-        proc.kill()
-        proc.join()
-        assert proc.exitcode == KILLED, f"trial {trial}: the saver ended by itself ({proc.exitcode})"
-        # The durable copy holds the last persisted save or a newer one, complete: a save's
-        # persistence never rewrote the files of the committed durable checkpoint.
-        what = _check_path_after_kill(target, progress)
-        outcomes[what] = outcomes.get(what, 0) + 1
-    return outcomes
-
-
-def test_memory_tier_killed_at_random_quick(tmp_path) -> None:
-    outcomes = _tier_trials(tmp_path, 3, seed=21, max_delay=1.5)
-    assert sum(outcomes.values()) == 3
-
-
-@pytest.mark.slow
-def test_memory_tier_killed_at_random(tmp_path) -> None:
-    outcomes = _tier_trials(tmp_path, 10, seed=22, max_delay=2.5)
-    print(f"tier: {outcomes}")
-    assert sum(outcomes.values()) == 10
-
-
-# --------------------------------------------------------------------------------------
 # Two independent writers on one path, overlapping, killed at random (issue #10, item 2)
 
 

@@ -17,9 +17,10 @@ from tessera import commit, dist
 from tessera.dtypes import dtype_name
 from tessera.errors import CommitCheckError, DistributedError, StateMismatchError, StorageError
 from tessera.geometry import Box
+from tessera.local_tier.tier import NodeStorage
 from tessera.manifest import FileEntry, Manifest, TensorEntry, Tile
 from tessera.stage import as_bytes
-from tessera.storage import FileStorage, FsspecStorage, MemoryTierStorage
+from tessera.storage import FileStorage, FsspecStorage
 from tessera.storage import capabilities as cap
 from tessera.tilefile import layout_file
 from tessera.write import FileWrite, WriteRequest, write_tiles
@@ -170,19 +171,17 @@ def test_commit_single_refuses_another_saves_manifest_and_abandons_on_a_missing_
 def test_shipped_backends_declare_their_capabilities(tmp_path: Path) -> None:
     file = FileStorage(str(tmp_path / "f"))
     memory = FsspecStorage("memory://tessera-caps/ckpt")
-    tier = MemoryTierStorage(FileStorage(str(tmp_path / "durable")), memory_root=str(tmp_path / "shm"))
-    try:
-        for c in (cap.Locatable, cap.ConditionalPublish, cap.ListsSizes, cap.SyncsDirs, cap.RemovesEmptyDirs):
-            assert isinstance(file, c), c
-        for c in (cap.MapsRanges, cap.Uncommits, cap.Closable):
-            assert isinstance(file, c), c
-        assert not isinstance(file, (cap.AfterCommit, cap.Persisting, cap.PartialVisibility))
-        assert isinstance(memory, cap.ConditionalPublish) and isinstance(memory, cap.ListsSizes)
-        assert not isinstance(memory, cap.MapsRanges)
-        for c in (cap.AfterCommit, cap.Persisting, cap.Closable, cap.PartialVisibility, cap.Versioned):
-            assert isinstance(tier, c), c
-    finally:
-        tier.close()
+    node = NodeStorage(str(tmp_path / "node"), "local-tier:step-1")
+    for c in (cap.Locatable, cap.ConditionalPublish, cap.ListsSizes, cap.SyncsDirs, cap.RemovesEmptyDirs):
+        assert isinstance(file, c), c
+    for c in (cap.MapsRanges, cap.Uncommits, cap.Closable):
+        assert isinstance(file, c), c
+    assert not isinstance(file, cap.PartialVisibility)
+    assert isinstance(memory, cap.ConditionalPublish) and isinstance(memory, cap.ListsSizes)
+    assert not isinstance(memory, cap.MapsRanges)
+    assert isinstance(node, cap.PartialVisibility) and not node.all_files_visible  # the local tier's node directory
+    file.close()
+    node.close()
 
 
 # --------------------------------------------------------------------------------------

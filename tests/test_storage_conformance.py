@@ -17,8 +17,8 @@ import pytest
 import torch
 from s3_server import moto_endpoint, s3_bucket, s3_client, s3_options  # noqa: F401 (fixtures)
 
-from tessera.errors import ManifestError, StorageError
-from tessera.storage import FileStorage, FsspecStorage, MemoryTierStorage, Storage, storage_for
+from tessera.errors import ManifestError, StorageError, UnsupportedPathError
+from tessera.storage import FileStorage, FsspecStorage, Storage, storage_for
 
 MiB = 1 << 20
 S3_PART = 5 * MiB  # the smallest part S3 (and moto) accept
@@ -30,7 +30,6 @@ BACKENDS = [
     "fsspec-memory",
     "fsspec-file",
     pytest.param("s3", marks=pytest.mark.s3),
-    "tier-file",
 ]
 
 
@@ -61,10 +60,6 @@ def make_backend(kind: str, tmp_path: Path, request: pytest.FixtureRequest) -> S
         return FsspecStorage(
             f"s3://{bucket}/{uuid.uuid4().hex}/ckpt", s3_options(endpoint), part_size=S3_PART, max_concurrency=2
         )
-    if kind == "tier-file":
-        tier = MemoryTierStorage(FileStorage(str(tmp_path / "durable")), memory_root=str(tmp_path / "shm"))
-        request.addfinalizer(tier.close)
-        return tier
     raise AssertionError(kind)
 
 
@@ -342,18 +337,21 @@ def test_storage_for_picks_the_backend(tmp_path: Path) -> None:
     assert isinstance(local, FileStorage) and not local.durable
     mem = storage_for("memory://tessera-test/x")
     assert isinstance(mem, FsspecStorage) and mem.protocol == "memory"
-    tier = storage_for(f"tier::{tmp_path}/d")
-    try:
-        assert isinstance(tier, MemoryTierStorage) and isinstance(tier.durable, FileStorage)
-        assert tier.url == f"tier::{tmp_path}/d"
-    finally:
-        tier.close()
     given = FileStorage(str(tmp_path))
     assert storage_for("s3://ignored/x", given) is given
     with pytest.raises(TypeError):
         storage_for(str(tmp_path), object())  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="nosuchproto"):
         storage_for("nosuchproto://x/y")
+
+
+@pytest.mark.parametrize("given", [False, True])
+def test_storage_for_refuses_a_tier_path_and_names_the_manager(tmp_path: Path, given: bool) -> None:
+    """``tier::`` is a CheckpointManager root (its local tier), never a storage backend."""
+    url = f"tier::{tmp_path}/d"
+    with pytest.raises(UnsupportedPathError, match=r"CheckpointManager\('tier::") as e:
+        storage_for(url, FileStorage(str(tmp_path / "d")) if given else None)
+    assert isinstance(e.value, ValueError) and f"'{tmp_path}/d'" in str(e.value)
 
 
 @pytest.mark.s3
@@ -374,7 +372,7 @@ def test_fsspec_options_are_validated() -> None:
 
 
 def test_one_temporary_file_name_rule(tmp_path: Path) -> None:
-    """Temporary files follow storage.base.temp_name: the tier's listing skips them, a commit removes leftovers."""
+    """Temporary files follow storage.base.temp_name: a commit removes leftovers."""
     from tessera.storage.base import TEMP_RE, is_temp_name, temp_name
 
     name = temp_name("data/x.safetensors")
@@ -385,10 +383,8 @@ def test_one_temporary_file_name_rule(tmp_path: Path) -> None:
     assert not is_temp_name(name, of="data/y.safetensors")
 
     durable = FileStorage(str(tmp_path / "durable"))
-    tier = MemoryTierStorage(durable, memory_root=str(tmp_path / "memory"), auto_persist=False)
     durable.write_atomic("keep.bin", b"k")
     durable.write_file(temp_name("manifest.json"), [b"{"])  # a publish in progress
-    assert tier.list() == ["keep.bin"]
     durable.write_file("manifest.json.tmp-0123abcd", [b"{"])  # any <name>.tmp-* is a leftover to remove
     durable.replace_if("manifest.json", b"{}", None)
     assert [p for p in durable.list() if ".tmp" in p] == []

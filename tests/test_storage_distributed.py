@@ -1,38 +1,31 @@
-"""Multi-process saves and loads through S3 (a moto server on 127.0.0.1) and the memory tier.
+"""Multi-process saves and loads through S3 (a moto server on 127.0.0.1).
 
 Every rank is a real spawned process in a gloo group (``run_distributed``). Ranks reach the
 server the way a user's job would: ``AWS_ENDPOINT_URL`` and the credentials in the
-environment with plain ``s3://`` / ``tier::s3://`` URLs, or a configured backend passed as
-``storage=``. Data is random bits (NaN payloads included), compared bit for bit.
+environment with plain ``s3://`` URLs, or a configured backend passed as ``storage=``. Data
+is random bits (NaN payloads included), compared bit for bit.
 
 * S3: 2 ranks save DTensor ``Shard(0)`` state; 3 ranks load it as ``Shard(1)``; a plain
   process loads it whole.
-* ``tier::s3://``: the same, and a load in fresh processes prefers the memory copy (the
-  durable data objects are garbled first, so any durable read would fail its checksums).
 * The bucket is deleted by the test process while the ranks are writing: every rank raises
   a ``CheckpointError`` naming ``NoSuchBucket``, and no ``manifest.json`` appears even though
   the bucket is back before the commit.
-* Memory tier across two simulated nodes (own memory directory each, ``WORLD_SIZE !=
-  LOCAL_WORLD_SIZE``): per-rank persistence, a rank whose copy fails, a rank that never
-  reports, and cleanup on every node.
 """
 
 from __future__ import annotations
 
 import os
-import shutil
 import threading
 import time
 import uuid
 import zlib
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import torch
 from s3_server import (  # noqa: F401 (fixtures)
-    FaultProxy,
     make_bucket,
     moto_endpoint,
     s3_bucket,
@@ -44,9 +37,8 @@ from torch.distributed.tensor import DTensor, Shard
 import tessera
 from tessera.errors import StorageError
 from tessera.plan import PlanOptions
-from tessera.storage import FsspecStorage, MemoryTierStorage, RetryOptions, storage_for
+from tessera.storage import FsspecStorage, RetryOptions
 from tessera.storage.base import Buffer
-from tessera.storage.memory_tier import MARKER_DIR, default_memory_root
 from tests.dist_utils import run_distributed
 from tests.layouts import mesh
 
@@ -140,85 +132,41 @@ def _load_whole(url: str, endpoint: str, seed: int = 0) -> list[str]:
     return bad
 
 
-def _keys(endpoint: str, bucket: str, prefix: str) -> list[str]:
-    pages = s3_client(endpoint).get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix + "/")
-    return sorted(o["Key"][len(prefix) + 1 :] for page in pages for o in page.get("Contents", []))
-
-
 # ---------------------------------------------------------------------------------------------
-# S3 and tier::s3 — save on 2 ranks, load resharded on 3 and in one plain process
+# S3: save on 2 ranks, load resharded on 3 and in one plain process
 
 
-def _save_s3_and_tier(rank: int, world: int, endpoint: str, s3_url: str, tier_url: str) -> None:
+def _save_s3(rank: int, world: int, endpoint: str, s3_url: str) -> None:
     _use_s3(endpoint)
     tessera.save(s3_url, _state(rank, world, dim=0))
-    tessera.save(tier_url, _state(rank, world, dim=0))
-    storage_for(tier_url).wait_persisted()  # rank 0 persists (all ranks share this node's memory)
 
 
-def _load_s3_and_tier(rank: int, world: int, endpoint: str, s3_url: str, tier_url: str) -> dict[str, list[str]]:
+def _load_s3(rank: int, world: int, endpoint: str, s3_url: str) -> list[str]:
     _use_s3(endpoint)
-    out = {}
-    for url in (s3_url, tier_url):
-        target = _state(rank, world, dim=1, zero=True)
-        result = tessera.load(url, target)
-        assert result.missing_keys == [] and result.unexpected_keys == []
-        out[url] = _mismatches(target, rank, world, dim=1)
-    return out
+    target = _state(rank, world, dim=1, zero=True)
+    result = tessera.load(s3_url, target)
+    assert result.missing_keys == [] and result.unexpected_keys == []
+    return _mismatches(target, rank, world, dim=1)
 
 
 @pytest.fixture(scope="module")
-def roundtrip(moto_endpoint: str, s3_bucket: str) -> Iterator[dict]:
-    """Save both checkpoints on 2 ranks; check them in this process; reload them on 3 fresh ranks."""
-    run = uuid.uuid4().hex[:12]
-    s3_url, durable_url = f"s3://{s3_bucket}/{run}/direct", f"s3://{s3_bucket}/{run}/tiered"
-    tier_url = "tier::" + durable_url
-    try:
-        run_distributed(_save_s3_and_tier, 2, moto_endpoint, s3_url, tier_url)
-        whole = {url: _load_whole(url, moto_endpoint) for url in (s3_url, durable_url)}
-        # From here on only the memory copy holds the tiered checkpoint's true data: the durable
-        # objects keep their size but every bit is flipped, so a load that read them would fail
-        # its checksums (files missing from S3 would not do: the tier falls back to memory).
-        client = s3_client(moto_endpoint)
-        data = [k for k in _keys(moto_endpoint, s3_bucket, f"{run}/tiered") if k.startswith("data/")]
-        for k in data:
-            body = client.get_object(Bucket=s3_bucket, Key=f"{run}/tiered/{k}")["Body"].read()
-            client.put_object(Bucket=s3_bucket, Key=f"{run}/tiered/{k}", Body=bytes(b ^ 0xFF for b in body))
-        resharded = run_distributed(_load_s3_and_tier, 3, moto_endpoint, s3_url, tier_url)
-        with pytest.raises(tessera.CorruptCheckpointError) as gone:
-            _load_whole(durable_url, moto_endpoint)
-        yield {
-            "s3_url": s3_url,
-            "tier_url": tier_url,
-            "durable_url": durable_url,
-            "whole": whole,
-            "resharded": resharded,
-            "corrupted": data,
-            "durable_load_error": str(gone.value),
-        }
-    finally:
-        shutil.rmtree(default_memory_root(f"s3://{s3_bucket}/{run}"), ignore_errors=True)  # the memory copies
-        try:
-            os.rmdir(default_memory_root(f"s3://{s3_bucket}"))  # only if no other test left memory copies there
-        except OSError:
-            pass
+def roundtrip(moto_endpoint: str, s3_bucket: str) -> dict:
+    """Save the checkpoint on 2 ranks; check it in this process; reload it on 3 fresh ranks."""
+    s3_url = f"s3://{s3_bucket}/{uuid.uuid4().hex[:12]}/direct"
+    run_distributed(_save_s3, 2, moto_endpoint, s3_url)
+    return {
+        "whole": _load_whole(s3_url, moto_endpoint),
+        "resharded": run_distributed(_load_s3, 3, moto_endpoint, s3_url),
+    }
 
 
 def test_s3_shard0_on_2_ranks_loads_as_shard1_on_3_ranks(roundtrip: dict) -> None:
-    for rank, per_url in enumerate(roundtrip["resharded"]):
-        assert per_url[roundtrip["s3_url"]] == [], f"rank {rank}"
+    for rank, bad in enumerate(roundtrip["resharded"]):
+        assert bad == [], f"rank {rank}"
 
 
 def test_s3_checkpoints_load_whole_in_a_plain_process(roundtrip: dict) -> None:
-    assert roundtrip["whole"] == {roundtrip["s3_url"]: [], roundtrip["durable_url"]: []}
-
-
-def test_tier_load_in_fresh_processes_prefers_the_memory_copy(roundtrip: dict) -> None:
-    assert len(roundtrip["corrupted"]) == 2  # one data file per saving rank, garbled in S3
-    for rank, per_url in enumerate(roundtrip["resharded"]):
-        assert per_url[roundtrip["tier_url"]] == [], f"rank {rank}"
-    # ...while a direct S3 load of the same checkpoint reads the garbled objects.
-    assert any(k in roundtrip["durable_load_error"] for k in roundtrip["corrupted"]), roundtrip["durable_load_error"]
+    assert roundtrip["whole"] == []
 
 
 # ---------------------------------------------------------------------------------------------
@@ -330,97 +278,3 @@ def test_bucket_deleted_mid_save_fails_every_rank_and_commits_nothing(
     assert client.list_objects_v2(Bucket=bucket).get("KeyCount") == 0  # no manifest.json, no data left
     with pytest.raises(tessera.CheckpointNotFoundError):
         tessera.read_manifest(url, storage=FsspecStorage(url, s3_options(moto_endpoint)))
-
-
-# ---------------------------------------------------------------------------------------------
-# Memory tier across nodes: per-rank persistence
-
-
-def _two_nodes(rank: int, world: int, endpoint: str, url: str, shm: str) -> dict:
-    _use_s3(endpoint)
-    os.environ.update(WORLD_SIZE=str(world), LOCAL_WORLD_SIZE="1", LOCAL_RANK="0")  # one rank per node
-    memory_root = os.path.join(shm, f"node{rank}")
-    durable = FsspecStorage(url)
-    out: dict = {}
-
-    def tier(**kwargs: object) -> MemoryTierStorage:
-        return MemoryTierStorage(url, memory_root=memory_root, **kwargs)  # type: ignore[arg-type]
-
-    def save(store: MemoryTierStorage, seed: int) -> tessera.SaveResult:
-        return tessera.save(store.url, _state(rank, world, dim=0, seed=seed), storage=store)
-
-    def persisted(store: MemoryTierStorage) -> str:
-        try:
-            store.wait_persisted()
-            return "ok"
-        except StorageError as e:
-            return str(e)
-
-    # 1. Every rank persists its own files; rank 0 publishes once both reported.
-    t = tier()
-    out["per_rank"] = t.per_rank
-    first = save(t, seed=1)
-    out["first"] = persisted(t)
-    torch.distributed.barrier()
-    out["first_manifest"] = tessera.read_manifest(url, storage=durable).save_id == first.save_id
-    out["markers_after_commit"] = durable.list(MARKER_DIR)
-    target = _state(rank, world, dim=1, zero=True)
-    tessera.load(url, target, storage=durable)  # resharded, from S3 alone
-    out["first_load"] = _mismatches(target, rank, world, dim=1, seed=1)
-
-    # 2. Rank 1's upload fails (HTTP 500 from a proxy in front of the server, no retry): rank 0 must not commit.
-    proxy = None
-    if rank == 1:
-        proxy = FaultProxy(endpoint)
-        opts = {"client_kwargs": {"endpoint_url": proxy.start(), "region_name": "us-east-1"}}
-        proxy.inject("put_object", "internal", 1)  # its data file; the marker after it goes through
-        t = MemoryTierStorage(FsspecStorage(url, opts, retry=RetryOptions(max_attempts=1)), memory_root=memory_root)
-    second = save(t, seed=2)
-    out["second"] = persisted(t)
-    torch.distributed.barrier()
-    out["second_kept_first"] = tessera.read_manifest(url, storage=durable).save_id == first.save_id
-    if proxy is not None:
-        proxy.stop()
-        t = tier()
-
-    # 3. Rank 1 never reports (as if it died after the commit): rank 0 gives up after its timeout.
-    t = tier(commit_timeout_s=1.0) if rank == 0 else tier(auto_persist=False)
-    save(t, seed=3)
-    out["third"] = persisted(t)
-    torch.distributed.barrier()
-    out["third_kept_first"] = tessera.read_manifest(url, storage=durable).save_id == first.save_id
-
-    # 4. A good save commits, and leaves the durable store and each node's memory clean.
-    t = tier()
-    fourth = save(t, seed=4)
-    out["fourth"] = persisted(t)
-    torch.distributed.barrier()
-    manifest = tessera.read_manifest(url, storage=durable)
-    out["fourth_manifest"] = manifest.save_id == fourth.save_id
-    out["durable_data_is_the_manifest's"] = sorted(durable.list("data")) == sorted(f.path for f in manifest.files)
-    out["markers_at_end"] = durable.list(MARKER_DIR)
-    mine = {f.path for f in manifest.files if f.rank == rank}
-    out["memory_holds_no_failed_save"] = not [p for p in t.memory.list("data") if second.save_id in p]
-    out["memory_holds_this_save"] = mine <= set(t.memory.list("data"))
-    target = _state(rank, world, dim=1, zero=True)
-    tessera.load(t.url, target, storage=t)  # node 0 from memory, node 1 from S3
-    out["fourth_load"] = _mismatches(target, rank, world, dim=1, seed=4)
-    return out
-
-
-def test_memory_tier_across_nodes_persists_per_rank(moto_endpoint: str, s3_bucket: str, tmp_path: Path) -> None:
-    url = f"s3://{s3_bucket}/{uuid.uuid4().hex[:12]}/nodes"
-    results = run_distributed(_two_nodes, 2, moto_endpoint, url, str(tmp_path))
-    for rank, out in enumerate(results):
-        assert out["per_rank"], "WORLD_SIZE != LOCAL_WORLD_SIZE selects per-rank persistence"
-        assert out["first"] == "ok" and out["first_manifest"] and out["first_load"] == [], (rank, out)
-        assert out["markers_after_commit"] == [], (rank, out)
-        assert out["second_kept_first"] and out["third_kept_first"], (rank, out)
-        assert out["fourth"] == "ok" and out["fourth_manifest"] and out["fourth_load"] == [], (rank, out)
-        assert out["durable_data_is_the_manifest's"] and out["markers_at_end"] == [], (rank, out)
-        assert out["memory_holds_no_failed_save"] and out["memory_holds_this_save"], (rank, out)
-    # The failed upload: rank 1 sees its own cause; rank 0 names rank 1 and that cause.
-    assert "InternalError" in results[1]["second"], results[1]["second"]
-    assert "rank 1" in results[0]["second"] and "InternalError" in results[0]["second"], results[0]["second"]
-    # The rank that never reported: rank 0 names it and its timeout; rank 1 persisted nothing.
-    assert "(1) did not report" in results[0]["third"] and "within 1s" in results[0]["third"], results[0]["third"]

@@ -1,9 +1,8 @@
 """The manager's save straight to ``root`` (no local tier), and what follows every commit.
 
 After a step is committed under ``root`` (by this save or by the local tier's durable copy),
-rank 0 waits until it is durable, points ``latest`` at it if it is the newest, and applies
-retention; failures after the commit are logged, since the step is committed whatever
-happens next.
+rank 0 points ``latest`` at it if it is the newest and applies retention; failures after
+the commit are logged, since the step is committed whatever happens next.
 """
 
 from __future__ import annotations
@@ -14,10 +13,8 @@ from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 from .. import api, dist
-from ..errors import StorageError
 from ..results import PendingSave, SaveResult
 from ..storage import Storage
-from ..storage.capabilities import Persisting
 from .background import explain, finish_in_background
 from .retention import retain
 from .steps import LATEST_NAME, close_store, write_pointer
@@ -131,24 +128,10 @@ def forget(manager: CheckpointManager, step: int, store: Storage) -> None:
 def after_commit(manager: CheckpointManager, step: int, store: Storage, world: dist.World) -> None:
     """Rank 0, after ``step`` committed: move ``latest``, then apply retention.
 
-    Raises:
-        StorageError: if a tiered backend failed to make the step durable (the step then
-            exists only in host memory; ``latest`` and retention are left alone).
-
-    Other failures here are logged, not raised: the step is committed whatever happens next.
+    Failures here are logged, not raised: the step is committed whatever happens next.
     """
     if not world.is_coordinator:
         return
-    # A tiered backend commits to host memory first. Until the step is durable, neither
-    # "latest" nor retention may act on it: older steps are the safe ones.
-    if isinstance(store, Persisting):
-        try:
-            store.wait_persisted()
-        except Exception as e:
-            raise StorageError(
-                f"step {step} is committed in host memory but copying it to {manager.step_url(step)} failed; "
-                f"it is not durable and 'latest' still names an older step: {e}"
-            ) from e
     try:
         found = manager._scan()
     except Exception as e:

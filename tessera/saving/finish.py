@@ -8,7 +8,6 @@
 2. **write** (every rank): :func:`tessera.write.write_tiles`, then the rank's report.
 3. **commit** (collective): rank 0 assembles the manifest and commits it
    (:func:`tessera.commit.commit_manifest`), or removes the save's files if any rank failed.
-4. **after commit**: backends with :class:`~tessera.storage.capabilities.AfterCommit`.
 
 Errors anywhere are raised on every rank by :func:`tessera.dist.collective_step`.
 """
@@ -25,7 +24,6 @@ from ..dist import Gathered, World
 from ..errors import CheckpointError, StorageError
 from ..options import WriterMode
 from ..results import SaveResult
-from ..storage.capabilities import AfterCommit
 from ..timing import PhaseTimer
 from ..write import FileWrite, WriteRequest, WrittenFile, write_tiles
 from ..writer_process import write_tiles_in_process
@@ -102,10 +100,6 @@ def finish_save(
         # data/<save id>/ with its owner marker, and the next commit at the path removes them.
         raise
     timer.mark("commit")
-    if isinstance(save.store, AfterCommit):  # e.g. the memory tier: start this rank's copy to durable storage
-        save.store.after_commit(
-            rank=world.rank, world_size=world.size, save_id=save.save_id, files=[w.path for w in written]
-        )
     my_bytes = sum(w.nbytes for w in written)
     if world.is_coordinator:
         logger.info(

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from ..errors import UnsupportedPathError
 from ._retry import RetryOptions
 from .base import Storage, check_relpath
 from .fsspec_store import FsspecStorage
+from .host_memory import TIER_PREFIX
 from .local import FileStorage
-from .memory_tier import TIER_PREFIX, MemoryTierStorage
 
 
 def storage_for(
@@ -21,9 +22,8 @@ def storage_for(
 
     * plain paths and ``file://`` URLs: :class:`FileStorage` (``storage_options`` are its
       keyword arguments, e.g. ``{"durable": False}``);
-    * ``tier::<durable url>``: :class:`MemoryTierStorage` (deprecated: a
-      :class:`~tessera.CheckpointManager` root ``tier::<url>`` is the local tier instead),
-      committing to host memory first and persisting to the durable URL in the background;
+    * ``tier::<url>``: no backend: the prefix names a :class:`~tessera.CheckpointManager`
+      root with its local tier in host memory (``CheckpointManager("tier::<url>")``);
     * any other ``scheme://`` URL (``s3://``, ``gs://``, ``memory://``, ``hdfs://``...):
       :class:`FsspecStorage`, with ``storage_options`` passed to the fsspec filesystem.
 
@@ -37,6 +37,7 @@ def storage_for(
 
     Raises:
         TypeError: if ``storage`` does not implement :class:`Storage`.
+        tessera.errors.UnsupportedPathError: for a ``tier::`` URL.
         ValueError: if the URL names no known protocol.
         ImportError: if the protocol's fsspec package (e.g. s3fs) is missing.
 
@@ -45,12 +46,18 @@ def storage_for(
         'FileStorage'
         >>> storage_for("s3://bucket/run/step-10", storage_options={"anon": False})  # doctest: +SKIP
     """
+    if url.startswith(TIER_PREFIX):
+        # Checked before a configured backend is returned too: the prefix has one meaning.
+        raise UnsupportedPathError(
+            f"{url!r}: a 'tier::' path is a CheckpointManager root with its local tier in host memory, "
+            f"not a checkpoint location. Save and load steps through "
+            f"tessera.CheckpointManager({url!r}) (or CheckpointManager(<root>, local_dir=...)), or give "
+            f"tessera.save/load the durable location {url[len(TIER_PREFIX) :]!r} itself."
+        )
     if storage is not None:
         if not isinstance(storage, Storage):
             raise TypeError(f"storage={storage!r} does not implement tessera.storage.Storage")
         return storage
-    if url.startswith(TIER_PREFIX):
-        return MemoryTierStorage(url[len(TIER_PREFIX) :], storage_options=storage_options)
     if "://" not in url or url.startswith("file://"):
         return FileStorage(url, **dict(storage_options or {}))  # type: ignore[arg-type]
     return FsspecStorage(url, storage_options)
@@ -59,7 +66,6 @@ def storage_for(
 __all__ = [
     "FileStorage",
     "FsspecStorage",
-    "MemoryTierStorage",
     "RetryOptions",
     "Storage",
     "check_relpath",

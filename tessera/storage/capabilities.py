@@ -11,15 +11,12 @@ Who uses what, in the order a save and a load meet them:
   concurrent writers; without them a later writer silently wins.
 - :class:`SyncsDirs` (every rank, after writing): directory entries made durable.
 - :class:`ListsSizes` (rank 0, commit check): one listing instead of one ``size`` per file.
-- :class:`PartialVisibility` (rank 0, commit check): a per-node tier that cannot see every
-  rank's files (the check is then left to its own durable commit).
+- :class:`PartialVisibility` (rank 0, commit check): a node directory of the manager's local
+  tier, which cannot see every rank's files (the tier checks them itself).
 - :class:`RemovesEmptyDirs` (rank 0, clean-up): directories of saves killed early removed.
-- :class:`AfterCommit` (every rank, after the commit): e.g. the memory tier starts its copy
-  to durable storage.
 - :class:`Uncommits` (rank 0, manager retention): withdraw a manifest under the fence.
 - :class:`MapsRanges` (every rank, load): zero-copy reads from a memory map.
-- :class:`Persisting` / :class:`Closable` (manager, CLI): wait for durability, release
-  descriptors.
+- :class:`Closable` (manager, CLI): release descriptors.
 
 Note that ``isinstance`` against a runtime protocol checks that the members exist, not their
 signatures; :func:`tessera.commit` inspects the one optional keyword it relies on (``owner``).
@@ -31,14 +28,12 @@ from collections.abc import Iterable
 from typing import Protocol, runtime_checkable
 
 __all__ = [
-    "AfterCommit",
     "Closable",
     "ConditionalPublish",
     "ListsSizes",
     "Locatable",
     "MapsRanges",
     "PartialVisibility",
-    "Persisting",
     "RemovesEmptyDirs",
     "SyncsDirs",
     "Uncommits",
@@ -109,19 +104,10 @@ class RemovesEmptyDirs(Protocol):
 
 @runtime_checkable
 class PartialVisibility(Protocol):
-    """A backend that may not see every rank's files (e.g. a node-local memory tier)."""
+    """A backend that may not see every rank's files (e.g. a node directory of the local tier)."""
 
     all_files_visible: bool
     """False when rank 0 cannot see the files other ranks wrote; the commit check is skipped."""
-
-
-@runtime_checkable
-class AfterCommit(Protocol):
-    """A backend with work to do on every rank once a save has committed."""
-
-    def after_commit(self, *, rank: int, world_size: int, save_id: str, files: Iterable[str]) -> None:
-        """Called on every rank, after rank 0 committed, with the files this rank wrote."""
-        ...
 
 
 @runtime_checkable
@@ -143,15 +129,6 @@ class MapsRanges(Protocol):
 
     def release_range(self, path: str, offset: int, length: int) -> None:
         """Drop this process's hold on a range returned by :meth:`map_range`."""
-        ...
-
-
-@runtime_checkable
-class Persisting(Protocol):
-    """A backend that makes commits durable in the background (e.g. the memory tier)."""
-
-    def wait_persisted(self, timeout: float | None = None) -> None:
-        """Block until every committed save is durable."""
         ...
 
 

@@ -1,7 +1,7 @@
 """Host memory on this node: the default directory of a checkpoint's node-local copy.
 
-Used by the local tier of :class:`~tessera.CheckpointManager` (a ``tier::`` root's default
-``local_dir``) and by the deprecated one-checkpoint :class:`~tessera.storage.MemoryTierStorage`.
+Used by the local tier of :class:`~tessera.CheckpointManager`: a ``tier::`` root's default
+``local_dir``.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["TIER_PREFIX", "default_memory_root"]
 
 TIER_PREFIX = "tier::"
-"""Prefix of a root or URL whose checkpoints are committed to host memory first (see ``docs/resilience.md``)."""
+"""Prefix of a :class:`~tessera.CheckpointManager` root with its local tier in host memory (``docs/resilience.md``)."""
 
 
 def default_memory_root(durable_url: str) -> str:
