@@ -230,3 +230,94 @@ def transfer_files(rank: int, world: int, root: str) -> dict[str, Any]:
     except StorageError as e:
         error = str(e)
     return {"received": received, "digests": digests, "error": error}
+
+
+# ----------------------------------------------------------------------------------------
+# Identity, rollback, corruption (2 nodes x 1 rank: LOCAL_WORLD_SIZE=1)
+
+
+def _warnings_of(caught: list) -> list[str]:
+    return [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+
+
+def save_steps(
+    rank: int, world: int, root: str, local_dir: str, steps: list[int], durable_every: int
+) -> dict[str, Any]:
+    """Save ``steps`` (errors recorded, not raised); what the manager said before and after."""
+    import warnings
+
+    from tessera.errors import CheckpointError
+
+    mgr = CheckpointManager(root, keep_last=3, local_dir=local_dir, local_replicas=1, durable_every=durable_every)
+    out: dict[str, Any] = {"latest_before": mgr.latest_step(), "errors": {}}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for k in steps:
+            try:
+                mgr.save(k, make_rank_state(k, rank, world))
+            except CheckpointError as e:
+                out["errors"][k] = f"{type(e).__name__}: {e}"
+    out["warnings"] = _warnings_of(caught)
+    out["steps_after"] = mgr.steps()
+    mgr.close()
+    return out
+
+
+def resume_idiom(rank: int, world: int, root: str, local_dir: str, durable_every: int) -> dict[str, Any]:
+    """The README's resume idiom: load only if ``latest_step()`` names a step."""
+    import warnings
+
+    mgr = CheckpointManager(root, keep_last=3, local_dir=local_dir, local_replicas=1, durable_every=durable_every)
+    state = empty_state()
+    out: dict[str, Any] = {"latest": mgr.latest_step(), "steps": mgr.steps(), "step": None, "k": None, "source": None}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if out["latest"] is not None:
+            got = mgr.load(state)
+            out.update(step=got.step, k=check_state(state), source=got.source)
+    out["warnings"] = _warnings_of(caught)
+    mgr.close()
+    return out
+
+
+def load_or_error(rank: int, world: int, root: str, local_dir: str, durable_every: int) -> dict[str, Any]:
+    """``manager.load`` on every rank: what loaded, or the error, and the warnings."""
+    import warnings
+
+    from tessera.errors import CheckpointError
+
+    mgr = CheckpointManager(root, keep_last=3, local_dir=local_dir, local_replicas=1, durable_every=durable_every)
+    state = empty_state()
+    out: dict[str, Any] = {"step": None, "error": None}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            got = mgr.load(state)
+            out.update(step=got.step, k=check_state(state), source=got.source)
+        except CheckpointError as e:
+            out["error"] = f"{type(e).__name__}: {e}"
+    out["warnings"] = _warnings_of(caught)
+    mgr.close()
+    return out
+
+
+def rollback_then_save(rank: int, world: int, root: str, local_dir: str) -> dict[str, Any]:
+    """Save 100, 200, 300 (local only), roll back with ``load(step=100)``, then save 110 and 120."""
+    from tessera.errors import CheckpointError
+
+    mgr = CheckpointManager(
+        root, keep_last=3, local_dir=local_dir, local_replicas=1, durable_every=1000, local_keep_last=3
+    )
+    for k in (100, 200, 300):
+        mgr.save(k, make_rank_state(k, rank, world))
+    state = empty_state()
+    got = mgr.load(state, step=100)
+    out: dict[str, Any] = {"rolled_back": (got.step, check_state(state)), "errors": {}}
+    for k in (110, 120):
+        try:
+            mgr.save(k, make_rank_state(k, rank, world))
+        except CheckpointError as e:
+            out["errors"][k] = f"{type(e).__name__}: {e}"
+    out["steps"] = mgr.steps()
+    mgr.close()
+    return out

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from .inventory import NodeInventory, StepHolding, choose_step
 from .placement import Placement, node_dir, node_index, place
-from .tier import LocalTier, Recovery
+from .tier import LocalTier, Recovery, remove_root_steps
 
 __all__ = [
     "LocalTier",
@@ -24,4 +24,5 @@ __all__ = [
     "node_dir",
     "node_index",
     "place",
+    "remove_root_steps",
 ]

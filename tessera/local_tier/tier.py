@@ -24,21 +24,16 @@ import logging
 import os
 import shutil
 import threading
-from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
-from .. import api, commit, dist, manifest
-from ..errors import CheckpointError, CorruptCheckpointError, StorageError
+from .. import commit, dist, manifest
+from ..errors import CheckpointError, StorageError
 from ..manifest import MANIFEST_NAME
-from ..results import LoadResult
-from ..step_names import parse_step_dirname, step_dirname
+from ..step_names import step_dirname
 from ..storage import FileStorage, Storage
-from .fetch_plan import holdings_of, plan_fetches, plan_manifest_fetches
-from .inventory import MARKER_NAME, NodeInventory, choose_step, marker_bytes, read_marker, scan_node
-from .needs import needed_files
+from .inventory import MARKER_NAME, NodeInventory, local_steps, marker_bytes, owner_of, read_marker, scan_node
 from .placement import Placement, node_dir, node_index, place
+from .recovery import Recovery, RecoveryAttempt
 from .transfer import Transfer, run_transfers
 
 logger = logging.getLogger(__name__)
@@ -64,29 +59,12 @@ class NodeStorage(FileStorage):
         return False
 
 
-@dataclass(frozen=True)
-class Recovery:
-    """What :meth:`LocalTier.recover` loaded.
-
-    Attributes:
-        step: the step loaded.
-        result: its LoadResult on this rank.
-        source: ``"local"`` if every node already held all its files, ``"peers"`` if files were fetched.
-        peer_bytes: bytes this rank received from peers.
-    """
-
-    step: int
-    result: LoadResult
-    source: str
-    peer_bytes: int
-
-
 class LocalTier:
     """Node-local steps with replicas on other nodes.
 
     Args:
         local_dir: the node-local directory; ``{node}`` is replaced by the node index.
-        root: the durable root of the run (recorded in markers, so leftovers of other runs are ignored).
+        root: the durable root of the run (recorded in markers, with its root id: see :attr:`root_id`).
         replicas: copies of each rank's files on other nodes.
         keep_last: committed local steps each node keeps.
         process_group: the ranks taking part.
@@ -112,6 +90,13 @@ class LocalTier:
         self._placement: Placement | None = None
         self._placement_key: tuple[int, int] | None = None
         self._deleter: threading.Thread | None = None
+        self._own_node: int | None = None
+        self.root_id: str | None = None
+        """The identity of the durable root (written into it when it is created, see
+        :mod:`tessera.manager.identity`); each commit marker records it, and only steps whose
+        marker carries it are the run's. None until the manager has read it."""
+        self.last_report = ""
+        """What the last :meth:`recover` found, for an error when it loaded nothing."""
 
     # --------------------------------------------------------------------------------
     # Names and layout
@@ -124,6 +109,7 @@ class LocalTier:
             nodes = dist.all_gather(world, node_index(rank), "gathering node indices")
             self._placement = place([int(n) for n in nodes], self.replicas)
             self._placement_key = key
+            self._own_node = self._placement.node_of[world.rank]
             if self.warn_single_node and self.replicas > 0 and len(self._placement.nodes) < 2 and world.is_coordinator:
                 logger.warning("local tier at %s: one node only, so no replicas are kept", self.local_dir)
         return self._placement
@@ -139,6 +125,16 @@ class LocalTier:
     def step_store(self, step: int, world: dist.World) -> NodeStorage:
         """This node's directory of ``step``."""
         return NodeStorage(os.path.join(self.node_directory(world), step_dirname(step)), self.step_label(step))
+
+    def steps_here(self, root_id: str | None) -> list[int]:
+        """The run's local steps (their marker names ``root_id``) this node holds completely,
+        oldest first. Not collective; the node is the placement's if known, else torchrun's
+        environment's (:func:`~tessera.local_tier.placement.node_index`)."""
+        if root_id is None:
+            return []
+        node = self._own_node if self._own_node is not None else node_index(_global_rank_now())
+        inv = scan_node(node_dir(self.local_dir, node), node, self.root, root_id)
+        return sorted(h.step for h in inv.steps if len(h.held) == h.n_files)
 
     def _is_leader(self, world: dist.World) -> bool:
         p = self.placement(world)
@@ -188,16 +184,20 @@ class LocalTier:
         dist.exchange(world, own_error, None, f"step {step}: writing the local manifest")
         transfers = [Transfer(f.rank, t, f.path, f.nbytes) for f in m.files for t in placement.targets[f.rank]]
         run_transfers(world, transfers, store.root, f"step {step}: replicating")
+        fenced: list[int] = []
         if leader:
             try:
+                # Steps newer than this one are of a timeline the job left (a rollback): they stop
+                # being committed before this one is, so no recovery can prefer them to it.
+                fenced = self.fence_newer(world, step)
                 files = [(f.path, f.nbytes) for f in m.files]
-                store.write_atomic(MARKER_NAME, marker_bytes(self.root, step, m.save_id, files))
+                store.write_atomic(MARKER_NAME, marker_bytes(self.root, self._id(), step, m.save_id, files))
             except Exception as e:
                 own_error = e
         dist.exchange(world, own_error, None, f"step {step}: committing the local step")
         if leader:
             try:
-                self.apply_retention(world, step)
+                self.apply_retention(world, step, also=fenced)
             except Exception as e:
                 logger.warning("local retention in %s after step %d failed: %s", store.root, step, e)
         return data
@@ -251,26 +251,49 @@ class LocalTier:
         # whose owner marker stays, which the next commit at the durable root removes.
         dist.collective_step(world, what, upload, publish)
 
-    def apply_retention(self, world: dist.World, newest: int) -> list[int]:
-        """Node leaders: delete committed local steps beyond the newest ``keep_last`` and
-        uncommitted leftovers older than ``newest``; returns the steps deleted. Not collective."""
-        directory = self.node_directory(world)
+    def _id(self) -> str:
+        if self.root_id is None:
+            raise CheckpointError(f"internal error: the local tier at {self.local_dir} has no root id")
+        return self.root_id
+
+    def fence_newer(self, world: dist.World, step: int) -> list[int]:
+        """Node leaders: un-commit this run's local steps newer than ``step`` (a rollback made
+        them unreachable); returns them. Not collective."""
+        fenced = []
+        for s, step_dir in local_steps(self.node_directory(world)):
+            if s > step and owner_of(read_marker(step_dir), self.root, self.root_id) == "ours":
+                _remove(os.path.join(step_dir, MARKER_NAME))
+                fenced.append(s)
+        if fenced:
+            logger.warning(
+                "local tier at %s: step %d is saved after a rollback; the newer local steps %s are removed",
+                self.node_directory(world), step, fenced,
+            )  # fmt: skip
+        return fenced
+
+    def apply_retention(self, world: dist.World, newest: int, also: list[int] | None = None) -> list[int]:
+        """Node leaders: delete this run's committed local steps beyond the newest ``keep_last``
+        (never ``newest``, the step just committed), uncommitted leftovers older than ``newest``,
+        the steps in ``also``, and steps a stale marker names (another root id under this root:
+        a deleted root's or an earlier run's); returns the steps deleted. Not collective."""
         committed: list[int] = []
-        other: list[int] = []
-        for name in os.listdir(directory):
-            step = parse_step_dirname(name)
-            if step is None:
-                continue
-            doc = read_marker(os.path.join(directory, name))
-            if doc is None:
-                other.append(step)
-            elif doc.get("root") == self.root:
+        doomed: list[int] = list(also or ())
+        for step, step_dir in local_steps(self.node_directory(world)):
+            owner = owner_of(read_marker(step_dir), self.root, self.root_id)
+            if owner == "ours":
                 committed.append(step)
-            # else: another run's committed step (a shared local_dir): not ours to count or delete
-        committed.sort()
-        doomed = committed[: max(0, len(committed) - self.keep_last)]
-        doomed += [s for s in other if s < newest]
-        dirs = [os.path.join(directory, step_dirname(s)) for s in sorted(doomed)]
+            elif owner == "stale" or (owner == "none" and step < newest):
+                doomed.append(step)
+            # else: another root's step (a shared local_dir): not ours to count or delete
+        kept = [s for s in committed if s <= newest][-self.keep_last :]
+        doomed += [s for s in committed if s not in kept and s != newest]
+        self.delete_steps(world, doomed)
+        return sorted(set(doomed))
+
+    def delete_steps(self, world: dist.World, steps: list[int]) -> None:
+        """Node leaders: delete these step directories of this node (markers at once, the data
+        in a background thread joined before the next save). Not collective."""
+        dirs = [os.path.join(self.node_directory(world), step_dirname(s)) for s in sorted(set(steps))]
         for step_dir in dirs:
             _remove(os.path.join(step_dir, MARKER_NAME))  # un-commit first: a cut-short delete is skipped
         # Freeing the data is off the save's path: a background thread, joined before the next save.
@@ -279,7 +302,20 @@ class LocalTier:
             self._deleter = threading.Thread(target=_remove_dirs, args=(dirs,), name="tessera-local-retention")
             self._deleter.daemon = True
             self._deleter.start()
-        return sorted(doomed)
+
+    def stale_steps(self, world: dist.World) -> list[int]:
+        """This node's steps whose marker names this root under another root id (or none): a
+        deleted root's or an earlier run's, never to be loaded. Not collective."""
+        return [
+            s
+            for s, step_dir in local_steps(self.node_directory(world))
+            if owner_of(read_marker(step_dir), self.root, self.root_id) == "stale"
+        ]
+
+    def remove_all(self, world: dist.World) -> list[int]:
+        """Node leaders: :func:`remove_root_steps` on this node's directory. Not collective."""
+        self.wait_deletions()
+        return remove_root_steps(self.node_directory(world), self.root)
 
     def wait_deletions(self) -> None:
         """Wait for the background deletion of old local steps, if one runs. Not collective."""
@@ -294,7 +330,7 @@ class LocalTier:
         """Collective: every rank's node inventory (node leaders report, others send None)."""
         placement = self.placement(world)
         node = placement.node_of[world.rank]
-        mine = scan_node(self.node_directory(world), node, self.root) if self._is_leader(world) else None
+        mine = scan_node(self.node_directory(world), node, self.root, self.root_id) if self._is_leader(world) else None
         return dist.all_gather(world, mine, "gathering the local tier's inventory")
 
     def recover(
@@ -305,64 +341,19 @@ class LocalTier:
         only_step: int | None,
         at_least: int | None = None,
     ) -> Recovery | None:
-        """Collective: load the newest step the surviving nodes hold completely (and not older
-        than ``at_least``), fetching missing files from peers; None if there is no such step.
+        """Collective: load the newest step that can be assembled intact from what the nodes
+        hold (and not older than ``at_least``), fetching missing or corrupt files from peers;
+        None if there is no such step (:attr:`last_report` then says what was found).
 
         Raises:
             CheckpointError: what fetching or loading failed with (the same type on every rank).
         """
         self.wait_deletions()
-        placement = self.placement(world)
-        inventories = self.inventory(world)
-        choice = choose_step(inventories, only_step=only_step, at_least=at_least)
-        if choice is None:
-            return None
-        step, save_id = choice
-        node = placement.node_of[world.rank]
-        leader = placement.leader(node) == world.rank
-        store = self.step_store(step, world)
-        holdings = holdings_of(inventories, step, save_id)
-        if leader and node not in holdings:
-            _remove(os.path.join(store.root, MARKER_NAME))  # another save of this step, if any
-
-        what = f"step {step}: fetching from peers"
-        first = plan_manifest_fetches(inventories, placement, step, save_id)
-        received = run_transfers(world, first, store.root, what)
-        # Every node has the manifest now: the file names and sizes come from it.
-        error: BaseException | None = None
-        files: list[tuple[str, int]] = []
-        wanted = b""
+        attempt = RecoveryAttempt(self, world)
         try:
-            m = manifest.decode(store.read_file(MANIFEST_NAME), source=f"{store.root}/{MANIFEST_NAME}")
-            if m.save_id != save_id:
-                # Another writer replaced the manifest after this step's commit (a zombie job on
-                # the same local_dir): its files are not the ones the commit markers vouch for.
-                raise CorruptCheckpointError(
-                    f"rank {world.rank}: local step {step} in {store.root}: {MANIFEST_NAME} is of save "
-                    f"{m.save_id}, but the step was committed as save {save_id}; is another job writing "
-                    f"into {self.local_dir}?"
-                )
-            files = [(f.path, f.nbytes) for f in m.files]
-            # Each rank says which files its load reads (one bit per file): a node fetches only those.
-            wanted = np.packbits(needed_files(state, m, rank=world.rank, world_size=world.size)).tobytes()
-        except Exception as e:
-            error = _storage_error(e, f"rank {world.rank}: step {step}: reading the local manifest")
-        masks = dist.exchange(world, error, wanted, what)
-        needs: dict[int, set[int]] = {}
-        for rank, bits in enumerate(masks):
-            mask = np.unpackbits(np.frombuffer(bits, dtype=np.uint8), count=len(files)).astype(bool)
-            needs.setdefault(placement.node_of[rank], set()).update(np.flatnonzero(mask).tolist())
-        transfers = plan_fetches(inventories, placement, step, save_id, files, needs)
-        received += run_transfers(world, transfers, store.root, what)
-        if leader and (node not in holdings or len(holdings[node].held) < len(files)):
-            store.write_atomic(MARKER_NAME, marker_bytes(self.root, step, save_id, files))
-        moved = len(first) + len(transfers)
-        logger.info(
-            "rank %d: recovering step %d from the local tier (%d files fetched job-wide, %d bytes by this rank)",
-            world.rank, step, moved, received,
-        )  # fmt: skip
-        result = api.load(self.step_label(step), state, storage=store, **kwargs)
-        return Recovery(step, result, "peers" if moved else "local", received)
+            return attempt.run(state, kwargs, only_step, at_least)
+        finally:
+            self.last_report = attempt.report()
 
 
 def _global_rank(world: dist.World) -> int | None:
@@ -371,6 +362,39 @@ def _global_rank(world: dist.World) -> int | None:
     import torch.distributed as tdist
 
     return tdist.get_global_rank(world.group, world.rank)
+
+
+def remove_root_steps(directory: str, root: str) -> list[int]:
+    """Delete every step of ``root`` in a node directory of the local tier, committed or not
+    (steps whose marker names another root stay), then the directory if it is left empty.
+    Not collective; nothing else may be saving into the directory.
+
+    Returns:
+        the steps deleted, oldest first.
+
+    Example:
+        >>> remove_root_steps("/dev/shm/tessera/local/ckpt/run-7", "/ckpt/run-7")
+        [90, 100]
+    """
+    doomed = []
+    for step, step_dir in local_steps(directory):
+        if owner_of(read_marker(step_dir), root, None) == "foreign":
+            continue
+        _remove(os.path.join(step_dir, MARKER_NAME))  # un-commit first: a cut-short delete is skipped
+        shutil.rmtree(step_dir, ignore_errors=True)
+        doomed.append(step)
+    try:
+        os.rmdir(directory)
+    except OSError:
+        pass  # not empty (another root's steps) or already gone
+    return doomed
+
+
+def _global_rank_now() -> int | None:
+    """This process's global rank, or None without ``torch.distributed``."""
+    import torch.distributed as tdist
+
+    return tdist.get_rank() if tdist.is_available() and tdist.is_initialized() else None
 
 
 def _remove_dirs(dirs: list[str]) -> None:

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from .. import dist
 from ..results import PendingSave, SaveResult
+from . import identity
 from .direct import after_commit, run_save
 from .steps import close_store
 
@@ -52,6 +53,7 @@ def save_tiered(
     assert tier is not None
     if not durable:
         durable = manager.durable_every is None or step % manager.durable_every == 0
+    identity.establish(manager, world, create=True)  # once: the id each local commit records
     local = tier.step_store(step, world)
     tier.before_save(step, world)
     with manager._lock:
