@@ -442,11 +442,13 @@ def test_when_no_local_step_is_intact_the_error_names_the_local_tier(tmp_path: o
 @pytest.fixture
 def tier_root(tmp_path: os.PathLike):  # type: ignore[no-untyped-def]
     """A durable root under tmp_path; its tier:: host-memory directory is removed afterwards."""
-    from tessera.storage.host_memory import default_memory_root
+    from tessera.storage.host_memory import default_memory_root, prune_empty_parents
 
     root = os.path.join(tmp_path, "run-7")
     yield root
-    shutil.rmtree(default_memory_root(root), ignore_errors=True)
+    memory = default_memory_root(root)
+    shutil.rmtree(memory, ignore_errors=True)
+    prune_empty_parents(memory)
 
 
 def test_remove_local_steps_frees_host_memory(tier_root: str) -> None:
@@ -458,7 +460,7 @@ def test_remove_local_steps_frees_host_memory(tier_root: str) -> None:
         memory = mgr.local_dir
         assert memory is not None and _committed(memory) == ["step-00000001", "step-00000002"]
         assert mgr.remove_local_steps() == [1, 2]
-        assert not os.path.exists(memory)
+        assert not os.path.exists(memory) and not os.path.exists(os.path.dirname(memory))  # empty parents too
         assert mgr.steps() == [1, 2]  # the durable steps stay
         got = mgr.load({"w": torch.zeros(4)})
         assert (got.step, got.source) == (2, "durable")

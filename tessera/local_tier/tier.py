@@ -31,6 +31,7 @@ from ..errors import CheckpointError, StorageError
 from ..manifest import MANIFEST_NAME
 from ..step_names import step_dirname
 from ..storage import FileStorage, Storage
+from ..storage.host_memory import prune_empty_parents
 from .inventory import MARKER_NAME, NodeInventory, local_steps, marker_bytes, owner_of, read_marker, scan_node
 from .placement import Placement, node_dir, node_index, place
 from .recovery import Recovery, RecoveryAttempt
@@ -366,7 +367,8 @@ def _global_rank(world: dist.World) -> int | None:
 
 def remove_root_steps(directory: str, root: str) -> list[int]:
     """Delete every step of ``root`` in a node directory of the local tier, committed or not
-    (steps whose marker names another root stay), then the directory if it is left empty.
+    (steps whose marker names another root stay), then the directory if it is left empty (and
+    its parents left empty, within host memory's ``tessera`` directory).
     Not collective; nothing else may be saving into the directory.
 
     Returns:
@@ -386,7 +388,8 @@ def remove_root_steps(directory: str, root: str) -> list[int]:
     try:
         os.rmdir(directory)
     except OSError:
-        pass  # not empty (another root's steps) or already gone
+        return doomed  # not empty (another root's steps) or already gone
+    prune_empty_parents(directory)  # a tier:: root's directory nests like its URL
     return doomed
 
 

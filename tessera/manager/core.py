@@ -201,7 +201,7 @@ class CheckpointManager:
         """Every step directory under root: ``{step: committed}``."""
         return scan_steps(self._root_store)
 
-    def steps(self) -> list[int]:
+    def steps(self, *, local: bool = True) -> list[int]:
         """Committed steps, oldest first: those under ``root`` with a ``manifest.json`` and, with
         a local tier, the run's local steps this node holds completely.
 
@@ -209,12 +209,15 @@ class CheckpointManager:
         node's directory: nodes may disagree after a node loss). A committed step may still
         turn out corrupt on load.
 
+        Args:
+            local: count the local tier's steps (False: only the durable steps under ``root``).
+
         Example:
             >>> mgr.steps()
             [300, 400, 500]
         """
         found = {s for s, committed in self._scan().items() if committed}
-        if self._tier is not None:
+        if local and self._tier is not None:
             root_id = self._tier.root_id
             if root_id is None:
                 root_id = identity.read_root_id(self._root_store)
