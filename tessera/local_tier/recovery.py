@@ -112,7 +112,7 @@ class RecoveryAttempt:
             if self.bad and self.world.is_coordinator:
                 warnings.warn(
                     f"recovered step {step} from the local tier at {self.tier.local_dir} after finding bad copies "
-                    f"(removed): {'; '.join(self.bad)}",
+                    f"(removed; intact copies or an older step used instead): {'; '.join(self.bad)}",
                     RuntimeWarning,
                     stacklevel=5,
                 )
