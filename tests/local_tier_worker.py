@@ -321,3 +321,88 @@ def rollback_then_save(rank: int, world: int, root: str, local_dir: str) -> dict
     out["steps"] = mgr.steps()
     mgr.close()
     return out
+
+
+# ----------------------------------------------------------------------------------------
+# SIGKILL during replication, the durable copy and recovery (3 nodes x 1 rank)
+
+
+def _rank_state(k: int, rank: int, world: int) -> dict[str, Any]:
+    """``make_state(k)`` split over any number of ranks (the last takes the remainder)."""
+    import tessera
+    from tests.crash_worker import A_NUMEL, make_state
+
+    state = make_state(k)
+    a = state["model"]["a"]
+    n = A_NUMEL // world
+    stop = A_NUMEL if rank == world - 1 else (rank + 1) * n
+    state["model"]["a"] = tessera.ShardedTensor(a[rank * n : stop].clone(), (A_NUMEL,), (rank * n,))
+    return state
+
+
+def save_and_kill_at(rank: int, world: int, root: str, local_dir: str, victim: int, where: str) -> dict[str, Any]:
+    """Save steps 1 and 2 (every step durable), then step 3, during which ``victim`` SIGKILLs
+    itself: ``"replicating"`` (entering step 3's replication), ``"replicated"`` (its replicas
+    written, before its node's commit marker) or ``"durable"`` (halfway through uploading its
+    file of step 3 to the durable root). The others report the error they get."""
+    from tessera.errors import CheckpointError
+    from tessera.local_tier import tier as tier_module
+    from tessera.storage import FileStorage
+    from tests.crash_worker import CrashStorage
+
+    def factory(url: str) -> Any:
+        if where == "durable" and rank == victim and url.rstrip("/").endswith("step-00000003"):
+            return CrashStorage(url, at="write_file", after_bytes=64)
+        return FileStorage(url)
+
+    mgr = CheckpointManager(root, local_dir=local_dir, local_replicas=1, durable_every=1, storage_factory=factory)
+    for k in (1, 2):
+        mgr.save(k, _rank_state(k, rank, world))
+    if rank == victim and where.startswith("replicat"):
+        original = tier_module.run_transfers
+
+        def dying(world_: Any, transfers: Any, root_: str, what: str) -> int:
+            if "step 3: replicating" in what and where == "replicating":
+                os.kill(os.getpid(), signal.SIGKILL)
+            out = original(world_, transfers, root_, what)
+            if "step 3: replicating" in what:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return out
+
+        tier_module.run_transfers = dying  # type: ignore[assignment]
+    try:
+        mgr.save(3, _rank_state(3, rank, world))
+    except CheckpointError as e:
+        return {"error": f"{type(e).__name__}: {e}"}
+    return {"error": None}
+
+
+def recover_and_kill(rank: int, world: int, root: str, local_dir: str, victim: int) -> dict[str, Any]:
+    """Recovery in which ``victim`` SIGKILLs itself as the fetch from peers starts."""
+    from tessera.errors import CheckpointError
+    from tessera.local_tier import recovery
+
+    if rank == victim:
+        original = recovery.run_transfers
+
+        def dying(world_: Any, transfers: Any, root_: str, what: str) -> int:
+            if transfers and "fetching" in what:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return original(world_, transfers, root_, what)
+
+        recovery.run_transfers = dying  # type: ignore[assignment]
+    try:
+        return {"error": None, **load_and_check(rank, world, root, local_dir)}
+    except CheckpointError as e:
+        return {"error": f"{type(e).__name__}: {e}"}
+
+
+def load_save_on(rank: int, world: int, root: str, local_dir: str, step: int) -> dict[str, Any]:
+    """Load (every step durable), check, then save ``step`` and report both."""
+    mgr = CheckpointManager(root, local_dir=local_dir, local_replicas=1, durable_every=1)
+    state = empty_state()
+    got = mgr.load(state)
+    out = {"step": got.step, "k": check_state(state), "source": got.source}
+    mgr.save(step, _rank_state(step, rank, world))
+    mgr.close()
+    return out

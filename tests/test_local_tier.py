@@ -27,9 +27,12 @@ from tests.local_tier_worker import (
     fsdp2_save_then_die,
     load_and_check,
     load_or_error,
+    load_save_on,
+    recover_and_kill,
     replica_space_runs_out,
     resume_idiom,
     rollback_then_save,
+    save_and_kill_at,
     save_steps,
     save_then_die,
     save_then_die_mid_save,
@@ -480,3 +483,76 @@ def test_cli_remove_local_after_the_job(tier_root: str, capsys: pytest.CaptureFi
     assert not os.path.exists(memory)
     assert main(["remove-local", "tier::" + tier_root]) == 0
     assert "no local step" in capsys.readouterr().out
+
+
+# ----------------------------------------------------------------------------------------
+# SIGKILL during replication, the durable copy and recovery (3 nodes x 1 rank)
+
+KILL_ENV = {"LOCAL_WORLD_SIZE": "1", "TESSERA_TIMEOUT_S": "10"}
+
+
+def _kill_run(fn, world: int, *args) -> list:  # type: ignore[no-untyped-def]
+    out = start_ranks(fn, world, *args, env=KILL_ENV).collect(150)
+    return out
+
+
+def _load3(root: str, local_dir: str, world: int = 3) -> list[dict]:
+    return _ok(run_ranks(load_and_check, world, root, local_dir, env=ONE, timeout=150))
+
+
+@pytest.mark.slow
+def test_kill_during_replication_then_recovery_then_a_smaller_job(tmp_path: os.PathLike) -> None:
+    """Node 2 dies entering step 3's replication: step 3 is committed nowhere and step 2 loads.
+    Then node 1's directory is lost and a rank dies as the fetch from peers starts: the next
+    restart still recovers step 2; and a 2-node job without node 2's directory too."""
+    root, local_dir = _dirs(tmp_path)
+    out = _kill_run(save_and_kill_at, 3, root, local_dir, 2, "replicating")
+    assert out[2].status == "died", out[2]
+    assert all(o.status == "ok" and o.value["error"] for o in out[:2]), out[:2]
+    for node in range(3):
+        assert "step-00000003" not in _committed(local_dir.format(node=node))
+    got = _without_durable(root, _load3, root, local_dir)  # each node fetches the file it lacks
+    assert [(g["step"], g["k"], g["source"]) for g in got] == [(2, 2, "peers")] * 3, got
+
+    shutil.rmtree(local_dir.format(node=1))
+    out = _kill_run(recover_and_kill, 3, root, local_dir, 1)
+    assert out[1].status == "died", out[1]
+    assert all(o.status == "ok" for o in (out[0], out[2])), out
+    got = _without_durable(root, _load3, root, local_dir)
+    assert [(g["step"], g["k"]) for g in got] == [(2, 2)] * 3 and got[1]["peer_bytes"] > 0, got
+    assert not [n for _, _, names in os.walk(os.path.join(tmp_path, "shm")) for n in names if ".recv-" in n]
+
+    shutil.rmtree(local_dir.format(node=2))
+    got = _without_durable(root, _load3, root, local_dir, 2)
+    assert [(g["step"], g["k"]) for g in got] == [(2, 2)] * 2, got
+
+
+@pytest.mark.slow
+def test_kill_after_replication_before_the_commit_marker(tmp_path: os.PathLike) -> None:
+    """Node 1 dies after step 3's replicas are written, before its commit marker: the step is
+    complete on the other nodes between them, so it loads (the guarantee's 'an error does not
+    prove nothing was committed')."""
+    root, local_dir = _dirs(tmp_path)
+    out = _kill_run(save_and_kill_at, 3, root, local_dir, 1, "replicated")
+    assert out[1].status == "died", out[1]
+    assert "step-00000003" not in _committed(local_dir.format(node=1))
+    got = _without_durable(root, _load3, root, local_dir)
+    assert [(g["step"], g["k"]) for g in got] == [(3, 3)] * 3, got
+
+
+@pytest.mark.slow
+def test_kill_during_the_durable_copy(tmp_path: os.PathLike) -> None:
+    """Node 1 dies halfway through uploading step 3: step 3 is committed locally and loads; the
+    durable root still has step 2 committed; the next save (4) commits durably."""
+    root, local_dir = _dirs(tmp_path)
+    out = _kill_run(save_and_kill_at, 3, root, local_dir, 1, "durable")
+    assert out[1].status == "died", out[1]
+    assert not os.path.exists(os.path.join(root, "step-00000003", "manifest.json"))
+    got = _ok(run_ranks(load_save_on, 3, root, local_dir, 4, env=ONE, timeout=150))
+    assert [(g["step"], g["k"]) for g in got] == [(3, 3)] * 3, (
+        got
+    )  # from the local tier: durable step 3 never committed
+    shutil.rmtree(os.path.join(tmp_path, "shm"))
+    got = _load3(root, local_dir)
+    assert [(g["step"], g["k"], g["source"]) for g in got] == [(4, 4, "durable")] * 3, got
+    assert verify(os.path.join(root, "step-00000004")).ok
