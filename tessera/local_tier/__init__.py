@@ -3,9 +3,9 @@
 and recovery from whatever the surviving nodes hold. See ``docs/resilience.md``.
 
 Modules: :mod:`.placement` (node indices, the replica ring), :mod:`.inventory` (what a node
-holds, the choice of step), :mod:`.transfer` (files between ranks), :mod:`.fetch_plan` (which files move on
-recovery), :mod:`.tier` (save,
-commit, retention, recovery).
+holds, whose steps they are, the choice of step), :mod:`.transfer` (files between ranks),
+:mod:`.fetch_plan` (which files move on recovery), :mod:`.recovery` (recovery, with bad copies
+replaced), :mod:`.tier` (save, commit, retention).
 """
 
 from __future__ import annotations
