@@ -5,16 +5,18 @@ and recovery from whatever the surviving nodes hold. See ``docs/resilience.md``.
 Modules: :mod:`.placement` (node indices, the replica ring), :mod:`.inventory` (what a node
 holds, whose steps they are, the choice of step), :mod:`.transfer` (files between ranks),
 :mod:`.fetch_plan` (which files move on recovery), :mod:`.recovery` (recovery, with bad copies
-replaced), :mod:`.tier` (save, commit, retention).
+replaced), :mod:`.retention` (deleting a node's steps), :mod:`.tier` (save, commit).
 """
 
 from __future__ import annotations
 
 from .inventory import NodeInventory, StepHolding, choose_step
 from .placement import Placement, node_dir, node_index, place
-from .tier import LocalTier, Recovery, remove_root_steps
+from .retention import LocalRetention, remove_root_steps
+from .tier import LocalTier, Recovery
 
 __all__ = [
+    "LocalRetention",
     "LocalTier",
     "NodeInventory",
     "Placement",

@@ -22,8 +22,6 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
-import threading
 from typing import Any
 
 from .. import commit, dist, manifest
@@ -31,10 +29,10 @@ from ..errors import CheckpointError, StorageError
 from ..manifest import MANIFEST_NAME
 from ..step_names import step_dirname
 from ..storage import FileStorage, Storage
-from ..storage.host_memory import prune_empty_parents
-from .inventory import MARKER_NAME, NodeInventory, local_steps, marker_bytes, owner_of, read_marker, scan_node
+from .inventory import MARKER_NAME, NodeInventory, marker_bytes, scan_node
 from .placement import Placement, node_dir, node_index, place
 from .recovery import Recovery, RecoveryAttempt
+from .retention import LocalRetention, remove_root_steps
 from .transfer import Transfer, run_transfers
 
 logger = logging.getLogger(__name__)
@@ -90,7 +88,7 @@ class LocalTier:
         self.warn_single_node = warn_single_node
         self._placement: Placement | None = None
         self._placement_key: tuple[int, int] | None = None
-        self._deleter: threading.Thread | None = None
+        self.retention = LocalRetention(root, keep_last)
         self._own_node: int | None = None
         self.root_id: str | None = None
         """The identity of the durable root (written into it when it is created, see
@@ -258,71 +256,30 @@ class LocalTier:
         return self.root_id
 
     def fence_newer(self, world: dist.World, step: int) -> list[int]:
-        """Node leaders: un-commit this run's local steps newer than ``step`` (a rollback made
-        them unreachable); returns them. Not collective."""
-        fenced = []
-        for s, step_dir in local_steps(self.node_directory(world)):
-            if s > step and owner_of(read_marker(step_dir), self.root, self.root_id) == "ours":
-                _remove(os.path.join(step_dir, MARKER_NAME))
-                fenced.append(s)
-        if fenced:
-            logger.warning(
-                "local tier at %s: step %d is saved after a rollback; the newer local steps %s are removed",
-                self.node_directory(world), step, fenced,
-            )  # fmt: skip
-        return fenced
+        """Node leaders: :meth:`LocalRetention.fence_newer` on this node. Not collective."""
+        return self.retention.fence_newer(self.node_directory(world), self.root_id, step)
 
     def apply_retention(self, world: dist.World, newest: int, also: list[int] | None = None) -> list[int]:
-        """Node leaders: delete this run's committed local steps beyond the newest ``keep_last``
-        (never ``newest``, the step just committed), uncommitted leftovers older than ``newest``,
-        the steps in ``also``, and steps a stale marker names (another root id under this root:
-        a deleted root's or an earlier run's); returns the steps deleted. Not collective."""
-        committed: list[int] = []
-        doomed: list[int] = list(also or ())
-        for step, step_dir in local_steps(self.node_directory(world)):
-            owner = owner_of(read_marker(step_dir), self.root, self.root_id)
-            if owner == "ours":
-                committed.append(step)
-            elif owner == "stale" or (owner == "none" and step < newest):
-                doomed.append(step)
-            # else: another root's step (a shared local_dir): not ours to count or delete
-        kept = [s for s in committed if s <= newest][-self.keep_last :]
-        doomed += [s for s in committed if s not in kept and s != newest]
-        self.delete_steps(world, doomed)
-        return sorted(set(doomed))
+        """Node leaders: :meth:`LocalRetention.apply` on this node. Not collective."""
+        return self.retention.apply(self.node_directory(world), self.root_id, newest, also or [])
 
-    def delete_steps(self, world: dist.World, steps: list[int]) -> None:
-        """Node leaders: delete these step directories of this node (markers at once, the data
-        in a background thread joined before the next save). Not collective."""
-        dirs = [os.path.join(self.node_directory(world), step_dirname(s)) for s in sorted(set(steps))]
-        for step_dir in dirs:
-            _remove(os.path.join(step_dir, MARKER_NAME))  # un-commit first: a cut-short delete is skipped
-        # Freeing the data is off the save's path: a background thread, joined before the next save.
-        self.wait_deletions()
-        if dirs:
-            self._deleter = threading.Thread(target=_remove_dirs, args=(dirs,), name="tessera-local-retention")
-            self._deleter.daemon = True
-            self._deleter.start()
-
-    def stale_steps(self, world: dist.World) -> list[int]:
-        """This node's steps whose marker names this root under another root id (or none): a
-        deleted root's or an earlier run's, never to be loaded. Not collective."""
-        return [
-            s
-            for s, step_dir in local_steps(self.node_directory(world))
-            if owner_of(read_marker(step_dir), self.root, self.root_id) == "stale"
-        ]
+    def remove_stale(self, world: dist.World) -> list[int]:
+        """Node leaders: delete this node's stale steps (:meth:`LocalRetention.stale`) and wait
+        until they are gone; returns them. Not collective."""
+        directory = self.node_directory(world)
+        stale = self.retention.stale(directory, self.root_id)
+        self.retention.delete(directory, stale)
+        self.retention.wait()
+        return stale
 
     def remove_all(self, world: dist.World) -> list[int]:
         """Node leaders: :func:`remove_root_steps` on this node's directory. Not collective."""
-        self.wait_deletions()
+        self.retention.wait()
         return remove_root_steps(self.node_directory(world), self.root)
 
     def wait_deletions(self) -> None:
         """Wait for the background deletion of old local steps, if one runs. Not collective."""
-        deleter, self._deleter = self._deleter, None
-        if deleter is not None:
-            deleter.join()
+        self.retention.wait()
 
     # --------------------------------------------------------------------------------
     # Recovery
@@ -365,44 +322,11 @@ def _global_rank(world: dist.World) -> int | None:
     return tdist.get_global_rank(world.group, world.rank)
 
 
-def remove_root_steps(directory: str, root: str) -> list[int]:
-    """Delete every step of ``root`` in a node directory of the local tier, committed or not
-    (steps whose marker names another root stay), then the directory if it is left empty (and
-    its parents left empty, within host memory's ``tessera`` directory).
-    Not collective; nothing else may be saving into the directory.
-
-    Returns:
-        the steps deleted, oldest first.
-
-    Example:
-        >>> remove_root_steps("/dev/shm/tessera/local/ckpt/run-7", "/ckpt/run-7")
-        [90, 100]
-    """
-    doomed = []
-    for step, step_dir in local_steps(directory):
-        if owner_of(read_marker(step_dir), root, None) == "foreign":
-            continue
-        _remove(os.path.join(step_dir, MARKER_NAME))  # un-commit first: a cut-short delete is skipped
-        shutil.rmtree(step_dir, ignore_errors=True)
-        doomed.append(step)
-    try:
-        os.rmdir(directory)
-    except OSError:
-        return doomed  # not empty (another root's steps) or already gone
-    prune_empty_parents(directory)  # a tier:: root's directory nests like its URL
-    return doomed
-
-
 def _global_rank_now() -> int | None:
     """This process's global rank, or None without ``torch.distributed``."""
     import torch.distributed as tdist
 
     return tdist.get_rank() if tdist.is_available() and tdist.is_initialized() else None
-
-
-def _remove_dirs(dirs: list[str]) -> None:
-    for d in dirs:
-        shutil.rmtree(d, ignore_errors=True)
 
 
 def _remove(path: str) -> None:

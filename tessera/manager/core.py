@@ -407,20 +407,7 @@ class CheckpointManager:
         if self._closed:
             raise ValueError(f"CheckpointManager({self.root!r}) is closed")
         self._wait_previous()
-        world = dist.world_for(self.process_group)
-        placement = self._tier.placement(world)
-        leader = placement.leader(placement.node_of[world.rank]) == world.rank
-        error: BaseException | None = None
-        removed: list[int] = []
-        if leader:
-            try:
-                removed = self._tier.remove_all(world)
-            except Exception as e:
-                error = e
-        dist.exchange(world, error, None, f"removing the local steps of {self.root}")
-        if removed:
-            logger.info("removed local steps %s of %s from %s", removed, self.root, self._tier.node_directory(world))
-        return removed
+        return tiered.remove_local(self, dist.world_for(self.process_group))
 
     # ------------------------------------------------------------------------------------
     # Lifecycle

@@ -94,9 +94,8 @@ def establish(manager: CheckpointManager, world: dist.World, *, create: bool) ->
     tier.root_id = root_id
     placement = tier.placement(world)
     leader = placement.leader(placement.node_of[world.rank]) == world.rank
-    stale = tier.stale_steps(world) if leader else []
-    tier.delete_steps(world, stale)
-    tier.wait_deletions()  # before any rank of the node writes a step that may reuse a stale step's name
+    # Gone before any rank of the node writes a step that may reuse a stale step's name.
+    stale = tier.remove_stale(world) if leader else []
     found = dist.all_gather(world, stale, "removing stale local-tier steps")
     if world.is_coordinator and any(found):
         where = "; ".join(

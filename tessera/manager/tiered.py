@@ -9,6 +9,7 @@ where ``latest`` and retention follow as for any save. Loading from the tier is
 from __future__ import annotations
 
 import functools
+import logging
 from typing import TYPE_CHECKING
 
 from .. import dist
@@ -20,7 +21,9 @@ from .steps import close_store
 if TYPE_CHECKING:
     from .core import CheckpointManager
 
-__all__ = ["finish_tiered", "save_tiered"]
+logger = logging.getLogger(__name__)
+
+__all__ = ["finish_tiered", "remove_local", "save_tiered"]
 
 
 def save_tiered(
@@ -75,3 +78,23 @@ def finish_tiered(manager: CheckpointManager, step: int, durable: bool, world: d
         after_commit(manager, step, store, world)
     finally:
         close_store(store)
+
+
+def remove_local(manager: CheckpointManager, world: dist.World) -> list[int]:
+    """:meth:`CheckpointManager.remove_local_steps`: node leaders delete the root's steps in
+    their node's directory; collective (a failure on any rank raises on every rank)."""
+    tier = manager._tier
+    assert tier is not None
+    placement = tier.placement(world)
+    leader = placement.leader(placement.node_of[world.rank]) == world.rank
+    error: BaseException | None = None
+    removed: list[int] = []
+    if leader:
+        try:
+            removed = tier.remove_all(world)
+        except Exception as e:
+            error = e
+    dist.exchange(world, error, None, f"removing the local steps of {manager.root}")
+    if removed:
+        logger.info("removed local steps %s of %s from %s", removed, manager.root, tier.node_directory(world))
+    return removed
