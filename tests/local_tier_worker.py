@@ -302,11 +302,12 @@ def load_or_error(rank: int, world: int, root: str, local_dir: str, durable_ever
 
 
 def rollback_then_save(rank: int, world: int, root: str, local_dir: str) -> dict[str, Any]:
-    """Save 100, 200, 300 (local only), roll back with ``load(step=100)``, then save 110 and 120."""
+    """Save 100, 200, 300 (durable too), roll back with ``load(step=100)``, then save 110 and 120
+    (local only)."""
     from tessera.errors import CheckpointError
 
     mgr = CheckpointManager(
-        root, keep_last=3, local_dir=local_dir, local_replicas=1, durable_every=1000, local_keep_last=3
+        root, keep_last=3, local_dir=local_dir, local_replicas=1, durable_every=100, local_keep_last=3
     )
     for k in (100, 200, 300):
         mgr.save(k, make_rank_state(k, rank, world))

@@ -367,14 +367,17 @@ def test_latest_step_and_the_resume_idiom_count_local_steps(tmp_path: os.PathLik
 
 
 def test_a_rollback_fences_the_newer_local_steps_and_saves_go_on(tmp_path: os.PathLike) -> None:
-    """load(step=100) after 300, then saves 110 and 120: they commit, 200 and 300 are gone, and
-    a restart resumes from 120."""
+    """load(step=100) after 300 (every hundredth step durable), then saves 110 and 120: they
+    commit, 200 and 300 are gone locally and under the durable root, and a restart resumes
+    from 120."""
     root, local_dir = _dirs(tmp_path)
     got = _run(rollback_then_save, root, local_dir)
     for g in got:
         assert g["rolled_back"] == (100, 100) and g["errors"] == {}, g
         assert g["steps"] == [100, 110, 120], g
-    got = _run(resume_idiom, root, local_dir, 1000)
+    durable = CheckpointManager(root)  # the durable 200 and 300 went too, and `latest` with them
+    assert (durable.steps(), durable.pointer_step()) == ([100], 100)
+    got = _run(resume_idiom, root, local_dir, 100)
     assert [(g["step"], g["k"]) for g in got] == [(120, 120)] * 2, got
 
 

@@ -96,6 +96,8 @@ class LocalTier:
         marker carries it are the run's. None until the manager has read it."""
         self.last_report = ""
         """What the last :meth:`recover` found, for an error when it loaded nothing."""
+        self.last_fenced = False
+        """Whether the last :meth:`commit` un-committed newer local steps on some node (a rollback)."""
 
     # --------------------------------------------------------------------------------
     # Names and layout
@@ -193,7 +195,8 @@ class LocalTier:
                 store.write_atomic(MARKER_NAME, marker_bytes(self.root, self._id(), step, m.save_id, files))
             except Exception as e:
                 own_error = e
-        dist.exchange(world, own_error, None, f"step {step}: committing the local step")
+        fenced_anywhere = dist.exchange(world, own_error, fenced, f"step {step}: committing the local step")
+        self.last_fenced = any(fenced_anywhere)
         if leader:
             try:
                 self.apply_retention(world, step, also=fenced)
