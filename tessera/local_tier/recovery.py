@@ -185,8 +185,10 @@ class RecoveryAttempt:
             for rank, items in enumerate(found)
             for path, why in items
         ]
-        for line in new:
-            logger.warning("rank %d: local tier at %s: bad copy: %s", self.world.rank, self.tier.local_dir, line)
+        for line in new:  # job-wide news: logged by rank 0 only
+            (logger.warning if self.world.is_coordinator else logger.debug)(
+                "local tier at %s: bad copy removed: %s", self.tier.local_dir, line
+            )
         self.bad += new
         if not new and self.world.is_coordinator:
             logger.warning("local step %d failed to load and no copy of its files is bad: %s", step, error)
