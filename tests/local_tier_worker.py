@@ -230,3 +230,180 @@ def transfer_files(rank: int, world: int, root: str) -> dict[str, Any]:
     except StorageError as e:
         error = str(e)
     return {"received": received, "digests": digests, "error": error}
+
+
+# ----------------------------------------------------------------------------------------
+# Identity, rollback, corruption (2 nodes x 1 rank: LOCAL_WORLD_SIZE=1)
+
+
+def _warnings_of(caught: list) -> list[str]:
+    return [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+
+
+def save_steps(
+    rank: int, world: int, root: str, local_dir: str, steps: list[int], durable_every: int
+) -> dict[str, Any]:
+    """Save ``steps`` (errors recorded, not raised); what the manager said before and after."""
+    import warnings
+
+    from tessera.errors import CheckpointError
+
+    mgr = CheckpointManager(root, keep_last=3, local_dir=local_dir, local_replicas=1, durable_every=durable_every)
+    out: dict[str, Any] = {"latest_before": mgr.latest_step(), "errors": {}}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for k in steps:
+            try:
+                mgr.save(k, make_rank_state(k, rank, world))
+            except CheckpointError as e:
+                out["errors"][k] = f"{type(e).__name__}: {e}"
+    out["warnings"] = _warnings_of(caught)
+    out["steps_after"] = mgr.steps()
+    mgr.close()
+    return out
+
+
+def resume_idiom(rank: int, world: int, root: str, local_dir: str, durable_every: int) -> dict[str, Any]:
+    """The README's resume idiom: load only if ``latest_step()`` names a step."""
+    import warnings
+
+    mgr = CheckpointManager(root, keep_last=3, local_dir=local_dir, local_replicas=1, durable_every=durable_every)
+    state = empty_state()
+    out: dict[str, Any] = {"latest": mgr.latest_step(), "steps": mgr.steps(), "step": None, "k": None, "source": None}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if out["latest"] is not None:
+            got = mgr.load(state)
+            out.update(step=got.step, k=check_state(state), source=got.source)
+    out["warnings"] = _warnings_of(caught)
+    mgr.close()
+    return out
+
+
+def load_or_error(rank: int, world: int, root: str, local_dir: str, durable_every: int) -> dict[str, Any]:
+    """``manager.load`` on every rank: what loaded, or the error, and the warnings."""
+    import warnings
+
+    from tessera.errors import CheckpointError
+
+    mgr = CheckpointManager(root, keep_last=3, local_dir=local_dir, local_replicas=1, durable_every=durable_every)
+    state = empty_state()
+    out: dict[str, Any] = {"step": None, "error": None}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            got = mgr.load(state)
+            out.update(step=got.step, k=check_state(state), source=got.source)
+        except CheckpointError as e:
+            out["error"] = f"{type(e).__name__}: {e}"
+    out["warnings"] = _warnings_of(caught)
+    mgr.close()
+    return out
+
+
+def rollback_then_save(rank: int, world: int, root: str, local_dir: str) -> dict[str, Any]:
+    """Save 100, 200, 300 (durable too), roll back with ``load(step=100)``, then save 110 and 120
+    (local only)."""
+    from tessera.errors import CheckpointError
+
+    mgr = CheckpointManager(
+        root, keep_last=3, local_dir=local_dir, local_replicas=1, durable_every=100, local_keep_last=3
+    )
+    for k in (100, 200, 300):
+        mgr.save(k, make_rank_state(k, rank, world))
+    state = empty_state()
+    got = mgr.load(state, step=100)
+    out: dict[str, Any] = {"rolled_back": (got.step, check_state(state)), "errors": {}}
+    for k in (110, 120):
+        try:
+            mgr.save(k, make_rank_state(k, rank, world))
+        except CheckpointError as e:
+            out["errors"][k] = f"{type(e).__name__}: {e}"
+    out["steps"] = mgr.steps()
+    mgr.close()
+    return out
+
+
+# ----------------------------------------------------------------------------------------
+# SIGKILL during replication, the durable copy and recovery (3 nodes x 1 rank)
+
+
+def _rank_state(k: int, rank: int, world: int) -> dict[str, Any]:
+    """``make_state(k)`` split over any number of ranks (the last takes the remainder)."""
+    import tessera
+    from tests.crash_worker import A_NUMEL, make_state
+
+    state = make_state(k)
+    a = state["model"]["a"]
+    n = A_NUMEL // world
+    stop = A_NUMEL if rank == world - 1 else (rank + 1) * n
+    state["model"]["a"] = tessera.ShardedTensor(a[rank * n : stop].clone(), (A_NUMEL,), (rank * n,))
+    return state
+
+
+def save_and_kill_at(rank: int, world: int, root: str, local_dir: str, victim: int, where: str) -> dict[str, Any]:
+    """Save steps 1 and 2 (every step durable), then step 3, during which ``victim`` SIGKILLs
+    itself: ``"replicating"`` (entering step 3's replication), ``"replicated"`` (its replicas
+    written, before its node's commit marker) or ``"durable"`` (halfway through uploading its
+    file of step 3 to the durable root). The others report the error they get."""
+    from tessera.errors import CheckpointError
+    from tessera.local_tier import tier as tier_module
+    from tessera.storage import FileStorage
+    from tests.crash_worker import CrashStorage
+
+    def factory(url: str) -> Any:
+        if where == "durable" and rank == victim and url.rstrip("/").endswith("step-00000003"):
+            return CrashStorage(url, at="write_file", after_bytes=64)
+        return FileStorage(url)
+
+    mgr = CheckpointManager(root, local_dir=local_dir, local_replicas=1, durable_every=1, storage_factory=factory)
+    for k in (1, 2):
+        mgr.save(k, _rank_state(k, rank, world))
+    if rank == victim and where.startswith("replicat"):
+        original = tier_module.run_transfers
+
+        def dying(world_: Any, transfers: Any, root_: str, what: str) -> int:
+            if "step 3: replicating" in what and where == "replicating":
+                os.kill(os.getpid(), signal.SIGKILL)
+            out = original(world_, transfers, root_, what)
+            if "step 3: replicating" in what:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return out
+
+        tier_module.run_transfers = dying  # type: ignore[assignment]
+    try:
+        mgr.save(3, _rank_state(3, rank, world))
+    except CheckpointError as e:
+        return {"error": f"{type(e).__name__}: {e}"}
+    return {"error": None}
+
+
+def recover_and_kill(rank: int, world: int, root: str, local_dir: str, victim: int) -> dict[str, Any]:
+    """Recovery in which ``victim`` SIGKILLs itself as the fetch from peers starts."""
+    from tessera.errors import CheckpointError
+    from tessera.local_tier import recovery
+
+    if rank == victim:
+        original = recovery.run_transfers
+
+        def dying(world_: Any, transfers: Any, root_: str, what: str) -> int:
+            if transfers and "fetching" in what:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return original(world_, transfers, root_, what)
+
+        recovery.run_transfers = dying  # type: ignore[assignment]
+    try:
+        return {"error": None, **load_and_check(rank, world, root, local_dir)}
+    except CheckpointError as e:
+        return {"error": f"{type(e).__name__}: {e}"}
+
+
+def load_save_on(rank: int, world: int, root: str, local_dir: str, step: int) -> dict[str, Any]:
+    """Load (every step durable), check, then save ``step`` and report both."""
+    mgr = CheckpointManager(root, local_dir=local_dir, local_replicas=1, durable_every=1)
+    state = empty_state()
+    got = mgr.load(state)
+    out = {"step": got.step, "k": check_state(state), "source": got.source}
+    mgr.save(step, _rank_state(step, rank, world))
+    mgr.close()
+    return out

@@ -18,6 +18,7 @@ from tessera.local_tier.fetch_plan import plan_fetches, plan_manifest_fetches
 from tessera.local_tier.inventory import MARKER_NAME
 from tessera.local_tier.transfer import Transfer
 from tessera.manager import CheckpointManager
+from tessera.manager.identity import ROOT_ID_NAME
 from tessera.verify import verify
 from tests.crash_worker import check_state, empty_state, run_ranks, start_ranks
 from tests.local_tier_worker import (
@@ -25,7 +26,14 @@ from tests.local_tier_worker import (
     fsdp2_load_and_check,
     fsdp2_save_then_die,
     load_and_check,
+    load_or_error,
+    load_save_on,
+    recover_and_kill,
     replica_space_runs_out,
+    resume_idiom,
+    rollback_then_save,
+    save_and_kill_at,
+    save_steps,
     save_then_die,
     save_then_die_mid_save,
     transfer_files,
@@ -144,14 +152,20 @@ def _ok(outcomes: list) -> list[dict]:
 
 
 def _without_durable(root: str, fn, *args, **kwargs):  # type: ignore[no-untyped-def]
-    """Run a restart with the durable root moved away: any durable read would find nothing."""
+    """Run a restart with the durable root's steps moved away (its identity stays: without it
+    no local step is the run's): any durable read of a step would find nothing."""
     hidden = root + ".hidden"
-    os.rename(root, hidden)
+    os.makedirs(hidden)
+    names = [n for n in os.listdir(root) if n != ROOT_ID_NAME]
+    for name in names:
+        os.rename(os.path.join(root, name), os.path.join(hidden, name))
     try:
         return fn(*args, **kwargs)
     finally:
-        assert not os.path.exists(root), "the load created or wrote the durable root"
-        os.rename(hidden, root)
+        assert os.listdir(root) == [ROOT_ID_NAME], "the load wrote into the durable root"
+        for name in names:
+            os.rename(os.path.join(hidden, name), os.path.join(root, name))
+        os.rmdir(hidden)
 
 
 def _committed(node_dir: str) -> list[str]:
@@ -296,3 +310,252 @@ def test_transfers_arrive_whole_and_a_failed_receiver_fails_every_rank(tmp_path:
     for rank, g in enumerate(got):
         assert g["error"] is not None and "blocked/y" in g["error"] and "rank 1" in g["error"], (rank, g["error"])
     assert not [n for _, _, names in os.walk(tmp_path) for n in names if ".recv-" in n]
+
+
+# ----------------------------------------------------------------------------------------
+# Identity: local steps belong to a run and its durable root (2 nodes x 1 rank)
+
+ONE = {"LOCAL_WORLD_SIZE": "1"}
+
+
+def _run(fn, *args):  # type: ignore[no-untyped-def]
+    return _ok(run_ranks(fn, 2, *args, env=ONE, timeout=180))
+
+
+def test_a_fresh_run_on_a_deleted_root_never_sees_the_old_runs_local_steps(tmp_path: os.PathLike) -> None:
+    """An old run leaves local steps 200 and 300 behind; its root is deleted; a new run with
+    the same root and local_dir saves step 10 (durable), is killed and restarts: step 10."""
+    root, local_dir = _dirs(tmp_path)
+    old = _run(save_steps, root, local_dir, [100, 200, 300], 100)
+    assert [o["errors"] for o in old] == [{}, {}]
+    shutil.rmtree(root)
+    new = _run(save_steps, root, local_dir, [10], 10)
+    for rank, o in enumerate(new):
+        assert o["latest_before"] is None, (rank, o)  # the idiom starts from scratch
+        assert o["errors"] == {}, (rank, o["errors"])
+        assert o["steps_after"] == [10], (rank, o["steps_after"])
+    # The old steps were removed, with one warning (rank 0) naming them.
+    stale = [w for w in new[0]["warnings"] if "another root id" in w]
+    assert len(stale) == 1 and "200" in stale[0] and "300" in stale[0], new[0]["warnings"]
+    assert not any("another root id" in w for w in new[1]["warnings"]), new[1]["warnings"]
+    for node in (0, 1):
+        assert _committed(local_dir.format(node=node)) == ["step-00000010"]
+    got = _run(resume_idiom, root, local_dir, 10)
+    assert [(g["step"], g["k"]) for g in got] == [(10, 10)] * 2, got
+
+
+def test_a_deleted_root_makes_its_local_steps_unloadable(tmp_path: os.PathLike) -> None:
+    """Nothing durable, root deleted: load finds nothing (never the old local steps), and says so."""
+    root, local_dir = _dirs(tmp_path)
+    _run(save_steps, root, local_dir, [1, 2], 1000)
+    shutil.rmtree(root, ignore_errors=True)  # the old code never created it
+    got = _run(load_or_error, root, local_dir, 1000)
+    for g in got:
+        assert g["step"] is None and g["error"].startswith("CheckpointNotFoundError"), g
+        assert "local tier" in g["error"], g["error"]
+    assert _committed(local_dir.format(node=0)) == _committed(local_dir.format(node=1)) == []
+
+
+def test_latest_step_and_the_resume_idiom_count_local_steps(tmp_path: os.PathLike) -> None:
+    """durable_every far away: only local steps exist, and the README's idiom resumes from them."""
+    root, local_dir = _dirs(tmp_path)
+    first = _run(save_steps, root, local_dir, [1, 2, 3], 1000)
+    assert [o["steps_after"] for o in first] == [[2, 3], [2, 3]]
+    got = _run(resume_idiom, root, local_dir, 1000)
+    for g in got:
+        assert (g["latest"], g["steps"], g["step"], g["k"], g["source"]) == (3, [2, 3], 3, 3, "local"), g
+
+
+def test_a_rollback_fences_the_newer_local_steps_and_saves_go_on(tmp_path: os.PathLike) -> None:
+    """load(step=100) after 300 (every hundredth step durable), then saves 110 and 120: they
+    commit, 200 and 300 are gone locally and under the durable root, and a restart resumes
+    from 120."""
+    root, local_dir = _dirs(tmp_path)
+    got = _run(rollback_then_save, root, local_dir)
+    for g in got:
+        assert g["rolled_back"] == (100, 100) and g["errors"] == {}, g
+        assert g["steps"] == [100, 110, 120], g
+    durable = CheckpointManager(root)  # the durable 200 and 300 went too, and `latest` with them
+    assert (durable.steps(), durable.pointer_step()) == ([100], 100)
+    got = _run(resume_idiom, root, local_dir, 100)
+    assert [(g["step"], g["k"]) for g in got] == [(120, 120)] * 2, got
+
+
+# ----------------------------------------------------------------------------------------
+# Corruption: a bad copy is replaced by an intact one, else an older intact step loads
+
+
+def _rank0_files(node_dir: str, step: int) -> list[str]:
+    data = os.path.join(node_dir, f"step-{step:08d}", "data")
+    return sorted(os.path.join(d, n) for d, _, names in os.walk(data) for n in names if n.startswith("0-"))
+
+
+def _flip_last_bit(path: str) -> None:
+    with open(path, "r+b") as f:
+        f.seek(-1, os.SEEK_END)
+        byte = f.read(1)[0]
+        f.seek(-1, os.SEEK_END)
+        f.write(bytes([byte ^ 1]))
+
+
+def test_a_corrupt_local_file_is_fetched_intact_from_its_replica(tmp_path: os.PathLike) -> None:
+    """2 nodes x 1 rank, nothing durable: one bit flipped in node 0's own step-5 file. Node 1's
+    replica of it is intact: step 5 loads, and a warning names the file and node 0."""
+    root, local_dir = _dirs(tmp_path)
+    _run(save_steps, root, local_dir, [1, 2, 3, 4, 5], 1000)
+    (bad,) = _rank0_files(local_dir.format(node=0), 5)
+    _flip_last_bit(bad)
+    got = _run(load_or_error, root, local_dir, 1000)
+    assert [(g["step"], g["k"], g["error"], g["source"]) for g in got] == [(5, 5, None, "peers")] * 2, got
+    with open(bad, "rb") as a, open(bad.replace("node-0", "node-1"), "rb") as b:
+        assert a.read() == b.read()  # node 0's copy was replaced by node 1's
+    (warning,) = [w for w in got[0]["warnings"] if "bad copies" in w]
+    assert os.path.relpath(bad, os.path.join(local_dir.format(node=0), "step-00000005")) in warning, warning
+    assert "node 0" in warning and "node 1" not in warning, warning
+
+
+def test_a_step_corrupt_everywhere_gives_way_to_the_newest_intact_local_step(tmp_path: os.PathLike) -> None:
+    """durable_every=3: both copies of rank 0's step-5 file are bad; step 4 (local, intact
+    everywhere) loads rather than the durable step 3."""
+    root, local_dir = _dirs(tmp_path)
+    _run(save_steps, root, local_dir, [1, 2, 3, 4, 5], 3)
+    for node in (0, 1):
+        for path in _rank0_files(local_dir.format(node=node), 5):
+            _flip_last_bit(path)
+    got = _run(load_or_error, root, local_dir, 3)
+    assert [(g["step"], g["k"], g["source"]) for g in got] == [(4, 4, "local")] * 2, got
+    (warning,) = [w for w in got[0]["warnings"] if "bad copies" in w]
+    assert "node 0" in warning and "node 1" in warning and "step 5" in warning, warning
+
+
+def test_when_no_local_step_is_intact_the_error_names_the_local_tier(tmp_path: os.PathLike) -> None:
+    root, local_dir = _dirs(tmp_path)
+    _run(save_steps, root, local_dir, [1, 2, 3, 4, 5], 1000)
+    for node in (0, 1):
+        for step in (4, 5):
+            for path in _rank0_files(local_dir.format(node=node), step):
+                _flip_last_bit(path)
+    got = _run(load_or_error, root, local_dir, 1000)
+    for g in got:
+        assert g["error"] is not None and g["error"].startswith("CheckpointNotFoundError"), g
+        assert "local tier" in g["error"] and "bad copy: step 5" in g["error"] and "step 4" in g["error"], g["error"]
+
+
+# ----------------------------------------------------------------------------------------
+# Removing a run's host-memory steps (tier:: roots)
+
+
+@pytest.fixture
+def tier_root(tmp_path: os.PathLike):  # type: ignore[no-untyped-def]
+    """A durable root under tmp_path; its tier:: host-memory directory is removed afterwards."""
+    from tessera.storage.host_memory import default_memory_root, prune_empty_parents
+
+    root = os.path.join(tmp_path, "run-7")
+    yield root
+    memory = default_memory_root(root)
+    shutil.rmtree(memory, ignore_errors=True)
+    prune_empty_parents(memory)
+
+
+def test_remove_local_steps_frees_host_memory(tier_root: str) -> None:
+    import torch
+
+    with CheckpointManager("tier::" + tier_root, keep_last=2) as mgr:
+        for k in (1, 2):
+            mgr.save(k, {"w": torch.full((4,), float(k))})
+        memory = mgr.local_dir
+        assert memory is not None and _committed(memory) == ["step-00000001", "step-00000002"]
+        assert mgr.remove_local_steps() == [1, 2]
+        assert not os.path.exists(memory) and not os.path.exists(os.path.dirname(memory))  # empty parents too
+        assert mgr.steps() == [1, 2]  # the durable steps stay
+        got = mgr.load({"w": torch.zeros(4)})
+        assert (got.step, got.source) == (2, "durable")
+
+
+def test_cli_remove_local_after_the_job(tier_root: str, capsys: pytest.CaptureFixture) -> None:
+    import torch
+
+    from tessera.cli import main
+
+    with CheckpointManager("tier::" + tier_root, durable_every=10) as mgr:
+        mgr.save(3, {"w": torch.ones(4)})
+        memory = mgr.local_dir
+    assert memory is not None and _committed(memory) == ["step-00000003"]
+    assert main(["remove-local", "tier::" + tier_root]) == 0
+    assert "removed 1 local step(s)" in capsys.readouterr().out
+    assert not os.path.exists(memory)
+    assert main(["remove-local", "tier::" + tier_root]) == 0
+    assert "no local step" in capsys.readouterr().out
+
+
+# ----------------------------------------------------------------------------------------
+# SIGKILL during replication, the durable copy and recovery (3 nodes x 1 rank)
+
+KILL_ENV = {"LOCAL_WORLD_SIZE": "1", "TESSERA_TIMEOUT_S": "10"}
+
+
+def _kill_run(fn, world: int, *args) -> list:  # type: ignore[no-untyped-def]
+    out = start_ranks(fn, world, *args, env=KILL_ENV).collect(150)
+    return out
+
+
+def _load3(root: str, local_dir: str, world: int = 3) -> list[dict]:
+    return _ok(run_ranks(load_and_check, world, root, local_dir, env=ONE, timeout=150))
+
+
+@pytest.mark.slow
+def test_kill_during_replication_then_recovery_then_a_smaller_job(tmp_path: os.PathLike) -> None:
+    """Node 2 dies entering step 3's replication: step 3 is committed nowhere and step 2 loads.
+    Then node 1's directory is lost and a rank dies as the fetch from peers starts: the next
+    restart still recovers step 2; and a 2-node job without node 2's directory too."""
+    root, local_dir = _dirs(tmp_path)
+    out = _kill_run(save_and_kill_at, 3, root, local_dir, 2, "replicating")
+    assert out[2].status == "died", out[2]
+    assert all(o.status == "ok" and o.value["error"] for o in out[:2]), out[:2]
+    for node in range(3):
+        assert "step-00000003" not in _committed(local_dir.format(node=node))
+    got = _without_durable(root, _load3, root, local_dir)  # each node fetches the file it lacks
+    assert [(g["step"], g["k"], g["source"]) for g in got] == [(2, 2, "peers")] * 3, got
+
+    shutil.rmtree(local_dir.format(node=1))
+    out = _kill_run(recover_and_kill, 3, root, local_dir, 1)
+    assert out[1].status == "died", out[1]
+    assert all(o.status == "ok" for o in (out[0], out[2])), out
+    got = _without_durable(root, _load3, root, local_dir)
+    assert [(g["step"], g["k"]) for g in got] == [(2, 2)] * 3 and got[1]["peer_bytes"] > 0, got
+    assert not [n for _, _, names in os.walk(os.path.join(tmp_path, "shm")) for n in names if ".recv-" in n]
+
+    shutil.rmtree(local_dir.format(node=2))
+    got = _without_durable(root, _load3, root, local_dir, 2)
+    assert [(g["step"], g["k"]) for g in got] == [(2, 2)] * 2, got
+
+
+@pytest.mark.slow
+def test_kill_after_replication_before_the_commit_marker(tmp_path: os.PathLike) -> None:
+    """Node 1 dies after step 3's replicas are written, before its commit marker: the step is
+    complete on the other nodes between them, so it loads (the guarantee's 'an error does not
+    prove nothing was committed')."""
+    root, local_dir = _dirs(tmp_path)
+    out = _kill_run(save_and_kill_at, 3, root, local_dir, 1, "replicated")
+    assert out[1].status == "died", out[1]
+    assert "step-00000003" not in _committed(local_dir.format(node=1))
+    got = _without_durable(root, _load3, root, local_dir)
+    assert [(g["step"], g["k"]) for g in got] == [(3, 3)] * 3, got
+
+
+@pytest.mark.slow
+def test_kill_during_the_durable_copy(tmp_path: os.PathLike) -> None:
+    """Node 1 dies halfway through uploading step 3: step 3 is committed locally and loads; the
+    durable root still has step 2 committed; the next save (4) commits durably."""
+    root, local_dir = _dirs(tmp_path)
+    out = _kill_run(save_and_kill_at, 3, root, local_dir, 1, "durable")
+    assert out[1].status == "died", out[1]
+    assert not os.path.exists(os.path.join(root, "step-00000003", "manifest.json"))
+    got = _ok(run_ranks(load_save_on, 3, root, local_dir, 4, env=ONE, timeout=150))
+    assert [(g["step"], g["k"]) for g in got] == [(3, 3)] * 3, (
+        got
+    )  # from the local tier: durable step 3 never committed
+    shutil.rmtree(os.path.join(tmp_path, "shm"))
+    got = _load3(root, local_dir)
+    assert [(g["step"], g["k"], g["source"]) for g in got] == [(4, 4, "durable")] * 3, got
+    assert verify(os.path.join(root, "step-00000004")).ok

@@ -451,8 +451,8 @@ def test_a_tier_root_is_the_local_tier_in_host_memory(tmp_path: Path, monkeypatc
                     mgr.save(step, _state(step))
                 mgr.wait()
                 assert mgr.steps() == [2] and mgr.pointer_step() == 2
-        # The durable store holds the committed step and the pointer...
-        assert sorted(os.listdir(durable)) == ["latest", "step-00000002"]
+        # The durable store holds the committed step, the pointer and the root's identity...
+        assert sorted(os.listdir(durable)) == [".tessera-root-id", "latest", "step-00000002"]
         assert os.path.exists(os.path.join(durable, "step-00000002", "manifest.json"))
         # ...host memory holds the same step, committed locally; retention removed step 1 from both.
         assert sorted(os.listdir(memory)) == ["step-00000002"]
@@ -483,7 +483,8 @@ def test_local_tier_single_process(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     mgr = CheckpointManager(root, keep_last=2, local_dir=local, local_replicas=1, durable_every=2)
     for k in range(1, 6):
         mgr.save(k, {"w": torch.full((3,), float(k)), "k": k})
-    assert mgr.steps() == [2, 4]  # durable: multiples of durable_every only
+    assert mgr.steps(local=False) == [2, 4]  # durable: multiples of durable_every only
+    assert mgr.steps() == [2, 4, 5]  # and the local steps (4 and 5)
     node = tmp_path / "shm" / "n0"
     committed = sorted(p.name for p in node.iterdir() if (p / "local-commit.json").exists())
     assert committed == [step_dirname(4), step_dirname(5)]  # keeps 2

@@ -11,7 +11,7 @@ Example:
     $ tessera verify /ckpt/step-00000100 && tessera convert /ckpt/step-00000100 /export/hf --to hf --prefix model.
 
 Modules: ``render`` (sizes, JSON, progress bars), ``cmd_inspect`` (inspect, verify),
-``cmd_convert`` (convert, diff, rename), ``cmd_trace`` (trace). The work itself is done by
+``cmd_convert`` (convert, diff, rename), ``cmd_trace`` (trace), ``cmd_local`` (remove-local). The work itself is done by
 library functions (:mod:`tessera.tools`, :mod:`tessera.describe`, :mod:`tessera.verify`,
 :mod:`tessera.trace`); nothing here imports torch (nor rich) at module level, so
 ``tessera --help`` and ``--version`` answer at once.
@@ -32,6 +32,7 @@ from ..tools import UsageError
 from ..version import __version__
 from .cmd_convert import RuleAction, cmd_convert, cmd_diff, cmd_rename
 from .cmd_inspect import cmd_inspect, cmd_verify
+from .cmd_local import cmd_remove_local
 from .cmd_trace import cmd_trace
 from .render import EXIT_OK, EXIT_PROBLEMS, EXIT_USAGE
 
@@ -159,6 +160,19 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true")
     s.add_argument("--fail-on-stragglers", action="store_true", help="exit 1 when a straggler is found")
     s.set_defaults(func=cmd_trace, checkpoints=("path",))
+
+    s = verb(
+        "remove-local",
+        help="delete a run's steps from this node's local tier (host memory of a tier:: root)",
+        description="Delete every step of ROOT held in this node's local-tier directory (committed or not; "
+        "steps of other roots stay). Run it on each node once the job is over; the durable steps under ROOT "
+        "are not touched.",
+    )
+    s.add_argument("root", help="the manager root (tier::URL or URL)")
+    s.add_argument("--local-dir", help="the manager's local_dir (default: the one of a tier:: root)")
+    s.add_argument("--node", type=int, help="the node index for {node} in --local-dir (default: from torchrun's env)")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=cmd_remove_local)
     p.set_defaults(root_means_latest=True)
     return p
 

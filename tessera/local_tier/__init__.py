@@ -3,18 +3,20 @@
 and recovery from whatever the surviving nodes hold. See ``docs/resilience.md``.
 
 Modules: :mod:`.placement` (node indices, the replica ring), :mod:`.inventory` (what a node
-holds, the choice of step), :mod:`.transfer` (files between ranks), :mod:`.fetch_plan` (which files move on
-recovery), :mod:`.tier` (save,
-commit, retention, recovery).
+holds, whose steps they are, the choice of step), :mod:`.transfer` (files between ranks),
+:mod:`.fetch_plan` (which files move on recovery), :mod:`.recovery` (recovery, with bad copies
+replaced), :mod:`.retention` (deleting a node's steps), :mod:`.tier` (save, commit).
 """
 
 from __future__ import annotations
 
 from .inventory import NodeInventory, StepHolding, choose_step
 from .placement import Placement, node_dir, node_index, place
+from .retention import LocalRetention, remove_root_steps
 from .tier import LocalTier, Recovery
 
 __all__ = [
+    "LocalRetention",
     "LocalTier",
     "NodeInventory",
     "Placement",
@@ -24,4 +26,5 @@ __all__ = [
     "node_dir",
     "node_index",
     "place",
+    "remove_root_steps",
 ]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 from ..step_names import parse_step_dirname
@@ -75,30 +75,49 @@ def read_marker(step_dir: str) -> dict | None:
     return doc if isinstance(doc, dict) else None
 
 
-def marker_bytes(root: str, step: int, save_id: str, files: Sequence[tuple[str, int]]) -> bytes:
-    """The content of a step's commit marker."""
-    doc = {"root": root, "step": step, "save_id": save_id, "files": [[p, n] for p, n in files]}
+def marker_bytes(root: str, root_id: str, step: int, save_id: str, files: Sequence[tuple[str, int]]) -> bytes:
+    """The content of a step's commit marker: the run's identity (``root`` and its ``root_id``),
+    the step, its save and its files."""
+    doc = {"root": root, "root_id": root_id, "step": step, "save_id": save_id, "files": [[p, n] for p, n in files]}
     return json.dumps(doc, separators=(",", ":")).encode()
 
 
-def scan_node(directory: str, node: int, root: str) -> NodeInventory:
-    """The committed local steps under a node's directory that belong to the run at ``root``.
+def owner_of(doc: dict | None, root: str, root_id: str | None) -> str:
+    """Whose step a commit marker says it is: ``"ours"`` (this root and this root id),
+    ``"stale"`` (this root string but another root id, or none: a deleted root's or another
+    run's), ``"foreign"`` (another root: a run sharing the directory) or ``"none"`` (no marker)."""
+    if doc is None:
+        return "none"
+    if doc.get("root") != root:
+        return "foreign"
+    if root_id is not None and doc.get("root_id") == root_id:
+        return "ours"
+    return "stale"
 
-    Steps whose marker names another durable root (a previous run's leftovers in a shared
-    ``/dev/shm``) are ignored. A file counts as held when it exists with the listed size.
-    """
-    out = []
+
+def local_steps(directory: str) -> list[tuple[int, str]]:
+    """The step directories under a node's directory: ``(step, path)``, oldest first."""
     try:
         names = os.listdir(directory)
     except FileNotFoundError:
-        names = []
-    for name in names:
-        step = parse_step_dirname(name)
-        if step is None:
-            continue
-        step_dir = os.path.join(directory, name)
+        return []
+    out = [(step, os.path.join(directory, name)) for name in names if (step := parse_step_dirname(name)) is not None]
+    return sorted(out)
+
+
+def scan_node(directory: str, node: int, root: str, root_id: str | None) -> NodeInventory:
+    """The committed local steps under a node's directory that belong to the run: those whose
+    marker names ``root`` and ``root_id`` (the identity written into the durable root).
+
+    Steps of another root, or of this root string under another root id (a deleted and
+    recreated root, a previous run's leftovers in ``/dev/shm``), are ignored; with
+    ``root_id=None`` (the durable root has no identity: it was deleted or never saved to)
+    no step is the run's. A file counts as held when it exists with the listed size.
+    """
+    out = []
+    for step, step_dir in local_steps(directory):
         doc = read_marker(step_dir)
-        if doc is None or doc.get("root") != root or doc.get("step") != step:
+        if owner_of(doc, root, root_id) != "ours" or doc is None or doc.get("step") != step:
             continue
         try:
             files = tuple((str(p), int(n)) for p, n in doc["files"])
@@ -123,7 +142,11 @@ def scan_node(directory: str, node: int, root: str) -> NodeInventory:
 
 
 def choose_step(
-    inventories: Sequence[NodeInventory | None], *, only_step: int | None = None, at_least: int | None = None
+    inventories: Sequence[NodeInventory | None],
+    *,
+    only_step: int | None = None,
+    at_least: int | None = None,
+    exclude: Collection[tuple[int, str]] = (),
 ) -> tuple[int, str] | None:
     """The newest ``(step, save_id)`` whose files are all held by some node, or None.
 
@@ -134,6 +157,7 @@ def choose_step(
         inventories: one per rank or per node (None entries are ignored).
         only_step: consider this step only.
         at_least: consider only steps at least this new (e.g. the newest durable step).
+        exclude: ``(step, save_id)`` pairs not to consider (found unusable).
 
     Example:
         >>> a = NodeInventory(0, (StepHolding(5, "x", 2, frozenset({0})),))
@@ -152,7 +176,35 @@ def choose_step(
             if at_least is not None and h.step < at_least:
                 continue
             key = (h.step, h.save_id)
+            if key in exclude:
+                continue
             union.setdefault(key, set()).update(h.held)
             count[key] = h.n_files
     complete = [key for key, held in union.items() if len(held) == count[key]]
     return max(complete) if complete else None
+
+
+def without(
+    inventories: Sequence[NodeInventory | None], bad: Collection[tuple[int, int, str, int]]
+) -> list[NodeInventory | None]:
+    """``inventories`` with the files in ``bad`` (``(node, step, save_id, file index)``: copies
+    that failed their checksums) no longer counted as held."""
+    if not bad:
+        return list(inventories)
+    out: list[NodeInventory | None] = []
+    for inv in inventories:
+        if inv is None:
+            out.append(None)
+            continue
+        steps = tuple(
+            StepHolding(
+                h.step,
+                h.save_id,
+                h.n_files,
+                frozenset(i for i in h.held if (inv.node, h.step, h.save_id, i) not in bad),
+                h.manifest_bytes,
+            )
+            for h in inv.steps
+        )
+        out.append(NodeInventory(inv.node, steps))
+    return out

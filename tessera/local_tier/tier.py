@@ -22,23 +22,17 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
-import threading
-from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
-from .. import api, commit, dist, manifest
-from ..errors import CheckpointError, CorruptCheckpointError, StorageError
+from .. import commit, dist, manifest
+from ..errors import CheckpointError, StorageError
 from ..manifest import MANIFEST_NAME
-from ..results import LoadResult
-from ..step_names import parse_step_dirname, step_dirname
+from ..step_names import step_dirname
 from ..storage import FileStorage, Storage
-from .fetch_plan import holdings_of, plan_fetches, plan_manifest_fetches
-from .inventory import MARKER_NAME, NodeInventory, choose_step, marker_bytes, read_marker, scan_node
-from .needs import needed_files
+from .inventory import MARKER_NAME, NodeInventory, marker_bytes, scan_node
 from .placement import Placement, node_dir, node_index, place
+from .recovery import Recovery, RecoveryAttempt
+from .retention import LocalRetention, remove_root_steps
 from .transfer import Transfer, run_transfers
 
 logger = logging.getLogger(__name__)
@@ -64,29 +58,12 @@ class NodeStorage(FileStorage):
         return False
 
 
-@dataclass(frozen=True)
-class Recovery:
-    """What :meth:`LocalTier.recover` loaded.
-
-    Attributes:
-        step: the step loaded.
-        result: its LoadResult on this rank.
-        source: ``"local"`` if every node already held all its files, ``"peers"`` if files were fetched.
-        peer_bytes: bytes this rank received from peers.
-    """
-
-    step: int
-    result: LoadResult
-    source: str
-    peer_bytes: int
-
-
 class LocalTier:
     """Node-local steps with replicas on other nodes.
 
     Args:
         local_dir: the node-local directory; ``{node}`` is replaced by the node index.
-        root: the durable root of the run (recorded in markers, so leftovers of other runs are ignored).
+        root: the durable root of the run (recorded in markers, with its root id: see :attr:`root_id`).
         replicas: copies of each rank's files on other nodes.
         keep_last: committed local steps each node keeps.
         process_group: the ranks taking part.
@@ -111,7 +88,16 @@ class LocalTier:
         self.warn_single_node = warn_single_node
         self._placement: Placement | None = None
         self._placement_key: tuple[int, int] | None = None
-        self._deleter: threading.Thread | None = None
+        self.retention = LocalRetention(root, keep_last)
+        self._own_node: int | None = None
+        self.root_id: str | None = None
+        """The identity of the durable root (written into it when it is created, see
+        :mod:`tessera.manager.identity`); each commit marker records it, and only steps whose
+        marker carries it are the run's. None until the manager has read it."""
+        self.last_report = ""
+        """What the last :meth:`recover` found, for an error when it loaded nothing."""
+        self.last_fenced = False
+        """Whether the last :meth:`commit` un-committed newer local steps on some node (a rollback)."""
 
     # --------------------------------------------------------------------------------
     # Names and layout
@@ -124,6 +110,7 @@ class LocalTier:
             nodes = dist.all_gather(world, node_index(rank), "gathering node indices")
             self._placement = place([int(n) for n in nodes], self.replicas)
             self._placement_key = key
+            self._own_node = self._placement.node_of[world.rank]
             if self.warn_single_node and self.replicas > 0 and len(self._placement.nodes) < 2 and world.is_coordinator:
                 logger.warning("local tier at %s: one node only, so no replicas are kept", self.local_dir)
         return self._placement
@@ -139,6 +126,16 @@ class LocalTier:
     def step_store(self, step: int, world: dist.World) -> NodeStorage:
         """This node's directory of ``step``."""
         return NodeStorage(os.path.join(self.node_directory(world), step_dirname(step)), self.step_label(step))
+
+    def steps_here(self, root_id: str | None) -> list[int]:
+        """The run's local steps (their marker names ``root_id``) this node holds completely,
+        oldest first. Not collective; the node is the placement's if known, else torchrun's
+        environment's (:func:`~tessera.local_tier.placement.node_index`)."""
+        if root_id is None:
+            return []
+        node = self._own_node if self._own_node is not None else node_index(_global_rank_now())
+        inv = scan_node(node_dir(self.local_dir, node), node, self.root, root_id)
+        return sorted(h.step for h in inv.steps if len(h.held) == h.n_files)
 
     def _is_leader(self, world: dist.World) -> bool:
         p = self.placement(world)
@@ -188,16 +185,21 @@ class LocalTier:
         dist.exchange(world, own_error, None, f"step {step}: writing the local manifest")
         transfers = [Transfer(f.rank, t, f.path, f.nbytes) for f in m.files for t in placement.targets[f.rank]]
         run_transfers(world, transfers, store.root, f"step {step}: replicating")
+        fenced: list[int] = []
         if leader:
             try:
+                # Steps newer than this one are of a timeline the job left (a rollback): they stop
+                # being committed before this one is, so no recovery can prefer them to it.
+                fenced = self.fence_newer(world, step)
                 files = [(f.path, f.nbytes) for f in m.files]
-                store.write_atomic(MARKER_NAME, marker_bytes(self.root, step, m.save_id, files))
+                store.write_atomic(MARKER_NAME, marker_bytes(self.root, self._id(), step, m.save_id, files))
             except Exception as e:
                 own_error = e
-        dist.exchange(world, own_error, None, f"step {step}: committing the local step")
+        fenced_anywhere = dist.exchange(world, own_error, fenced, f"step {step}: committing the local step")
+        self.last_fenced = any(fenced_anywhere)
         if leader:
             try:
-                self.apply_retention(world, step)
+                self.apply_retention(world, step, also=fenced)
             except Exception as e:
                 logger.warning("local retention in %s after step %d failed: %s", store.root, step, e)
         return data
@@ -251,41 +253,36 @@ class LocalTier:
         # whose owner marker stays, which the next commit at the durable root removes.
         dist.collective_step(world, what, upload, publish)
 
-    def apply_retention(self, world: dist.World, newest: int) -> list[int]:
-        """Node leaders: delete committed local steps beyond the newest ``keep_last`` and
-        uncommitted leftovers older than ``newest``; returns the steps deleted. Not collective."""
+    def _id(self) -> str:
+        if self.root_id is None:
+            raise CheckpointError(f"internal error: the local tier at {self.local_dir} has no root id")
+        return self.root_id
+
+    def fence_newer(self, world: dist.World, step: int) -> list[int]:
+        """Node leaders: :meth:`LocalRetention.fence_newer` on this node. Not collective."""
+        return self.retention.fence_newer(self.node_directory(world), self.root_id, step)
+
+    def apply_retention(self, world: dist.World, newest: int, also: list[int] | None = None) -> list[int]:
+        """Node leaders: :meth:`LocalRetention.apply` on this node. Not collective."""
+        return self.retention.apply(self.node_directory(world), self.root_id, newest, also or [])
+
+    def remove_stale(self, world: dist.World) -> list[int]:
+        """Node leaders: delete this node's stale steps (:meth:`LocalRetention.stale`) and wait
+        until they are gone; returns them. Not collective."""
         directory = self.node_directory(world)
-        committed: list[int] = []
-        other: list[int] = []
-        for name in os.listdir(directory):
-            step = parse_step_dirname(name)
-            if step is None:
-                continue
-            doc = read_marker(os.path.join(directory, name))
-            if doc is None:
-                other.append(step)
-            elif doc.get("root") == self.root:
-                committed.append(step)
-            # else: another run's committed step (a shared local_dir): not ours to count or delete
-        committed.sort()
-        doomed = committed[: max(0, len(committed) - self.keep_last)]
-        doomed += [s for s in other if s < newest]
-        dirs = [os.path.join(directory, step_dirname(s)) for s in sorted(doomed)]
-        for step_dir in dirs:
-            _remove(os.path.join(step_dir, MARKER_NAME))  # un-commit first: a cut-short delete is skipped
-        # Freeing the data is off the save's path: a background thread, joined before the next save.
-        self.wait_deletions()
-        if dirs:
-            self._deleter = threading.Thread(target=_remove_dirs, args=(dirs,), name="tessera-local-retention")
-            self._deleter.daemon = True
-            self._deleter.start()
-        return sorted(doomed)
+        stale = self.retention.stale(directory, self.root_id)
+        self.retention.delete(directory, stale)
+        self.retention.wait()
+        return stale
+
+    def remove_all(self, world: dist.World) -> list[int]:
+        """Node leaders: :func:`remove_root_steps` on this node's directory. Not collective."""
+        self.retention.wait()
+        return remove_root_steps(self.node_directory(world), self.root)
 
     def wait_deletions(self) -> None:
         """Wait for the background deletion of old local steps, if one runs. Not collective."""
-        deleter, self._deleter = self._deleter, None
-        if deleter is not None:
-            deleter.join()
+        self.retention.wait()
 
     # --------------------------------------------------------------------------------
     # Recovery
@@ -294,7 +291,7 @@ class LocalTier:
         """Collective: every rank's node inventory (node leaders report, others send None)."""
         placement = self.placement(world)
         node = placement.node_of[world.rank]
-        mine = scan_node(self.node_directory(world), node, self.root) if self._is_leader(world) else None
+        mine = scan_node(self.node_directory(world), node, self.root, self.root_id) if self._is_leader(world) else None
         return dist.all_gather(world, mine, "gathering the local tier's inventory")
 
     def recover(
@@ -305,64 +302,19 @@ class LocalTier:
         only_step: int | None,
         at_least: int | None = None,
     ) -> Recovery | None:
-        """Collective: load the newest step the surviving nodes hold completely (and not older
-        than ``at_least``), fetching missing files from peers; None if there is no such step.
+        """Collective: load the newest step that can be assembled intact from what the nodes
+        hold (and not older than ``at_least``), fetching missing or corrupt files from peers;
+        None if there is no such step (:attr:`last_report` then says what was found).
 
         Raises:
             CheckpointError: what fetching or loading failed with (the same type on every rank).
         """
         self.wait_deletions()
-        placement = self.placement(world)
-        inventories = self.inventory(world)
-        choice = choose_step(inventories, only_step=only_step, at_least=at_least)
-        if choice is None:
-            return None
-        step, save_id = choice
-        node = placement.node_of[world.rank]
-        leader = placement.leader(node) == world.rank
-        store = self.step_store(step, world)
-        holdings = holdings_of(inventories, step, save_id)
-        if leader and node not in holdings:
-            _remove(os.path.join(store.root, MARKER_NAME))  # another save of this step, if any
-
-        what = f"step {step}: fetching from peers"
-        first = plan_manifest_fetches(inventories, placement, step, save_id)
-        received = run_transfers(world, first, store.root, what)
-        # Every node has the manifest now: the file names and sizes come from it.
-        error: BaseException | None = None
-        files: list[tuple[str, int]] = []
-        wanted = b""
+        attempt = RecoveryAttempt(self, world)
         try:
-            m = manifest.decode(store.read_file(MANIFEST_NAME), source=f"{store.root}/{MANIFEST_NAME}")
-            if m.save_id != save_id:
-                # Another writer replaced the manifest after this step's commit (a zombie job on
-                # the same local_dir): its files are not the ones the commit markers vouch for.
-                raise CorruptCheckpointError(
-                    f"rank {world.rank}: local step {step} in {store.root}: {MANIFEST_NAME} is of save "
-                    f"{m.save_id}, but the step was committed as save {save_id}; is another job writing "
-                    f"into {self.local_dir}?"
-                )
-            files = [(f.path, f.nbytes) for f in m.files]
-            # Each rank says which files its load reads (one bit per file): a node fetches only those.
-            wanted = np.packbits(needed_files(state, m, rank=world.rank, world_size=world.size)).tobytes()
-        except Exception as e:
-            error = _storage_error(e, f"rank {world.rank}: step {step}: reading the local manifest")
-        masks = dist.exchange(world, error, wanted, what)
-        needs: dict[int, set[int]] = {}
-        for rank, bits in enumerate(masks):
-            mask = np.unpackbits(np.frombuffer(bits, dtype=np.uint8), count=len(files)).astype(bool)
-            needs.setdefault(placement.node_of[rank], set()).update(np.flatnonzero(mask).tolist())
-        transfers = plan_fetches(inventories, placement, step, save_id, files, needs)
-        received += run_transfers(world, transfers, store.root, what)
-        if leader and (node not in holdings or len(holdings[node].held) < len(files)):
-            store.write_atomic(MARKER_NAME, marker_bytes(self.root, step, save_id, files))
-        moved = len(first) + len(transfers)
-        logger.info(
-            "rank %d: recovering step %d from the local tier (%d files fetched job-wide, %d bytes by this rank)",
-            world.rank, step, moved, received,
-        )  # fmt: skip
-        result = api.load(self.step_label(step), state, storage=store, **kwargs)
-        return Recovery(step, result, "peers" if moved else "local", received)
+            return attempt.run(state, kwargs, only_step, at_least)
+        finally:
+            self.last_report = attempt.report()
 
 
 def _global_rank(world: dist.World) -> int | None:
@@ -373,9 +325,11 @@ def _global_rank(world: dist.World) -> int | None:
     return tdist.get_global_rank(world.group, world.rank)
 
 
-def _remove_dirs(dirs: list[str]) -> None:
-    for d in dirs:
-        shutil.rmtree(d, ignore_errors=True)
+def _global_rank_now() -> int | None:
+    """This process's global rank, or None without ``torch.distributed``."""
+    import torch.distributed as tdist
+
+    return tdist.get_rank() if tdist.is_available() and tdist.is_initialized() else None
 
 
 def _remove(path: str) -> None:

@@ -157,7 +157,14 @@ def run_transfers(
             for work in works:
                 work.wait()  # type: ignore[union-attr]
 
-        dist.run_collective(world, what, post)
+        try:
+            dist.run_collective(world, what, post)
+        except BaseException:
+            # A peer died or hangs: no receive will complete. The temporary files would hold
+            # their full size in host memory until the step is deleted; they go now.
+            for _, sink in sinks:
+                sink.abort()
+            raise
     for t, sink in sinks:
         try:
             if error is None:

@@ -26,7 +26,7 @@ from ..results import PendingSave, SaveResult
 from ..step_names import step_dirname
 from ..storage import Storage, storage_for
 from ..storage.host_memory import TIER_PREFIX, default_memory_root
-from . import background, direct, resume, retention, tiered
+from . import background, direct, identity, resume, retention, tiered
 from .resume import StepLoadResult
 from .steps import check_step, join_root, read_pointer, scan_steps
 
@@ -201,19 +201,32 @@ class CheckpointManager:
         """Every step directory under root: ``{step: committed}``."""
         return scan_steps(self._root_store)
 
-    def steps(self) -> list[int]:
-        """Committed steps (those with a ``manifest.json``), oldest first.
+    def steps(self, *, local: bool = True) -> list[int]:
+        """Committed steps, oldest first: those under ``root`` with a ``manifest.json`` and, with
+        a local tier, the run's local steps this node holds completely.
 
-        Not collective; reads storage. A committed step may still turn out corrupt on load.
+        Not collective; reads storage (with a local tier, also the root's identity and this
+        node's directory: nodes may disagree after a node loss). A committed step may still
+        turn out corrupt on load.
+
+        Args:
+            local: count the local tier's steps (False: only the durable steps under ``root``).
 
         Example:
             >>> mgr.steps()
             [300, 400, 500]
         """
-        return sorted(s for s, committed in self._scan().items() if committed)
+        found = {s for s, committed in self._scan().items() if committed}
+        if local and self._tier is not None:
+            root_id = self._tier.root_id
+            if root_id is None:
+                root_id = identity.read_root_id(self._root_store)
+            found.update(self._tier.steps_here(root_id))
+        return sorted(found)
 
     def latest_step(self) -> int | None:
-        """The newest committed step, or None when there is none. Not collective.
+        """The newest committed step (durable, or local on this node: see :meth:`steps`), or
+        None when there is none. Not collective.
 
         This is where :meth:`load` starts; it does not depend on the ``latest`` pointer,
         which may lag one step behind after a crash.
@@ -374,6 +387,33 @@ class CheckpointManager:
         if step is not None:
             return StepLoadResult(step, resume.load_step(self, step, state, kwargs), {})
         return resume.load_newest(self, state, world, kwargs)
+
+    def remove_local_steps(self) -> list[int]:
+        """Delete this root's steps from the local tier on every node (host memory of a
+        ``tier::`` root): committed or not, this run's or stale; collective.
+
+        Call it when the run is over and its steps are durable (or no longer wanted): host
+        memory is not freed when the job ends. Steps under ``root`` are not touched. The
+        node directory goes too if nothing else is left in it. From the command line, on
+        each node: ``tessera local-tier remove ROOT``.
+
+        Returns:
+            the steps deleted on this rank's node (empty on ranks that are not a node's first).
+
+        Raises:
+            ValueError: if the manager has no local tier or is closed.
+
+        Example:
+            >>> mgr.save(100, state)
+            >>> mgr.remove_local_steps()
+            [100]
+        """
+        if self._tier is None:
+            raise ValueError(f"CheckpointManager({self.root!r}) has no local tier (no local_dir, no tier:: root)")
+        if self._closed:
+            raise ValueError(f"CheckpointManager({self.root!r}) is closed")
+        self._wait_previous()
+        return tiered.remove_local(self, dist.world_for(self.process_group))
 
     # ------------------------------------------------------------------------------------
     # Lifecycle

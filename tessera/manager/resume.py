@@ -13,14 +13,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from .. import api, dist
-from ..errors import (
-    CheckpointError,
-    CheckpointNotFoundError,
-    CollectiveTimeoutError,
-    DistributedError,
-    StorageError,
-)
+from ..errors import CheckpointError, CheckpointNotFoundError, StorageError
+from ..local_tier.recovery import is_unusable
 from ..results import LoadResult
+from . import identity
 from .steps import close_store
 
 if TYPE_CHECKING:
@@ -29,11 +25,6 @@ if TYPE_CHECKING:
 __all__ = ["StepLoadResult", "is_skippable", "load_newest", "load_step", "recover"]
 
 logger = logging.getLogger(__name__)
-
-# Errors that mean "this step's checkpoint is unusable", as opposed to a problem with the
-# caller's state or the job. Compared by name because a peer's failure reaches the other
-# ranks as text inside a DistributedError.
-_SKIPPABLE = frozenset({"CorruptCheckpointError", "ManifestError", "CheckpointNotFoundError"})
 
 
 @dataclass(frozen=True)
@@ -95,8 +86,11 @@ def load_newest(manager: CheckpointManager, state: object, world: dist.World, kw
             continue
         return StepLoadResult(s, result, skipped)
     detail = "".join(f"\n  step {s}: {why}" for s, why in skipped.items())
+    local = ""
+    if manager._tier is not None:
+        local = "\n" + (manager._tier.last_report or f"the local tier at {manager.local_dir} was not used")
     raise CheckpointNotFoundError(
-        f"no loadable checkpoint under {manager.root}" + (f":{detail}" if detail else " (no steps)")
+        f"no loadable checkpoint under {manager.root}" + (f":{detail}" if detail else " (no steps)") + local
     )
 
 
@@ -106,6 +100,12 @@ def recover(
     """The local tier's recovery (own node, then peers), or None to fall back to ``root``."""
     tier = manager._tier
     assert tier is not None
+    identity.establish(manager, world, create=False)
+    if tier.root_id is None:  # the root has no identity: no local step is this run's
+        tier.last_report = (
+            f"the local tier at {manager.local_dir}: no step of this root ({manager.root} has no root id)"
+        )
+        return None
     newest_durable = None
     if step is None:
         # A durable step newer than anything local (say local saves failed for a while) wins:
@@ -123,6 +123,7 @@ def recover(
         if not is_skippable(e) and not isinstance(e, StorageError):
             raise
         message = f"the local tier at {manager.local_dir} could not be used, falling back to {manager.root}: {e}"
+        tier.last_report = message
         if world.is_coordinator:  # job-wide news: said once, by rank 0
             warnings.warn(message, RuntimeWarning, stacklevel=3)
         logger.debug("%s", message)
@@ -158,11 +159,4 @@ def is_skippable(e: BaseException) -> bool:
     rank's own failure is the exception itself. Either way the decision depends only on
     the failures every rank was told about, so all ranks skip or raise together.
     """
-    if isinstance(e, CollectiveTimeoutError):
-        return False
-    if isinstance(e, DistributedError):
-        if not e.failures:
-            return False
-        # str() of a failure record is "TypeName: message", whether it is a str or a record object.
-        return all(str(text).split(":", 1)[0] in _SKIPPABLE for text in e.failures.values())
-    return type(e).__name__ in _SKIPPABLE
+    return is_unusable(e)

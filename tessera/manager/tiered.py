@@ -9,17 +9,22 @@ where ``latest`` and retention follow as for any save. Loading from the tier is
 from __future__ import annotations
 
 import functools
+import logging
 from typing import TYPE_CHECKING
 
 from .. import dist
 from ..results import PendingSave, SaveResult
+from . import identity
 from .direct import after_commit, run_save
-from .steps import close_store
+from .retention import delete_step
+from .steps import LATEST_NAME, close_store, write_pointer
 
 if TYPE_CHECKING:
     from .core import CheckpointManager
 
-__all__ = ["finish_tiered", "save_tiered"]
+logger = logging.getLogger(__name__)
+
+__all__ = ["finish_tiered", "remove_local", "save_tiered"]
 
 
 def save_tiered(
@@ -52,6 +57,7 @@ def save_tiered(
     assert tier is not None
     if not durable:
         durable = manager.durable_every is None or step % manager.durable_every == 0
+    identity.establish(manager, world, create=True)  # once: the id each local commit records
     local = tier.step_store(step, world)
     tier.before_save(step, world)
     with manager._lock:
@@ -65,6 +71,8 @@ def finish_tiered(manager: CheckpointManager, step: int, durable: bool, world: d
     tier = manager._tier
     assert tier is not None
     data = tier.commit(step, world)
+    if durable or tier.last_fenced:
+        fence_durable(manager, step, world, rolled_back=tier.last_fenced)
     if not durable:
         return
     store = manager._factory(manager.step_url(step))
@@ -73,3 +81,52 @@ def finish_tiered(manager: CheckpointManager, step: int, durable: bool, world: d
         after_commit(manager, step, store, world)
     finally:
         close_store(store)
+
+
+def remove_local(manager: CheckpointManager, world: dist.World) -> list[int]:
+    """:meth:`CheckpointManager.remove_local_steps`: node leaders delete the root's steps in
+    their node's directory; collective (a failure on any rank raises on every rank)."""
+    tier = manager._tier
+    assert tier is not None
+    placement = tier.placement(world)
+    leader = placement.leader(placement.node_of[world.rank]) == world.rank
+    error: BaseException | None = None
+    removed: list[int] = []
+    if leader:
+        try:
+            removed = tier.remove_all(world)
+        except Exception as e:
+            error = e
+    dist.exchange(world, error, None, f"removing the local steps of {manager.root}")
+    if removed:
+        logger.info("removed local steps %s of %s from %s", removed, manager.root, tier.node_directory(world))
+    return removed
+
+
+def fence_durable(manager: CheckpointManager, step: int, world: dist.World, *, rolled_back: bool) -> None:
+    """Rank 0, once ``step`` is committed locally: if the job rolled back (newer local steps
+    were fenced, or ``latest`` names a newer step), delete the durable steps newer than ``step``
+    (manifest first) and point ``latest`` at the newest one left, so that no later load prefers
+    the abandoned steps. Failures are logged: ``step`` is committed whatever happens here."""
+    if not world.is_coordinator:
+        return
+    try:
+        pointer = manager.pointer_step()
+        if not rolled_back and (pointer is None or pointer <= step):
+            return  # the usual case: one small read, no listing
+        found = manager._scan()
+        newer = sorted(s for s in found if s > step)
+        for s in newer:
+            delete_step(manager._root_store, manager.root, s)
+        if pointer is not None and pointer > step:
+            left = max((s for s, committed in found.items() if committed and s <= step), default=None)
+            if left is None:
+                manager._root_store.delete([LATEST_NAME])
+            else:
+                write_pointer(manager._root_store, left)
+        if newer:
+            logger.warning(
+                "step %d is saved after a rollback: the newer steps %s under %s are deleted", step, newer, manager.root
+            )
+    except Exception as e:
+        logger.warning("step %d: removing the steps newer than it under %s failed: %s", step, manager.root, e)

@@ -17,7 +17,7 @@ from .local import local_root
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["TIER_PREFIX", "default_memory_root"]
+__all__ = ["TIER_PREFIX", "default_memory_root", "prune_empty_parents"]
 
 TIER_PREFIX = "tier::"
 """Prefix of a :class:`~tessera.CheckpointManager` root with its local tier in host memory (``docs/resilience.md``)."""
@@ -48,3 +48,23 @@ def default_memory_root(durable_url: str) -> str:
     # normpath of an absolute path cannot climb above "/": no ".." escapes the tier root.
     rel = posixpath.normpath("/" + path).lstrip("/")
     return os.path.join(base, "tessera", store, rel)
+
+
+def prune_empty_parents(directory: str) -> None:
+    """Remove ``directory``'s parents that are left empty, up to (not including) the
+    ``tessera`` directory of host memory that :func:`default_memory_root` builds paths under;
+    nothing outside it is touched."""
+    top = None
+    for base in ("/dev/shm", tempfile.gettempdir()):
+        candidate = os.path.join(base, "tessera")
+        if os.path.commonpath([candidate, os.path.abspath(directory)]) == candidate:
+            top = candidate
+    if top is None:
+        return
+    parent = os.path.dirname(os.path.abspath(directory))
+    while parent != top and parent.startswith(top + os.sep):
+        try:
+            os.rmdir(parent)
+        except OSError:
+            return  # not empty (another run's steps), or gone
+        parent = os.path.dirname(parent)

@@ -1,0 +1,224 @@
+"""Recovery from the local tier: the newest step that can be assembled intact from what the
+nodes hold, with copies that fail their checksums replaced by intact ones from peers.
+
+One :class:`RecoveryAttempt` per :meth:`~tessera.local_tier.LocalTier.recover` call. It
+gathers the inventories, picks a step, fetches what each node lacks and loads. When the load
+finds bytes that do not match their checksums, every node checks its copies of that step's
+files, removes those that fail, and the choice is made again from what is left: a replica
+held intact elsewhere is fetched in place of the bad copy; failing that, an older step is
+taken. Verification costs nothing until a load fails.
+
+Distributed contract: collective over the tier's process group; every rank takes the same
+decisions (they depend only on gathered data and on errors every rank sees).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from .. import api, dist, manifest
+from ..errors import CheckpointError, CollectiveTimeoutError, CorruptCheckpointError, DistributedError, StorageError
+from ..manifest import MANIFEST_NAME, Manifest
+from ..results import LoadResult
+from ..verify_files import check_file, tiles_by_file
+from .fetch_plan import holdings_of, plan_fetches, plan_manifest_fetches
+from .inventory import MARKER_NAME, NodeInventory, choose_step, marker_bytes
+from .needs import needed_files
+from .transfer import run_transfers
+
+if TYPE_CHECKING:
+    from .tier import LocalTier
+
+logger = logging.getLogger(__name__)
+
+_UNUSABLE = frozenset({"CorruptCheckpointError", "ManifestError", "CheckpointNotFoundError"})
+"""Error types that say a checkpoint's bytes are unusable (compared by name: a peer's failure
+reaches the other ranks as text inside a DistributedError)."""
+
+
+def is_unusable(e: BaseException) -> bool:
+    """Whether a load failed because the checkpoint is unusable, identically on every rank."""
+    if isinstance(e, CollectiveTimeoutError):
+        return False
+    if isinstance(e, DistributedError):
+        return bool(e.failures) and all(str(t).split(":", 1)[0] in _UNUSABLE for t in e.failures.values())
+    return type(e).__name__ in _UNUSABLE
+
+
+@dataclass(frozen=True)
+class Recovery:
+    """What :meth:`LocalTier.recover` loaded.
+
+    Attributes:
+        step: the step loaded.
+        result: its LoadResult on this rank.
+        source: ``"local"`` if every node already held all its files, ``"peers"`` if files were fetched.
+        peer_bytes: bytes this rank received from peers.
+    """
+
+    step: int
+    result: LoadResult
+    source: str
+    peer_bytes: int
+
+
+class RecoveryAttempt:
+    """One recovery: the choice of step, fetches, the load, and repairs after a failed load.
+
+    Args:
+        tier: the local tier.
+        world: the process group's view of this rank.
+    """
+
+    def __init__(self, tier: LocalTier, world: dist.World) -> None:
+        self.tier = tier
+        self.world = world
+        self.placement = tier.placement(world)
+        self.node = self.placement.node_of[world.rank]
+        self.leader = self.placement.leader(self.node) == world.rank
+        self.inventories: list[NodeInventory | None] = []
+        self.excluded: set[tuple[int, str]] = set()
+        self.bad: list[str] = []  # "step 5: <file> on node 0: <why>", job-wide, the same on every rank
+        self.moved = 0
+
+    def run(
+        self, state: object, kwargs: dict[str, Any], only_step: int | None, at_least: int | None
+    ) -> Recovery | None:
+        """Load the newest usable step; None if none can be assembled intact."""
+        self.inventories = self.tier.inventory(self.world)
+        # Each round either loads, or removes at least one bad copy, or excludes a step: it ends.
+        while True:
+            choice = choose_step(self.inventories, only_step=only_step, at_least=at_least, exclude=self.excluded)
+            if choice is None:
+                return None
+            step, save_id = choice
+            store = self.tier.step_store(step, self.world)
+            m, received = self._assemble(state, step, save_id)
+            try:
+                result = api.load(self.tier.step_label(step), state, storage=store, **kwargs)
+            except CheckpointError as e:
+                if not is_unusable(e):
+                    raise
+                if not self._repair(step, save_id, m, e):
+                    self.excluded.add((step, save_id))
+                self.inventories = self.tier.inventory(self.world)
+                continue
+            if self.bad and self.world.is_coordinator:
+                warnings.warn(
+                    f"recovered step {step} from the local tier at {self.tier.local_dir} after finding bad copies "
+                    f"(removed; intact copies or an older step used instead): {'; '.join(self.bad)}",
+                    RuntimeWarning,
+                    stacklevel=5,
+                )
+            return Recovery(step, result, "peers" if self.moved else "local", received)
+
+    def _assemble(self, state: object, step: int, save_id: str) -> tuple[Manifest | None, int]:
+        """Give every node the step's manifest and the files its ranks will read; the manifest
+        and the bytes this rank received."""
+        world, placement, inventories = self.world, self.placement, self.inventories
+        store = self.tier.step_store(step, world)
+        holdings = holdings_of(inventories, step, save_id)
+        if self.leader and self.node not in holdings:
+            _remove(os.path.join(store.root, MARKER_NAME))  # another save of this step, if any
+        what = f"step {step}: fetching from peers"
+        first = plan_manifest_fetches(inventories, placement, step, save_id)
+        received = run_transfers(world, first, store.root, what)
+        # Every node has the manifest now: the file names and sizes come from it.
+        error: BaseException | None = None
+        m: Manifest | None = None
+        files: list[tuple[str, int]] = []
+        wanted = b""
+        try:
+            m = manifest.decode(store.read_file(MANIFEST_NAME), source=f"{store.root}/{MANIFEST_NAME}")
+            if m.save_id != save_id:
+                # Another writer replaced the manifest after this step's commit (a zombie job on
+                # the same local_dir): its files are not the ones the commit markers vouch for.
+                raise CorruptCheckpointError(
+                    f"rank {world.rank}: local step {step} in {store.root}: {MANIFEST_NAME} is of save "
+                    f"{m.save_id}, but the step was committed as save {save_id}; is another job writing "
+                    f"into {self.tier.local_dir}?"
+                )
+            files = [(f.path, f.nbytes) for f in m.files]
+            # Each rank says which files its load reads (one bit per file): a node fetches only those.
+            wanted = np.packbits(needed_files(state, m, rank=world.rank, world_size=world.size)).tobytes()
+        except Exception as e:
+            error = _storage_error(e, f"rank {world.rank}: step {step}: reading the local manifest")
+        masks = dist.exchange(world, error, wanted, what)
+        needs: dict[int, set[int]] = {}
+        for rank, bits in enumerate(masks):
+            mask = np.unpackbits(np.frombuffer(bits, dtype=np.uint8), count=len(files)).astype(bool)
+            needs.setdefault(placement.node_of[rank], set()).update(np.flatnonzero(mask).tolist())
+        transfers = plan_fetches(inventories, placement, step, save_id, files, needs)
+        received += run_transfers(world, transfers, store.root, what)
+        if self.leader and (self.node not in holdings or len(holdings[self.node].held) < len(files)):
+            store.write_atomic(MARKER_NAME, marker_bytes(self.tier.root, self.tier.root_id or "", step, save_id, files))
+        self.moved += len(first) + len(transfers)
+        logger.info(
+            "rank %d: recovering step %d from the local tier (%d files fetched job-wide, %d bytes by this rank)",
+            world.rank, step, len(first) + len(transfers), received,
+        )  # fmt: skip
+        return m, received
+
+    def _repair(self, step: int, save_id: str, m: Manifest | None, error: BaseException) -> bool:
+        """Collective, after loading ``step`` failed with ``error``: node leaders check every
+        copy of the step's files their node holds and remove those that fail; True if any did."""
+        store = self.tier.step_store(step, self.world)
+        mine: list[tuple[str, str]] = []
+        if self.leader and m is not None:
+            tiles = tiles_by_file(m)
+            for i, entry in enumerate(m.files):
+                if not os.path.exists(os.path.join(store.root, entry.path)):
+                    continue
+                problems = check_file(store, m, entry, tiles.get(i, [])).problems
+                if problems:
+                    mine.append((entry.path, problems[0].message))
+                    _remove(os.path.join(store.root, entry.path))
+        found = dist.all_gather(self.world, mine, f"step {step}: checking the local copies")
+        new = [
+            f"step {step}: {path} on node {self.placement.node_of[rank]}: {why}"
+            for rank, items in enumerate(found)
+            for path, why in items
+        ]
+        for line in new:  # job-wide news: logged by rank 0 only
+            (logger.warning if self.world.is_coordinator else logger.debug)(
+                "local tier at %s: bad copy removed: %s", self.tier.local_dir, line
+            )
+        self.bad += new
+        if not new and self.world.is_coordinator:
+            logger.warning("local step %d failed to load and no copy of its files is bad: %s", step, error)
+        if not new:
+            self.bad.append(f"step {step}: failed to load ({error})")
+        return bool(new)
+
+    def report(self) -> str:
+        """What this attempt found, for an error when nothing loaded (empty if nothing to say)."""
+        held = []
+        for inv in self.inventories:
+            if inv is not None and inv.steps:
+                steps = ", ".join(f"{h.step} ({len(h.held)}/{h.n_files} files)" for h in inv.steps)
+                held.append(f"node {inv.node}: step {steps}")
+        lines = [f"the local tier at {self.tier.local_dir}:"]
+        lines += ["  " + (("; ".join(held)) if held else "no committed step of this run on any node")]
+        lines += [f"  bad copy: {b}" for b in self.bad]
+        return "\n".join(lines)
+
+
+def _remove(path: str) -> None:
+    try:
+        os.remove(path)
+    except FileNotFoundError:
+        pass
+
+
+def _storage_error(e: BaseException, what: str) -> CheckpointError:
+    if isinstance(e, CheckpointError):
+        return e
+    out = StorageError(f"{what}: {type(e).__name__}: {e}")
+    out.__cause__ = e
+    return out
