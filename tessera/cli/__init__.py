@@ -172,7 +172,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--local-dir", help="the manager's local_dir (default: the one of a tier:: root)")
     s.add_argument("--node", type=int, help="the node index for {node} in --local-dir (default: from torchrun's env)")
     s.add_argument("--json", action="store_true")
-    s.set_defaults(func=cmd_remove_local)
+    s.set_defaults(func=cmd_remove_local, checkpoints=())
     p.set_defaults(root_means_latest=True)
     return p
 
