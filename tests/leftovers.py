@@ -18,6 +18,7 @@ Each test's new top-level entries are noted with its node id, so the report name
 from __future__ import annotations
 
 import getpass
+import multiprocessing.util
 import os
 import shutil
 import tempfile
@@ -80,6 +81,9 @@ class LeftoverCheck:
     def __init__(self) -> None:
         real_tmp = Path(tempfile.gettempdir()).resolve()
         os.environ.setdefault("PYTEST_DEBUG_TEMPROOT", str(real_tmp))  # basetemp stays put
+        # multiprocessing's own directory of this process is removed at its exit, after the
+        # session's end: created now, it stays in the usual place.
+        multiprocessing.util.get_temp_dir()
         self.private = Path(tempfile.mkdtemp(prefix="tessera-tests-", dir=real_tmp))
         self.skip = Path(default_memory_root(str(real_tmp)))
         # torch's compile cache lives in the temporary directory by default: keep the usual one.
