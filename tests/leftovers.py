@@ -79,7 +79,9 @@ class LeftoverCheck:
     """Snapshot at the start, per-test attribution, and the comparison at the end."""
 
     def __init__(self) -> None:
-        real_tmp = Path(tempfile.gettempdir()).resolve()
+        # A session started by a test of another session inherits its TMPDIR: the usual
+        # temporary directory is then the one the outer session recorded.
+        real_tmp = Path(os.environ.get("PYTEST_DEBUG_TEMPROOT") or tempfile.gettempdir()).resolve()
         os.environ.setdefault("PYTEST_DEBUG_TEMPROOT", str(real_tmp))  # basetemp stays put
         # multiprocessing's own directory of this process is removed at its exit, after the
         # session's end: created now, it stays in the usual place.
