@@ -1,20 +1,38 @@
 #!/usr/bin/env bash
-# Create .venv and install tessera with everything the demo and the tests need, including the
-# real frameworks of the `interop` extra (DeepSpeed, ...) that the interop tests train with.
-# Idempotent: a second run only checks that the environment is complete.
+# Create .venv and install tessera into it. One argument chooses how much:
+#   core  the package and its dependencies (torch, numpy, safetensors, ...): what the demo needs.
+#   all   (default) core, plus the test tools and the real frameworks of the `interop` extra
+#         (DeepSpeed, megatron-core, Lightning, Accelerate, torchtitan) that the interop tests
+#         train with.
+# Idempotent: a second run only checks a stamp. Each mode has its own stamp, so they run in
+# either order; `all` also stamps `core`, since it installs a superset.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+mode=${1:-all}
+case "$mode" in
+    core | all) ;;
+    *)
+        echo "usage: bash scripts/setup.sh [core|all]  (got '$mode')" >&2
+        exit 2
+        ;;
+esac
 PY=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
     "$PY" -m venv .venv
 fi
-stamp=.venv/.tessera-setup
 want=$(cat pyproject.toml scripts/setup.sh scripts/constraints.txt | sha256sum | cut -d' ' -f1)
-if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
-    pin=(-c scripts/constraints.txt)  # torch stays at the tested version whatever a package asks for
+is_done() { [ "$(cat ".venv/.tessera-setup-$1" 2>/dev/null)" = "$want" ]; }
+stamp() { echo "$want" > ".venv/.tessera-setup-$1"; }
+pin=(-c scripts/constraints.txt)  # torch stays at the tested version whatever a package asks for
+
+if ! is_done core && ! is_done all; then
     .venv/bin/python -m pip install -q --upgrade pip
     # torch first and pinned: the CPU wheel of 2.13.0 is what this project is tested on.
     .venv/bin/python -m pip install -q "${pin[@]}" "torch==2.13.0"
+    .venv/bin/python -m pip install -q "${pin[@]}" -e .
+    stamp core
+fi
+if [ "$mode" = all ] && ! is_done all; then
     .venv/bin/python -m pip install -q "${pin[@]}" -e ".[test]"
     # The interop extra, one requirement per line in pyproject.toml. DeepSpeed's setup.py imports
     # torch, so it builds without isolation (against the torch above) and with its C++/CUDA ops
@@ -37,5 +55,6 @@ print("\n".join(["DS"] + ds + ["REST"] + [r for r in reqs if r not in ds]))')
     if [ ${#deepspeed[@]} -gt 0 ]; then
         DS_BUILD_OPS=0 .venv/bin/python -m pip install -q "${pin[@]}" --no-build-isolation "${deepspeed[@]}"
     fi
-    echo "$want" > "$stamp"
+    stamp all
+    stamp core
 fi

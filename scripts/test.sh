@@ -2,7 +2,7 @@
 # Set up (if needed) and run the whole test suite. Extra arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh
+bash scripts/setup.sh all
 # setup.sh installed the interop extra: an interop test that cannot find its framework fails
 # here instead of skipping (tests/conftest.py), so a broken install is never a green run.
 export TESSERA_REQUIRE_INTEROP=${TESSERA_REQUIRE_INTEROP:-1}

@@ -6,6 +6,12 @@ the import names they need. Without those packages the test is skipped, locally;
 skip raised from inside an interop test (``pytest.importorskip``), is a failure instead, so a
 broken install of the ``interop`` extra can never turn into a silently green run. So is a
 test module that skips itself whole while being collected.
+
+A session that leaves anything in the temporary directory or tessera-named entries in
+``/dev/shm`` fails, naming each leftover and the test that left it (``tests/leftovers.py``;
+``TESSERA_LEFTOVER_CHECK=0`` turns the check off). Host-memory steps that a test writes for
+checkpoints under its ``tmp_path`` are removed after the test, as pytest keeps ``tmp_path``
+but nothing may stay in ``/dev/shm``.
 """
 
 from __future__ import annotations
@@ -16,11 +22,16 @@ import os
 import sys
 import types
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
 
+from tests.leftovers import LeftoverCheck, remove_memory_mirror
+
 _MISSING = pytest.StashKey[str]()
+_LEFTOVERS = pytest.StashKey[LeftoverCheck]()
+_LEFTOVER_LINES = pytest.StashKey[list[str]]()
 
 
 def _require_interop() -> bool:
@@ -126,3 +137,49 @@ def pytest_make_collect_report(collector: pytest.Collector) -> Iterator[None]:
         report.outcome = "failed"
         reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
         report.longrepr = f"TESSERA_REQUIRE_INTEROP=1 but interop module {name} skipped: {reason}"
+
+
+# ------------------------------------------------------------------------------------------
+# Leftovers in the temporary directory and /dev/shm
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if os.environ.get("TESSERA_LEFTOVER_CHECK", "1") != "0" and not hasattr(config, "workerinput"):
+        config.stash[_LEFTOVERS] = LeftoverCheck()  # before any test creates a temporary file
+
+
+@pytest.fixture(autouse=True)
+def _no_leftovers(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    check = request.config.stash.get(_LEFTOVERS, None)
+    if check is not None:
+        check.basetemp = tmp_path_factory.getbasetemp()
+        check.before_test()
+    tmp: Path | None = request.getfixturevalue("tmp_path") if "tmp_path" in request.fixturenames else None
+    yield
+    if tmp is not None:
+        remove_memory_mirror(tmp)  # a tier:: root or local tier under tmp_path keeps its steps in /dev/shm
+    if check is not None:
+        check.after_test(request.node.nodeid)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    check = session.config.stash.get(_LEFTOVERS, None)
+    if check is None:
+        return
+    from tessera import writer_process
+
+    writer_process.shutdown()  # a live writer process of this process is not a leftover yet
+    lines = check.finish()
+    if lines:
+        session.config.stash[_LEFTOVER_LINES] = lines
+        if session.exitstatus == pytest.ExitCode.OK:
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    lines = terminalreporter.config.stash.get(_LEFTOVER_LINES, None)
+    if lines:
+        terminalreporter.write_sep("=", "leftovers: this session left these behind (the run fails)", red=True)
+        for line in lines:
+            terminalreporter.write_line(line)

@@ -12,6 +12,9 @@ before a block (blank lines in between are allowed), change that:
 A block that continues a skipped block is skipped with it. Any other ``snippet:`` marker
 is an error, as is a ``skip`` without a reason or a ``continue`` with no block before it.
 Tests are named ``file:line`` (the line of the first block's opening fence).
+
+A block must clean up after itself: host-memory checkpoint steps it leaves fail its test,
+and anything it leaves in the temporary directory fails the session (tests/conftest.py).
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+
+from tessera.storage.host_memory import default_memory_root
 
 REPO = Path(__file__).resolve().parent.parent
 TIMEOUT_S = float(os.environ.get("TESSERA_DOCS_TIMEOUT_S", "300"))  # generous: the machine may be shared
@@ -156,11 +161,22 @@ def test_snippet_runs(snippet: Snippet, tmp_path: Path) -> None:
             f"--- stdout ---\n{out[-4000:]}\n--- stderr ---\n{err[-4000:]}",
             pytrace=False,
         )
+    where = ", ".join(f"{snippet.file}:{n}" for n in snippet.lines)
     if proc.returncode != 0:
-        where = ", ".join(f"{snippet.file}:{n}" for n in snippet.lines)
         pytest.fail(
             f"the python block(s) at {where} failed (exit {proc.returncode}):\n"
             f"--- stdout ---\n{proc.stdout[-4000:]}\n--- stderr ---\n{proc.stderr[-4000:]}",
+            pytrace=False,
+        )
+    # A reader copies the block as it is: it must not leave host-memory steps behind (they
+    # outlive the process and count against RAM). Checkpoints in the working directory are
+    # mirrored under this path; tests/conftest.py checks everything else at the session's end.
+    shm = default_memory_root(str(tmp_path))
+    left = [os.path.join(d, f) for d, _, files in os.walk(shm) for f in files]
+    if left:
+        pytest.fail(
+            f"the python block(s) at {where} left host-memory checkpoint files in {shm} (remove them at the "
+            f"end of the block, as docs/resilience.md shows): {left[:3]}",
             pytrace=False,
         )
 
