@@ -208,10 +208,10 @@ class GateFsspecStorage(FsspecStorage):
             _pass_gate(self.entered, self.gate)
         super().write_atomic(path, data)
 
-    def replace_if(self, path: str, data: bytes, expected: str | None) -> None:
+    def replace_if(self, path: str, data: bytes, expected: str | None, **kw: Any) -> None:
         if path == "manifest.json":
             _pass_gate(self.entered, self.gate)
-        super().replace_if(path, data, expected)
+        super().replace_if(path, data, expected, **kw)
 
 
 def gated_save(

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 from .. import commit
 from ..api import read_manifest
+from ..errors import ConcurrentSaveError
 from ..manifest import Manifest, encode
 from ..storage import Storage, storage_for
 
@@ -110,8 +111,10 @@ def rename_tensors(
 ) -> dict[str, str]:
     """Rename tensors, plain and per-rank values of the checkpoint at ``path`` in place.
 
-    Single process; run it while no save is writing to ``path``. The new manifest replaces
-    the old one atomically: readers see all old names or all new names.
+    Single process. The new manifest replaces the old one atomically: readers see all old
+    names or all new names. A rename racing a save to ``path`` is fenced like a second save:
+    if the save commits first, the rename fails and renames nothing; if the rename commits
+    first, the save fails and the renamed checkpoint stands, complete.
 
     Args:
         path: a committed checkpoint.
@@ -139,7 +142,14 @@ def rename_tensors(
         m = read_manifest(path, storage=store)
         renames = plan_renames(sorted(m.keys()), rules)
         if renames:
-            commit.publish(store, claim, encode(_renamed(m, renames, rules)), path)
+            try:
+                commit.publish(store, claim, encode(_renamed(m, renames, rules)), path)
+            except ConcurrentSaveError as e:
+                raise ConcurrentSaveError(
+                    f"not renaming {path}: a save committed it while the rename ran (publishing the renamed "
+                    "manifest would have brought back the checkpoint it replaced); nothing was renamed. Run the "
+                    f"rename again once no job is saving to {path}"
+                ) from e
             logger.info("renamed %d entries of %s", len(renames), path)
     finally:  # the rename wrote no data files: only its owner marker goes
         commit.abandon(store, claim, [], path, keep_data=True)

@@ -314,7 +314,7 @@ class S3Objects:
         except FileNotFoundError:
             return None
 
-    def put_if(self, rel: str, data: bytes, expected: str | None) -> None:
+    def put_if(self, rel: str, data: bytes, expected: str | None, owner: str | None = None) -> None:
         """A conditional PUT: ``If-Match: <expected>``, or ``If-None-Match: *`` for a new object.
 
         The store itself compares and writes in one step, so two writers can never both
@@ -322,23 +322,103 @@ class S3Objects:
         refused, the object is checked: if it holds exactly ``data`` (its MD5 ETag), the PUT
         had succeeded.
 
+        With ``owner`` (a save's owner marker), the marker is checked right *after* the PUT,
+        and the object is withdrawn again (a delete conditional on its ETag) if the marker is
+        gone. S3 cannot make one request conditional on another object, so the two sides
+        order their steps instead: retention (:meth:`uncommit`) deletes the markers and then
+        looks at the manifest; a save puts the manifest and then looks at its marker. At
+        least one of them sees the other: either the save stands and retention keeps the
+        step, or the save withdraws its manifest and fails (a manifest naming files
+        retention deleted may be visible for the few milliseconds in between).
+
         Raises:
-            ConcurrentSaveError: if the object is no longer ``expected``.
+            ConcurrentSaveError: if the object is no longer ``expected`` (replaced, or deleted
+                by retention), or ``owner`` was removed (nothing stays published then).
+            StorageError: if the manifest could not be withdrawn after ``owner`` was found gone.
         """
         condition = {"IfNoneMatch": "*"} if expected is None else {"IfMatch": expected}
+        mine = f'"{hashlib.md5(data).hexdigest()}"'
         try:
-            self._request("committing", rel, "put_object", Key=self._key(rel), Body=data, **condition)
+            resp = self._request("committing", rel, "put_object", Key=self._key(rel), Body=data, **condition)
+            etag = str(resp.get("ETag") or mine)
+        except FileNotFoundError as e:  # If-Match on an object deleted meanwhile: 404, not 412
+            raise ConcurrentSaveError(
+                f"not committing {self.url_of(rel)}: the manifest this save started from was deleted while it "
+                "ran (retention of another job, or another tool, removed this checkpoint); nothing was committed"
+            ) from e
         except StorageError as e:
             code, status = error_code(e)
             if code not in ("PreconditionFailed", "ConditionalRequestConflict") and status not in (409, 412):
                 raise
-            if self.version(rel) == f'"{hashlib.md5(data).hexdigest()}"':
-                return  # our own earlier attempt landed
-            raise ConcurrentSaveError(
-                f"not committing {self.url_of(rel)}: another save committed it while this one ran "
-                f"(the conditional PUT was refused: {describe(e)}); two jobs are saving to one path. "
-                "The other save's checkpoint stands"
+            if self.version(rel) != mine:
+                raise ConcurrentSaveError(
+                    f"not committing {self.url_of(rel)}: another save committed it while this one ran "
+                    f"(the conditional PUT was refused: {describe(e)}); two jobs are saving to one path. "
+                    "The other save's checkpoint stands"
+                ) from e
+            etag = mine  # our own earlier attempt landed
+        if owner is None or self._has_object(owner):
+            return
+        try:
+            self.delete_if(rel, etag)
+        except Exception as e:
+            raise StorageError(
+                f"{self.url_of(rel)}: this save's owner marker {owner} was removed while it committed (another "
+                f"job's retention deleted this unfinished checkpoint), and withdrawing its manifest failed: {e}. "
+                "The checkpoint may name deleted files: delete it"
             ) from e
+        raise ConcurrentSaveError(
+            f"not committing {self.url_of(rel)}: this save's owner marker {owner} was removed while it ran "
+            "(another job's CheckpointManager deleted this unfinished checkpoint as a leftover, with some of its "
+            "files); two jobs are saving under one root. Nothing was committed"
+        )
+
+    def _has_object(self, rel: str) -> bool:
+        """Whether the object ``rel`` exists (one HEAD; a prefix with objects under it does not count)."""
+        try:
+            self._request("checking", rel, "head_object", Key=self._key(rel))
+        except FileNotFoundError:
+            return False
+        return True
+
+    def delete_if(self, rel: str, expected: str) -> bool:
+        """Delete ``rel`` only if its ETag is ``expected`` (``If-Match``). Returns False if it is
+        another object now; True if it was deleted or was already gone.
+
+        On a store that ignores ``If-Match`` on deletes, the delete is unconditional.
+        """
+        try:
+            self._request("deleting", rel, "delete_object", Key=self._key(rel), IfMatch=expected)
+        except FileNotFoundError:
+            return True
+        except StorageError as e:
+            code, status = error_code(e)
+            if code in ("PreconditionFailed", "ConditionalRequestConflict") or status in (409, 412):
+                return False
+            raise
+        return True
+
+    def uncommit(self, rel: str, expected: str | None, markers: Iterable[str]) -> bool:
+        """Retention's first step on S3: withdraw the manifest ``rel`` if it is still ``expected``.
+
+        The owner ``markers`` go first, then the manifest is looked at again (a delete
+        conditional on ``expected``, or a HEAD when it was absent): a save that published in
+        between either saw its marker before it went (its manifest then stands, and False is
+        returned) or sees it gone and withdraws its own manifest (:meth:`put_if`).
+
+        Returns:
+            True if the step is uncommitted and no save listed in ``markers`` can publish any
+            more (its data may be deleted); False, having deleted only markers, if a save
+            committed ``rel`` since ``expected`` was read.
+        """
+        if self.version(rel) != expected:
+            return False
+        doomed = list(markers)
+        if doomed:
+            self.delete(doomed)
+        if expected is None:
+            return self.version(rel) is None
+        return self.delete_if(rel, expected)
 
     def file_sizes(self, rel_prefix: str) -> dict[str, int]:
         """``{relative path: size}`` under ``rel_prefix``: one LIST request per 1,000 objects."""

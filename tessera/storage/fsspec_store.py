@@ -208,26 +208,57 @@ class FsspecStorage:
 
         return self._retry("stat of", rel, info)
 
-    def replace_if(self, path: str, data: bytes, expected: str | None) -> None:
-        """Publish ``data`` at ``path`` only if :meth:`version` is still ``expected``.
+    def replace_if(self, path: str, data: bytes, expected: str | None, *, owner: str | None = None) -> None:
+        """Publish ``data`` at ``path`` only if :meth:`version` is still ``expected`` (and, with
+        ``owner``, only while that file, the save's owner marker, exists).
 
         On S3 this is one conditional PUT (``If-Match`` / ``If-None-Match``): the store fences
-        concurrent writers. On other fsspec protocols the version is checked right before
-        :meth:`write_atomic`, which narrows the window but cannot close it.
+        concurrent writers; ``owner`` is checked right after it, and the manifest withdrawn
+        if the marker is gone (see :meth:`uncommit`). On other fsspec protocols the version
+        and ``owner`` are checked right before :meth:`write_atomic`, which narrows the window
+        but cannot close it.
 
         Raises:
-            ConcurrentSaveError: if ``path`` changed since ``expected`` was read.
+            ConcurrentSaveError: if ``path`` changed since ``expected`` was read, or ``owner``
+                is gone (another job's retention removed this unfinished save).
         """
         rel = check_relpath(path)
         if self._s3 is not None:
-            self._s3.put_if(rel, bytes(data), expected)
+            self._s3.put_if(rel, bytes(data), expected, None if owner is None else check_relpath(owner))
             return
         if self.version(rel) != expected:
             raise ConcurrentSaveError(
                 f"not committing {self._url_of(rel)}: another save committed it while this one ran; "
                 "two jobs are saving to one path. The other save's checkpoint stands"
             )
+        if owner is not None and not self.exists(owner):
+            raise ConcurrentSaveError(
+                f"not committing {self._url_of(rel)}: this save's owner marker {owner} was removed while it ran "
+                "(another job's CheckpointManager deleted this unfinished checkpoint); nothing was committed"
+            )
         self.write_atomic(rel, data)
+
+    def uncommit(self, manifest: str, expected: str | None, markers: Iterable[str]) -> bool:
+        """Start deleting the checkpoint of ``manifest`` (retention): if its :meth:`version` is
+        still ``expected`` (None: still absent), delete the owner ``markers`` of the saves found
+        there, then the manifest, and return True; False if a save committed it meanwhile.
+
+        On S3 a save that publishes concurrently either stands (and False is returned) or
+        withdraws its manifest itself; the manifest's delete is conditional on ``expected``.
+        On other protocols each step is checked right before the next one (a narrow window).
+        """
+        rel = check_relpath(manifest)
+        doomed = [check_relpath(m) for m in markers]
+        if self._s3 is not None:
+            return self._s3.uncommit(rel, expected, doomed)
+        if self.version(rel) != expected:
+            return False
+        self.delete(doomed)
+        if self.version(rel) != expected:
+            return False
+        if expected is not None:
+            self.delete([rel])
+        return True
 
     def file_sizes(self, prefix: str) -> dict[str, int]:
         """``{relative path: size}`` of every file under ``prefix`` (one listing, paginated on S3)."""
