@@ -32,10 +32,9 @@ with the ranks' files) and single-process writers such as converters, which call
 
 from __future__ import annotations
 
-import inspect
 import logging
 import posixpath
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -190,11 +189,7 @@ def publish(store: Storage, claim: Claim, data: bytes, path: str) -> None:
         StorageError: writing failed (nothing was committed).
     """
     if claim.fenced and isinstance(store, ConditionalPublish):
-        replace_if: Callable[..., None] = store.replace_if
-        if _takes_owner(replace_if):  # fenced against retention too
-            replace_if(MANIFEST_NAME, data, claim.expected, owner=claim.marker)
-        else:
-            replace_if(MANIFEST_NAME, data, claim.expected)
+        store.replace_if(MANIFEST_NAME, data, claim.expected, owner=claim.marker)  # fenced against retention too
         return
     if isinstance(store, Versioned) and store.version(MANIFEST_NAME) != claim.expected:
         raise ConcurrentSaveError(
@@ -202,17 +197,6 @@ def publish(store: Storage, claim: Claim, data: bytes, path: str) -> None:
             "to one path. The other save's checkpoint stands"
         )
     store.write_atomic(MANIFEST_NAME, data)
-
-
-def _takes_owner(replace_if: Callable[..., None]) -> bool:
-    """Whether a backend's ``replace_if`` checks the save's owner marker (``owner=``) under its
-    fence, as :meth:`FileStorage.replace_if <tessera.storage.FileStorage.replace_if>` does
-    (a subclass overriding it with the base signature, without ``**kwargs``, does not)."""
-    try:
-        params = inspect.signature(replace_if).parameters.values()
-    except (TypeError, ValueError):
-        return False
-    return any(p.name == "owner" or p.kind is p.VAR_KEYWORD for p in params)
 
 
 def clean_up(store: Storage, claim: Claim, live_before: set[str], path: str) -> None:

@@ -122,6 +122,20 @@ class GatedStateful(Protocol):
         ...
 
 
+@runtime_checkable
+class PreparesLoad(Protocol):
+    """A Stateful that must see the checkpoint before ``tessera.load`` takes its ``state_dict()``.
+
+    ``tessera.load`` calls :meth:`prepare_load` first, e.g. so that a fresh optimizer creates
+    state of the shapes the checkpoint holds (:class:`tessera.OptimizerState`), or a data
+    loader picks its rank's saved position.
+    """
+
+    def prepare_load(self, manifest: Any, fqn: str) -> None:
+        """Look at ``manifest`` (a :class:`~tessera.manifest.Manifest`) for the entries under ``fqn``."""
+        ...
+
+
 def is_stateful(value: object) -> TypeGuard[Stateful]:
     """Whether ``value`` offers ``state_dict()`` and ``load_state_dict()`` (callables, not just names)."""
     return callable(getattr(value, "state_dict", None)) and callable(getattr(value, "load_state_dict", None))
@@ -244,10 +258,9 @@ class _Flattener:
             for s in value.shards:
                 self.shard(s, fqn)
         elif is_stateful(value) and not isinstance(value, type):
-            prepare = getattr(value, "prepare_load", None)
-            if self.for_load and self.manifest is not None and callable(prepare):
+            if self.for_load and self.manifest is not None and isinstance(value, PreparesLoad):
                 # Lets e.g. a fresh optimizer create state of the shapes the checkpoint holds.
-                prepare(self.manifest, fqn)
+                value.prepare_load(self.manifest, fqn)
             sd = value.state_dict()
             if not isinstance(sd, dict):
                 raise InvalidStateError(

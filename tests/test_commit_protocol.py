@@ -156,9 +156,9 @@ def test_s3_commit_checks_many_files_with_one_listing(fault_proxy: tuple[FaultPr
     from tessera.storage import FsspecStorage, RetryOptions
 
     class LoseTheCommitAnswer(FsspecStorage):
-        def replace_if(self, path: str, data: bytes, expected: str | None) -> None:
+        def replace_if(self, path: str, data: bytes, expected: str | None, *, owner: str | None = None) -> None:
             proxy.inject("put_object", "lose_answer", 1)
-            super().replace_if(path, data, expected)
+            super().replace_if(path, data, expected, owner=owner)
 
     store = LoseTheCommitAnswer(
         url, opts, retry=RetryOptions(max_attempts=4, initial_backoff_s=0.01, max_backoff_s=0.05)

@@ -63,11 +63,14 @@ class Versioned(Protocol):
 class ConditionalPublish(Versioned, Protocol):
     """A backend that publishes a file only over an expected version (the commit's fence)."""
 
-    def replace_if(self, path: str, data: bytes, expected: str | None) -> None:
+    def replace_if(self, path: str, data: bytes, expected: str | None, *, owner: str | None = None) -> None:
         """:meth:`Storage.write_atomic`, but only if :meth:`version` of ``path`` is still ``expected``.
 
-        A backend may also accept ``owner=<marker path>`` and then refuse to publish once
-        that owner marker is gone (fencing against retention; see :mod:`tessera.commit`).
+        With ``owner`` (the save's owner marker), also only while that file exists: retention
+        removes a step's markers before its files, so a save whose marker is gone must not
+        publish a manifest naming deleted files (see :mod:`tessera.commit`). A backend that
+        cannot check both under one fence checks the marker right after publishing and
+        withdraws its manifest if the marker is gone.
 
         Raises:
             tessera.errors.ConcurrentSaveError: if it is not (nothing is written then).
