@@ -7,7 +7,6 @@ from enum import Enum
 from typing import Any, TypeVar
 
 from . import _knobs
-from .plan import PlanOptions
 
 _M = TypeVar("_M", bound=Enum)
 
@@ -74,6 +73,20 @@ class WriterMode(str, Enum):
 
     THREAD = "thread"
     PROCESS = "process"
+
+
+@dataclass(frozen=True)
+class PlanOptions:
+    """Knobs of the global planner."""
+
+    min_split_bytes: int = 256 << 10
+    """Replicated boxes are split into pieces of about a quarter of each rank's fair share
+    (total bytes / world size), but never smaller than this, so that several holders share
+    the writing evenly without creating tiny tiles."""
+    files_per_rank: int = 4
+    """At most this many data files per rank, so that a rank's writes run in parallel."""
+    min_file_bytes: int = 64 << 20
+    """A rank opens another file only when each would still hold at least this much."""
 
 
 @dataclass(frozen=True)

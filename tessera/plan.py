@@ -19,6 +19,7 @@ import numpy as np
 from .dtypes import dtype_from_name, dtype_name, itemsize
 from .errors import CoverageError
 from .geometry import Box, check_box_coverage, check_flat_coverage, split_even
+from .options import PlanOptions
 from .state import FlatState
 
 
@@ -94,20 +95,6 @@ class GlobalPlan:
                 total += math.prod(row[1 + rp.ndim : 1 + rp.ndim + len(m.shape)]) * itemsize(dtype_from_name(m.dtype))
             out.append(total)
         return out
-
-
-@dataclass(frozen=True)
-class PlanOptions:
-    """Knobs of the global planner."""
-
-    min_split_bytes: int = 256 << 10
-    """Replicated boxes are split into pieces of about a quarter of each rank's fair share
-    (total bytes / world size), but never smaller than this, so that several holders share
-    the writing evenly without creating tiny tiles."""
-    files_per_rank: int = 4
-    """At most this many data files per rank, so that a rank's writes run in parallel."""
-    min_file_bytes: int = 64 << 20
-    """A rank opens another file only when each would still hold at least this much."""
 
 
 def build_local_plan(flat: FlatState, rank: int) -> LocalPlan:

@@ -134,7 +134,7 @@ def test_s3_commit_refuses_a_manifest_changed_since_the_claim(moto_endpoint: str
 def test_s3_commit_checks_many_files_with_one_listing(fault_proxy: tuple[FaultProxy, str], s3_bucket: str) -> None:
     # The check must stay cheap: one LIST per 1,000 objects, not one HEAD per file. And a
     # conditional manifest PUT whose answer is lost is recognised as having landed.
-    from tessera.plan import PlanOptions
+    from tessera.options import PlanOptions
 
     proxy, endpoint = fault_proxy
     url = f"s3://{s3_bucket}/{uuid.uuid4().hex}/ckpt"

@@ -36,7 +36,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 import tessera
 from tessera.errors import StorageError
-from tessera.plan import PlanOptions
+from tessera.options import PlanOptions
 from tessera.storage import FsspecStorage, RetryOptions
 from tessera.storage.base import Buffer
 from tests.dist_utils import run_distributed
