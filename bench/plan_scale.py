@@ -15,7 +15,7 @@ import time
 
 import numpy as np
 
-from tessera.manifest import FileEntry, Manifest, TensorEntry, Tile, decode, encode
+from tessera.format.manifest import FileEntry, Manifest, TensorEntry, Tile, decode, encode
 from tessera.plan import LocalPlan, TensorMeta, build_global_plan
 
 

@@ -11,7 +11,7 @@ from typing import TypeGuard
 import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-from .geometry import Box
+from .format.geometry import Box
 
 
 def dtensor_local_box(dt: DTensor, name: str) -> Box:

@@ -21,7 +21,7 @@ import torch.distributed as dist_
 
 from . import dist
 from .dist import World
-from .geometry import split_even
+from .format.geometry import split_even
 from .read_plan import ReadTarget
 
 logger = logging.getLogger(__name__)

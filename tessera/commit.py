@@ -22,7 +22,7 @@ Every step a save takes against storage, in order (docs/guarantees.md says why i
 A failed save (:func:`abandon`) removes its own files and marker, nothing else.
 
 The hand-off type is a frozen dataclass, :class:`Claim` (what rank 0 holds from 1 to 5);
-steps 3 to 5 take the :class:`~tessera.manifest.Manifest` to publish. Optional backend
+steps 3 to 5 take the :class:`~tessera.format.manifest.Manifest` to publish. Optional backend
 methods are declared in :mod:`tessera.storage.capabilities` and checked with ``isinstance``.
 
 Two callers: a distributed save (:mod:`tessera.saving`, rank 0 calls :func:`commit_manifest`
@@ -39,7 +39,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from .errors import CheckpointError, CommitCheckError, ConcurrentSaveError, LocationMismatchError, StorageError
-from .manifest import MANIFEST_NAME, FileEntry, Manifest, encode
+from .format.manifest import MANIFEST_NAME, FileEntry, Manifest, encode
 from .storage.base import OWNER_MARKER_DIR, Storage
 from .storage.capabilities import (
     ConditionalPublish,

@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-from .manifest import MANIFEST_NAME, Manifest
-from .safetensors_header import read_file_header, tensor_entries
+from .format.manifest import MANIFEST_NAME, Manifest
+from .format.safetensors_header import read_file_header, tensor_entries
 
 __all__ = [
     "HFDirectory",

@@ -33,8 +33,8 @@ from torch import nn
 
 from . import dist
 from .adapters.model import ModelState, unwrap
-from .dtypes import dtype_name
-from .geometry import Box
+from .format.dtypes import dtype_name
+from .format.geometry import Box
 from .hf_export_plan import ExportPlan, plan_export
 from .hf_export_rounds import ExchangeRounds, file_chunks
 from .state import flatten, is_stateful

@@ -13,9 +13,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .dtypes import dtype_from_name, itemsize
 from .errors import CoverageError, StateMismatchError
-from .geometry import Box, intersect
+from .format.dtypes import dtype_from_name, itemsize
+from .format.geometry import Box, intersect
 
 SEND_BUDGET_BLOCKS = 2
 """Most bytes a rank sends in one exchange round, in blocks (see :func:`_schedule`)."""

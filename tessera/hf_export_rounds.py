@@ -13,10 +13,10 @@ import torch
 import torch.distributed as torch_dist
 
 from . import dist
-from .dtypes import itemsize
-from .geometry import Box
+from .format.dtypes import itemsize
+from .format.geometry import Box
+from .format.safetensors_header import encode_header
 from .hf_export_plan import ExportBlock, ExportPlan, ExportTensor
-from .safetensors_header import encode_header
 
 
 class ExchangeRounds:

@@ -18,11 +18,12 @@ from . import dist
 from .broadcast import Broadcast, run_broadcasts, split_replicated
 from .commit import LOAD_TIMINGS_DIR
 from .dist import Gathered, World
-from .dtypes import dtype_from_name
 from .errors import CheckpointError, CheckpointNotFoundError, MissingKeysError, StateMismatchError, StorageError
-from .geometry import Box
+from .format.dtypes import dtype_from_name
+from .format.geometry import Box
+from .format.manifest import MANIFEST_NAME, Manifest, decode, read_bytes
+from .format.values import decode_value
 from .inflight import wait_pending
-from .manifest import MANIFEST_NAME, Manifest, decode, read_bytes
 from .options import LoadOptions
 from .read import Reader, ReadRequest, ReadTarget, check_targets, plan_reads
 from .results import LoadResult
@@ -30,7 +31,6 @@ from .shards import OnResize
 from .state import FlatState, dotted_parents, flatten, restore_values
 from .storage import Storage, storage_for
 from .timing import PhaseTimer
-from .values import decode_value
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +46,7 @@ def read_manifest(
         storage_options: backend options when ``storage`` is not given (see docs/storage.md).
 
     Returns:
-        the decoded :class:`~tessera.manifest.Manifest` (tensors, tiles, files, values).
+        the decoded :class:`~tessera.format.manifest.Manifest` (tensors, tiles, files, values).
 
     Example:
         >>> m = tessera.read_manifest("/ckpt/step100")

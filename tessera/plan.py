@@ -16,9 +16,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .dtypes import dtype_from_name, dtype_name, itemsize
 from .errors import CoverageError
-from .geometry import Box, check_box_coverage, check_flat_coverage, split_even
+from .format.dtypes import dtype_from_name, dtype_name, itemsize
+from .format.geometry import Box, check_box_coverage, check_flat_coverage, split_even
 from .options import PlanOptions
 from .state import FlatState
 

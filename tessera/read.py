@@ -20,10 +20,10 @@ from dataclasses import dataclass
 import torch
 import xxhash
 
-from .dtypes import ALIGN, itemsize
 from .errors import CorruptCheckpointError, StorageError
-from .geometry import row_major_strides
-from .manifest import Manifest
+from .format.dtypes import ALIGN, itemsize
+from .format.geometry import row_major_strides
+from .format.manifest import Manifest
 from .read_plan import ReadRequest, ReadTarget, check_targets, plan_reads
 from .stage import as_bytes
 from .storage.base import Storage

@@ -17,10 +17,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from .dtypes import dtype_from_name, itemsize
 from .errors import CorruptCheckpointError, CoverageError, StateMismatchError
-from .geometry import Box, check_box_coverage, runs, split_box
-from .manifest import Manifest, Tile
+from .format.dtypes import dtype_from_name, itemsize
+from .format.geometry import Box, check_box_coverage, runs, split_box
+from .format.manifest import Manifest, Tile
 
 logger = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ from typing import Generic, TypeVar
 
 import torch
 
-from .geometry import Box, flat_range_to_boxes
+from .format.geometry import Box, flat_range_to_boxes
 
 T = TypeVar("T")
 

@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
-from .dtypes import ALIGN
+from .format.dtypes import ALIGN
 
 logger = logging.getLogger(__name__)
 

@@ -21,12 +21,12 @@ from typing import Any, Protocol, TypeGuard, runtime_checkable
 import torch
 
 from . import _torch_private
-from .dtypes import dtype_name
 from .errors import InvalidStateError
-from .geometry import Box
+from .format.dtypes import dtype_name
+from .format.geometry import Box
+from .format.values import MAX_DEPTH, check_depth, encode_value
 from .optim_dict import is_optimizer_state_dict, missing_param_states
 from .shards import FlatShard, MultiShard, OnResize, PerRank, ShardedTensor
-from .values import MAX_DEPTH, check_depth, encode_value
 
 
 @dataclass(frozen=True, eq=False)
@@ -132,7 +132,7 @@ class PreparesLoad(Protocol):
     """
 
     def prepare_load(self, manifest: Any, fqn: str) -> None:
-        """Look at ``manifest`` (a :class:`~tessera.manifest.Manifest`) for the entries under ``fqn``."""
+        """Look at ``manifest`` (a :class:`~tessera.format.manifest.Manifest`) for the entries under ``fqn``."""
         ...
 
 
@@ -180,7 +180,7 @@ def dotted_parents(keys: list[str]) -> set[str]:
 
 
 def is_empty_container(encoded: object) -> bool:
-    """Whether an encoded plain value (see :mod:`tessera.values`) is an empty dict, list or tuple."""
+    """Whether an encoded plain value (see :mod:`tessera.format.values`) is an empty dict, list or tuple."""
     return encoded in ({}, [], {"__tuple__": []}, {"__dict__": []})
 
 

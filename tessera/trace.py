@@ -25,7 +25,7 @@ import statistics
 from dataclasses import dataclass
 from typing import Any
 
-from .manifest import Manifest
+from .format.manifest import Manifest
 
 logger = logging.getLogger(__name__)
 

@@ -18,10 +18,10 @@ import numpy as np
 
 from . import _knobs
 from .errors import CoverageError, ManifestError, PickleNotAllowedError
-from .geometry import Box, check_box_coverage
-from .manifest import MANIFEST_NAME, Manifest, decode, read_bytes
+from .format.geometry import Box, check_box_coverage
+from .format.manifest import MANIFEST_NAME, Manifest, decode, read_bytes
+from .format.values import decode_value
 from .storage import Storage, storage_for
-from .values import decode_value
 from .verify_files import check_file, tiles_by_file, unreferenced_files
 from .verify_report import Problem, ProblemKind, VerifyReport
 

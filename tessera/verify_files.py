@@ -1,7 +1,7 @@
 """The per-file checks of :func:`tessera.verify`: existence, size, safetensors header, checksums.
 
 Each data file is checked on its own (files run in parallel threads): its size against the
-manifest, its header (parsed by :mod:`tessera.safetensors_header`) against the tiles the
+manifest, its header (parsed by :mod:`tessera.format.safetensors_header`) against the tiles the
 manifest places in it, and every checksum chunk of those tiles, streamed through a small
 per-thread buffer.
 """
@@ -15,12 +15,12 @@ from dataclasses import dataclass, field
 import numpy as np
 import xxhash
 
-from .dtypes import dtype_from_name
-from .geometry import Box
-from .manifest import FileEntry, Manifest, TensorEntry, Tile
-from .safetensors_header import parse_header
+from .format.dtypes import dtype_from_name
+from .format.geometry import Box
+from .format.manifest import FileEntry, Manifest, TensorEntry, Tile
+from .format.safetensors_header import parse_header
+from .format.tilefile import tile_header_entry, tile_key
 from .storage import Storage
-from .tilefile import tile_header_entry, tile_key
 from .verify_report import Problem, ProblemKind
 
 logger = logging.getLogger(__name__)

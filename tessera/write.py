@@ -16,10 +16,10 @@ import torch
 import xxhash
 
 from .errors import StorageError
-from .geometry import Box
+from .format.geometry import Box
+from .format.tilefile import FileLayout
 from .storage.base import Storage
 from .storage.capabilities import SyncsDirs
-from .tilefile import FileLayout
 
 logger = logging.getLogger(__name__)
 

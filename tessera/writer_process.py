@@ -37,9 +37,9 @@ from typing import Any
 import torch
 
 from .errors import CheckpointError, StorageError
+from .format.tilefile import FileLayout
 from .storage.base import Storage
 from .storage.local import FileStorage
-from .tilefile import FileLayout
 from .write import WriteRequest, WrittenFile, write_files
 
 logger = logging.getLogger(__name__)

@@ -174,7 +174,7 @@ def durable_copy_dies_after_publish(rank: int, world: int, root: str, local_dir:
     """2 nodes x 1 rank, every step durable. Rank 0 is SIGKILLed right after it published step
     2's durable manifest; rank 1 sees only a failed exchange and reports its error."""
     from tessera.errors import DistributedError
-    from tessera.manifest import MANIFEST_NAME
+    from tessera.format.manifest import MANIFEST_NAME
     from tessera.storage import FileStorage
     from tests.crash_worker import CrashStorage
 

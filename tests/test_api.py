@@ -10,7 +10,7 @@ import torch
 from safetensors import safe_open
 
 import tessera
-from tessera.dtypes import _NAMES
+from tessera.format.dtypes import _NAMES
 
 ALL_DTYPES = sorted(_NAMES.values(), key=str)
 

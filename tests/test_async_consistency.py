@@ -30,7 +30,7 @@ from torch import nn
 
 import tessera
 from tessera import stage
-from tessera.dtypes import dtype_from_name
+from tessera.format.dtypes import dtype_from_name
 from tessera.state import flatten
 from tests.dist_utils import run_distributed
 

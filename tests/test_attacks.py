@@ -15,7 +15,7 @@ import torch
 
 import tessera
 from tessera.errors import ManifestError
-from tessera.manifest import MANIFEST_NAME
+from tessera.format.manifest import MANIFEST_NAME
 from tessera.verify import verify
 from tests.crash_worker import check_state, empty_state, gated_save, make_state, start
 from tests.dist_utils import run_distributed

@@ -26,7 +26,7 @@ import torch
 
 import tessera
 from tessera.errors import CommitCheckError, ConcurrentSaveError, LocationMismatchError, StorageError
-from tessera.manifest import MANIFEST_NAME
+from tessera.format.manifest import MANIFEST_NAME
 from tessera.storage import FileStorage
 from tessera.verify import verify
 from tests.crash_worker import check_state, empty_state, gated_save, make_state, start

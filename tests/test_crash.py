@@ -18,8 +18,8 @@ import warnings
 import pytest
 
 import tessera
+from tessera.format.manifest import MANIFEST_NAME
 from tessera.manager import CheckpointManager, parse_step_dirname
-from tessera.manifest import MANIFEST_NAME
 from tessera.verify import verify
 from tests.crash_worker import (
     RankGroup,

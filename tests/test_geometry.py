@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tessera.errors import CoverageError
-from tessera.geometry import (
+from tessera.format.geometry import (
     Box,
     check_box_coverage,
     check_flat_coverage,

@@ -24,7 +24,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import tessera
-from tessera.manifest import MANIFEST_NAME, Manifest, decode
+from tessera.format.manifest import MANIFEST_NAME, Manifest, decode
 from tessera.storage import FileStorage
 from tessera.verify import ProblemKind, verify
 
@@ -776,7 +776,7 @@ def test_verify_memory_stays_bounded_with_many_tiles(tmp_path) -> None:
 def test_safetensors_header_is_read_by_the_safetensors_library(tmp_path: Path) -> None:
     from safetensors import safe_open
 
-    from tessera.safetensors_header import ALIGN, encode_header, read_file_header, tensor_entries
+    from tessera.format.safetensors_header import ALIGN, encode_header, read_file_header, tensor_entries
 
     w = torch.arange(6, dtype=torch.float32).reshape(2, 3)
     b = torch.tensor([1, 2, 3], dtype=torch.int16)
@@ -807,7 +807,7 @@ def test_safetensors_header_is_read_by_the_safetensors_library(tmp_path: Path) -
     ],
 )
 def test_hostile_safetensors_headers_are_refused(tmp_path: Path, raw: bytes, error: type, match: str) -> None:
-    from tessera.safetensors_header import parse_header, read_file_header
+    from tessera.format.safetensors_header import parse_header, read_file_header
 
     reads: list[tuple[int, int]] = []
 

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import tessera
-from tessera.manifest import MANIFEST_NAME
+from tessera.format.manifest import MANIFEST_NAME
 from tessera.storage import FileStorage
 from tessera.verify import Problem, ProblemKind, VerifyReport, verify
 from tests.crash_worker import run_ranks

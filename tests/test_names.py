@@ -17,7 +17,7 @@ import torch
 
 import tessera
 from tessera.errors import InvalidStateError
-from tessera.values import MAX_DEPTH
+from tessera.format.values import MAX_DEPTH
 from tests.dist_utils import run_distributed
 
 NO_TIMINGS = tessera.LoadOptions(record_timings=False)

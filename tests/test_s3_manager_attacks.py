@@ -313,7 +313,7 @@ def test_s3_publish_and_retention_each_see_the_other(moto_endpoint: str, s3_buck
     from tessera.errors import ConcurrentSaveError
 
     store = FsspecStorage(f"s3://{s3_bucket}/{uuid.uuid4().hex}/step", s3_options(moto_endpoint))
-    m = tessera.manifest.MANIFEST_NAME
+    m = tessera.format.manifest.MANIFEST_NAME
     # Retention first: the save finds its marker gone after its PUT and withdraws the manifest.
     store.write_file(".tessera-saves/a", [b""])
     assert store.uncommit(m, None, [".tessera-saves/a"])

@@ -14,15 +14,15 @@ import torch
 
 import tessera
 from tessera import commit, dist
-from tessera.dtypes import dtype_name
 from tessera.errors import CommitCheckError, DistributedError, StateMismatchError, StorageError
-from tessera.geometry import Box
+from tessera.format.dtypes import dtype_name
+from tessera.format.geometry import Box
+from tessera.format.manifest import FileEntry, Manifest, TensorEntry, Tile
+from tessera.format.tilefile import layout_file
 from tessera.local_tier.tier import NodeStorage
-from tessera.manifest import FileEntry, Manifest, TensorEntry, Tile
 from tessera.stage import as_bytes
 from tessera.storage import FileStorage, FsspecStorage
 from tessera.storage import capabilities as cap
-from tessera.tilefile import layout_file
 from tessera.write import FileWrite, WriteRequest, write_tiles
 from tests.dist_utils import run_distributed
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from tessera.errors import ManifestError, PickleNotAllowedError
-from tessera.manifest import FileEntry, Manifest, PerRankEntry, TensorEntry, Tile, decode, encode
-from tessera.values import decode_value, encode_value
+from tessera.format.manifest import FileEntry, Manifest, PerRankEntry, TensorEntry, Tile, decode, encode
+from tessera.format.values import decode_value, encode_value
 
 
 @pytest.mark.parametrize(

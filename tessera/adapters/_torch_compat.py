@@ -25,7 +25,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from .. import _torch_private
-from ..geometry import Box
+from ..format.geometry import Box
 
 WRAPPER_PREFIXES = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
 """Name parts that FSDP1, activation checkpointing and torch.compile add to FQNs."""

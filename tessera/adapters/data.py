@@ -36,8 +36,8 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from ..errors import StateMismatchError
+from ..format.values import decode_value
 from ..shards import OnResize, PerRank, per_rank
-from ..values import decode_value
 from .stream_state import CONFIG_KEYS, FORMAT, check_state, reshard_stream_states, unread_position
 
 logger = logging.getLogger(__name__)

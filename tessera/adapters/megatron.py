@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from ..dtypes import dtype_from_name
+from ..format.dtypes import dtype_from_name
 from .layout_spec import ExpertStack, Fused, LayerStack, PaddedVocab, PipelineStage, Replicated, Rule, Skip, Split
 from .megatron_spec import GlobalShapes, LocalValue, MegatronSpec
 

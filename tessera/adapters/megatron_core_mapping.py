@@ -18,8 +18,8 @@ from typing import Any
 import torch
 
 from ..errors import CheckpointError, PickleNotAllowedError, StateMismatchError
+from ..format.values import is_plain
 from ..shards import FlatShard, MultiShard, ShardedTensor
-from ..values import is_plain
 
 COMMON_KEY = "common"
 """The value holding the common (non-sharded) part of a sharded state dict, like Megatron's common.pt."""

@@ -25,7 +25,7 @@ from torch.distributed.tensor import DTensor
 
 from .. import _torch_private
 from ..errors import MissingKeysError, StateMismatchError
-from ..geometry import Box
+from ..format.geometry import Box
 from . import _torch_compat
 from ._gate import StagingGate
 from .fsdp1 import fsdp1_entries

@@ -30,10 +30,10 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from .. import _torch_private
-from ..dtypes import dtype_from_name
 from ..errors import StateMismatchError
-from ..manifest import Manifest
-from ..values import decode_value, is_plain
+from ..format.dtypes import dtype_from_name
+from ..format.manifest import Manifest
+from ..format.values import decode_value, is_plain
 from ._gate import StagingGate
 from .model import ModelLayout, collect
 from .views import ParamEntry, ParamView

@@ -14,7 +14,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from .. import _torch_private
-from ..geometry import Box
+from ..format.geometry import Box
 from ..shards import FlatShard, ShardedTensor
 from . import _torch_compat
 

@@ -66,7 +66,7 @@ def progress_bar(args: argparse.Namespace, what: str) -> Iterator[Callable[[int,
 
 def value_text(encoded: Any, name: str) -> str:
     from ..errors import ManifestError, PickleNotAllowedError
-    from ..values import decode_value
+    from ..format.values import decode_value
 
     try:
         return repr(decode_value(encoded, name, allow_pickle=False))

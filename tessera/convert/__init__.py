@@ -31,7 +31,7 @@ from __future__ import annotations
 import os
 from enum import Enum
 
-from ..step_names import parse_step_dirname
+from ..format.names import parse_step_dirname
 from ._common import ConvertResult, parse_dtype, parse_size
 from .compare import DiffKind, DiffReport, EntryDiff, diff_checkpoints
 from .dcp import export_dcp, import_dcp

@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..dtypes import dtype_name, safetensors_code
-from ..dtypes import itemsize as itemsize  # re-exported for the converters
-from ..geometry import split_box as split_box  # re-exported for the converters
+from ..format.dtypes import dtype_name, safetensors_code
+from ..format.dtypes import itemsize as itemsize  # re-exported for the converters
+from ..format.geometry import split_box as split_box  # re-exported for the converters
 
 ProgressFn = Callable[[int, int], None]
 """``progress(done_bytes, total_bytes)``, called as a conversion moves bytes."""

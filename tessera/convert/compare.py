@@ -18,10 +18,10 @@ from enum import Enum
 import torch
 
 from ..errors import ManifestError, PickleNotAllowedError
-from ..geometry import Box
+from ..format.geometry import Box
+from ..format.values import decode_value
 from ..stage import as_bytes
 from ..storage import Storage
-from ..values import decode_value
 from ._common import Progress, ProgressFn, split_box
 from .reader import CheckpointReader
 

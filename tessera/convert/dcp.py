@@ -45,7 +45,7 @@ from torch.distributed.checkpoint.planner import (
 )
 
 from ..errors import PickleNotAllowedError
-from ..geometry import Box
+from ..format.geometry import Box
 from ..storage import Storage
 from ._common import (
     ConvertResult,

@@ -44,9 +44,9 @@ import torch
 
 from ..adapters.zero import FlatEntry, FlatLayout
 from ..errors import CorruptCheckpointError
+from ..format.values import is_plain
 from ..shards import FlatShard
 from ..storage import Storage
-from ..values import is_plain
 from ._common import ConvertResult, Progress, ProgressFn, cast_for
 
 # The stand-in classes too: values pickled under their old path still load.

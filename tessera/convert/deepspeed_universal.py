@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from ..geometry import Box
+from ..format.geometry import Box
 from ..storage import Storage
 from ._common import ConvertResult, Progress, ProgressFn
 from .reader import CheckpointReader

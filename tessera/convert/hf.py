@@ -21,8 +21,8 @@ from typing import Any, NamedTuple
 import torch
 from safetensors import safe_open
 
-from ..geometry import Box
-from ..safetensors_header import encode_header
+from ..format.geometry import Box
+from ..format.safetensors_header import encode_header
 from ..stage import as_bytes
 from ..storage import Storage, storage_for
 from ._common import (

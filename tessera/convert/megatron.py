@@ -36,9 +36,9 @@ import torch
 
 from ..adapters.megatron import MegatronSpec, gpt_spec
 from ..errors import CorruptCheckpointError
-from ..geometry import Box
+from ..format.geometry import Box
+from ..format.values import is_plain
 from ..storage import Storage
-from ..values import is_plain
 from ._common import ConvertResult, Progress, ProgressFn, cast_for
 from .megatron_torch_dist import TRACKER, import_torch_dist, is_torch_dist
 from .safe_pickle import torch_load_restricted

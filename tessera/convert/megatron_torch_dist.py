@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadIte
 
 from ..adapters.megatron_core import COMMON_KEY, TORCH_SAVE, TORCH_SAVE_FIRST
 from ..errors import CheckpointError
-from ..geometry import Box
+from ..format.geometry import Box
 from ..storage import Storage
 from ._common import ConvertResult, Progress, ProgressFn, cast_for
 from .dcp_metadata import read_dcp_metadata

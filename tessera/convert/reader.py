@@ -14,13 +14,13 @@ from typing import Any
 import torch
 
 from ..api import read_manifest
-from ..dtypes import dtype_from_name
 from ..errors import PickleNotAllowedError
-from ..geometry import Box
-from ..manifest import Manifest
+from ..format.dtypes import dtype_from_name
+from ..format.geometry import Box
+from ..format.manifest import Manifest
+from ..format.values import decode_value
 from ..read import Reader, ReadTarget, plan_reads
 from ..storage import Storage, storage_for
-from ..values import decode_value
 from ._common import DEFAULT_BLOCK_BYTES, itemsize, numel, split_box
 
 logger = logging.getLogger(__name__)

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from .. import commit
 from ..api import read_manifest
 from ..errors import ConcurrentSaveError
-from ..manifest import Manifest, encode
+from ..format.manifest import Manifest, encode
 from ..storage import Storage, storage_for
 
 logger = logging.getLogger(__name__)

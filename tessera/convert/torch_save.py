@@ -23,9 +23,9 @@ from typing import Any
 
 import torch
 
-from ..geometry import Box
+from ..format.geometry import Box
+from ..format.values import encode_value
 from ..storage import Storage
-from ..values import encode_value
 from ._common import (
     DEFAULT_BLOCK_BYTES,
     ConvertResult,

@@ -2,7 +2,7 @@
 
 Converters read a foreign checkpoint block by block and hand each block here with the box of
 the global tensor it covers. Blocks are batched into data files of about ``file_bytes``
-(laid out by :mod:`tessera.tilefile`, streamed and checksummed by :mod:`tessera.write`), so
+(laid out by :mod:`tessera.format.tilefile`, streamed and checksummed by :mod:`tessera.write`), so
 at most one file's worth of blocks is held at a time. :meth:`CheckpointWriter.commit`
 checks that every tensor is covered exactly once and then commits through
 :mod:`tessera.commit`, the protocol :func:`tessera.save` follows (claim before the first data
@@ -24,13 +24,13 @@ import torch
 from .. import __version__, commit
 from .._knobs import chunk_bytes as default_chunk_bytes
 from ..commit import Claim
-from ..dtypes import dtype_name
-from ..geometry import Box, check_box_coverage, flat_range_to_boxes
-from ..manifest import FileEntry, Manifest, TensorEntry, Tile
+from ..format.dtypes import dtype_name
+from ..format.geometry import Box, check_box_coverage, flat_range_to_boxes
+from ..format.manifest import FileEntry, Manifest, TensorEntry, Tile
+from ..format.tilefile import layout_file
+from ..format.values import encode_value
 from ..stage import as_bytes
 from ..storage import Storage, storage_for
-from ..tilefile import layout_file
-from ..values import encode_value
 from ..write import write_files
 from ._common import itemsize
 

@@ -42,8 +42,8 @@ from lightning.pytorch.trainer.states import TrainerFn
 
 from .. import api
 from ..adapters import ModelState, OptimizerState
-from ..dtypes import dtype_from_name
 from ..errors import CheckpointError, StateMismatchError
+from ..format.dtypes import dtype_from_name
 from ..options import LoadOptions, SaveOptions
 from ..results import PendingSave
 from ..storage import storage_for

@@ -39,7 +39,7 @@ from torchtitan.components.checkpoint import AsyncMode, CheckpointManager
 
 from .. import api
 from ..adapters import ModelState, OptimizerState
-from ..manifest import MANIFEST_NAME
+from ..format.manifest import MANIFEST_NAME
 from ..results import PendingSave
 from ..shards import OnResize, per_rank
 

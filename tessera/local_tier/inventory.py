@@ -14,7 +14,7 @@ import os
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
-from ..step_names import parse_step_dirname
+from ..format.names import parse_step_dirname
 
 logger = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ import logging
 
 import numpy as np
 
-from ..manifest import Manifest
+from ..format.manifest import Manifest
 from ..state import flatten
 
 logger = logging.getLogger(__name__)

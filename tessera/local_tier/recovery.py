@@ -22,9 +22,10 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .. import api, dist, manifest
+from .. import api, dist
 from ..errors import CheckpointError, CollectiveTimeoutError, CorruptCheckpointError, DistributedError, StorageError
-from ..manifest import MANIFEST_NAME, Manifest
+from ..format import manifest
+from ..format.manifest import MANIFEST_NAME, Manifest
 from ..results import LoadResult
 from ..verify_files import check_file, tiles_by_file
 from .fetch_plan import holdings_of, plan_fetches, plan_manifest_fetches

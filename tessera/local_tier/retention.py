@@ -15,7 +15,7 @@ import os
 import shutil
 import threading
 
-from ..step_names import step_dirname
+from ..format.names import step_dirname
 from ..storage.host_memory import prune_empty_parents
 from .inventory import MARKER_NAME, local_steps, owner_of, read_marker
 

@@ -24,10 +24,11 @@ import logging
 import os
 from typing import Any
 
-from .. import commit, dist, manifest
+from .. import commit, dist
 from ..errors import CheckpointError, StorageError
-from ..manifest import MANIFEST_NAME
-from ..step_names import step_dirname
+from ..format import manifest
+from ..format.manifest import MANIFEST_NAME
+from ..format.names import step_dirname
 from ..storage import FileStorage, Storage
 from .inventory import MARKER_NAME, NodeInventory, marker_bytes, scan_node
 from .placement import Placement, node_dir, node_index, place

@@ -18,12 +18,12 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from .. import _args, dist
+from ..format.names import step_dirname
 from ..local_tier import LocalTier
 from ..options import LoadOptions, SaveOptions
 from ..policies import SaveDecider, SavePolicy
 from ..preemption import PreemptionHandler
 from ..results import PendingSave, SaveResult
-from ..step_names import step_dirname
 from ..storage import Storage, storage_for
 from ..storage.host_memory import TIER_PREFIX, default_memory_root
 from . import background, direct, identity, resume, retention, tiered

@@ -11,8 +11,8 @@ import logging
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
-from ..manifest import MANIFEST_NAME
-from ..step_names import step_dirname
+from ..format.manifest import MANIFEST_NAME
+from ..format.names import step_dirname
 from ..storage import Storage
 from ..storage.base import OWNER_MARKER_DIR
 from ..storage.capabilities import Uncommits, Versioned

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import logging
 
-from ..manifest import MANIFEST_NAME
-from ..step_names import parse_step_dirname, step_dirname
+from ..format.manifest import MANIFEST_NAME
+from ..format.names import parse_step_dirname, step_dirname
 from ..storage import Storage
 from ..storage.capabilities import Closable
 

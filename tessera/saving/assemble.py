@@ -9,8 +9,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..dtypes import dtype_from_name, itemsize
-from ..manifest import FileEntry, Manifest, PerRankEntry, TensorEntry, TileTable
+from ..format.dtypes import dtype_from_name, itemsize
+from ..format.manifest import FileEntry, Manifest, PerRankEntry, TensorEntry, TileTable
 from ..options import SaveOptions
 from ..plan import TensorMeta
 from ..state import dotted_parents, is_empty_container

@@ -15,11 +15,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from ..format.tilefile import FileLayout
 from ..options import SaveOptions
 from ..plan import RankPlan, TensorMeta
 from ..state import FlatState
 from ..storage import Storage
-from ..tilefile import FileLayout
 from ..write import WrittenFile
 
 

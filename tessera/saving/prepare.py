@@ -12,14 +12,14 @@ import torch
 
 from .. import commit, dist
 from ..dist import Gathered, World
-from ..dtypes import dtype_from_name
-from ..geometry import Box
+from ..format.dtypes import dtype_from_name
+from ..format.geometry import Box
+from ..format.tilefile import FileLayout, layout_file
+from ..format.values import encode_value
 from ..options import SaveOptions
 from ..plan import LocalPlan, RankPlan, TensorMeta, build_global_plan, build_local_plan
 from ..state import FlatState, flatten
 from ..storage import Storage, storage_for
-from ..tilefile import FileLayout, layout_file
-from ..values import encode_value
 from .context import SaveContext
 from .handoff import EncodedValues, PlanAssignment, PreparedSave, PrepareReport, SavePlan, SaveRequest
 

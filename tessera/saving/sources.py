@@ -16,7 +16,7 @@ import torch
 
 from .._torch_private import version_counter
 from ..errors import CheckpointError, StagingMutationError
-from ..geometry import Box
+from ..format.geometry import Box
 from ..options import StagingCheck
 from ..results import PendingSave
 from ..stage import StagedTiles, StagingBuffer, as_bytes

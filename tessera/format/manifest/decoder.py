@@ -16,9 +16,9 @@ from typing import Any
 
 import numpy as np
 
+from ...errors import ManifestError
+from ...storage.base import Storage, check_relpath
 from ..dtypes import dtype_from_name, itemsize
-from ..errors import ManifestError
-from ..storage.base import Storage, check_relpath
 from .schema import (
     CHECKSUM_ALGORITHM,
     DECODE_RATIO,

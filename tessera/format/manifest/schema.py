@@ -212,7 +212,7 @@ class Manifest:
     chunk_bytes: int
     tensors: dict[str, TensorEntry]
     values: dict[str, Any] = field(default_factory=dict)
-    """Plain values, in the tagged-JSON encoding of :mod:`tessera.values`."""
+    """Plain values, in the tagged-JSON encoding of :mod:`tessera.format.values`."""
     per_rank: dict[str, PerRankEntry] = field(default_factory=dict)
     files: tuple[FileEntry, ...] = ()
     layout: dict[str, Any] = field(default_factory=dict)

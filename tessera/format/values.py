@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
+from ..errors import InvalidStateError, ManifestError, PickleNotAllowedError
 from .dtypes import dtype_from_name, dtype_name
-from .errors import InvalidStateError, ManifestError, PickleNotAllowedError
 
 _TAGS = ("__tuple__", "__dict__", "__bytes__", "__float__", "__dtype__", "__pickle__")
 MAX_DEPTH = 100

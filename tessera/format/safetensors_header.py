@@ -36,7 +36,7 @@ HeaderEntry = tuple[str, str, Sequence[int], int]
 def encode_header(entries: Sequence[HeaderEntry], metadata: dict[str, str] | None = None) -> bytes:
     """The 8-byte length and JSON header of a safetensors file holding ``entries`` back to back.
 
-    The header is padded with spaces to a multiple of :data:`~tessera.dtypes.ALIGN` bytes,
+    The header is padded with spaces to a multiple of :data:`~tessera.format.dtypes.ALIGN` bytes,
     so the tensor bytes that follow start aligned for every dtype (and a cache line).
 
     Args:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .errors import CoverageError
+from ..errors import CoverageError
 
 
 @dataclass(frozen=True)

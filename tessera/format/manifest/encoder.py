@@ -1,4 +1,4 @@
-"""The manifest encoder: a :class:`~tessera.manifest.Manifest` to the bytes of ``manifest.json``."""
+"""The manifest encoder: a :class:`~tessera.format.manifest.Manifest` to the bytes of ``manifest.json``."""
 
 from __future__ import annotations
 
