@@ -252,8 +252,8 @@ class GatedState:
 
 def measure_gated(src: dict, path: str, add: Callable[[str, float], None]) -> None:
     """The fast path's stall, with the default mutation check and without it, and the check's own cost."""
+    from tessera.engine.saving.sources import MutationCheck
     from tessera.options import StagingCheck
-    from tessera.saving.sources import MutationCheck
 
     state = {"model": GatedState(src)}
     tessera.async_save(path, state).wait()  # plan this structure once: both timed saves reuse the plan

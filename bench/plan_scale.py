@@ -15,8 +15,8 @@ import time
 
 import numpy as np
 
+from tessera.engine.saving.plan import LocalPlan, TensorMeta, build_global_plan
 from tessera.format.manifest import FileEntry, Manifest, TensorEntry, Tile, decode, encode
-from tessera.plan import LocalPlan, TensorMeta, build_global_plan
 
 
 def local_plans(ranks: int, tensors: int, replicated_every: int) -> list[LocalPlan]:

@@ -1,6 +1,6 @@
 """``save``, ``async_save`` and ``load``: the public entry points.
 
-The stages are orchestrated in :mod:`tessera.saving` and :mod:`tessera.loading`.
+The stages are orchestrated in :mod:`tessera.engine.saving` and :mod:`tessera.engine.loading.core`.
 
 save:  flatten -> local plan -> global plan [cached] -> stage -> write -> commit
 load:  manifest -> flatten target -> validate -> plan reads -> read + verify + copy -> values
@@ -15,13 +15,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import loading as _loading
 from ._args import check_path_state
-from .inflight import wait_pending
-from .loading import read_manifest
+from .engine.inflight import wait_pending
+from .engine.loading import core as _loading
+from .engine.loading.core import read_manifest
+from .engine.saving import SaveRequest, start_save
 from .options import LoadOptions, SaveOptions
 from .results import LoadResult, PendingSave, SaveResult
-from .saving import SaveRequest, start_save
 from .storage import Storage
 
 __all__ = ["LoadResult", "PendingSave", "SaveResult", "async_save", "load", "read_manifest", "save", "wait_pending"]
@@ -86,7 +86,7 @@ def async_save(
     Commits exactly the state at the call, bit for bit, whatever the caller does next.
     Under the default ``StagingMode.AUTO``, tensors held by a gated Stateful
     (:class:`~tessera.ModelState`, :class:`~tessera.OptimizerState`, or an object of yours
-    implementing :class:`~tessera.state.GatedStateful`) are copied to host memory in the
+    implementing :class:`~tessera.engine.flat_state.GatedStateful`) are copied to host memory in the
     background (CPU: a copy thread; CUDA: a side stream into reused pinned memory, after
     the work queued on the current stream) while the calls that change them
     (``optimizer.step()``, the forward pass, ``load_state_dict``) wait for the copy; every

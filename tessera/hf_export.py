@@ -31,13 +31,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import dist
 from .adapters.model import ModelState, unwrap
+from .engine import dist
+from .engine.flat_state import flatten, is_stateful
 from .format.dtypes import dtype_name
 from .format.geometry import Box
 from .hf_export_plan import ExportPlan, plan_export
 from .hf_export_rounds import ExchangeRounds, file_chunks
-from .state import flatten, is_stateful
 from .storage import Storage, storage_for
 
 logger = logging.getLogger(__name__)

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as torch_dist
 
-from . import dist
+from .engine import dist
 from .format.dtypes import itemsize
 from .format.geometry import Box
 from .format.safetensors_header import encode_header

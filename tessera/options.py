@@ -16,7 +16,7 @@ class StagingMode(str, Enum):
 
     ``AUTO`` (the default): tensors held by a gated Stateful (:class:`~tessera.ModelState`,
     :class:`~tessera.OptimizerState`, or your own object implementing
-    :class:`~tessera.state.GatedStateful`) are copied in the background while training goes
+    :class:`~tessera.engine.flat_state.GatedStateful`) are copied in the background while training goes
     on, and the calls that change them (``optimizer.step()``, the model's forward pass,
     ``load_state_dict``) wait until their bytes are in host memory. Every other tensor (raw
     ``model.state_dict()`` / ``optimizer.state_dict()`` tensors, a tensor in a plain dict) is
@@ -65,7 +65,7 @@ class WriterMode(str, Enum):
 
     ``THREAD``: by threads of the saving process (``SaveOptions.io_threads`` of them).
     ``PROCESS``: by a long-lived writer process per training process, fed from shared memory
-    (see :mod:`tessera.writer_process`), so background writes never take the training loop's
+    (see :mod:`tessera.engine.saving.writer_process`), so background writes never take the training loop's
     GIL; the bytes are copied into the shared arena first. Only local filesystems
     (:class:`~tessera.storage.local.FileStorage`) are written from the writer process; other
     backends fall back to threads. Planning and the commit stay in the saving process.

@@ -167,7 +167,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     check = session.config.stash.get(_LEFTOVERS, None)
     if check is None:
         return
-    from tessera import writer_process
+    from tessera.engine.saving import writer_process
 
     writer_process.shutdown()  # a live writer process of this process is not a leftover yet
     lines = check.finish()

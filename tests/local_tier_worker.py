@@ -197,7 +197,7 @@ def transfer_files(rank: int, world: int, root: str) -> dict[str, Any]:
     whose receiver cannot create its file fails on every rank."""
     import hashlib
 
-    from tessera import dist
+    from tessera.engine import dist
     from tessera.errors import StorageError
     from tessera.local_tier.transfer import Transfer, run_transfers
 

@@ -29,9 +29,9 @@ import torch
 from torch import nn
 
 import tessera
-from tessera import stage
+from tessera.engine.flat_state import flatten
+from tessera.engine.saving import staging as stage
 from tessera.format.dtypes import dtype_from_name
-from tessera.state import flatten
 from tests.dist_utils import run_distributed
 
 TRIALS = 6

@@ -70,7 +70,7 @@ def test_import_needs_pickle_opt_in(tmp_path) -> None:
 
 
 def test_import_over_a_checkpoint_commits_like_a_save(tmp_path) -> None:
-    """A converter commits through tessera.commit: no temporary manifest, load timings or older files stay."""
+    """A converter commits through tessera.engine.commit: no temporary manifest, load timings or older files stay."""
     from tessera.cli import EXIT_OK, main
 
     ck = tmp_path / "ck"

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import tessera
-from tessera.stage import StagingBuffer
+from tessera.engine.saving.staging import StagingBuffer
 
 pytestmark = pytest.mark.cuda
 

@@ -246,7 +246,7 @@ def test_without_replicas_a_lost_node_means_durable(tmp_path: os.PathLike) -> No
 
 
 def test_placement_is_decided_once() -> None:
-    from tessera.dist import World
+    from tessera.engine.dist import World
     from tessera.local_tier import LocalTier
 
     tier = LocalTier("/tmp/unused-{node}", "/tmp/root", replicas=1, keep_last=2, process_group=None)

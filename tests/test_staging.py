@@ -18,8 +18,9 @@ import pytest
 import torch
 
 import tessera
-from tessera import saving, stage
-from tessera.saving import context, finish
+from tessera.engine import saving
+from tessera.engine.saving import context, finish
+from tessera.engine.saving import staging as stage
 from tessera.trace import blocked_seconds, rank_timings
 from tests.dist_utils import run_distributed
 

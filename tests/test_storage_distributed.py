@@ -188,7 +188,7 @@ class _PausingS3Storage(FsspecStorage):
         self._started = 0
 
     def write_file(self, path: str, chunks: Iterable[Buffer]) -> None:
-        if not path.startswith("data/"):  # rank 0's owner marker (tessera.commit.claim)
+        if not path.startswith("data/"):  # rank 0's owner marker (tessera.engine.commit.claim)
             super().write_file(path, chunks)
             return
         with self._lock:

@@ -20,7 +20,8 @@ import pytest
 import torch
 
 import tessera
-from tessera import SaveOptions, StagingMode, WriterMode, writer_process
+from tessera import SaveOptions, StagingMode, WriterMode
+from tessera.engine.saving import writer_process
 from tessera.errors import StorageError
 from tests.dist_utils import run_distributed
 
@@ -228,7 +229,8 @@ def test_the_writer_process_exits_when_its_parent_is_killed(tmp_path: Path) -> N
     script = textwrap.dedent(
         f"""
         import os, sys, time, torch, tessera
-        from tessera import SaveOptions, writer_process
+        from tessera import SaveOptions
+        from tessera.engine.saving import writer_process
         tessera.save({str(tmp_path / "ck")!r}, {{"w": torch.ones(10)}}, options=SaveOptions(writer="process"))
         print(writer_process._writer().pid, flush=True)
         time.sleep(600)
@@ -265,7 +267,7 @@ def _alive(pid: int) -> bool:
 
 def _failing_copy(rank: int, world: int, root: str) -> tuple[str, str, list[str]]:
     """Rank 1's background copy fails after its first tile (its writes have started by then)."""
-    from tessera import stage
+    from tessera.engine.saving import staging as stage
 
     if rank == 1:
         real = stage.StagingBuffer.stage

@@ -18,9 +18,9 @@ from enum import Enum
 import torch
 
 from ..errors import ManifestError, PickleNotAllowedError
+from ..format.dtypes import as_bytes
 from ..format.geometry import Box
 from ..format.values import decode_value
-from ..stage import as_bytes
 from ..storage import Storage
 from ._common import Progress, ProgressFn, split_box
 from .reader import CheckpointReader

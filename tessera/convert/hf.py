@@ -21,9 +21,9 @@ from typing import Any, NamedTuple
 import torch
 from safetensors import safe_open
 
+from ..format.dtypes import as_bytes
 from ..format.geometry import Box
 from ..format.safetensors_header import encode_header
-from ..stage import as_bytes
 from ..storage import Storage, storage_for
 from ._common import (
     DEFAULT_BLOCK_BYTES,

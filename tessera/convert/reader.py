@@ -1,6 +1,6 @@
 """Read boxes of the tensors of a committed tessera checkpoint, block by block.
 
-A thin layer over :mod:`tessera.read`: every box is read with ``ReadTarget``/``plan_reads``/
+A thin layer over :mod:`tessera.engine.loading.read`: every box is read with ``ReadTarget``/``plan_reads``/
 ``Reader``, so only the overlapping byte ranges are fetched and every chunk is verified.
 Works the same for checkpoints saved by any number of ranks in any layout.
 """
@@ -14,12 +14,12 @@ from typing import Any
 import torch
 
 from ..api import read_manifest
+from ..engine.loading.read import Reader, ReadTarget, plan_reads
 from ..errors import PickleNotAllowedError
 from ..format.dtypes import dtype_from_name
 from ..format.geometry import Box
 from ..format.manifest import Manifest
 from ..format.values import decode_value
-from ..read import Reader, ReadTarget, plan_reads
 from ..storage import Storage, storage_for
 from ._common import DEFAULT_BLOCK_BYTES, itemsize, numel, split_box
 

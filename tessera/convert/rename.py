@@ -1,7 +1,7 @@
 """Rename the tensors and values of a checkpoint by rewriting its manifest only.
 
 Data files are not touched: the manifest maps names to tiles, so a rename is one atomic
-manifest publish through :mod:`tessera.commit` (fenced like a save's: it fails rather than
+manifest publish through :mod:`tessera.engine.commit` (fenced like a save's: it fails rather than
 overwrite a save that committed meanwhile), whatever the checkpoint's size. The tile keys
 inside the safetensors data files keep the old names; tessera never reads them (the
 manifest is the source of truth). The manifest's ``metadata["tile_names"]`` maps every
@@ -18,8 +18,8 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .. import commit
 from ..api import read_manifest
+from ..engine import commit
 from ..errors import ConcurrentSaveError
 from ..format.manifest import Manifest, encode
 from ..storage import Storage, storage_for

@@ -2,10 +2,10 @@
 
 Converters read a foreign checkpoint block by block and hand each block here with the box of
 the global tensor it covers. Blocks are batched into data files of about ``file_bytes``
-(laid out by :mod:`tessera.format.tilefile`, streamed and checksummed by :mod:`tessera.write`), so
+(laid out by :mod:`tessera.format.tilefile`, streamed and checksummed by :mod:`tessera.engine.saving.write`), so
 at most one file's worth of blocks is held at a time. :meth:`CheckpointWriter.commit`
 checks that every tensor is covered exactly once and then commits through
-:mod:`tessera.commit`, the protocol :func:`tessera.save` follows (claim before the first data
+:mod:`tessera.engine.commit`, the protocol :func:`tessera.save` follows (claim before the first data
 file, check, fenced publish, clean up): until then nothing is committed, an existing
 checkpoint at the path stays intact, and afterwards no file of an older save, no load
 timings of the replaced checkpoint and no leftover temporary manifest remain.
@@ -21,17 +21,17 @@ from typing import Any
 import numpy as np
 import torch
 
-from .. import __version__, commit
+from .. import __version__
 from .._knobs import chunk_bytes as default_chunk_bytes
-from ..commit import Claim
-from ..format.dtypes import dtype_name
+from ..engine import commit
+from ..engine.commit import Claim
+from ..engine.saving.write import write_files
+from ..format.dtypes import as_bytes, dtype_name
 from ..format.geometry import Box, check_box_coverage, flat_range_to_boxes
 from ..format.manifest import FileEntry, Manifest, TensorEntry, Tile
 from ..format.tilefile import layout_file
 from ..format.values import encode_value
-from ..stage import as_bytes
 from ..storage import Storage, storage_for
-from ..write import write_files
 from ._common import itemsize
 
 logger = logging.getLogger(__name__)
@@ -293,7 +293,7 @@ class CheckpointWriter:
         return self._claim
 
     def _publish(self, manifest: Manifest) -> None:
-        """Check the data files, publish the manifest and clean up (:func:`tessera.commit.commit_single`)."""
+        """Check the data files, publish the manifest and clean up (:func:`tessera.engine.commit.commit_single`)."""
         try:
             commit.commit_single(self.storage, self._claimed(), manifest, self.path)
         except Exception:

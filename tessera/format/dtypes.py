@@ -100,3 +100,8 @@ def safetensors_code(dtype: torch.dtype) -> tuple[str, bool]:
     if code is None:
         return "U8", True
     return code, False
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous CPU tensor's bytes as a 1-D uint8 view (no copy)."""
+    return t.reshape(-1).view(torch.uint8)

@@ -22,12 +22,13 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .. import api, dist
+from .. import api
+from ..engine import dist
+from ..engine.file_checks import check_file, tiles_by_file
 from ..errors import CheckpointError, CollectiveTimeoutError, CorruptCheckpointError, DistributedError, StorageError
 from ..format import manifest
 from ..format.manifest import MANIFEST_NAME, Manifest
 from ..results import LoadResult
-from ..verify_files import check_file, tiles_by_file
 from .fetch_plan import holdings_of, plan_fetches, plan_manifest_fetches
 from .inventory import MARKER_NAME, NodeInventory, choose_step, marker_bytes
 from .needs import needed_files

@@ -24,7 +24,7 @@ import logging
 import os
 from typing import Any
 
-from .. import commit, dist
+from ..engine import commit, dist
 from ..errors import CheckpointError, StorageError
 from ..format import manifest
 from ..format.manifest import MANIFEST_NAME
@@ -208,7 +208,7 @@ class LocalTier:
     def copy_to_durable(self, step: int, data: bytes, durable: Storage, world: dist.World) -> None:
         """Collective: make the committed local ``step`` durable through the commit protocol.
 
-        The same protocol as a save (:mod:`tessera.commit`): rank 0 claims the durable path
+        The same protocol as a save (:mod:`tessera.engine.commit`): rank 0 claims the durable path
         (owner marker, the manifest version it replaces), each rank uploads the files it wrote
         (created, never rewritten, under ``data/<save id>/``), rank 0 checks every file's size,
         publishes the manifest fenced against any other writer and removes what no save can

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as tdist
 
-from .. import dist
+from ..engine import dist
 from ..errors import StorageError
 from ..storage import check_relpath
 

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
-from .. import inflight
+from ..engine import inflight
 from ..errors import CheckpointError
 from ..results import PendingSave, SaveResult
 

@@ -17,7 +17,8 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from .. import _args, dist
+from .. import _args
+from ..engine import dist
 from ..format.names import step_dirname
 from ..local_tier import LocalTier
 from ..options import LoadOptions, SaveOptions

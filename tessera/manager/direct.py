@@ -12,7 +12,8 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
-from .. import api, dist
+from .. import api
+from ..engine import dist
 from ..results import PendingSave, SaveResult
 from ..storage import Storage
 from .background import explain, finish_in_background

@@ -17,7 +17,7 @@ import uuid
 import warnings
 from typing import TYPE_CHECKING
 
-from .. import dist
+from ..engine import dist
 from ..errors import StorageError
 from ..storage import Storage
 

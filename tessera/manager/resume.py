@@ -12,7 +12,8 @@ import warnings
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from .. import api, dist
+from .. import api
+from ..engine import dist
 from ..errors import CheckpointError, CheckpointNotFoundError, StorageError
 from ..local_tier.recovery import is_unusable
 from ..results import LoadResult

@@ -12,7 +12,7 @@ import functools
 import logging
 from typing import TYPE_CHECKING
 
-from .. import dist
+from ..engine import dist
 from ..results import PendingSave, SaveResult
 from . import identity
 from .direct import after_commit, run_save

@@ -13,7 +13,7 @@ Call order during a save (every rank holds its own backend object for the same r
        (:meth:`CommitStorage.file_sizes`, one listing) and publishes ``manifest.json`` with
        :meth:`CommitStorage.replace_if` (or :meth:`Storage.write_atomic`): the commit point;
     4. rank 0 may then :meth:`Storage.delete` files of saves that are over (see
-       :mod:`tessera.commit`).
+       :mod:`tessera.engine.commit`).
 
 The methods of :class:`CommitStorage` are optional: a backend without them still works, with
 weaker guarantees (no fencing of concurrent writers, one ``size`` call per file at commit).
@@ -40,7 +40,7 @@ from .capabilities import ConditionalPublish, ListsSizes, SyncsDirs
 Buffer = bytes | bytearray | memoryview
 
 OWNER_MARKER_DIR = ".tessera-saves"
-"""Directory (in a checkpoint) of the owner markers of saves in progress (see tessera.commit)."""
+"""Directory (in a checkpoint) of the owner markers of saves in progress (see tessera.engine.commit)."""
 
 TEMP_MARK = ".tmp-"
 """What :func:`temp_name` puts between a path and its random suffix."""

@@ -19,7 +19,7 @@ Who uses what, in the order a save and a load meet them:
 - :class:`Closable` (manager, CLI): release descriptors.
 
 Note that ``isinstance`` against a runtime protocol checks that the members exist, not their
-signatures; :func:`tessera.commit` inspects the one optional keyword it relies on (``owner``).
+signatures; :func:`tessera.engine.commit` inspects the one optional keyword it relies on (``owner``).
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ class ConditionalPublish(Versioned, Protocol):
 
         With ``owner`` (the save's owner marker), also only while that file exists: retention
         removes a step's markers before its files, so a save whose marker is gone must not
-        publish a manifest naming deleted files (see :mod:`tessera.commit`). A backend that
+        publish a manifest naming deleted files (see :mod:`tessera.engine.commit`). A backend that
         cannot check both under one fence checks the marker right after publishing and
         withdraws its manifest if the marker is gone.
 

@@ -1,7 +1,7 @@
 """The prepare and plan steps of a save: flatten, agree on a save id and location, get a plan.
 
 No storage I/O happens here: the path is claimed later, in the background
-(:mod:`tessera.saving.finish`).
+(:mod:`tessera.engine.saving.finish`).
 """
 
 from __future__ import annotations
@@ -10,18 +10,18 @@ import uuid
 
 import torch
 
+from ...format.dtypes import dtype_from_name
+from ...format.geometry import Box
+from ...format.tilefile import FileLayout, layout_file
+from ...format.values import encode_value
+from ...options import SaveOptions
+from ...storage import Storage, storage_for
 from .. import commit, dist
 from ..dist import Gathered, World
-from ..format.dtypes import dtype_from_name
-from ..format.geometry import Box
-from ..format.tilefile import FileLayout, layout_file
-from ..format.values import encode_value
-from ..options import SaveOptions
-from ..plan import LocalPlan, RankPlan, TensorMeta, build_global_plan, build_local_plan
-from ..state import FlatState, flatten
-from ..storage import Storage, storage_for
+from ..flat_state import FlatState, flatten
 from .context import SaveContext
 from .handoff import EncodedValues, PlanAssignment, PreparedSave, PrepareReport, SavePlan, SaveRequest
+from .plan import LocalPlan, RankPlan, TensorMeta, build_global_plan, build_local_plan
 
 
 class _Local:

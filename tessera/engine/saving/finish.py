@@ -1,15 +1,15 @@
 """The claim, write and commit steps of a save (in the background for ``async_save``).
 
 1. **claim** (collective): every rank runs its stage step; rank 0 claims the path
-   (:func:`tessera.commit.claim`) only if every rank's stage step succeeded, so no rank
+   (:func:`tessera.engine.commit.claim`) only if every rank's stage step succeeded, so no rank
    writes a data file before rank 0's owner marker exists and nobody writes after any rank
    failed. (A background save's stage step only starts the copy, which the writes then
    follow tile by tile: a copy failing later fails the write step, on every rank.)
-2. **write** (every rank): :func:`tessera.write.write_tiles`, then the rank's report.
+2. **write** (every rank): :func:`tessera.engine.saving.write.write_tiles`, then the rank's report.
 3. **commit** (collective): rank 0 assembles the manifest and commits it
-   (:func:`tessera.commit.commit_manifest`), or removes the save's files if any rank failed.
+   (:func:`tessera.engine.commit.commit_manifest`), or removes the save's files if any rank failed.
 
-Errors anywhere are raised on every rank by :func:`tessera.dist.collective_step`.
+Errors anywhere are raised on every rank by :func:`tessera.engine.dist.collective_step`.
 """
 
 from __future__ import annotations
@@ -18,18 +18,18 @@ import logging
 import threading
 from collections.abc import Callable
 
+from ...errors import CheckpointError, StorageError
+from ...options import WriterMode
+from ...results import SaveResult
 from .. import commit, dist
 from ..commit import Claim
 from ..dist import Gathered, World
-from ..errors import CheckpointError, StorageError
-from ..options import WriterMode
-from ..results import SaveResult
 from ..timing import PhaseTimer
-from ..write import FileWrite, WriteRequest, WrittenFile, write_tiles
-from ..writer_process import write_tiles_in_process
 from .assemble import build_manifest
 from .handoff import CommitOutcome, FileReport, PreparedSave, RankReport
 from .sources import Staged
+from .write import FileWrite, WriteRequest, WrittenFile, write_tiles
+from .writer_process import write_tiles_in_process
 
 logger = logging.getLogger(__name__)
 
@@ -112,7 +112,7 @@ def finish_save(
 
 
 def _claim(gathered: Gathered[None], save: PreparedSave) -> Claim | None:
-    """Rank 0: claim the path once every rank has staged (see :mod:`tessera.commit`)."""
+    """Rank 0: claim the path once every rank has staged (see :mod:`tessera.engine.commit`)."""
     if not gathered.ok:
         return None  # nobody claimed, nobody writes: nothing to clean up
     return commit.claim(save.store, save.save_id)
@@ -143,7 +143,7 @@ def _commit(gathered: Gathered[RankReport], save: PreparedSave, claim: Claim) ->
     Raises:
         ConcurrentSaveError: another save committed since the claim (also when ranks
             failed: it is the real cause, as the winner's cleanup removed our files).
-        CheckpointError: the commit failed (see :func:`tessera.commit.commit_manifest`).
+        CheckpointError: the commit failed (see :func:`tessera.engine.commit.commit_manifest`).
     """
     if not gathered.ok:
         files = [w.path for rep in gathered.payloads if rep is not None for w in rep.files]

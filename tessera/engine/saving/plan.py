@@ -16,11 +16,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .errors import CoverageError
-from .format.dtypes import dtype_from_name, dtype_name, itemsize
-from .format.geometry import Box, check_box_coverage, check_flat_coverage, split_even
-from .options import PlanOptions
-from .state import FlatState
+from ...errors import CoverageError
+from ...format.dtypes import dtype_from_name, dtype_name, itemsize
+from ...format.geometry import Box, check_box_coverage, check_flat_coverage, split_even
+from ...options import PlanOptions
+from ..flat_state import FlatState
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ The hand-off type is a frozen dataclass, :class:`Claim` (what rank 0 holds from 
 steps 3 to 5 take the :class:`~tessera.format.manifest.Manifest` to publish. Optional backend
 methods are declared in :mod:`tessera.storage.capabilities` and checked with ``isinstance``.
 
-Two callers: a distributed save (:mod:`tessera.saving`, rank 0 calls :func:`commit_manifest`
+Two callers: a distributed save (:mod:`tessera.engine.saving`, rank 0 calls :func:`commit_manifest`
 with the ranks' files) and single-process writers such as converters, which call
 :func:`claim` before their first data file and :func:`commit_single` at the end.
 """
@@ -38,10 +38,10 @@ from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from .errors import CheckpointError, CommitCheckError, ConcurrentSaveError, LocationMismatchError, StorageError
-from .format.manifest import MANIFEST_NAME, FileEntry, Manifest, encode
-from .storage.base import OWNER_MARKER_DIR, Storage
-from .storage.capabilities import (
+from ..errors import CheckpointError, CommitCheckError, ConcurrentSaveError, LocationMismatchError, StorageError
+from ..format.manifest import MANIFEST_NAME, FileEntry, Manifest, encode
+from ..storage.base import OWNER_MARKER_DIR, Storage
+from ..storage.capabilities import (
     ConditionalPublish,
     ListsSizes,
     Locatable,
@@ -298,7 +298,7 @@ def commit_single(store: Storage, claim: Claim, manifest: Manifest, path: str) -
     """Commit a checkpoint written by one process (a converter): the same steps as a save.
 
     Call order: ``c = claim(store, save_id)`` before writing the first data file, then write
-    every data file under ``c.data_prefix`` (:func:`tessera.write.write_files`), build the
+    every data file under ``c.data_prefix`` (:func:`tessera.engine.saving.write.write_files`), build the
     manifest (``save_id=c.save_id``) and call this. On an error before this call, call
     ``abandon(store, c, written_paths, path)``.
 

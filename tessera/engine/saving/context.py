@@ -5,8 +5,8 @@ from __future__ import annotations
 import threading
 
 from .. import dist
-from ..stage import StagingBuffer
 from .handoff import SavePlan
+from .staging import StagingBuffer
 
 _MAX_PLANS = 4
 
@@ -15,7 +15,7 @@ class SaveContext:
     """Per process group: cached plans and the reused host staging buffer.
 
     ``lock`` serialises the starts of saves of one group in this process (the save in
-    flight itself is tracked by :mod:`tessera.inflight`).
+    flight itself is tracked by :mod:`tessera.engine.inflight`).
     """
 
     def __init__(self) -> None:

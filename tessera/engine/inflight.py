@@ -15,8 +15,8 @@ import sys
 import threading
 from concurrent.futures import wait as wait_futures
 
+from ..results import PendingSave
 from . import dist
-from .results import PendingSave
 
 __all__ = ["settle", "track", "wait_pending"]
 

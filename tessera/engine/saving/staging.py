@@ -19,14 +19,9 @@ from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
-from .format.dtypes import ALIGN
+from ...format.dtypes import ALIGN, as_bytes
 
 logger = logging.getLogger(__name__)
-
-
-def as_bytes(t: torch.Tensor) -> torch.Tensor:
-    """A contiguous CPU tensor's bytes as a 1-D uint8 view (no copy)."""
-    return t.reshape(-1).view(torch.uint8)
 
 
 class StagingBuffer:

@@ -20,13 +20,13 @@ from typing import Any, Protocol, TypeGuard, runtime_checkable
 
 import torch
 
-from . import _torch_private
-from .errors import InvalidStateError
-from .format.dtypes import dtype_name
-from .format.geometry import Box
-from .format.values import MAX_DEPTH, check_depth, encode_value
+from .. import _torch_private
+from ..errors import InvalidStateError
+from ..format.dtypes import dtype_name
+from ..format.geometry import Box
+from ..format.values import MAX_DEPTH, check_depth, encode_value
+from ..shards import FlatShard, MultiShard, OnResize, PerRank, ShardedTensor
 from .optim_dict import is_optimizer_state_dict, missing_param_states
-from .shards import FlatShard, MultiShard, OnResize, PerRank, ShardedTensor
 
 
 @dataclass(frozen=True, eq=False)
@@ -198,7 +198,7 @@ class _Flattener:
         self.parents: set[str] | None = None
         """Load: every dotted prefix of the checkpoint's keys (computed when first needed)."""
         self.extra: dict[int, dict[Any, Any]] = {}
-        """Load: id of a target dict -> entries to visit beside its own (see :mod:`tessera.optim_dict`)."""
+        """Load: id of a target dict -> entries to visit beside its own (see :mod:`tessera.engine.optim_dict`)."""
 
     def stored_as_structure(self, value: object, fqn: str) -> bool:
         """Load: whether ``value``, a dict without tensors, is stored entry by entry.

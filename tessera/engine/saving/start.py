@@ -11,16 +11,16 @@ from functools import partial
 
 import torch
 
+from ...options import SaveOptions, StagingCheck, StagingMode
+from ...results import PendingSave, SaveResult
 from .. import dist, inflight
-from ..options import SaveOptions, StagingCheck, StagingMode
-from ..results import PendingSave, SaveResult
-from ..stage import ready_event
 from ..timing import PhaseTimer
 from .context import SaveContext, context_for
 from .finish import finish_save
 from .handoff import PreparedSave, SaveRequest
 from .prepare import prepare
 from .sources import MutationCheck, OverlappedCopy, Staged, hold_mutations, private_copies, sources, stage
+from .staging import ready_event
 
 _STALL_PARTS = ("wait_previous", "plan", "stage", "schedule")
 

@@ -21,8 +21,8 @@ from typing import Any, Generic, Literal, TypeVar, cast, overload
 import torch
 import torch.distributed as dist
 
-from . import _knobs
-from .errors import CheckpointError, CollectiveTimeoutError, RankFailure, collective_error
+from .. import _knobs
+from ..errors import CheckpointError, CollectiveTimeoutError, RankFailure, collective_error
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")

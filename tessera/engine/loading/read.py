@@ -1,6 +1,6 @@
 """Reading: run the range reads of a load plan, verify every chunk, copy into the targets.
 
-Needed chunks of one file, coalesced by :func:`~tessera.read_plan.plan_reads`, are read by a
+Needed chunks of one file, coalesced by :func:`~tessera.engine.loading.plan.plan_reads`, are read by a
 thread pool, verified against their checksums, and copied straight into the caller's
 tensors; a whole-tile overlap over contiguous target memory is read directly into it.
 
@@ -20,14 +20,13 @@ from dataclasses import dataclass
 import torch
 import xxhash
 
-from .errors import CorruptCheckpointError, StorageError
-from .format.dtypes import ALIGN, itemsize
-from .format.geometry import row_major_strides
-from .format.manifest import Manifest
-from .read_plan import ReadRequest, ReadTarget, check_targets, plan_reads
-from .stage import as_bytes
-from .storage.base import Storage
-from .storage.capabilities import MapsRanges
+from ...errors import CorruptCheckpointError, StorageError
+from ...format.dtypes import ALIGN, as_bytes, itemsize
+from ...format.geometry import row_major_strides
+from ...format.manifest import Manifest
+from ...storage.base import Storage
+from ...storage.capabilities import MapsRanges
+from .plan import ReadRequest, ReadTarget, check_targets, plan_reads
 
 __all__ = ["ReadRequest", "ReadStats", "ReadTarget", "Reader", "check_targets", "plan_reads"]
 

@@ -14,23 +14,23 @@ import uuid
 from dataclasses import dataclass, replace
 from typing import Any
 
-from . import dist
+from ...errors import CheckpointError, CheckpointNotFoundError, MissingKeysError, StateMismatchError, StorageError
+from ...format.dtypes import dtype_from_name
+from ...format.geometry import Box
+from ...format.manifest import MANIFEST_NAME, Manifest, decode, read_bytes
+from ...format.values import decode_value
+from ...options import LoadOptions
+from ...results import LoadResult
+from ...shards import OnResize
+from ...storage import Storage, storage_for
+from .. import dist
+from ..commit import LOAD_TIMINGS_DIR
+from ..dist import Gathered, World
+from ..flat_state import FlatState, dotted_parents, flatten, restore_values
+from ..inflight import wait_pending
+from ..timing import PhaseTimer
 from .broadcast import Broadcast, run_broadcasts, split_replicated
-from .commit import LOAD_TIMINGS_DIR
-from .dist import Gathered, World
-from .errors import CheckpointError, CheckpointNotFoundError, MissingKeysError, StateMismatchError, StorageError
-from .format.dtypes import dtype_from_name
-from .format.geometry import Box
-from .format.manifest import MANIFEST_NAME, Manifest, decode, read_bytes
-from .format.values import decode_value
-from .inflight import wait_pending
-from .options import LoadOptions
 from .read import Reader, ReadRequest, ReadTarget, check_targets, plan_reads
-from .results import LoadResult
-from .shards import OnResize
-from .state import FlatState, dotted_parents, flatten, restore_values
-from .storage import Storage, storage_for
-from .timing import PhaseTimer
 
 logger = logging.getLogger(__name__)
 

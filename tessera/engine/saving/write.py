@@ -15,11 +15,11 @@ from dataclasses import dataclass
 import torch
 import xxhash
 
-from .errors import StorageError
-from .format.geometry import Box
-from .format.tilefile import FileLayout
-from .storage.base import Storage
-from .storage.capabilities import SyncsDirs
+from ...errors import StorageError
+from ...format.geometry import Box
+from ...format.tilefile import FileLayout
+from ...storage.base import Storage
+from ...storage.capabilities import SyncsDirs
 
 logger = logging.getLogger(__name__)
 

@@ -19,10 +19,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist_
 
-from . import dist
-from .dist import World
-from .format.geometry import split_even
-from .read_plan import ReadTarget
+from ...format.geometry import split_even
+from .. import dist
+from ..dist import World
+from .plan import ReadTarget
 
 logger = logging.getLogger(__name__)
 

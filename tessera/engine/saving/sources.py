@@ -14,14 +14,15 @@ from dataclasses import dataclass
 
 import torch
 
-from .._torch_private import version_counter
-from ..errors import CheckpointError, StagingMutationError
-from ..format.geometry import Box
-from ..options import StagingCheck
-from ..results import PendingSave
-from ..stage import StagedTiles, StagingBuffer, as_bytes
-from ..state import FlatState, GatedStateful, TensorPiece
+from ..._torch_private import version_counter
+from ...errors import CheckpointError, StagingMutationError
+from ...format.dtypes import as_bytes
+from ...format.geometry import Box
+from ...options import StagingCheck
+from ...results import PendingSave
+from ..flat_state import FlatState, GatedStateful, TensorPiece
 from .handoff import SavePlan
+from .staging import StagedTiles, StagingBuffer
 
 Staged = Sequence[Sequence[torch.Tensor]]
 """Host byte views (1-D uint8) per data file, in each file's slot order."""
@@ -41,7 +42,7 @@ def _source(pieces: dict[str, list[TensorPiece]], fqn: str, box: Box) -> tuple[t
 @dataclass
 class Sources:
     """The tensors this rank writes, in the plan's slot order, with their names and whether
-    a :class:`~tessera.state.GatedStateful` holds their mutations."""
+    a :class:`~tessera.engine.flat_state.GatedStateful` holds their mutations."""
 
     tensors: list[torch.Tensor]
     names: list[str]
@@ -255,7 +256,7 @@ def private_copies(srcs: list[torch.Tensor], which: Sequence[int]) -> None:
 
 
 def hold_mutations(statefuls: list[object], pending: PendingSave) -> None:
-    """Let every :class:`~tessera.state.GatedStateful` in the state hold its mutations until staged."""
+    """Let every :class:`~tessera.engine.flat_state.GatedStateful` in the state hold its mutations until staged."""
     for obj in statefuls:
         if isinstance(obj, GatedStateful):
             obj.hold_mutations(pending)

@@ -15,13 +15,13 @@ from dataclasses import dataclass, field
 import numpy as np
 import xxhash
 
-from .format.dtypes import dtype_from_name
-from .format.geometry import Box
-from .format.manifest import FileEntry, Manifest, TensorEntry, Tile
-from .format.safetensors_header import parse_header
-from .format.tilefile import tile_header_entry, tile_key
-from .storage import Storage
-from .verify_report import Problem, ProblemKind
+from ..format.dtypes import dtype_from_name
+from ..format.geometry import Box
+from ..format.manifest import FileEntry, Manifest, TensorEntry, Tile
+from ..format.safetensors_header import parse_header
+from ..format.tilefile import tile_header_entry, tile_key
+from ..storage import Storage
+from ..verify_report import Problem, ProblemKind
 
 logger = logging.getLogger(__name__)
 

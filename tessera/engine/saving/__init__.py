@@ -2,18 +2,18 @@
 
 One module per step, each handing the next a frozen dataclass (:mod:`.handoff`):
 
-- :mod:`.start`: :func:`start_save`, waits for the save in flight (:mod:`tessera.inflight`),
+- :mod:`.start`: :func:`start_save`, waits for the save in flight (:mod:`tessera.engine.inflight`),
   then runs the steps below, the last ones in a background thread for ``async_save``;
 - :mod:`.context`: per process group, the cached plans and the reused staging buffer;
 - :mod:`.prepare`: the prepare step (flatten, save id, location) and the plan step;
 - :mod:`.sources`: the stage step (the tensors to write, copied to host memory);
 - :mod:`.finish`: the claim, write and commit steps (rank 0 commits following
-  :mod:`tessera.commit`: it claims the path before any rank writes, checks every reported
+  :mod:`tessera.engine.commit`: it claims the path before any rank writes, checks every reported
   file, publishes the manifest only over the version it claimed, then removes files of
   saves that are over);
 - :mod:`.assemble`: rank 0 builds the manifest from the ranks' reports.
 
-Every collective step runs through :func:`tessera.dist.collective_step`, which raises any
+Every collective step runs through :func:`tessera.engine.dist.collective_step`, which raises any
 rank's failure on every rank.
 """
 

@@ -15,12 +15,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ..format.tilefile import FileLayout
-from ..options import SaveOptions
-from ..plan import RankPlan, TensorMeta
-from ..state import FlatState
-from ..storage import Storage
-from ..write import WrittenFile
+from ...format.tilefile import FileLayout
+from ...options import SaveOptions
+from ...storage import Storage
+from ..flat_state import FlatState
+from .plan import RankPlan, TensorMeta
+from .write import WrittenFile
 
 
 @dataclass(frozen=True)
@@ -123,7 +123,7 @@ class FileReport:
 
     @classmethod
     def of(cls, written: WrittenFile) -> FileReport:
-        """The report of a file :func:`tessera.write.write_tiles` wrote."""
+        """The report of a file :func:`tessera.engine.saving.write.write_tiles` wrote."""
         tiles = written.tiles
         return cls(
             path=written.path,

@@ -5,7 +5,7 @@ child process instead of threads of the training process, so they never take the
 loop's GIL. The training process copies the bytes a rank writes into a shared-memory arena
 (a ``/dev/shm`` mapping both processes hold, reused by later saves and grown when a save
 needs more), sends the child the file layouts and where each tile lies in the arena, and
-gets back what :func:`tessera.write.write_files` returns (sizes and checksums). The child runs
+gets back what :func:`tessera.engine.saving.write.write_files` returns (sizes and checksums). The child runs
 that very function on views of the arena, so files are byte-identical to the thread
 writer's. Planning, the claim and the commit protocol stay in the training process.
 
@@ -36,10 +36,10 @@ from typing import Any
 
 import torch
 
-from .errors import CheckpointError, StorageError
-from .format.tilefile import FileLayout
-from .storage.base import Storage
-from .storage.local import FileStorage
+from ...errors import CheckpointError, StorageError
+from ...format.tilefile import FileLayout
+from ...storage.base import Storage
+from ...storage.local import FileStorage
 from .write import WriteRequest, WrittenFile, write_files
 
 logger = logging.getLogger(__name__)
@@ -104,7 +104,7 @@ class ProcessWriter:
         env = dict(os.environ)
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [env.get("PYTHONPATH")])])
-        code = f"from tessera.writer_process import _main; _main({theirs.fileno()}, {os.getpid()})"
+        code = f"from tessera.engine.saving.writer_process import _main; _main({theirs.fileno()}, {os.getpid()})"
         try:
             proc = subprocess.Popen([sys.executable, "-c", code], pass_fds=[theirs.fileno()], env=env)
         finally:
@@ -148,7 +148,7 @@ class ProcessWriter:
         chunk_bytes: int,
         threads: int,
     ) -> list[WrittenFile]:
-        """:func:`tessera.write.write_files`, run in the writer process (same contract)."""
+        """:func:`tessera.engine.saving.write.write_files`, run in the writer process (same contract)."""
         with self._lock:
             conn = self._start()
             # Sized from the layouts: the tiles may still be being staged (each is waited for below).
@@ -220,10 +220,10 @@ def write_files_in_process(
     chunk_bytes: int,
     threads: int,
 ) -> list[WrittenFile]:
-    """Write like :func:`tessera.write.write_files`, from this process's writer process.
+    """Write like :func:`tessera.engine.saving.write.write_files`, from this process's writer process.
 
     Backends other than :class:`~tessera.storage.local.FileStorage` are written by threads of
-    this process, as :func:`~tessera.write.write_files` does.
+    this process, as :func:`~tessera.engine.saving.write.write_files` does.
 
     Raises:
         StorageError: a failed write (the child removes what it wrote, as the thread writer does),
@@ -316,6 +316,6 @@ def _picklable(e: BaseException) -> BaseException:
 
 
 def write_tiles_in_process(storage: Storage, request: WriteRequest) -> list[WrittenFile]:
-    """:func:`tessera.write.write_tiles` (the write stage of a save), from this process's writer process."""
+    """:func:`tessera.engine.saving.write.write_tiles` (the write stage of a save), from this process's writer process."""
     files = [(f.path, f.layout, f.tiles) for f in request.files]
     return write_files_in_process(storage, files, chunk_bytes=request.chunk_bytes, threads=request.threads)

@@ -4,8 +4,8 @@ For every box a rank wants (a :class:`ReadTarget`), the saved tiles of the same 
 overlap it are found (vectorised per tensor); each overlap needs a set of the tile's
 checksum chunks. Needed chunks of one file are coalesced into :class:`ReadRequest` range
 reads of bounded size; an overlap that is a whole tile over contiguous target memory is
-read directly into the target. Pure: no I/O (the reads run in :mod:`tessera.read`); the
-save-side counterpart is :mod:`tessera.plan`.
+read directly into the target. Pure: no I/O (the reads run in :mod:`tessera.engine.loading.read`); the
+save-side counterpart is :mod:`tessera.engine.saving.plan`.
 """
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from .errors import CorruptCheckpointError, CoverageError, StateMismatchError
-from .format.dtypes import dtype_from_name, itemsize
-from .format.geometry import Box, check_box_coverage, runs, split_box
-from .format.manifest import Manifest, Tile
+from ...errors import CorruptCheckpointError, CoverageError, StateMismatchError
+from ...format.dtypes import dtype_from_name, itemsize
+from ...format.geometry import Box, check_box_coverage, runs, split_box
+from ...format.manifest import Manifest, Tile
 
 logger = logging.getLogger(__name__)
 

@@ -9,13 +9,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..format.dtypes import dtype_from_name, itemsize
-from ..format.manifest import FileEntry, Manifest, PerRankEntry, TensorEntry, TileTable
-from ..options import SaveOptions
-from ..plan import TensorMeta
-from ..state import dotted_parents, is_empty_container
-from ..version import __version__
+from ...format.dtypes import dtype_from_name, itemsize
+from ...format.manifest import FileEntry, Manifest, PerRankEntry, TensorEntry, TileTable
+from ...options import SaveOptions
+from ...version import __version__
+from ..flat_state import dotted_parents, is_empty_container
 from .handoff import RankReport
+from .plan import TensorMeta
 
 
 @dataclass

@@ -20,10 +20,10 @@ from typing import TYPE_CHECKING, Any, TypeGuard
 
 import torch
 
-from .format.dtypes import dtype_from_name
+from ..format.dtypes import dtype_from_name
 
 if TYPE_CHECKING:
-    from .format.manifest import Manifest
+    from ..format.manifest import Manifest
 
 __all__ = ["is_optimizer_state_dict", "missing_param_states"]
 
