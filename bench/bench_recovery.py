@@ -118,7 +118,7 @@ def _exchange(rank: int, pairs: list[tuple[int, int]], nbytes: int) -> Callable[
 
 def _limits(rank: int, args: argparse.Namespace, results: dict[str, list[float]]) -> None:
     """This machine's own limit for the same bytes: bare gloo between the pairs the tier uses."""
-    from tessera.local_tier import place
+    from tessera.manager.local_tier import place
 
     per_rank = sum(t.local.numel() * 4 for t in _state(rank, args, 1)["model"].values())
     placement = place([0, 0, 1, 1], 1)

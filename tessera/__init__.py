@@ -66,9 +66,18 @@ if TYPE_CHECKING:  # what the lazy names below resolve to, for type checkers and
     from .api import LoadResult, PendingSave, SaveResult, async_save, load, read_manifest, save
     from .hf_export import HFSaveResult, save_hf
     from .manager import CheckpointManager, StepLoadResult
+    from .manager.policies import (
+        AllOf,
+        AnyOf,
+        AtSteps,
+        EveryNSeconds,
+        EveryNSteps,
+        OnPreemption,
+        SaveContext,
+        SavePolicy,
+    )
+    from .manager.preemption import PreemptionHandler
     from .options import LoadOptions, SaveOptions, StagingMode, WriterMode
-    from .policies import AllOf, AnyOf, AtSteps, EveryNSeconds, EveryNSteps, OnPreemption, SaveContext, SavePolicy
-    from .preemption import PreemptionHandler
     from .shards import FlatShard, OnResize, ShardedTensor, per_rank
     from .verify import Problem, ProblemKind, VerifyReport, verify
 
@@ -92,9 +101,9 @@ _LAZY: dict[str, str] = {
     **dict.fromkeys(("LoadOptions", "SaveOptions", "StagingMode", "WriterMode"), ".options"),
     **dict.fromkeys(
         ("AllOf", "AnyOf", "AtSteps", "EveryNSeconds", "EveryNSteps", "OnPreemption", "SaveContext", "SavePolicy"),
-        ".policies",
+        ".manager.policies",
     ),
-    "PreemptionHandler": ".preemption",
+    "PreemptionHandler": ".manager.preemption",
     **dict.fromkeys(("FlatShard", "OnResize", "ShardedTensor", "per_rank"), ".shards"),
     **dict.fromkeys(("Problem", "ProblemKind", "VerifyReport", "verify"), ".verify"),
 }

@@ -199,7 +199,7 @@ def transfer_files(rank: int, world: int, root: str) -> dict[str, Any]:
 
     from tessera.engine import dist
     from tessera.errors import StorageError
-    from tessera.local_tier.transfer import Transfer, run_transfers
+    from tessera.manager.local_tier.transfer import Transfer, run_transfers
 
     mine = os.path.join(root, str(rank))
     os.makedirs(mine, exist_ok=True)
@@ -347,7 +347,7 @@ def save_and_kill_at(rank: int, world: int, root: str, local_dir: str, victim: i
     written, before its node's commit marker) or ``"durable"`` (halfway through uploading its
     file of step 3 to the durable root). The others report the error they get."""
     from tessera.errors import CheckpointError
-    from tessera.local_tier import tier as tier_module
+    from tessera.manager.local_tier import tier as tier_module
     from tessera.storage import FileStorage
     from tests.crash_worker import CrashStorage
 
@@ -381,7 +381,7 @@ def save_and_kill_at(rank: int, world: int, root: str, local_dir: str, victim: i
 def recover_and_kill(rank: int, world: int, root: str, local_dir: str, victim: int) -> dict[str, Any]:
     """Recovery in which ``victim`` SIGKILLs itself as the fetch from peers starts."""
     from tessera.errors import CheckpointError
-    from tessera.local_tier import recovery
+    from tessera.manager.local_tier import recovery
 
     if rank == victim:
         original = recovery.run_transfers

@@ -13,12 +13,12 @@ import time
 
 import pytest
 
-from tessera.local_tier import NodeInventory, StepHolding, choose_step, node_index, place
-from tessera.local_tier.fetch_plan import plan_fetches, plan_manifest_fetches
-from tessera.local_tier.inventory import MARKER_NAME
-from tessera.local_tier.transfer import Transfer
 from tessera.manager import CheckpointManager
 from tessera.manager.identity import ROOT_ID_NAME
+from tessera.manager.local_tier import NodeInventory, StepHolding, choose_step, node_index, place
+from tessera.manager.local_tier.fetch_plan import plan_fetches, plan_manifest_fetches
+from tessera.manager.local_tier.inventory import MARKER_NAME
+from tessera.manager.local_tier.transfer import Transfer
 from tessera.verify import verify
 from tests.crash_worker import check_state, empty_state, run_ranks, start_ranks
 from tests.local_tier_worker import (
@@ -247,7 +247,7 @@ def test_without_replicas_a_lost_node_means_durable(tmp_path: os.PathLike) -> No
 
 def test_placement_is_decided_once() -> None:
     from tessera.engine.dist import World
-    from tessera.local_tier import LocalTier
+    from tessera.manager.local_tier import LocalTier
 
     tier = LocalTier("/tmp/unused-{node}", "/tmp/root", replicas=1, keep_last=2, process_group=None)
     world = World(0, 1, None)

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import tessera
-from tessera.policies import SaveDecider
+from tessera.manager.policies import SaveDecider
 from tests.dist_utils import run_distributed
 
 REPO = str(Path(__file__).resolve().parents[1])
@@ -218,7 +218,7 @@ def test_second_signal_kills_the_process(tmp_path) -> None:
     code = textwrap.dedent(
         """
         import os, signal, sys, time
-        from tessera.preemption import PreemptionHandler
+        from tessera.manager.preemption import PreemptionHandler
         h = PreemptionHandler().install()
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(0.05)
@@ -238,7 +238,7 @@ def test_second_signal_kills_the_process(tmp_path) -> None:
 def test_handler_refuses_a_thread_and_an_empty_list() -> None:
     import threading
 
-    from tessera.preemption import PreemptionHandler
+    from tessera.manager.preemption import PreemptionHandler
 
     with pytest.raises(ValueError, match="at least one signal"):
         PreemptionHandler([])

@@ -20,7 +20,7 @@ from tessera.format.dtypes import as_bytes, dtype_name
 from tessera.format.geometry import Box
 from tessera.format.manifest import FileEntry, Manifest, TensorEntry, Tile
 from tessera.format.tilefile import layout_file
-from tessera.local_tier.tier import NodeStorage
+from tessera.manager.local_tier.tier import NodeStorage
 from tessera.storage import FileStorage, FsspecStorage
 from tessera.storage import capabilities as cap
 from tests.dist_utils import run_distributed

@@ -15,7 +15,7 @@ if TYPE_CHECKING:
 def cmd_remove_local(args: argparse.Namespace, out: Console) -> int:
     """Delete ``ROOT``'s steps from this node's local-tier directory (``--local-dir``, else the
     default of a ``tier::ROOT`` manager); run it on each node once the job is over."""
-    from ..local_tier import node_dir, node_index, remove_root_steps
+    from ..manager.local_tier import node_dir, node_index, remove_root_steps
     from ..storage.host_memory import TIER_PREFIX, default_memory_root
 
     root = args.root[len(TIER_PREFIX) :] if args.root.startswith(TIER_PREFIX) else args.root

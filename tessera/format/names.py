@@ -1,7 +1,7 @@
 """Step directory names: ``step-`` and the step number zero-padded to 8 digits.
 
 Shared by the durable layout (:mod:`tessera.manager`) and the node-local tier
-(:mod:`tessera.local_tier`); names not in exactly this form are not steps.
+(:mod:`tessera.manager.local_tier`); names not in exactly this form are not steps.
 """
 
 from __future__ import annotations

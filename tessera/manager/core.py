@@ -20,14 +20,14 @@ from typing import Any
 from .. import _args
 from ..engine import dist
 from ..format.names import step_dirname
-from ..local_tier import LocalTier
 from ..options import LoadOptions, SaveOptions
-from ..policies import SaveDecider, SavePolicy
-from ..preemption import PreemptionHandler
 from ..results import PendingSave, SaveResult
 from ..storage import Storage, storage_for
 from ..storage.host_memory import TIER_PREFIX, default_memory_root
 from . import background, direct, identity, resume, retention, tiered
+from .local_tier import LocalTier
+from .policies import SaveDecider, SavePolicy
+from .preemption import PreemptionHandler
 from .resume import StepLoadResult
 from .steps import check_step, join_root, read_pointer, scan_steps
 

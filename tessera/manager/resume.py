@@ -15,9 +15,9 @@ from typing import TYPE_CHECKING, Any
 from .. import api
 from ..engine import dist
 from ..errors import CheckpointError, CheckpointNotFoundError, StorageError
-from ..local_tier.recovery import is_unusable
 from ..results import LoadResult
 from . import identity
+from .local_tier.recovery import is_unusable
 from .steps import close_store
 
 if TYPE_CHECKING:

@@ -14,7 +14,7 @@ import os
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
-from ..format.names import parse_step_dirname
+from ...format.names import parse_step_dirname
 
 logger = logging.getLogger(__name__)
 

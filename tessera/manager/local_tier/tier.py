@@ -10,7 +10,7 @@ Layout: each node has its own directory (``local_dir`` with ``{node}`` replaced)
 A local step is saved by :func:`tessera.save` into each rank's own node directory (the
 commit protocol's location check compares the template, not the node's path), then
 :meth:`LocalTier.commit` hands the manifest to every node, sends each rank's files to its
-replica ranks (:func:`~tessera.local_tier.placement.place`), and only then lets each node
+replica ranks (:func:`~tessera.manager.local_tier.placement.place`), and only then lets each node
 write its commit marker. Recovery (:meth:`LocalTier.recover`) gathers every node's
 inventory, picks the newest complete step, fetches the missing files from peers and loads.
 
@@ -24,12 +24,12 @@ import logging
 import os
 from typing import Any
 
-from ..engine import commit, dist
-from ..errors import CheckpointError, StorageError
-from ..format import manifest
-from ..format.manifest import MANIFEST_NAME
-from ..format.names import step_dirname
-from ..storage import FileStorage, Storage
+from ...engine import commit, dist
+from ...errors import CheckpointError, StorageError
+from ...format import manifest
+from ...format.manifest import MANIFEST_NAME
+from ...format.names import step_dirname
+from ...storage import FileStorage, Storage
 from .inventory import MARKER_NAME, NodeInventory, marker_bytes, scan_node
 from .placement import Placement, node_dir, node_index, place
 from .recovery import Recovery, RecoveryAttempt
@@ -131,7 +131,7 @@ class LocalTier:
     def steps_here(self, root_id: str | None) -> list[int]:
         """The run's local steps (their marker names ``root_id``) this node holds completely,
         oldest first. Not collective; the node is the placement's if known, else torchrun's
-        environment's (:func:`~tessera.local_tier.placement.node_index`)."""
+        environment's (:func:`~tessera.manager.local_tier.placement.node_index`)."""
         if root_id is None:
             return []
         node = self._own_node if self._own_node is not None else node_index(_global_rank_now())

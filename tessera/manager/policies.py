@@ -24,7 +24,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 import torch.distributed as tdist
 
-from .engine import dist
+from ..engine import dist
 from .preemption import PreemptionHandler
 
 logger = logging.getLogger(__name__)

@@ -1,7 +1,7 @@
 """Where a node's tiles live: node indices, node directories and the replica ring.
 
 Pure functions of the job's shape (no I/O, no communication). The placement is decided once
-per job shape and cached by :class:`~tessera.local_tier.tier.LocalTier`.
+per job shape and cached by :class:`~tessera.manager.local_tier.tier.LocalTier`.
 """
 
 from __future__ import annotations

@@ -14,8 +14,8 @@ import logging
 
 import numpy as np
 
-from ..engine.flat_state import flatten
-from ..format.manifest import Manifest
+from ...engine.flat_state import flatten
+from ...format.manifest import Manifest
 
 logger = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 
-from ..format.manifest import MANIFEST_NAME
+from ...format.manifest import MANIFEST_NAME
 from .inventory import NodeInventory, StepHolding
 from .placement import Placement
 from .transfer import Transfer

@@ -4,7 +4,7 @@ Schedulers (Slurm, Kubernetes, spot/preemptible VMs, torchrun's agent when it is
 stop) announce the end of a job with SIGTERM and kill it a grace period later. Python's
 default reaction ends the process at once, losing everything since the last checkpoint.
 :class:`PreemptionHandler` records the signal instead, so that the training loop can write
-one last checkpoint at its next step boundary (see :class:`tessera.policies.SaveDecider`,
+one last checkpoint at its next step boundary (see :class:`tessera.manager.policies.SaveDecider`,
 which makes every rank agree on it) and then exit.
 
 The handler only sets a flag; nothing else runs inside the signal handler. A *second*
@@ -42,7 +42,7 @@ class PreemptionHandler:
         ValueError: for an empty or invalid signal list.
 
     Not collective: each rank has its own handler and sees its own signals; the ranks
-    agree through :class:`tessera.policies.SaveDecider` (one tiny all-reduce).
+    agree through :class:`tessera.manager.policies.SaveDecider` (one tiny all-reduce).
 
     Example:
         >>> handler = PreemptionHandler([signal.SIGTERM]).install()

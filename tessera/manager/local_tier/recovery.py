@@ -1,7 +1,7 @@
 """Recovery from the local tier: the newest step that can be assembled intact from what the
 nodes hold, with copies that fail their checksums replaced by intact ones from peers.
 
-One :class:`RecoveryAttempt` per :meth:`~tessera.local_tier.LocalTier.recover` call. It
+One :class:`RecoveryAttempt` per :meth:`~tessera.manager.local_tier.LocalTier.recover` call. It
 gathers the inventories, picks a step, fetches what each node lacks and loads. When the load
 finds bytes that do not match their checksums, every node checks its copies of that step's
 files, removes those that fail, and the choice is made again from what is left: a replica
@@ -22,13 +22,13 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .. import api
-from ..engine import dist
-from ..engine.file_checks import check_file, tiles_by_file
-from ..errors import CheckpointError, CollectiveTimeoutError, CorruptCheckpointError, DistributedError, StorageError
-from ..format import manifest
-from ..format.manifest import MANIFEST_NAME, Manifest
-from ..results import LoadResult
+from ... import api
+from ...engine import dist
+from ...engine.file_checks import check_file, tiles_by_file
+from ...errors import CheckpointError, CollectiveTimeoutError, CorruptCheckpointError, DistributedError, StorageError
+from ...format import manifest
+from ...format.manifest import MANIFEST_NAME, Manifest
+from ...results import LoadResult
 from .fetch_plan import holdings_of, plan_fetches, plan_manifest_fetches
 from .inventory import MARKER_NAME, NodeInventory, choose_step, marker_bytes
 from .needs import needed_files

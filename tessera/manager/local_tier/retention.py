@@ -2,7 +2,7 @@
 steps of another root id, and removing a root's steps for good.
 
 Which steps are the run's is decided by their commit markers
-(:func:`~tessera.local_tier.inventory.owner_of`). A step is un-committed (its marker removed)
+(:func:`~tessera.manager.local_tier.inventory.owner_of`). A step is un-committed (its marker removed)
 before its data goes, so a deletion cut short leaves an uncommitted step, never a "committed"
 one without data. Everything here is local to one node (no communication); only a node's
 leader calls it.
@@ -15,8 +15,8 @@ import os
 import shutil
 import threading
 
-from ..format.names import step_dirname
-from ..storage.host_memory import prune_empty_parents
+from ...format.names import step_dirname
+from ...storage.host_memory import prune_empty_parents
 from .inventory import MARKER_NAME, local_steps, owner_of, read_marker
 
 logger = logging.getLogger(__name__)

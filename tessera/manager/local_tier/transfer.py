@@ -19,9 +19,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as tdist
 
-from ..engine import dist
-from ..errors import StorageError
-from ..storage import check_relpath
+from ...engine import dist
+from ...errors import StorageError
+from ...storage import check_relpath
 
 logger = logging.getLogger(__name__)
 
