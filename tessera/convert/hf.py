@@ -24,6 +24,7 @@ from safetensors import safe_open
 from ..format.dtypes import as_bytes
 from ..format.geometry import Box
 from ..format.safetensors_header import encode_header
+from ..hf_export.config import HF_CONFIG_KEY, config_of_directory, read_config, write_config
 from ..storage import Storage, storage_for
 from ._common import (
     DEFAULT_BLOCK_BYTES,
@@ -39,7 +40,6 @@ from ._common import (
     split_box,
     strip_prefix,
 )
-from .hf_config import HF_CONFIG_KEY, config_of_directory, read_config, write_config
 from .reader import CheckpointReader
 from .writer import CheckpointWriter
 
@@ -79,7 +79,7 @@ def export_hf(
     Single process; reads only the checkpoint and writes only ``out_dir``'s model files
     (earlier ``model*.safetensors`` files and the index there are replaced; tokenizer files
     are left alone) and ``config.json`` when a config is known: ``config``, else the
-    checkpoint's ``metadata["hf_config"]`` (see :mod:`tessera.convert.hf_config`). Without
+    checkpoint's ``metadata["hf_config"]`` (see :mod:`tessera.hf_export.config`). Without
     one, an existing ``config.json`` is left alone.
 
     Args:

@@ -1,4 +1,4 @@
-"""The exchange rounds of :func:`tessera.hf_export.save_hf`: writers assemble blocks from the owners' pieces.
+"""The exchange rounds of :func:`tessera.hf_export.export.save_hf`: writers assemble blocks from the owners' pieces.
 
 Every rank takes part in every round (one ``all_to_all`` over the CPU coordination group);
 a writer streams each block it assembles to its shard file as :func:`file_chunks` yields it.
@@ -12,11 +12,11 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as torch_dist
 
-from .engine import dist
-from .format.dtypes import itemsize
-from .format.geometry import Box
-from .format.safetensors_header import encode_header
-from .hf_export_plan import ExportBlock, ExportPlan, ExportTensor
+from ..engine import dist
+from ..format.dtypes import itemsize
+from ..format.geometry import Box
+from ..format.safetensors_header import encode_header
+from .schedule import ExportBlock, ExportPlan, ExportTensor
 
 
 class ExchangeRounds:
@@ -109,7 +109,7 @@ class ExchangeRounds:
 
 def file_chunks(shard: tuple[ExportTensor, ...], rounds: ExchangeRounds) -> Iterator[bytes | memoryview]:
     """A shard file's bytes: its header, then each tensor block by block as the rounds deliver them."""
-    from .convert._common import safetensors_dtype_code
+    from ..convert._common import safetensors_dtype_code
 
     yield encode_header([(t.name, safetensors_dtype_code(t.out_dtype, t.fqn), t.shape, t.nbytes) for t in shard])
     remaining = {t.name: math.prod(t.shape) for t in shard}

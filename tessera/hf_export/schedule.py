@@ -1,4 +1,4 @@
-"""Planning of :func:`tessera.hf_export.save_hf`: pure, computed identically on every rank.
+"""Planning of :func:`tessera.hf_export.export.save_hf`: pure, computed identically on every rank.
 
 From every rank's pieces (their boxes, exchanged as metadata) the plan gives the shard files
 (same rules, names and index as the offline exporter), a writer rank per file (balanced by
@@ -13,9 +13,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import CoverageError, StateMismatchError
-from .format.dtypes import dtype_from_name, itemsize
-from .format.geometry import Box, intersect
+from ..errors import CoverageError, StateMismatchError
+from ..format.dtypes import dtype_from_name, itemsize
+from ..format.geometry import Box, intersect
 
 SEND_BUDGET_BLOCKS = 2
 """Most bytes a rank sends in one exchange round, in blocks (see :func:`_schedule`)."""
@@ -67,8 +67,8 @@ def plan_export(
     block_bytes: int,
     world_size: int,
 ) -> ExportPlan:
-    from .convert._common import cast_for, safetensors_dtype_code, split_box, strip_prefix
-    from .convert.hf import plan_shards, shard_file_names
+    from ..convert._common import cast_for, safetensors_dtype_code, split_box, strip_prefix
+    from ..convert.hf import plan_shards, shard_file_names
 
     shapes: dict[str, tuple[tuple[int, ...], str]] = {}
     holders: dict[str, dict[Box, list[int]]] = {}
