@@ -79,7 +79,7 @@ if TYPE_CHECKING:  # what the lazy names below resolve to, for type checkers and
     from .manager.preemption import PreemptionHandler
     from .options import LoadOptions, SaveOptions, StagingMode, WriterMode
     from .shards import FlatShard, OnResize, ShardedTensor, per_rank
-    from .verify import Problem, ProblemKind, VerifyReport, verify
+    from .tools.verification import Problem, ProblemKind, VerifyReport, verify
 
 _LAZY: dict[str, str] = {
     **dict.fromkeys(
@@ -105,7 +105,7 @@ _LAZY: dict[str, str] = {
     ),
     "PreemptionHandler": ".manager.preemption",
     **dict.fromkeys(("FlatShard", "OnResize", "ShardedTensor", "per_rank"), ".shards"),
-    **dict.fromkeys(("Problem", "ProblemKind", "VerifyReport", "verify"), ".verify"),
+    **dict.fromkeys(("Problem", "ProblemKind", "VerifyReport", "verify"), ".tools.verification"),
 }
 
 

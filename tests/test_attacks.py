@@ -16,7 +16,7 @@ import torch
 import tessera
 from tessera.errors import ManifestError
 from tessera.format.manifest import MANIFEST_NAME
-from tessera.verify import verify
+from tessera.tools.verification import verify
 from tests.crash_worker import check_state, empty_state, gated_save, make_state, start
 from tests.dist_utils import run_distributed
 

@@ -20,7 +20,7 @@ import tessera
 from tessera.cli import EXIT_OK, EXIT_PROBLEMS, EXIT_USAGE, main
 from tessera.convert import RenameRule, diff_checkpoints, rename_tensors
 from tessera.storage import FileStorage
-from tessera.trace import RankTiming, find_stragglers
+from tessera.tools.trace import RankTiming, find_stragglers
 from tests.dist_utils import run_distributed
 from tests.layouts import hold, truth
 

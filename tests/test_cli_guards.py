@@ -17,8 +17,8 @@ from safetensors.torch import load_file
 
 import tessera
 from tessera.cli import EXIT_OK, EXIT_PROBLEMS, EXIT_USAGE, main
-from tessera.describe import PathKind, classify_path, detect_model_prefix, list_steps
-from tessera.trace import RankTiming, blocked_seconds, find_stragglers, load_records
+from tessera.tools.describe import PathKind, classify_path, detect_model_prefix, list_steps
+from tessera.tools.trace import RankTiming, blocked_seconds, find_stragglers, load_records
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -69,8 +69,8 @@ def test_import_tessera_is_lazy_but_complete() -> None:
     code = (
         "import sys, tessera\n"
         "assert 'torch' not in sys.modules\n"
-        "import tessera.verify  # the submodule must not hide the function\n"
-        "assert callable(tessera.verify) and tessera.verify.__module__ == 'tessera.verify'\n"
+        "import tessera.tools.verification  # importing the module must not hide the function\n"
+        "assert callable(tessera.verify) and tessera.verify.__module__ == 'tessera.tools.verification'\n"
         "missing = [n for n in tessera.__all__ if not hasattr(tessera, n)]\n"
         "assert not missing, missing\n"
         "assert tessera.storage.FileStorage\n"

@@ -28,7 +28,7 @@ import tessera
 from tessera.errors import CommitCheckError, ConcurrentSaveError, LocationMismatchError, StorageError
 from tessera.format.manifest import MANIFEST_NAME
 from tessera.storage import FileStorage
-from tessera.verify import verify
+from tessera.tools.verification import verify
 from tests.crash_worker import check_state, empty_state, gated_save, make_state, start
 from tests.dist_utils import run_distributed
 from tests.s3_server import FaultProxy, fault_proxy, moto_endpoint, s3_bucket, s3_options  # noqa: F401 - fixtures

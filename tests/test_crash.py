@@ -20,7 +20,7 @@ import pytest
 import tessera
 from tessera.format.manifest import MANIFEST_NAME
 from tessera.manager import CheckpointManager, parse_step_dirname
-from tessera.verify import verify
+from tessera.tools.verification import verify
 from tests.crash_worker import (
     RankGroup,
     check_state,

@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 import tessera
 from tessera.format.manifest import MANIFEST_NAME, Manifest, decode
 from tessera.storage import FileStorage
-from tessera.verify import ProblemKind, verify
+from tessera.tools.verification import ProblemKind, verify
 
 NO_TIMINGS = tessera.LoadOptions(record_timings=False)
 FUZZ = settings(

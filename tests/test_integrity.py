@@ -20,7 +20,7 @@ import torch
 import tessera
 from tessera.format.manifest import MANIFEST_NAME
 from tessera.storage import FileStorage
-from tessera.verify import Problem, ProblemKind, VerifyReport, verify
+from tessera.tools.verification import Problem, ProblemKind, VerifyReport, verify
 from tests.crash_worker import run_ranks
 
 CHUNK = 4096

@@ -19,7 +19,7 @@ from tessera.manager.local_tier import NodeInventory, StepHolding, choose_step, 
 from tessera.manager.local_tier.fetch_plan import plan_fetches, plan_manifest_fetches
 from tessera.manager.local_tier.inventory import MARKER_NAME
 from tessera.manager.local_tier.transfer import Transfer
-from tessera.verify import verify
+from tessera.tools.verification import verify
 from tests.crash_worker import check_state, empty_state, run_ranks, start_ranks
 from tests.local_tier_worker import (
     durable_copy_dies_after_publish,

@@ -21,7 +21,7 @@ import tessera
 from tessera.engine import saving
 from tessera.engine.saving import context, finish
 from tessera.engine.saving import staging as stage
-from tessera.trace import blocked_seconds, rank_timings
+from tessera.tools.trace import blocked_seconds, rank_timings
 from tests.dist_utils import run_distributed
 
 DELAY_S = 0.2

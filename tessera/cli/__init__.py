@@ -1,7 +1,7 @@
 """The ``tessera`` command: inspect, verify, diff, convert, rename and trace checkpoints.
 
 A thin layer over the public API (:func:`tessera.verify`, :mod:`tessera.convert`,
-:mod:`tessera.trace`): parse arguments, call one function, render the result with ``rich``
+:mod:`tessera.tools.trace`): parse arguments, call one function, render the result with ``rich``
 (or as JSON with ``--json``). Exit codes: 0 ok, 1 problems found (or the operation
 failed), 2 usage error. Every verb runs in one process and works on checkpoints saved by
 any number of ranks in any layout; long work shows a progress bar on a terminal.
@@ -12,8 +12,8 @@ Example:
 
 Modules: ``render`` (sizes, JSON, progress bars), ``cmd_inspect`` (inspect, verify),
 ``cmd_convert`` (convert, diff, rename), ``cmd_trace`` (trace), ``cmd_local`` (remove-local). The work itself is done by
-library functions (:mod:`tessera.tools`, :mod:`tessera.describe`, :mod:`tessera.verify`,
-:mod:`tessera.trace`); nothing here imports torch (nor rich) at module level, so
+library functions (:mod:`tessera.tools`, :mod:`tessera.tools.describe`, :mod:`tessera.tools.verification`,
+:mod:`tessera.tools.trace`); nothing here imports torch (nor rich) at module level, so
 ``tessera --help`` and ``--version`` answer at once.
 """
 

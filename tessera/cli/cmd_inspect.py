@@ -14,7 +14,7 @@ from .render import EXIT_OK, EXIT_PROBLEMS, fmt_size, shorten, to_json, value_te
 if TYPE_CHECKING:
     from rich.console import Console
 
-    from ..verify import VerifyReport
+    from ..tools.verification import VerifyReport
 
 
 def _not_a_checkpoint(args: argparse.Namespace, out: Console, verb: str) -> int | None:
@@ -23,7 +23,7 @@ def _not_a_checkpoint(args: argparse.Namespace, out: Console, verb: str) -> int 
     A manager root lists its steps (``verify`` verifies them); a Hugging Face directory is
     described. A missing path returns None, so the command reports it as before.
     """
-    from ..describe import PathKind, classify_path
+    from ..tools.describe import PathKind, classify_path
 
     kind = classify_path(args.path)
     if kind in (PathKind.CHECKPOINT, PathKind.MISSING):
@@ -51,7 +51,7 @@ def _manager_root(args: argparse.Namespace, out: Console, *, verify: bool) -> in
     """A manager root: list its steps (``inspect``) or verify every committed one (``verify``)."""
     from rich.table import Table
 
-    from ..describe import list_steps
+    from ..tools.describe import list_steps
     from ..tools.steps import verify_steps
 
     if not verify:
@@ -94,7 +94,7 @@ def _manager_root(args: argparse.Namespace, out: Console, *, verify: bool) -> in
 
 
 def _hf_directory(args: argparse.Namespace, out: Console, verb: str) -> int:
-    from ..describe import describe_hf
+    from ..tools.describe import describe_hf
 
     hf = describe_hf(args.path)
     if args.json:
@@ -120,7 +120,7 @@ def cmd_inspect(args: argparse.Namespace, out: Console) -> int:
     other = _not_a_checkpoint(args, out, "inspect")
     if other is not None:
         return other
-    from ..describe import inspect_data
+    from ..tools.describe import inspect_data
 
     data = inspect_data(args.path)
     count = len(data["tensors"])
@@ -195,7 +195,7 @@ def print_verify(out: Console, path: str, report: VerifyReport, limit: int) -> N
 
 def cmd_verify(args: argparse.Namespace, out: Console) -> int:
     """``tessera verify PATH``: every file, header, checksum and tensor coverage (exit 1 on a problem)."""
-    from ..verify import verify
+    from ..tools.verification import verify
 
     other = _not_a_checkpoint(args, out, "verify")
     if other is not None:

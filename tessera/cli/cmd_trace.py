@@ -15,13 +15,13 @@ from .render import EXIT_OK, EXIT_PROBLEMS, fmt_size, to_json
 if TYPE_CHECKING:
     from rich.console import Console
 
-    from ..trace import RankTiming, Straggler
+    from ..tools.trace import RankTiming, Straggler
 
 
 def cmd_trace(args: argparse.Namespace, out: Console) -> int:
     """``tessera trace PATH``: per-rank phase tables, stragglers, Chrome trace and PNG timeline."""
-    from .. import trace
     from ..api import read_manifest
+    from ..tools import trace
 
     m = read_manifest(args.path)
     sources = trace.timing_sources(args.path, m)
@@ -66,7 +66,7 @@ def _trace_table(
 ) -> None:
     from rich.table import Table
 
-    from ..trace import BLOCKING_PHASES, blocked_seconds
+    from ..tools.trace import BLOCKING_PHASES, blocked_seconds
 
     phases = list(dict.fromkeys(p for t in timings for p in t.phases))
     blocking = BLOCKING_PHASES.get(op)

@@ -143,7 +143,7 @@ def hf_export_prefix(src: str, prefix: str | None, notify: Notify = _quiet) -> s
     if prefix is not None:
         return prefix
     from ..api import read_manifest
-    from ..describe import detect_model_prefix
+    from .describe import detect_model_prefix
 
     names = list(read_manifest(src).tensors)
     found, why = detect_model_prefix(names)
@@ -175,7 +175,7 @@ def prepare_output(dst: str, fmt: Format, *, force: bool) -> None:
     if fmt == cv.Format.TESSERA:
         return
     if os.path.isdir(dst):
-        from ..describe import PathKind, classify_path
+        from .describe import PathKind, classify_path
 
         if classify_path(dst) in (PathKind.CHECKPOINT, PathKind.MANAGER_ROOT):
             raise UsageError(

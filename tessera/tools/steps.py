@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING
 from . import UsageError
 
 if TYPE_CHECKING:
-    from ..describe import StepInfo
-    from ..verify import VerifyReport
+    from .describe import StepInfo
+    from .verification import VerifyReport
 
 _AT_STEP = re.compile(r"^(?P<root>.+)@(?P<step>\d+|latest)$")
 
@@ -49,7 +49,7 @@ class ResolvedPath:
 
 
 def _committed(root: str) -> tuple[list[StepInfo], list[StepInfo]]:
-    from ..describe import list_steps
+    from .describe import list_steps
 
     steps = list_steps(root)
     return steps, [s for s in steps if s.committed]
@@ -57,8 +57,8 @@ def _committed(root: str) -> tuple[list[StepInfo], list[StepInfo]]:
 
 def _pick(given: str, root: str, step: str) -> ResolvedPath:
     """The step ``step`` (a number or ``latest``) under the manager root ``root``."""
-    from ..describe import PathKind, classify_path
     from ..errors import CheckpointNotFoundError
+    from .describe import PathKind, classify_path
 
     kind = classify_path(root)
     if kind != PathKind.MANAGER_ROOT:
@@ -121,7 +121,7 @@ def resolve_checkpoint(given: str, *, root_means_latest: bool = True) -> Resolve
         return _pick(given, m.group("root"), m.group("step"))
     if not root_means_latest:
         return ResolvedPath(given, given)
-    from ..describe import PathKind, classify_path
+    from .describe import PathKind, classify_path
 
     if classify_path(given) == PathKind.MANAGER_ROOT:
         return _pick(given, given, "latest")
@@ -160,8 +160,8 @@ def verify_steps(root: str, step: int | None = None) -> StepsReport:
         >>> verify_steps("/ckpt").ok  # doctest: +SKIP
         True
     """
-    from ..describe import list_steps
-    from ..verify import verify
+    from .describe import list_steps
+    from .verification import verify
 
     steps = list_steps(root)
     chosen = steps

@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-from .format.manifest import MANIFEST_NAME, Manifest
-from .format.safetensors_header import read_file_header, tensor_entries
+from ..format.manifest import MANIFEST_NAME, Manifest
+from ..format.safetensors_header import read_file_header, tensor_entries
 
 __all__ = [
     "HFDirectory",
@@ -106,7 +106,7 @@ def classify_path(path: str, storage_options: dict[str, Any] | None = None) -> P
         <PathKind.MANAGER_ROOT: 'manager_root'>
     """
     if not _is_local(path):
-        from .storage import storage_for
+        from ..storage import storage_for
 
         store = storage_for(
             path.removeprefix("tier::") if path.startswith("tier::") else path, storage_options=storage_options
@@ -134,7 +134,7 @@ def classify_path(path: str, storage_options: dict[str, Any] | None = None) -> P
         return PathKind.HF
     if os.path.isdir(os.path.join(path, "data")):
         return PathKind.INCOMPLETE
-    from .convert import detect_format
+    from ..convert import detect_format
 
     try:
         detect_format(path)
@@ -144,7 +144,7 @@ def classify_path(path: str, storage_options: dict[str, Any] | None = None) -> P
 
 
 def _step_dirs(names: Any) -> list[int]:
-    from .manager import parse_step_dirname
+    from ..manager import parse_step_dirname
 
     return sorted(s for s in (parse_step_dirname(n) for n in names) if s is not None)
 
@@ -156,9 +156,9 @@ def list_steps(root: str, storage_options: dict[str, Any] | None = None) -> list
         >>> [s.step for s in list_steps("/ckpt/run1") if s.committed]
         [300, 400, 500]
     """
-    from .manager import LATEST_NAME, parse_step_dirname, step_dirname
-    from .storage import storage_for
-    from .storage.capabilities import Closable
+    from ..manager import LATEST_NAME, parse_step_dirname, step_dirname
+    from ..storage import storage_for
+    from ..storage.capabilities import Closable
 
     store = storage_for(root, storage_options=storage_options)
     try:
@@ -190,7 +190,7 @@ def describe_hf(path: str) -> HFDirectory:
         >>> describe_hf("/export/hf").architectures
         ['LlamaForCausalLM']
     """
-    from .convert.hf import hf_files
+    from ..convert.hf import hf_files
 
     files = hf_files(path)
     tensors = 0
@@ -288,7 +288,7 @@ def inspect_data(path: str) -> dict[str, Any]:
         >>> inspect_data("/ckpt/step100")["tensors"][0]["name"]
         'model.embed.weight'
     """
-    from .api import read_manifest
+    from ..api import read_manifest
 
     m = read_manifest(path)
     policies = m.metadata.get("tensor_policies") or {}

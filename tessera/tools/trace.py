@@ -25,7 +25,7 @@ import statistics
 from dataclasses import dataclass
 from typing import Any
 
-from .format.manifest import Manifest
+from ..format.manifest import Manifest
 
 logger = logging.getLogger(__name__)
 
@@ -198,8 +198,8 @@ def load_records(path: str, storage: Any = None) -> list[LoadRecord]:
     """
     import json
 
-    from .engine.saving import LOAD_TIMINGS_DIR
-    from .storage import storage_for
+    from ..engine.saving import LOAD_TIMINGS_DIR
+    from ..storage import storage_for
 
     store = storage_for(path, storage)
     out = []
