@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, TypeVar
@@ -173,3 +174,33 @@ def _staging_check(value: object) -> StagingCheck:
 
 def _writer_mode(value: object) -> WriterMode:
     return _mode(WriterMode, value, "SaveOptions.writer (or TESSERA_WRITER)")
+
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
+
+
+def parse_size(text: str | int) -> int:
+    """Bytes in a size such as ``"5GB"`` (10^9), ``"512MiB"`` (2^20) or ``1000``.
+
+    Decimal and binary units follow the Hugging Face convention (``"5GB"`` is 5·10^9 bytes).
+
+    Raises:
+        ValueError: for anything else, or a size below one byte.
+
+    Example:
+        >>> parse_size("2MiB")
+        2097152
+    """
+    if isinstance(text, int):
+        n = text
+    else:
+        m = _SIZE.match(text)
+        if m is None:
+            raise ValueError(f"cannot read size {text!r}; use e.g. 5GB, 512MiB or a number of bytes")
+        unit = (m.group(2) or "b").lower()
+        power = {"b": 0, "k": 1, "m": 2, "g": 3, "t": 4}[unit[0]]
+        base = 1024 if "i" in unit else 1000
+        n = int(float(m.group(1)) * base**power)
+    if n < 1:
+        raise ValueError(f"size {text!r} must be at least one byte")
+    return n

@@ -31,8 +31,10 @@ from __future__ import annotations
 import os
 from enum import Enum
 
+from ..format.dtypes import parse_dtype
 from ..format.names import parse_step_dirname
-from ._common import ConvertResult, parse_dtype, parse_size
+from ..options import parse_size
+from ._common import ConvertResult
 from .compare import DiffKind, DiffReport, EntryDiff, diff_checkpoints
 from .dcp import export_dcp, import_dcp
 from .deepspeed import import_deepspeed

@@ -19,10 +19,10 @@ import torch
 
 from ..errors import ManifestError, PickleNotAllowedError
 from ..format.dtypes import as_bytes
-from ..format.geometry import Box
+from ..format.geometry import Box, split_box
 from ..format.values import decode_value
 from ..storage import Storage
-from ._common import Progress, ProgressFn, split_box
+from ._common import Progress, ProgressFn
 from .reader import CheckpointReader
 
 logger = logging.getLogger(__name__)

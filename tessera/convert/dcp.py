@@ -45,17 +45,11 @@ from torch.distributed.checkpoint.planner import (
 )
 
 from ..errors import PickleNotAllowedError
+from ..format.dtypes import cast_for, itemsize
 from ..format.geometry import Box
+from ..format.names import strip_prefix
 from ..storage import Storage
-from ._common import (
-    ConvertResult,
-    Progress,
-    ProgressFn,
-    cast_for,
-    itemsize,
-    numel,
-    strip_prefix,
-)
+from ._common import ConvertResult, Progress, ProgressFn, numel
 from .dcp_metadata import read_dcp_metadata
 from .reader import CheckpointReader
 from .writer import CheckpointWriter

@@ -44,10 +44,11 @@ import torch
 
 from ..adapters.zero import FlatEntry, FlatLayout
 from ..errors import CorruptCheckpointError
+from ..format.dtypes import cast_for
 from ..format.values import is_plain
 from ..shards import FlatShard
 from ..storage import Storage
-from ._common import ConvertResult, Progress, ProgressFn, cast_for
+from ._common import ConvertResult, Progress, ProgressFn
 
 # The stand-in classes too: values pickled under their old path still load.
 from .deepspeed_files import (

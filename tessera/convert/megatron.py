@@ -36,10 +36,11 @@ import torch
 
 from ..adapters.megatron import MegatronSpec, gpt_spec
 from ..errors import CorruptCheckpointError
+from ..format.dtypes import cast_for
 from ..format.geometry import Box
 from ..format.values import is_plain
 from ..storage import Storage
-from ._common import ConvertResult, Progress, ProgressFn, cast_for
+from ._common import ConvertResult, Progress, ProgressFn
 from .megatron_torch_dist import TRACKER, import_torch_dist, is_torch_dist
 from .safe_pickle import torch_load_restricted
 from .writer import CheckpointWriter

@@ -22,9 +22,10 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadIte
 
 from ..adapters.megatron_core import COMMON_KEY, TORCH_SAVE, TORCH_SAVE_FIRST
 from ..errors import CheckpointError
+from ..format.dtypes import cast_for
 from ..format.geometry import Box
 from ..storage import Storage
-from ._common import ConvertResult, Progress, ProgressFn, cast_for
+from ._common import ConvertResult, Progress, ProgressFn
 from .dcp_metadata import read_dcp_metadata
 from .writer import CheckpointWriter
 

@@ -16,12 +16,12 @@ import torch
 from ..api import read_manifest
 from ..engine.loading.read import Reader, ReadTarget, plan_reads
 from ..errors import PickleNotAllowedError
-from ..format.dtypes import dtype_from_name
-from ..format.geometry import Box
+from ..format.dtypes import dtype_from_name, itemsize
+from ..format.geometry import Box, split_box
 from ..format.manifest import Manifest
 from ..format.values import decode_value
 from ..storage import Storage, storage_for
-from ._common import DEFAULT_BLOCK_BYTES, itemsize, numel, split_box
+from ._common import DEFAULT_BLOCK_BYTES, numel
 
 logger = logging.getLogger(__name__)
 

@@ -23,20 +23,12 @@ from typing import Any
 
 import torch
 
-from ..format.geometry import Box
+from ..format.dtypes import cast_for, itemsize
+from ..format.geometry import Box, split_box
+from ..format.names import strip_prefix
 from ..format.values import encode_value
 from ..storage import Storage
-from ._common import (
-    DEFAULT_BLOCK_BYTES,
-    ConvertResult,
-    Progress,
-    ProgressFn,
-    cast_for,
-    itemsize,
-    numel,
-    split_box,
-    strip_prefix,
-)
+from ._common import DEFAULT_BLOCK_BYTES, ConvertResult, Progress, ProgressFn, numel
 from .reader import CheckpointReader
 from .writer import CheckpointWriter
 

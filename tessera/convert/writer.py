@@ -21,18 +21,17 @@ from typing import Any
 import numpy as np
 import torch
 
-from .. import __version__
 from .._knobs import chunk_bytes as default_chunk_bytes
 from ..engine import commit
 from ..engine.commit import Claim
 from ..engine.saving.write import write_files
-from ..format.dtypes import as_bytes, dtype_name
+from ..format.dtypes import as_bytes, dtype_name, itemsize
 from ..format.geometry import Box, check_box_coverage, flat_range_to_boxes
 from ..format.manifest import FileEntry, Manifest, TensorEntry, Tile
 from ..format.tilefile import layout_file
 from ..format.values import encode_value
 from ..storage import Storage, storage_for
-from ._common import itemsize
+from ..version import __version__
 
 logger = logging.getLogger(__name__)
 

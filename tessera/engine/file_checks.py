@@ -20,8 +20,8 @@ from ..format.geometry import Box
 from ..format.manifest import FileEntry, Manifest, TensorEntry, Tile
 from ..format.safetensors_header import parse_header
 from ..format.tilefile import tile_header_entry, tile_key
+from ..results import Problem, ProblemKind
 from ..storage import Storage
-from ..verify_report import Problem, ProblemKind
 
 logger = logging.getLogger(__name__)
 

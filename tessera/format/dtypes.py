@@ -105,3 +105,63 @@ def safetensors_code(dtype: torch.dtype) -> tuple[str, bool]:
 def as_bytes(t: torch.Tensor) -> torch.Tensor:
     """A contiguous CPU tensor's bytes as a 1-D uint8 view (no copy)."""
     return t.reshape(-1).view(torch.uint8)
+
+
+_DTYPE_ALIASES = {
+    "fp32": torch.float32,
+    "float": torch.float32,
+    "f32": torch.float32,
+    "fp16": torch.float16,
+    "half": torch.float16,
+    "f16": torch.float16,
+    "bf16": torch.bfloat16,
+    "fp64": torch.float64,
+    "double": torch.float64,
+}
+
+
+def parse_dtype(text: str) -> torch.dtype:
+    """The torch dtype for ``"bf16"``, ``"bfloat16"``, ``"torch.float16"`` and so on.
+
+    Raises:
+        ValueError: for a name that is not a floating-point dtype.
+
+    Example:
+        >>> parse_dtype("bf16")
+        torch.bfloat16
+    """
+    name = text.strip().lower().removeprefix("torch.")
+    dt = _DTYPE_ALIASES.get(name) or getattr(torch, name, None)
+    if not isinstance(dt, torch.dtype) or not dt.is_floating_point:
+        raise ValueError(f"unknown floating-point dtype {text!r}; use e.g. bf16, fp16, fp32")
+    return dt
+
+
+def cast_for(dtype: torch.dtype, target: torch.dtype | None) -> torch.dtype:
+    """The dtype a tensor of ``dtype`` is written as: casts apply to floating point only."""
+    if target is None or not dtype.is_floating_point:
+        return dtype
+    return target
+
+
+_KNOWN_DTYPES = (
+    torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
+    torch.int8, torch.uint8, torch.bool, torch.complex64, torch.uint16, torch.uint32, torch.uint64,
+    torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz,
+)  # fmt: skip
+
+
+SAFETENSORS_DTYPES: dict[str, torch.dtype] = {safetensors_code(dt)[0]: dt for dt in _KNOWN_DTYPES}
+"""safetensors dtype code (``"BF16"``) -> torch dtype, for every code both sides know."""
+
+
+def safetensors_dtype_code(dtype: torch.dtype, name: str) -> str:
+    """The safetensors code of ``dtype``.
+
+    Raises:
+        TypeError: naming the tensor, for dtypes the safetensors format cannot hold.
+    """
+    code, raw = safetensors_code(dtype)
+    if raw:
+        raise TypeError(f"tensor '{name}' has dtype {dtype_name(dtype)}, which safetensors files cannot hold")
+    return code

@@ -1,12 +1,18 @@
-"""Step directory names: ``step-`` and the step number zero-padded to 8 digits.
+"""Names in a checkpoint: step directories, file references in a manifest, tensor-name prefixes.
 
-Shared by the durable layout (:mod:`tessera.manager`) and the node-local tier
-(:mod:`tessera.manager.local_tier`); names not in exactly this form are not steps.
+Step directories are ``step-`` and the step number zero-padded to 8 digits, shared by the durable
+layout (:mod:`tessera.manager`) and the node-local tier (:mod:`tessera.manager.local_tier`); names
+not in exactly this form are not steps. A file reference in a manifest must stay inside the
+checkpoint (:func:`check_relpath`).
 """
 
 from __future__ import annotations
 
+import posixpath
 import re
+from collections.abc import Iterable
+
+from ..errors import ManifestError
 
 STEP_PREFIX = "step-"
 STEP_DIGITS = 8
@@ -38,3 +44,27 @@ def parse_step_dirname(name: str) -> int | None:
         return None
     step = int(m.group(1))
     return step if step_dirname(step) == name else None
+
+
+def check_relpath(path: str) -> str:
+    """Return ``path`` normalised, refusing anything that escapes the checkpoint root.
+
+    Raises:
+        ManifestError: for absolute paths, ``..`` components, backslashes or NUL bytes.
+    """
+    if not isinstance(path, str) or not path or "\x00" in path or "\\" in path:
+        raise ManifestError(f"invalid file reference {path!r} in checkpoint")
+    norm = posixpath.normpath(path)
+    if norm.startswith("/") or norm == ".." or norm.startswith("../") or norm == "." or ":" in norm.split("/")[0]:
+        raise ManifestError(f"file reference {path!r} points outside the checkpoint directory; refusing it")
+    return norm
+
+
+def strip_prefix(names: Iterable[str], prefix: str | None) -> dict[str, str]:
+    """``{new name: old name}`` of the names under ``prefix``, with the prefix removed.
+
+    Without a prefix every name maps to itself.
+    """
+    if not prefix:
+        return {n: n for n in names}
+    return {n[len(prefix) :]: n for n in names if n.startswith(prefix) and len(n) > len(prefix)}

@@ -119,7 +119,7 @@ def save_hf(
     Example:
         >>> tessera.save_hf("/export/step1000", model, dtype=torch.bfloat16)  # on every rank
     """
-    from ..convert._common import parse_size
+    from ..options import parse_size
 
     t0 = time.monotonic()
     world = dist.world_for(process_group)
@@ -142,7 +142,7 @@ def save_hf(
             local[(p.fqn, p.box)] = p.data
             metas.append((p.fqn, p.shape, dtype_name(p.dtype), p.box.offsets, p.box.lengths))
         if world.is_coordinator:
-            from ..convert.hf import remove_model_files
+            from .files import remove_model_files
 
             remove_model_files(out, out_dir)
     except Exception as e:
@@ -168,7 +168,7 @@ def save_hf(
     files = plan.files
     try:
         if world.is_coordinator:
-            from ..convert.hf import INDEX_NAME, index_bytes
+            from .files import INDEX_NAME, index_bytes
 
             # Written last, once every shard exists: a reader never finds an index naming a missing file.
             if len(files) > 1:
@@ -180,7 +180,7 @@ def save_hf(
         err = e
     dist.exchange(world, err, None, f"writing the Hugging Face index of {out_dir}")
     if len(files) > 1:
-        from ..convert.hf import INDEX_NAME
+        from .files import INDEX_NAME
 
         files = (*files, INDEX_NAME)
     seconds = time.monotonic() - t0

@@ -109,7 +109,7 @@ class ExchangeRounds:
 
 def file_chunks(shard: tuple[ExportTensor, ...], rounds: ExchangeRounds) -> Iterator[bytes | memoryview]:
     """A shard file's bytes: its header, then each tensor block by block as the rounds deliver them."""
-    from ..convert._common import safetensors_dtype_code
+    from ..format.dtypes import safetensors_dtype_code
 
     yield encode_header([(t.name, safetensors_dtype_code(t.out_dtype, t.fqn), t.shape, t.nbytes) for t in shard])
     remaining = {t.name: math.prod(t.shape) for t in shard}

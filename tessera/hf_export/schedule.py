@@ -67,8 +67,10 @@ def plan_export(
     block_bytes: int,
     world_size: int,
 ) -> ExportPlan:
-    from ..convert._common import cast_for, safetensors_dtype_code, split_box, strip_prefix
-    from ..convert.hf import plan_shards, shard_file_names
+    from ..format.dtypes import cast_for, safetensors_dtype_code
+    from ..format.geometry import split_box
+    from ..format.names import strip_prefix
+    from .files import plan_shards, shard_file_names
 
     shapes: dict[str, tuple[tuple[int, ...], str]] = {}
     holders: dict[str, dict[Box, list[int]]] = {}

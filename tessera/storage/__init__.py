@@ -5,8 +5,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from ..errors import UnsupportedPathError
+from ..format.names import check_relpath
 from ._retry import RetryOptions
-from .base import Storage, check_relpath
+from .base import Storage
 from .fsspec_store import FsspecStorage
 from .host_memory import TIER_PREFIX
 from .local import FileStorage

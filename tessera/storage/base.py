@@ -28,13 +28,11 @@ Methods must be thread-safe. Errors are raised as :class:`tessera.errors.Storage
 
 from __future__ import annotations
 
-import posixpath
 import re
 import uuid
 from collections.abc import Iterable
 from typing import Protocol, runtime_checkable
 
-from ..errors import ManifestError
 from .capabilities import ConditionalPublish, ListsSizes, SyncsDirs
 
 Buffer = bytes | bytearray | memoryview
@@ -151,17 +149,3 @@ class CommitStorage(ConditionalPublish, ListsSizes, SyncsDirs, Protocol):
     Code checks each capability on its own (:mod:`tessera.storage.capabilities`), so a
     backend may offer any subset.
     """
-
-
-def check_relpath(path: str) -> str:
-    """Return ``path`` normalised, refusing anything that escapes the checkpoint root.
-
-    Raises:
-        ManifestError: for absolute paths, ``..`` components, backslashes or NUL bytes.
-    """
-    if not isinstance(path, str) or not path or "\x00" in path or "\\" in path:
-        raise ManifestError(f"invalid file reference {path!r} in checkpoint")
-    norm = posixpath.normpath(path)
-    if norm.startswith("/") or norm == ".." or norm.startswith("../") or norm == "." or ":" in norm.split("/")[0]:
-        raise ManifestError(f"file reference {path!r} points outside the checkpoint directory; refusing it")
-    return norm

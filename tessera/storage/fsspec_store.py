@@ -39,9 +39,10 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import TypeVar
 
 from ..errors import ConcurrentSaveError, StorageError
+from ..format.names import check_relpath
 from ._retry import RetryOptions, Truncated, call_with_retry, failure
 from ._s3 import S3Objects, s3_filesystem
-from .base import Buffer, check_relpath, temp_name
+from .base import Buffer, temp_name
 
 logger = logging.getLogger(__name__)
 

@@ -22,7 +22,8 @@ from collections.abc import Iterable
 from urllib.parse import urlparse
 
 from ..errors import ConcurrentSaveError, StorageError
-from .base import Buffer, check_relpath, is_temp_name, temp_name
+from ..format.names import check_relpath
+from .base import Buffer, is_temp_name, temp_name
 
 logger = logging.getLogger(__name__)
 

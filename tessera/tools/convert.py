@@ -222,7 +222,8 @@ def convert_checkpoint(
         >>> fmt, result = convert_checkpoint("/ckpt/step-100", "/export/hf", dst_format="hf")  # doctest: +SKIP
     """
     from .. import convert as cv
-    from ..convert._common import parse_dtype, parse_size
+    from ..format.dtypes import parse_dtype
+    from ..options import parse_size
 
     base = options or ConvertOptions()
     try:

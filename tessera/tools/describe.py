@@ -190,7 +190,7 @@ def describe_hf(path: str) -> HFDirectory:
         >>> describe_hf("/export/hf").architectures
         ['LlamaForCausalLM']
     """
-    from ..convert.hf import hf_files
+    from ..hf_export.files import hf_files
 
     files = hf_files(path)
     tensors = 0

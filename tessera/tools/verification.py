@@ -18,12 +18,13 @@ import numpy as np
 
 from .. import _knobs
 from ..engine.file_checks import check_file, tiles_by_file, unreferenced_files
+from ..engine.loading.core import read_bytes
 from ..errors import CoverageError, ManifestError, PickleNotAllowedError
 from ..format.geometry import Box, check_box_coverage
-from ..format.manifest import MANIFEST_NAME, Manifest, decode, read_bytes
+from ..format.manifest import MANIFEST_NAME, Manifest, decode
 from ..format.values import decode_value
+from ..results import Problem, ProblemKind, VerifyReport
 from ..storage import Storage, storage_for
-from ..verify_report import Problem, ProblemKind, VerifyReport
 
 __all__ = ["Problem", "ProblemKind", "VerifyReport", "verify"]
 

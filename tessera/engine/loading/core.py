@@ -14,10 +14,17 @@ import uuid
 from dataclasses import dataclass, replace
 from typing import Any
 
-from ...errors import CheckpointError, CheckpointNotFoundError, MissingKeysError, StateMismatchError, StorageError
+from ...errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    ManifestError,
+    MissingKeysError,
+    StateMismatchError,
+    StorageError,
+)
 from ...format.dtypes import dtype_from_name
 from ...format.geometry import Box
-from ...format.manifest import MANIFEST_NAME, Manifest, decode, read_bytes
+from ...format.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest, decode
 from ...format.values import decode_value
 from ...options import LoadOptions
 from ...results import LoadResult
@@ -411,3 +418,31 @@ def _lookup_value(manifest: Manifest, key: str, world: World, allow_pickle: bool
             return False, None
         return True, decode_value(entry.values[src], key, allow_pickle=allow_pickle)
     return False, None
+
+
+def read_bytes(store: Storage, source: str) -> bytes:
+    """The bytes of ``manifest.json`` in ``store``, refusing an oversized file before reading it.
+
+    The size is checked with a stat (a HEAD on object stores) first, so a huge or sparse
+    file is never read whole, and again on the bytes read (the file may have been replaced
+    in between).
+
+    Raises:
+        FileNotFoundError: if there is no manifest.
+        ManifestError: naming ``source`` if it is over :data:`MAX_MANIFEST_BYTES`.
+    """
+    try:
+        size = store.size(MANIFEST_NAME)
+        if size <= MAX_MANIFEST_BYTES:
+            data = store.read_file(MANIFEST_NAME)
+    except (IsADirectoryError, NotADirectoryError) as e:
+        raise ManifestError(f"{source}: invalid manifest: not a regular file ({type(e).__name__})") from None
+    if size > MAX_MANIFEST_BYTES:
+        raise ManifestError(
+            f"{source}: invalid manifest: size {size} bytes is over the {MAX_MANIFEST_BYTES}-byte limit"
+        )
+    if len(data) > MAX_MANIFEST_BYTES:
+        raise ManifestError(
+            f"{source}: invalid manifest: size {len(data)} bytes is over the {MAX_MANIFEST_BYTES}-byte limit"
+        )
+    return data

@@ -11,7 +11,7 @@ Modules:
     decoder: :func:`decode` and :func:`read_bytes`, bytes (or a store) to a validated manifest.
 """
 
-from .decoder import decode, read_bytes
+from .decoder import decode
 from .encoder import encode
 from .schema import (
     CHECKSUM_ALGORITHM,
@@ -47,5 +47,4 @@ __all__ = [
     "TileTable",
     "decode",
     "encode",
-    "read_bytes",
 ]

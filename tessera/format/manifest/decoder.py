@@ -17,8 +17,8 @@ from typing import Any
 import numpy as np
 
 from ...errors import ManifestError
-from ...storage.base import Storage, check_relpath
 from ..dtypes import dtype_from_name, itemsize
+from ..names import check_relpath
 from .schema import (
     CHECKSUM_ALGORITHM,
     DECODE_RATIO,
@@ -56,34 +56,6 @@ def _dict(x: Any, what: str) -> dict:
     if not isinstance(x, dict):
         raise _fail(f"{what} must be an object")
     return x
-
-
-def read_bytes(store: Storage, source: str) -> bytes:
-    """The bytes of ``manifest.json`` in ``store``, refusing an oversized file before reading it.
-
-    The size is checked with a stat (a HEAD on object stores) first, so a huge or sparse
-    file is never read whole, and again on the bytes read (the file may have been replaced
-    in between).
-
-    Raises:
-        FileNotFoundError: if there is no manifest.
-        ManifestError: naming ``source`` if it is over :data:`MAX_MANIFEST_BYTES`.
-    """
-    try:
-        size = store.size(MANIFEST_NAME)
-        if size <= MAX_MANIFEST_BYTES:
-            data = store.read_file(MANIFEST_NAME)
-    except (IsADirectoryError, NotADirectoryError) as e:
-        raise ManifestError(f"{source}: invalid manifest: not a regular file ({type(e).__name__})") from None
-    if size > MAX_MANIFEST_BYTES:
-        raise ManifestError(
-            f"{source}: invalid manifest: size {size} bytes is over the {MAX_MANIFEST_BYTES}-byte limit"
-        )
-    if len(data) > MAX_MANIFEST_BYTES:
-        raise ManifestError(
-            f"{source}: invalid manifest: size {len(data)} bytes is over the {MAX_MANIFEST_BYTES}-byte limit"
-        )
-    return data
 
 
 def decode(data: bytes, *, source: str = MANIFEST_NAME) -> Manifest:

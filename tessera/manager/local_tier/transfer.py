@@ -21,7 +21,7 @@ import torch.distributed as tdist
 
 from ...engine import dist
 from ...errors import StorageError
-from ...storage import check_relpath
+from ...format.names import check_relpath
 
 logger = logging.getLogger(__name__)
 
