@@ -16,7 +16,7 @@ import pytest
 from tessera.manager import CheckpointManager
 from tessera.manager.identity import ROOT_ID_NAME
 from tessera.manager.local_tier import NodeInventory, StepHolding, choose_step, node_index, place
-from tessera.manager.local_tier.fetch_plan import plan_fetches, plan_manifest_fetches
+from tessera.manager.local_tier.fetches import choose_fetches, choose_manifest_fetches
 from tessera.manager.local_tier.inventory import MARKER_NAME
 from tessera.manager.local_tier.transfer import Transfer
 from tessera.tools.verification import verify
@@ -90,18 +90,18 @@ def test_choose_step_newest_complete() -> None:
 def test_plan_fetches_serves_empty_nodes_from_holders() -> None:
     placement = place([0, 0, 1, 1], 1)
     a = NodeInventory(0, (_holding(5, 4, {0, 1, 2, 3}),))
-    assert plan_manifest_fetches([a, None, None, None], placement, 5, "s") == [Transfer(0, 2, "manifest.json", 100)]
-    transfers = plan_fetches([a, None, None, None], placement, 5, "s", _files(4))
+    assert choose_manifest_fetches([a, None, None, None], placement, 5, "s") == [Transfer(0, 2, "manifest.json", 100)]
+    transfers = choose_fetches([a, None, None, None], placement, 5, "s", _files(4))
     # Node 1 gets all 4 files, each from a node-0 rank to a node-1 rank, spread over both.
     assert sorted(t.path for t in transfers) == [p for p, _ in _files(4)]
     assert all(t.src in (0, 1) and t.dst in (2, 3) for t in transfers)
     assert {t.dst for t in transfers} == {2, 3} and {t.src for t in transfers} == {0, 1}
     # Only what node 1's ranks will read: files 2 and 3 (another rank's needs count for its node).
-    only = plan_fetches([a, None, None, None], placement, 5, "s", _files(4), {0: {0, 1}, 1: {3, 2}})
+    only = choose_fetches([a, None, None, None], placement, 5, "s", _files(4), {0: {0, 1}, 1: {3, 2}})
     assert [(t.path, t.dst) for t in only] == [("data/s/2.safetensors", 2), ("data/s/3.safetensors", 3)]
     b = NodeInventory(1, (_holding(5, 4, {0, 2}),))
-    assert plan_manifest_fetches([a, None, b, None], placement, 5, "s") == []
-    assert [(t.path, t.dst in (2, 3)) for t in plan_fetches([a, None, b, None], placement, 5, "s", _files(4))] == [
+    assert choose_manifest_fetches([a, None, b, None], placement, 5, "s") == []
+    assert [(t.path, t.dst in (2, 3)) for t in choose_fetches([a, None, b, None], placement, 5, "s", _files(4))] == [
         ("data/s/1.safetensors", True),
         ("data/s/3.safetensors", True),
     ]

@@ -19,7 +19,7 @@ import torch
 
 import tessera
 from tessera.engine import saving
-from tessera.engine.saving import context, finish
+from tessera.engine.saving import cache, finish
 from tessera.engine.saving import staging as stage
 from tessera.tools.trace import blocked_seconds, rank_timings
 from tests.dist_utils import run_distributed
@@ -371,7 +371,7 @@ def test_cuda_background_copy_is_ordered_after_queued_work(tmp_path: Path, slow_
         target = {"w": torch.zeros(1 << 20)}
         tessera.load(str(tmp_path / f"s{step}"), target)
         assert torch.equal(target["w"], torch.full((1 << 20,), float(step + 1)))
-    assert context.context_for(None).staging.nbytes >= w.numel() * 4
+    assert cache.cache_for(None).staging.nbytes >= w.numel() * 4
 
 
 @pytest.mark.cuda

@@ -23,7 +23,7 @@ from ..format.geometry import Box, split_box
 from ..format.names import strip_prefix
 from ..format.safetensors_header import encode_header
 from ..hf_export.config import HF_CONFIG_KEY, config_of_directory, read_config, write_config
-from ..hf_export.files import INDEX_NAME, hf_files, index_bytes, plan_shards, remove_model_files, shard_file_names
+from ..hf_export.files import INDEX_NAME, group_shards, hf_files, index_bytes, remove_model_files, shard_file_names
 from ..options import parse_size
 from ..storage import Storage, storage_for
 from ._common import DEFAULT_BLOCK_BYTES, ConvertResult, Progress, ProgressFn, numel
@@ -102,7 +102,7 @@ def export_hf(
         code = safetensors_dtype_code(out_dt, fqn)
         specs.append(_Entry(hf_name, fqn, out_dt, code, numel(src.shape(fqn)) * itemsize(out_dt)))
 
-    groups = plan_shards([s.nbytes for s in specs], limit)
+    groups = group_shards([s.nbytes for s in specs], limit)
     shards = [[specs[i] for i in g] for g in groups]
     files = shard_file_names(len(shards))
 

@@ -73,14 +73,14 @@ class RenameRule:
         return cls(old, new, regex)
 
 
-def plan_renames(names: Sequence[str], rules: Sequence[RenameRule]) -> dict[str, str]:
+def resolve_renames(names: Sequence[str], rules: Sequence[RenameRule]) -> dict[str, str]:
     """``{old: new}`` for every name some rule changes (the first matching rule applies).
 
     Raises:
         ValueError: if two names would get the same name, or a name becomes empty.
 
     Example:
-        >>> plan_renames(["model.w", "step"], [RenameRule("model.", "net.")])
+        >>> resolve_renames(["model.w", "step"], [RenameRule("model.", "net.")])
         {'model.w': 'net.w'}
     """
     out: dict[str, str] = {}
@@ -135,12 +135,12 @@ def rename_tensors(
     """
     store = storage_for(path, storage)
     if dry_run:
-        return plan_renames(sorted(read_manifest(path, storage=store).keys()), rules)
+        return resolve_renames(sorted(read_manifest(path, storage=store).keys()), rules)
     # Claimed before the manifest is read, so the publish fails if a save commits in between.
     claim = commit.claim(store, uuid.uuid4().hex[:16])
     try:
         m = read_manifest(path, storage=store)
-        renames = plan_renames(sorted(m.keys()), rules)
+        renames = resolve_renames(sorted(m.keys()), rules)
         if renames:
             try:
                 commit.publish(store, claim, encode(_renamed(m, renames, rules)), path)

@@ -8,7 +8,7 @@ it is held (plain, DDP, FSDP2, tensor parallel, or a state of :class:`ShardedTen
 How it works (all ranks, collective):
 
 1. each rank flattens its state to pieces of global tensors (the geometry tessera saves);
-2. the pieces' boxes are exchanged (metadata only), and every rank computes the same plan:
+2. the pieces' boxes are exchanged (metadata only), and every rank computes the same schedule:
    the shard files (same rules, names and index as the offline exporter), a writer rank
    per file (balanced by bytes), and each tensor cut into blocks of at most ``block_bytes``;
 3. in rounds, each writer assembles its next block from the owners' pieces, sent with one
@@ -38,7 +38,7 @@ from ..format.dtypes import dtype_name
 from ..format.geometry import Box
 from ..storage import Storage, storage_for
 from .rounds import ExchangeRounds, file_chunks
-from .schedule import ExportPlan, plan_export
+from .schedule import ExportSchedule, schedule_export
 
 logger = logging.getLogger(__name__)
 
@@ -148,7 +148,7 @@ def save_hf(
     except Exception as e:
         err = e
     everyone = dist.exchange(world, err, metas, f"planning the Hugging Face export to {out_dir}")
-    plan = plan_export(
+    plan = schedule_export(
         everyone, prefix=prefix, dtype=dtype, limit=limit, block_bytes=block_bytes, world_size=world.size
     )
 
@@ -218,7 +218,7 @@ def _config_of(model: object) -> object | None:
     return cfg if callable(getattr(cfg, "to_json_string", None)) else None
 
 
-def _write_config(out: Storage, config: object, plan: ExportPlan) -> None:
+def _write_config(out: Storage, config: object, plan: ExportSchedule) -> None:
     """``config.json``, its dtype set to the floating-point dtype written (when there is one)."""
     floats = {t.out_dtype for t in plan.tensors if t.out_dtype.is_floating_point}
     cfg = copy.deepcopy(config)

@@ -21,14 +21,14 @@ SINGLE_NAME = "model.safetensors"
 _MODEL_FILE = re.compile(r"^model(-\d{5}-of-\d{5})?\.safetensors$|^model\.safetensors\.index\.json$")
 
 
-def plan_shards(sizes: list[int], limit: int) -> list[list[int]]:
+def group_shards(sizes: list[int], limit: int) -> list[list[int]]:
     """Group tensors of ``sizes`` bytes, in order, into shards of at most ``limit`` bytes.
 
     Shards fill in order, as ``transformers``' ``save_pretrained`` does; a tensor larger than
     the limit gets a shard of its own. Returns the indices of ``sizes`` in each shard.
 
     Example:
-        >>> plan_shards([4, 4, 8, 2], 8)
+        >>> group_shards([4, 4, 8, 2], 8)
         [[0, 1], [2], [3]]
     """
     shards: list[list[int]] = [[]]

@@ -16,13 +16,13 @@ from ..engine import dist
 from ..format.dtypes import itemsize
 from ..format.geometry import Box
 from ..format.safetensors_header import encode_header
-from .schedule import ExportBlock, ExportPlan, ExportTensor
+from .schedule import ExportBlock, ExportSchedule, ExportTensor
 
 
 class ExchangeRounds:
     """Runs the exchange rounds in order; every rank takes part in every round."""
 
-    def __init__(self, world: dist.World, plan: ExportPlan, local: dict[tuple[str, Box], torch.Tensor]) -> None:
+    def __init__(self, world: dist.World, plan: ExportSchedule, local: dict[tuple[str, Box], torch.Tensor]) -> None:
         self.world = world
         self.plan = plan
         self.local = local
@@ -35,7 +35,7 @@ class ExchangeRounds:
             got = self._run()
             if got is not None:
                 return got
-        raise RuntimeError(f"rank {self.world.rank}: the export plan has no block left for this rank")  # a bug
+        raise RuntimeError(f"rank {self.world.rank}: the export schedule has no block left for this rank")  # a bug
 
     def drain(self) -> None:
         """Take part in the rounds left (this rank has no more blocks to write)."""
@@ -117,7 +117,7 @@ def file_chunks(shard: tuple[ExportTensor, ...], rounds: ExchangeRounds) -> Iter
         while remaining[t.name]:
             block, data = rounds.next_block()
             if block.tensor.name != t.name:
-                raise RuntimeError(f"export plan out of order: got '{block.tensor.name}', expected '{t.name}'")
+                raise RuntimeError(f"export schedule out of order: got '{block.tensor.name}', expected '{t.name}'")
             remaining[t.name] -= block.box.numel
             yield data.contiguous().reshape(-1).view(torch.uint8).numpy().data
             del block, data  # written: free it before the next round allocates the next block

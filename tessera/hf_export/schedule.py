@@ -1,6 +1,6 @@
-"""Planning of :func:`tessera.hf_export.export.save_hf`: pure, computed identically on every rank.
+"""The export schedule of :func:`tessera.hf_export.export.save_hf`: pure, computed identically on every rank.
 
-From every rank's pieces (their boxes, exchanged as metadata) the plan gives the shard files
+From every rank's pieces (their boxes, exchanged as metadata) the schedule gives the shard files
 (same rules, names and index as the offline exporter), a writer rank per file (balanced by
 bytes), each tensor cut into blocks of at most ``block_bytes``, the sources of each block,
 and the exchange rounds that deliver the blocks.
@@ -47,7 +47,7 @@ class ExportBlock:
 
 
 @dataclass(frozen=True)
-class ExportPlan:
+class ExportSchedule:
     """The whole export: files, writers, blocks per rank, and the rounds."""
 
     tensors: tuple[ExportTensor, ...]
@@ -58,7 +58,7 @@ class ExportPlan:
     rounds: tuple[tuple[tuple[int, int], ...], ...]  # per round: (writer, index of its block) pairs
 
 
-def plan_export(
+def schedule_export(
     everyone: list[list[tuple[str, tuple[int, ...], str, tuple[int, ...], tuple[int, ...]]]],
     *,
     prefix: str | None,
@@ -66,11 +66,11 @@ def plan_export(
     limit: int,
     block_bytes: int,
     world_size: int,
-) -> ExportPlan:
+) -> ExportSchedule:
     from ..format.dtypes import cast_for, safetensors_dtype_code
     from ..format.geometry import split_box
     from ..format.names import strip_prefix
-    from .files import plan_shards, shard_file_names
+    from .files import group_shards, shard_file_names
 
     shapes: dict[str, tuple[tuple[int, ...], str]] = {}
     holders: dict[str, dict[Box, list[int]]] = {}
@@ -95,7 +95,7 @@ def plan_export(
         boxes = tuple((box, tuple(ranks)) for box, ranks in holders[fqn].items())
         tensors.append(ExportTensor(name, fqn, shape, src_dtype, out_dtype, boxes))
 
-    groups = plan_shards([t.nbytes for t in tensors], limit)
+    groups = group_shards([t.nbytes for t in tensors], limit)
     # Stable sort by item size, as the offline exporter does: keeps every tensor aligned.
     shards = tuple(tuple(sorted((tensors[i] for i in g), key=lambda t: -itemsize(t.out_dtype))) for g in groups)
     files = tuple(shard_file_names(len(shards)))
@@ -117,7 +117,7 @@ def plan_export(
                 if box.is_empty():  # an empty tensor has a header entry and no bytes
                     continue
                 blocks[w].append(ExportBlock(t, box, _sources(t, box, w, n)))
-    return ExportPlan(
+    return ExportSchedule(
         tuple(tensors),
         files,
         shards,

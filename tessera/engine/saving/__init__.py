@@ -4,7 +4,7 @@ One module per step, each handing the next a frozen dataclass (:mod:`.handoff`):
 
 - :mod:`.start`: :func:`start_save`, waits for the save in flight (:mod:`tessera.engine.inflight`),
   then runs the steps below, the last ones in a background thread for ``async_save``;
-- :mod:`.context`: per process group, the cached plans and the reused staging buffer;
+- :mod:`.cache`: per process group, the cached plans and the reused staging buffer;
 - :mod:`.prepare`: the prepare step (flatten, save id, location) and the plan step;
 - :mod:`.sources`: the stage step (the tensors to write, copied to host memory);
 - :mod:`.finish`: the claim, write and commit steps (rank 0 commits following

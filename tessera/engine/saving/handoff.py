@@ -1,4 +1,4 @@
-"""The typed hand-offs between the stages of a save, in the order a save meets them.
+"""The typed hand-offs between the phases of a save, in the order a save meets them.
 
 request (:class:`SaveRequest`) -> prepare step (:class:`PrepareReport` from every rank)
 -> plan (:class:`SavePlan`, the coordinator's :class:`PlanAssignment` per rank)

@@ -19,7 +19,7 @@ from ...storage import Storage, storage_for
 from .. import commit, dist
 from ..dist import Gathered, World
 from ..flat_state import FlatState, flatten
-from .context import SaveContext
+from .cache import SaveCache
 from .handoff import EncodedValues, PlanAssignment, PreparedSave, PrepareReport, SavePlan, SaveRequest
 from .plan import LocalPlan, RankPlan, TensorMeta, build_global_plan, build_local_plan
 
@@ -35,7 +35,7 @@ class _Local:
 
 
 def prepare(
-    world: World, ctx: SaveContext, request: SaveRequest, opts: SaveOptions, previous: BaseException | None
+    world: World, ctx: SaveCache, request: SaveRequest, opts: SaveOptions, previous: BaseException | None
 ) -> PreparedSave:
     """Collective: this rank's prepared save, or the same typed error on every rank.
 
@@ -83,7 +83,7 @@ def _encode_values(flat: FlatState, allow_pickle: bool) -> EncodedValues:
     )
 
 
-def _plan(world: World, ctx: SaveContext, local: LocalPlan, opts: SaveOptions) -> SavePlan:
+def _plan(world: World, ctx: SaveCache, local: LocalPlan, opts: SaveOptions) -> SavePlan:
     """Collective: rank 0 builds the global plan from every local plan; each rank gets its share."""
     metas: list[tuple[TensorMeta, ...]] = []  # rank 0: the global tensor table
 

@@ -15,7 +15,7 @@ from ...options import SaveOptions, StagingCheck, StagingMode
 from ...results import PendingSave, SaveResult
 from .. import dist, inflight
 from ..timing import PhaseTimer
-from .context import SaveContext, context_for
+from .cache import SaveCache, cache_for
 from .finish import finish_save
 from .handoff import PreparedSave, SaveRequest
 from .prepare import prepare
@@ -61,7 +61,7 @@ def start_save(request: SaveRequest) -> PendingSave:
     """
     opts = request.options or SaveOptions()
     timer = PhaseTimer()  # before the wait for the previous save: the stall counts it
-    ctx = context_for(request.process_group)
+    ctx = cache_for(request.process_group)
     with ctx.lock:
         previous = inflight.wait_pending(request.process_group)
         timer.mark("wait_previous")
@@ -109,7 +109,7 @@ def start_save(request: SaveRequest) -> PendingSave:
         return pending
 
 
-def _stage_step(request: SaveRequest, save: PreparedSave, ctx: SaveContext, rank: int, timer: PhaseTimer) -> _StageStep:
+def _stage_step(request: SaveRequest, save: PreparedSave, ctx: SaveCache, rank: int, timer: PhaseTimer) -> _StageStep:
     """Copy now what must be copied now; schedule the rest in the background.
 
     A synchronous save writes straight from contiguous CPU tensors. An async save copies
@@ -142,7 +142,7 @@ def _stage_step(request: SaveRequest, save: PreparedSave, ctx: SaveContext, rank
 
 
 def _blocking(
-    save: PreparedSave, srcs: list[torch.Tensor], ctx: SaveContext, rank: int, timer: PhaseTimer, *, copy: bool
+    save: PreparedSave, srcs: list[torch.Tensor], ctx: SaveCache, rank: int, timer: PhaseTimer, *, copy: bool
 ) -> _StageStep:
     """The copy in the caller's thread (``copy=False``: CPU tensors are written in place)."""
     done: Future[Staged] = Future()  # the copy's bytes, or what failed

@@ -316,6 +316,6 @@ def _picklable(e: BaseException) -> BaseException:
 
 
 def write_tiles_in_process(storage: Storage, request: WriteRequest) -> list[WrittenFile]:
-    """:func:`tessera.engine.saving.write.write_tiles` (the write stage of a save), from this process's writer process."""
+    """:func:`tessera.engine.saving.write.write_tiles` (the write phase of a save), from this process's writer process."""
     files = [(f.path, f.layout, f.tiles) for f in request.files]
     return write_files_in_process(storage, files, chunk_bytes=request.chunk_bytes, threads=request.threads)

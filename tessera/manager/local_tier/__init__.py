@@ -4,7 +4,7 @@ and recovery from whatever the surviving nodes hold. See ``docs/resilience.md``.
 
 Modules: :mod:`.placement` (node indices, the replica ring), :mod:`.inventory` (what a node
 holds, whose steps they are, the choice of step), :mod:`.transfer` (files between ranks),
-:mod:`.fetch_plan` (which files move on recovery), :mod:`.recovery` (recovery, with bad copies
+:mod:`.fetches` (which files move on recovery), :mod:`.recovery` (recovery, with bad copies
 replaced), :mod:`.retention` (deleting a node's steps), :mod:`.tier` (save, commit).
 """
 

@@ -29,7 +29,7 @@ from ...errors import CheckpointError, CollectiveTimeoutError, CorruptCheckpoint
 from ...format import manifest
 from ...format.manifest import MANIFEST_NAME, Manifest
 from ...results import LoadResult
-from .fetch_plan import holdings_of, plan_fetches, plan_manifest_fetches
+from .fetches import choose_fetches, choose_manifest_fetches, holdings_of
 from .inventory import MARKER_NAME, NodeInventory, choose_step, marker_bytes
 from .needs import needed_files
 from .transfer import run_transfers
@@ -129,7 +129,7 @@ class RecoveryAttempt:
         if self.leader and self.node not in holdings:
             _remove(os.path.join(store.root, MARKER_NAME))  # another save of this step, if any
         what = f"step {step}: fetching from peers"
-        first = plan_manifest_fetches(inventories, placement, step, save_id)
+        first = choose_manifest_fetches(inventories, placement, step, save_id)
         received = run_transfers(world, first, store.root, what)
         # Every node has the manifest now: the file names and sizes come from it.
         error: BaseException | None = None
@@ -156,7 +156,7 @@ class RecoveryAttempt:
         for rank, bits in enumerate(masks):
             mask = np.unpackbits(np.frombuffer(bits, dtype=np.uint8), count=len(files)).astype(bool)
             needs.setdefault(placement.node_of[rank], set()).update(np.flatnonzero(mask).tolist())
-        transfers = plan_fetches(inventories, placement, step, save_id, files, needs)
+        transfers = choose_fetches(inventories, placement, step, save_id, files, needs)
         received += run_transfers(world, transfers, store.root, what)
         if self.leader and (self.node not in holdings or len(holdings[self.node].held) < len(files)):
             store.write_atomic(MARKER_NAME, marker_bytes(self.tier.root, self.tier.root_id or "", step, save_id, files))

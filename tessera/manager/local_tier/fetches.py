@@ -11,7 +11,7 @@ from .placement import Placement
 from .transfer import Transfer
 
 
-def plan_manifest_fetches(
+def choose_manifest_fetches(
     inventories: Sequence[NodeInventory | None], placement: Placement, step: int, save_id: str
 ) -> list[Transfer]:
     """The manifest of ``(step, save_id)`` for each node of ``placement`` that lacks it, from
@@ -27,7 +27,7 @@ def plan_manifest_fetches(
     ]
 
 
-def plan_fetches(
+def choose_fetches(
     inventories: Sequence[NodeInventory | None],
     placement: Placement,
     step: int,

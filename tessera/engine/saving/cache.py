@@ -11,7 +11,7 @@ from .staging import StagingBuffer
 _MAX_PLANS = 4
 
 
-class SaveContext:
+class SaveCache:
     """Per process group: cached plans and the reused host staging buffer.
 
     ``lock`` serialises the starts of saves of one group in this process (the save in
@@ -30,16 +30,16 @@ class SaveContext:
             self.plans.pop(next(iter(self.plans)))
 
 
-_CONTEXTS: dict[object, SaveContext] = {}
+_CACHES: dict[object, SaveCache] = {}
 _CONTEXTS_LOCK = threading.Lock()
 
 
-def context_for(process_group: object) -> SaveContext:
+def cache_for(process_group: object) -> SaveCache:
     """The context of ``process_group`` (created on first use)."""
     # The default group may be named explicitly (dist.group.WORLD) or left as None.
     key = "default" if dist.is_default_group(process_group) else process_group
     with _CONTEXTS_LOCK:
-        ctx = _CONTEXTS.get(key)
+        ctx = _CACHES.get(key)
         if ctx is None:
-            ctx = _CONTEXTS[key] = SaveContext()
+            ctx = _CACHES[key] = SaveCache()
         return ctx
