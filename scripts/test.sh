@@ -10,6 +10,12 @@ export TESSERA_REQUIRE_INTEROP=${TESSERA_REQUIRE_INTEROP:-1}
 .venv/bin/python -m ruff check .
 .venv/bin/python -m ruff format --check .
 .venv/bin/python -m mypy
+# The layers of tessera/ and no import cycles ([tool.importlinter] in pyproject.toml, docs/architecture.md).
+if .venv/bin/python -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then
+    .venv/bin/lint-imports --no-cache
+else
+    echo "note: import-linter needs Python >= 3.11; the layers contract was not checked" >&2
+fi
 set +e
 .venv/bin/python -m pytest "$@"
 rc=$?
