@@ -1,6 +1,6 @@
 """``save``, ``async_save`` and ``load``: the public entry points.
 
-The stages are orchestrated in :mod:`tessera.engine.saving` and :mod:`tessera.engine.loading.core`.
+The phases are orchestrated in :mod:`tessera.engine.saving` and :mod:`tessera.engine.loading.core`.
 
 save:  flatten -> local plan -> global plan [cached] -> stage -> write -> commit
 load:  manifest -> flatten target -> validate -> plan reads -> read + verify + copy -> values

@@ -6,6 +6,9 @@ Modules:
         output guard of ``tessera convert``.
     diff: :func:`~tessera.tools.diff.diff_any`, two checkpoints of any formats compared tensor by tensor.
     steps: :func:`~tessera.tools.steps.verify_steps`, every committed step under a manager root verified.
+    verification: :func:`tessera.verify`, one checkpoint's files checked against its manifest.
+    describe: what ``tessera inspect`` shows (a checkpoint, a step root, an HF directory).
+    trace: per-rank save and load timings, and stragglers (``tessera trace``).
 
 Each function raises :class:`UsageError` for arguments that do not make sense together (the
 command's exit code 2), and the library's own errors otherwise.
