@@ -1,6 +1,6 @@
 """``save``, ``async_save`` and ``load``: the public entry points.
 
-The phases are orchestrated in :mod:`tessera.engine.saving` and :mod:`tessera.engine.loading.core`.
+The phases are orchestrated in :mod:`tessera.engine.saving` and :mod:`tessera.engine.loading`.
 
 save:  flatten -> local plan -> global plan [cached] -> stage -> write -> commit
 load:  manifest -> flatten target -> validate -> plan reads -> read + verify + copy -> values
@@ -16,9 +16,9 @@ from __future__ import annotations
 from typing import Any
 
 from ._args import check_path_state
+from .engine import loading as _loading
 from .engine.inflight import wait_pending
-from .engine.loading import core as _loading
-from .engine.loading.core import read_manifest
+from .engine.loading import read_manifest
 from .engine.saving import SaveRequest, start_save
 from .options import LoadOptions, SaveOptions
 from .results import LoadResult, PendingSave, SaveResult

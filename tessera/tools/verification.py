@@ -18,7 +18,7 @@ import numpy as np
 
 from .. import _knobs
 from ..engine.file_checks import check_file, tiles_by_file, unreferenced_files
-from ..engine.loading.core import read_bytes
+from ..engine.loading.manifest import read_bytes
 from ..errors import CoverageError, ManifestError, PickleNotAllowedError
 from ..format.geometry import Box, check_box_coverage
 from ..format.manifest import MANIFEST_NAME, Manifest, decode

@@ -1,0 +1,84 @@
+"""The manifest of a load: read once, size-checked before reading, decoded strictly."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ...errors import CheckpointError, CheckpointNotFoundError, ManifestError, StorageError
+from ...format.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest, decode
+from ...storage import Storage, storage_for
+from ..dist import Gathered
+
+
+def read_manifest(
+    path: str, *, storage: Storage | None = None, storage_options: dict[str, Any] | None = None
+) -> Manifest:
+    """Read and validate the committed manifest at ``path`` (no communication).
+
+    Args:
+        path: directory or URL of the checkpoint.
+        storage: a backend instance to use instead of choosing one from ``path``.
+        storage_options: backend options when ``storage`` is not given (see docs/storage.md).
+
+    Returns:
+        the decoded :class:`~tessera.format.manifest.Manifest` (tensors, tiles, files, values).
+
+    Example:
+        >>> m = tessera.read_manifest("/ckpt/step100")
+        >>> m.tensors["model.w"].shape
+
+    Raises:
+        CheckpointNotFoundError: if nothing is committed there.
+        ManifestError: if the manifest is invalid.
+    """
+    store = storage_for(path, storage, storage_options=storage_options)
+    return decode(read_manifest_bytes(store, path), source=f"{path}/{MANIFEST_NAME}")
+
+
+def read_manifest_bytes(store: Storage, path: str) -> bytes:
+    try:
+        return read_bytes(store, f"{path}/{MANIFEST_NAME}")  # the size limit is checked before reading
+    except FileNotFoundError:
+        raise CheckpointNotFoundError(
+            f"no committed checkpoint at {path}: {MANIFEST_NAME} is missing (never saved, or the save did not finish)"
+        ) from None
+
+
+def manifest_bytes(gathered: Gathered[None], stores: list[Storage], path: str) -> bytes | None:
+    """Rank 0: the manifest's bytes, once every rank has opened its storage."""
+    if not gathered.ok:
+        return None
+    try:
+        return read_manifest_bytes(stores[0], path)
+    except CheckpointError:  # CheckpointNotFoundError, ManifestError (oversized, a directory), StorageError, ...
+        raise
+    except Exception as e:
+        raise StorageError(f"rank 0: reading {path}/{MANIFEST_NAME} failed: {type(e).__name__}: {e}") from e
+
+
+def read_bytes(store: Storage, source: str) -> bytes:
+    """The bytes of ``manifest.json`` in ``store``, refusing an oversized file before reading it.
+
+    The size is checked with a stat (a HEAD on object stores) first, so a huge or sparse
+    file is never read whole, and again on the bytes read (the file may have been replaced
+    in between).
+
+    Raises:
+        FileNotFoundError: if there is no manifest.
+        ManifestError: naming ``source`` if it is over :data:`MAX_MANIFEST_BYTES`.
+    """
+    try:
+        size = store.size(MANIFEST_NAME)
+        if size <= MAX_MANIFEST_BYTES:
+            data = store.read_file(MANIFEST_NAME)
+    except (IsADirectoryError, NotADirectoryError) as e:
+        raise ManifestError(f"{source}: invalid manifest: not a regular file ({type(e).__name__})") from None
+    if size > MAX_MANIFEST_BYTES:
+        raise ManifestError(
+            f"{source}: invalid manifest: size {size} bytes is over the {MAX_MANIFEST_BYTES}-byte limit"
+        )
+    if len(data) > MAX_MANIFEST_BYTES:
+        raise ManifestError(
+            f"{source}: invalid manifest: size {len(data)} bytes is over the {MAX_MANIFEST_BYTES}-byte limit"
+        )
+    return data
