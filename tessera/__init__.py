@@ -16,11 +16,11 @@ Glossary (in full in ``docs/format.md``):
 * **flat range**: ``[start, stop)`` of a tensor's row-major flattening; becomes boxes.
 * **shard**: what a user passes to say which box or flat range a rank holds
   (:class:`ShardedTensor`, :class:`FlatShard`).
-* **piece**: a box a rank holds, with its data (``state.TensorPiece``).
+* **piece**: a box a rank holds, with its data (``engine.flat_state.TensorPiece``).
 * **tile**: a box as stored in a data file: laid out (``TileSlot``), written
-  (``WrittenTile``), committed in the manifest (``manifest.Tile``).
+  (``WrittenTile``), committed in the manifest (``format.manifest.Tile``).
 * **block** / **slab**: a box cut to bound memory while streaming / one of n near-equal
-  slices of a box shared among ranks (``geometry.split_box`` / ``geometry.split_even``).
+  slices of a box shared among ranks (``format.geometry.split_box`` / ``format.geometry.split_even``).
 * **value**: a plain (non-tensor) Python object, stored inline in the manifest; a
   **per-rank value** has one encoded value per saving rank.
 """
@@ -28,8 +28,6 @@ Glossary (in full in ``docs/format.md``):
 from __future__ import annotations
 
 import importlib
-import sys
-import types
 from typing import TYPE_CHECKING, Any
 
 from .errors import (
@@ -78,8 +76,9 @@ if TYPE_CHECKING:  # what the lazy names below resolve to, for type checkers and
     )
     from .manager.preemption import PreemptionHandler
     from .options import LoadOptions, SaveOptions, StagingMode, WriterMode
+    from .results import Problem, ProblemKind, VerifyReport
     from .shards import FlatShard, OnResize, ShardedTensor, per_rank
-    from .tools.verification import Problem, ProblemKind, VerifyReport, verify
+    from .tools.verification import verify
 
 _LAZY: dict[str, str] = {
     **dict.fromkeys(
@@ -105,7 +104,8 @@ _LAZY: dict[str, str] = {
     ),
     "PreemptionHandler": ".manager.preemption",
     **dict.fromkeys(("FlatShard", "OnResize", "ShardedTensor", "per_rank"), ".shards"),
-    **dict.fromkeys(("Problem", "ProblemKind", "VerifyReport", "verify"), ".tools.verification"),
+    **dict.fromkeys(("Problem", "ProblemKind", "VerifyReport"), ".results"),
+    "verify": ".tools.verification",
 }
 
 
@@ -126,22 +126,6 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
     return sorted(set(globals()) | set(__all__))
-
-
-class _Package(types.ModuleType):
-    """The package module: a public name never turns into the submodule of the same name.
-
-    Importing a submodule binds it as an attribute of its package, so the first import of
-    ``tessera.verify`` (the module, from anywhere) would hide the function ``tessera.verify``.
-    """
-
-    def __setattr__(self, name: str, value: object) -> None:
-        if name in _LAZY and isinstance(value, types.ModuleType):
-            return  # resolved by __getattr__ to the public object instead
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Package
 
 
 __all__ = [

@@ -86,7 +86,7 @@ def async_save(
     Commits exactly the state at the call, bit for bit, whatever the caller does next.
     Under the default ``StagingMode.AUTO``, tensors held by a gated Stateful
     (:class:`~tessera.ModelState`, :class:`~tessera.OptimizerState`, or an object of yours
-    implementing :class:`~tessera.engine.flat_state.GatedStateful`) are copied to host memory in the
+    implementing :class:`~tessera.stateful.GatedStateful`) are copied to host memory in the
     background (CPU: a copy thread; CUDA: a side stream into reused pinned memory, after
     the work queued on the current stream) while the calls that change them
     (``optimizer.step()``, the forward pass, ``load_state_dict``) wait for the copy; every

@@ -17,7 +17,7 @@ class StagingMode(str, Enum):
 
     ``AUTO`` (the default): tensors held by a gated Stateful (:class:`~tessera.ModelState`,
     :class:`~tessera.OptimizerState`, or your own object implementing
-    :class:`~tessera.engine.flat_state.GatedStateful`) are copied in the background while training goes
+    :class:`~tessera.stateful.GatedStateful`) are copied in the background while training goes
     on, and the calls that change them (``optimizer.step()``, the model's forward pass,
     ``load_state_dict``) wait until their bytes are in host memory. Every other tensor (raw
     ``model.state_dict()`` / ``optimizer.state_dict()`` tensors, a tensor in a plain dict) is

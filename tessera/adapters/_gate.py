@@ -23,7 +23,7 @@ class StagingGate:
     save has staged returns at once (one attribute read).
 
     Example:
-        >>> class EMA:  # a Stateful of yours, gated (see tessera.engine.flat_state.GatedStateful)
+        >>> class EMA:  # a Stateful of yours, gated (see tessera.stateful.GatedStateful)
         ...     def __init__(self):
         ...         self.gate = tessera.StagingGate()
         ...     def hold_mutations(self, pending):

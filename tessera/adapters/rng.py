@@ -43,7 +43,7 @@ class RNGState:
 
     def hold_mutations(self, pending: Any) -> None:
         """Nothing to hold: :meth:`state_dict` builds fresh tensors that nothing else changes,
-        so an async save may copy them in the background (see ``tessera.engine.flat_state.GatedStateful``)."""
+        so an async save may copy them in the background (see ``tessera.stateful.GatedStateful``)."""
 
     def state_dict(self) -> dict[str, Any]:
         """The current generator states, each marked per rank."""

@@ -40,7 +40,8 @@ from dataclasses import dataclass
 
 from ..errors import CheckpointError, CommitCheckError, ConcurrentSaveError, LocationMismatchError, StorageError
 from ..format.manifest import MANIFEST_NAME, FileEntry, Manifest, encode
-from ..storage.base import OWNER_MARKER_DIR, Storage
+from ..format.names import DATA_DIR, LOAD_TIMINGS_DIR, OWNER_MARKER_DIR
+from ..storage.base import Storage
 from ..storage.capabilities import (
     ConditionalPublish,
     ListsSizes,
@@ -52,11 +53,8 @@ from ..storage.capabilities import (
 
 logger = logging.getLogger(__name__)
 
-DATA_DIR = "data"
 MARKER_DIR = OWNER_MARKER_DIR
 """Owner markers of the saves in progress at a checkpoint path (one empty file per save)."""
-LOAD_TIMINGS_DIR = "timings"
-"""Directory (inside a checkpoint) where each load's per-rank timings are kept."""
 _STAT_THREADS = 16
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Any, Protocol, TypeGuard, runtime_checkable
+from typing import Any
 
 import torch
 
@@ -26,6 +26,7 @@ from ..format.dtypes import dtype_name
 from ..format.geometry import Box
 from ..format.values import MAX_DEPTH, check_depth, encode_value
 from ..shards import FlatShard, MultiShard, OnResize, PerRank, ShardedTensor
+from ..stateful import GatedStateful, PreparesLoad, Stateful, is_stateful
 from .optim_dict import is_optimizer_state_dict, missing_param_states
 
 
@@ -77,68 +78,6 @@ class FlatState:
 
     def keys(self) -> set[str]:
         return self.tensor_fqns() | set(self.values) | set(self.per_rank_values)
-
-
-@runtime_checkable
-class Stateful(Protocol):
-    """What tessera saves through ``state_dict()`` and restores through ``load_state_dict()``."""
-
-    def state_dict(self) -> dict[str, Any]: ...
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> Any: ...
-
-
-@runtime_checkable
-class GatedStateful(Protocol):
-    """A Stateful that holds its own mutations while an async save copies its tensors.
-
-    ``async_save`` calls :meth:`hold_mutations` on every such object in the state before it
-    returns; from then until ``pending.wait_staged()`` returns, whatever changes the tensors
-    its ``state_dict()`` handed out must wait (:class:`tessera.StagingGate` does the waiting).
-    In exchange, the copy of those tensors runs in the background under the default
-    ``StagingMode.AUTO`` instead of before ``async_save`` returns. :class:`tessera.ModelState`
-    and :class:`tessera.OptimizerState` implement it; so can an EMA model or any object of
-    yours whose tensors change only through methods you control.
-
-    Example:
-        >>> class EMA:
-        ...     def __init__(self, model):
-        ...         self.shadow = {k: v.detach().clone() for k, v in model.state_dict().items()}
-        ...         self.gate = tessera.StagingGate()
-        ...     def state_dict(self): return self.shadow
-        ...     def load_state_dict(self, sd): ...
-        ...     def hold_mutations(self, pending): self.gate.hold(pending)
-        ...     def update(self, model):
-        ...         self.gate.wait()  # returns at once unless a save is still copying
-        ...         ...
-    """
-
-    def state_dict(self) -> dict[str, Any]: ...
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> Any: ...
-
-    def hold_mutations(self, pending: Any) -> None:
-        """Make every change to this object's saved tensors wait for ``pending.wait_staged()``."""
-        ...
-
-
-@runtime_checkable
-class PreparesLoad(Protocol):
-    """A Stateful that must see the checkpoint before ``tessera.load`` takes its ``state_dict()``.
-
-    ``tessera.load`` calls :meth:`prepare_load` first, e.g. so that a fresh optimizer creates
-    state of the shapes the checkpoint holds (:class:`tessera.OptimizerState`), or a data
-    loader picks its rank's saved position.
-    """
-
-    def prepare_load(self, manifest: Any, fqn: str) -> None:
-        """Look at ``manifest`` (a :class:`~tessera.format.manifest.Manifest`) for the entries under ``fqn``."""
-        ...
-
-
-def is_stateful(value: object) -> TypeGuard[Stateful]:
-    """Whether ``value`` offers ``state_dict()`` and ``load_state_dict()`` (callables, not just names)."""
-    return callable(getattr(value, "state_dict", None)) and callable(getattr(value, "load_state_dict", None))
 
 
 def _contains_tensor(value: object, depth: int = 0) -> bool:

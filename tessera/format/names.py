@@ -1,4 +1,5 @@
-"""Names in a checkpoint: step directories, file references in a manifest, tensor-name prefixes.
+"""Names in a checkpoint: its directories (data, owner markers, load timings), step directories, file
+references in a manifest, tensor-name prefixes.
 
 Step directories are ``step-`` and the step number zero-padded to 8 digits, shared by the durable
 layout (:mod:`tessera.manager`) and the node-local tier (:mod:`tessera.manager.local_tier`); names
@@ -13,6 +14,13 @@ import re
 from collections.abc import Iterable
 
 from ..errors import ManifestError
+
+DATA_DIR = "data"
+"""Directory (inside a checkpoint) of the data files, one subdirectory per save id."""
+OWNER_MARKER_DIR = ".tessera-saves"
+"""Directory (inside a checkpoint) of the owner markers of saves in progress (see tessera.engine.commit)."""
+LOAD_TIMINGS_DIR = "timings"
+"""Directory (inside a checkpoint) where each load's per-rank timings are kept."""
 
 STEP_PREFIX = "step-"
 STEP_DIGITS = 8

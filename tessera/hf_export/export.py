@@ -33,9 +33,10 @@ from torch import nn
 
 from ..adapters.model import ModelState, unwrap
 from ..engine import dist
-from ..engine.flat_state import flatten, is_stateful
+from ..engine.flat_state import flatten
 from ..format.dtypes import dtype_name
 from ..format.geometry import Box
+from ..stateful import is_stateful
 from ..storage import Storage, storage_for
 from .rounds import ExchangeRounds, file_chunks
 from .schedule import ExportSchedule, schedule_export

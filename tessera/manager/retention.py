@@ -12,9 +12,8 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from ..format.manifest import MANIFEST_NAME
-from ..format.names import step_dirname
+from ..format.names import OWNER_MARKER_DIR, step_dirname
 from ..storage import Storage
-from ..storage.base import OWNER_MARKER_DIR
 from ..storage.capabilities import Uncommits, Versioned
 
 if TYPE_CHECKING:

@@ -37,9 +37,6 @@ from .capabilities import ConditionalPublish, ListsSizes, SyncsDirs
 
 Buffer = bytes | bytearray | memoryview
 
-OWNER_MARKER_DIR = ".tessera-saves"
-"""Directory (in a checkpoint) of the owner markers of saves in progress (see tessera.engine.commit)."""
-
 TEMP_MARK = ".tmp-"
 """What :func:`temp_name` puts between a path and its random suffix."""
 TEMP_RE = re.compile(r"\.tmp-[0-9a-f]{32}$")

@@ -198,7 +198,7 @@ def load_records(path: str, storage: Any = None) -> list[LoadRecord]:
     """
     import json
 
-    from ..engine.saving import LOAD_TIMINGS_DIR
+    from ..format.names import LOAD_TIMINGS_DIR
     from ..storage import storage_for
 
     store = storage_for(path, storage)

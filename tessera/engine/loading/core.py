@@ -18,11 +18,11 @@ from typing import Any
 
 from ...errors import MissingKeysError
 from ...format.manifest import MANIFEST_NAME, Manifest, decode
+from ...format.names import LOAD_TIMINGS_DIR
 from ...options import LoadOptions
 from ...results import LoadResult
 from ...storage import Storage, storage_for
 from .. import dist
-from ..commit import LOAD_TIMINGS_DIR
 from ..dist import World
 from ..flat_state import FlatState, flatten, restore_values
 from ..inflight import wait_pending

@@ -19,9 +19,8 @@ rank's failure on every rank.
 
 from __future__ import annotations
 
-from ..commit import LOAD_TIMINGS_DIR
 from ..inflight import wait_pending
 from .handoff import SaveRequest
 from .start import start_save
 
-__all__ = ["LOAD_TIMINGS_DIR", "SaveRequest", "start_save", "wait_pending"]
+__all__ = ["SaveRequest", "start_save", "wait_pending"]

@@ -19,6 +19,7 @@ import threading
 from collections.abc import Callable
 
 from ...errors import CheckpointError, StorageError
+from ...format.names import DATA_DIR
 from ...options import WriterMode
 from ...results import SaveResult
 from .. import commit, dist
@@ -120,7 +121,7 @@ def _claim(gathered: Gathered[None], save: PreparedSave) -> Claim | None:
 
 def _write(world: World, save: PreparedSave, staged: Staged) -> list[WrittenFile]:
     """The write stage of this rank. Raises StorageError naming the rank for any non-tessera error."""
-    prefix = f"{commit.DATA_DIR}/{save.save_id}"
+    prefix = f"{DATA_DIR}/{save.save_id}"
     request = WriteRequest(
         files=tuple(FileWrite(f"{prefix}/{lay.name}", lay, st) for lay, st in zip(save.plan.layouts, staged)),
         chunk_bytes=save.options.chunk_bytes,

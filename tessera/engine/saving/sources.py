@@ -20,7 +20,8 @@ from ...format.dtypes import as_bytes
 from ...format.geometry import Box
 from ...options import StagingCheck
 from ...results import PendingSave
-from ..flat_state import FlatState, GatedStateful, TensorPiece
+from ...stateful import GatedStateful
+from ..flat_state import FlatState, TensorPiece
 from .handoff import SavePlan
 from .staging import StagedTiles, StagingBuffer
 
@@ -42,7 +43,7 @@ def _source(pieces: dict[str, list[TensorPiece]], fqn: str, box: Box) -> tuple[t
 @dataclass
 class Sources:
     """The tensors this rank writes, in the plan's slot order, with their names and whether
-    a :class:`~tessera.engine.flat_state.GatedStateful` holds their mutations."""
+    a :class:`~tessera.stateful.GatedStateful` holds their mutations."""
 
     tensors: list[torch.Tensor]
     names: list[str]
@@ -256,7 +257,7 @@ def private_copies(srcs: list[torch.Tensor], which: Sequence[int]) -> None:
 
 
 def hold_mutations(statefuls: list[object], pending: PendingSave) -> None:
-    """Let every :class:`~tessera.engine.flat_state.GatedStateful` in the state hold its mutations until staged."""
+    """Let every :class:`~tessera.stateful.GatedStateful` in the state hold its mutations until staged."""
     for obj in statefuls:
         if isinstance(obj, GatedStateful):
             obj.hold_mutations(pending)
