@@ -71,3 +71,10 @@ def preemption_grace_s() -> float:
     """Seconds after a first preemption signal during which more signals are the same preemption
     (``TESSERA_PREEMPTION_GRACE_S``, default 5); a signal after that stops the job."""
     return _float("TESSERA_PREEMPTION_GRACE_S", 5.0)
+
+
+def writer_timeout_s() -> float:
+    """Seconds a writer process (``WriterMode.PROCESS``) may go without progress before its save
+    fails (``TESSERA_WRITER_TIMEOUT_S``; default half of ``TESSERA_TIMEOUT_S``, so that the
+    stuck rank's error reaches the other ranks before their own exchange times out)."""
+    return _float("TESSERA_WRITER_TIMEOUT_S", collective_timeout_s() / 2)
