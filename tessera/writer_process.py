@@ -62,8 +62,9 @@ class ProcessWriter:
 
     Every wait on the child is bounded: a request fails with :class:`StorageError` (and the
     child is killed) once the child has made no progress for ``TESSERA_WRITER_TIMEOUT_S``
-    seconds; the child reports progress at least every :data:`_PROGRESS_EVERY_S` while bytes
-    reach storage, so a slow write never times out and a stopped or stuck one always does.
+    seconds; the child reports progress every :data:`_PROGRESS_EVERY_S` (at most a quarter of
+    that timeout) while bytes reach storage, so a slow write does not time out and a stopped
+    or stuck one always does.
     """
 
     def __init__(self) -> None:
@@ -184,7 +185,8 @@ class ProcessWriter:
                         pos += n + (-n % _ALIGN)
                     spans.append((off, n))
                 jobs.append((path, layout, spans))
-            request = ("write", storage.url, storage.durable, jobs, chunk_bytes, threads)
+            every_s = min(_PROGRESS_EVERY_S, _knobs.writer_timeout_s() / 4)
+            request = ("write", storage.url, storage.durable, jobs, chunk_bytes, threads, every_s)
             try:
                 return self._call(channel, request, what)
             except StorageError:
@@ -313,11 +315,12 @@ def _serve(channel: Channel, parent_pid: int) -> None:
     arena: torch.Tensor | None = None
     lock = threading.Lock()  # writing threads report progress on the channel the reply uses
     last = [time.monotonic()]
+    every_s = [_PROGRESS_EVERY_S]
     channel.send(("ready", None))
 
     def progress(_: int) -> None:
         now = time.monotonic()
-        if now - last[0] >= _PROGRESS_EVERY_S:
+        if now - last[0] >= every_s[0]:
             with lock:
                 last[0] = now
                 channel.send(("progress", None))
@@ -339,7 +342,7 @@ def _serve(channel: Channel, parent_pid: int) -> None:
                     os.close(fd)
                 reply: Any = None
             elif kind == "write":
-                _, url, durable, jobs, chunk_bytes, threads = request
+                _, url, durable, jobs, chunk_bytes, threads, every_s[0] = request
                 if arena is None:
                     raise CheckpointError("internal error: the writer process has no shared-memory arena")
                 store = FileStorage(url, durable=durable)
