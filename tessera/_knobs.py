@@ -19,6 +19,19 @@ def _int(name: str, default: int) -> int:
         raise ValueError(f"environment variable {name}={raw!r} must be an integer") from None
 
 
+def _float(name: str, default: float) -> float:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={raw!r} must be a number") from None
+    if not value >= 0:  # also refuses nan
+        raise ValueError(f"environment variable {name}={raw!r} must be a number >= 0")
+    return value
+
+
 def collective_timeout_s() -> float:
     """Seconds a collective phase may wait for other ranks (``TESSERA_TIMEOUT_S``, default 600)."""
     return float(_int("TESSERA_TIMEOUT_S", 600))
@@ -57,3 +70,16 @@ def check_staging() -> str:
 def writer_mode() -> str:
     """Who writes a save's data files (``TESSERA_WRITER``: ``thread`` (default) or ``process``)."""
     return os.environ.get("TESSERA_WRITER", "") or "thread"
+
+
+def preemption_grace_s() -> float:
+    """Seconds after a first preemption signal during which more signals are the same preemption
+    (``TESSERA_PREEMPTION_GRACE_S``, default 5); a signal after that stops the job."""
+    return _float("TESSERA_PREEMPTION_GRACE_S", 5.0)
+
+
+def writer_timeout_s() -> float:
+    """Seconds a writer process (``WriterMode.PROCESS``) may go without progress before its save
+    fails (``TESSERA_WRITER_TIMEOUT_S``; default half of ``TESSERA_TIMEOUT_S``, so that the
+    stuck rank's error reaches the other ranks before their own exchange times out)."""
+    return _float("TESSERA_WRITER_TIMEOUT_S", collective_timeout_s() / 2)

@@ -70,6 +70,10 @@ class WriterMode(str, Enum):
     GIL; the bytes are copied into the shared arena first. Only local filesystems
     (:class:`~tessera.storage.local.FileStorage`) are written from the writer process; other
     backends fall back to threads. Planning and the commit stay in the saving process.
+    A writer process that makes no progress for ``TESSERA_WRITER_TIMEOUT_S`` seconds
+    (stopped, or stuck in I/O) is killed and the save fails with
+    :class:`~tessera.errors.StorageError` on every rank; its shared memory never outlives
+    the two processes.
     """
 
     THREAD = "thread"

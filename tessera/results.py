@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import threading
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -115,11 +116,26 @@ class PendingSave:
     def wait(self, timeout: float | None = None) -> SaveResult:
         """The committed save's result.
 
+        Args:
+            timeout: seconds to wait at most (None: until the save is over, which every
+                timeout of the save itself bounds: ``TESSERA_TIMEOUT_S`` for the other
+                ranks, ``TESSERA_WRITER_TIMEOUT_S`` for a stuck writer process).
+
         Raises:
+            TimeoutError: ``timeout`` passed first. The save goes on in the background: call
+                ``wait()`` again; its outcome is not lost.
             CheckpointError: whatever failed in the background, on every rank.
         """
         self._observed = True
-        return self._future.result(timeout)
+        try:
+            return self._future.result(timeout)
+        except concurrent.futures.TimeoutError as e:
+            if self._future.done():
+                raise  # the save itself failed with a timeout: that is its outcome
+            # A class of its own before Python 3.11: give every version the builtin one.
+            raise TimeoutError(
+                f"the save to {self.path} has not finished within {timeout} s; it goes on (call wait() again)"
+            ) from e
 
     def unobserved_error(self) -> BaseException | None:
         """The background failure of a finished save that nobody has seen (without marking it seen)."""

@@ -214,14 +214,15 @@ def test_manager_should_save_on_preemption_single_process(tmp_path) -> None:
 
 
 def test_second_signal_kills_the_process(tmp_path) -> None:
-    # The first SIGTERM is recorded; a second one means "stop now" and takes the default action.
+    # The first SIGTERM is recorded; one after the grace period means "stop now" and takes the
+    # default action.
     code = textwrap.dedent(
         """
         import os, signal, sys, time
         from tessera.manager.preemption import PreemptionHandler
-        h = PreemptionHandler().install()
+        h = PreemptionHandler(grace_s=0.2).install()
         os.kill(os.getpid(), signal.SIGTERM)
-        time.sleep(0.05)
+        time.sleep(0.4)
         print("received", h.received, flush=True)
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(5)

@@ -389,3 +389,23 @@ def test_one_temporary_file_name_rule(tmp_path: Path) -> None:
     durable.replace_if("manifest.json", b"{}", None)
     assert [p for p in durable.list() if ".tmp" in p] == []
     assert durable.read_file("manifest.json") == b"{}" and durable.read_file("keep.bin") == b"k"
+
+
+def test_file_storage_raises_storage_errors_not_raw_os_errors(tmp_path) -> None:
+    # The Storage protocol promises StorageError (naming the file), or FileNotFoundError /
+    # IsADirectoryError for a path that is missing or not a file; an ENAMETOOLONG (or EIO,
+    # EACCES) from the OS must not reach the caller as a bare OSError.
+    from tessera.errors import StorageError
+    from tessera.storage.local import FileStorage
+
+    store = FileStorage(str(tmp_path))
+    store.write_atomic("d/x", b"12")
+    with pytest.raises(StorageError, match=r"size of .*nnnn.*OSError"):
+        store.size("n" * 5000)  # ENAMETOOLONG
+    with pytest.raises(StorageError, match="read_file of"):
+        store.read_file("m" * 5000)
+    with pytest.raises(IsADirectoryError):  # not a file: its own documented kind
+        store.read_file("d")
+    with pytest.raises(FileNotFoundError):
+        store.read_file("missing")
+    assert store.read_file("d/x") == b"12" and store.list("d") == ["d/x"]

@@ -130,7 +130,7 @@ def test_the_writer_dying_mid_request_is_a_storage_error(tmp_path: Path) -> None
     os.kill(writer.pid, signal.SIGKILL)
     writer._proc.wait(timeout=30)
     with writer._lock, pytest.raises(StorageError, match="writer process died"):
-        writer._call(writer._conn, ("stop",))
+        writer._call(writer._channel, ("stop",), "testing")
 
 
 def test_a_writer_process_killed_during_a_save_fails_that_save_with_a_storage_error(tmp_path: Path) -> None:

@@ -7,9 +7,19 @@ default reaction ends the process at once, losing everything since the last chec
 one last checkpoint at its next step boundary (see :class:`tessera.manager.policies.SaveDecider`,
 which makes every rank agree on it) and then exit.
 
-The handler only sets a flag; nothing else runs inside the signal handler. A *second*
-signal of the same kind means "really stop": the previous handler is put back and the
-signal delivered to it, so a job stuck before its next step boundary still dies.
+The handler only sets a flag; nothing else runs inside the signal handler. The signal rule:
+
+* every signal that arrives within ``grace_s`` seconds of the first *signal* (default 5 s,
+  knob ``TESSERA_PREEMPTION_GRACE_S``) is the same preemption: schedulers and launchers
+  often deliver one notice several times a few milliseconds apart (Slurm signals the job
+  step and torchrun forwards the signal to its workers), and that must still lead to one
+  save at the next step boundary;
+* a signal that comes ``grace_s`` or more after the first means "really stop": the previous
+  handler is put back and the signal delivered to it, so a job stuck before its next step
+  boundary still dies;
+* :meth:`PreemptionHandler.trigger` (a notice from code, e.g. a thread polling a cloud
+  provider) records a preemption but is not a signal: it never starts the grace period, so
+  the scheduler's real signal that follows it is a first signal, not a second one.
 
 Thread-safety: :meth:`PreemptionHandler.install` and :meth:`~PreemptionHandler.uninstall`
 must run in the main thread (a Python rule for signal handlers); reading
@@ -23,9 +33,12 @@ import logging
 import os
 import signal
 import threading
+import time
 from collections.abc import Callable, Iterable
 from types import FrameType
 from typing import Any
+
+from .. import _knobs
 
 logger = logging.getLogger(__name__)
 
@@ -37,9 +50,12 @@ class PreemptionHandler:
 
     Args:
         signals: the signals that mean "you are being preempted" (default SIGTERM).
+        grace_s: seconds after the first signal during which further signals are the same
+            preemption (None: ``TESSERA_PREEMPTION_GRACE_S``, default 5). A signal that
+            arrives later stops the process as it would have without the handler.
 
     Raises:
-        ValueError: for an empty or invalid signal list.
+        ValueError: for an empty or invalid signal list, or a negative ``grace_s``.
 
     Not collective: each rank has its own handler and sees its own signals; the ranks
     agree through :class:`tessera.manager.policies.SaveDecider` (one tiny all-reduce).
@@ -52,11 +68,17 @@ class PreemptionHandler:
         >>> handler.uninstall()
     """
 
-    def __init__(self, signals: Iterable[int] = (signal.SIGTERM,)) -> None:
+    def __init__(self, signals: Iterable[int] = (signal.SIGTERM,), *, grace_s: float | None = None) -> None:
         self.signals = tuple(signal.Signals(s) for s in signals)
         if not self.signals:
             raise ValueError("PreemptionHandler: give at least one signal (e.g. signal.SIGTERM)")
+        grace = _knobs.preemption_grace_s() if grace_s is None else grace_s
+        if isinstance(grace, bool) or not isinstance(grace, (int, float)) or not grace >= 0:
+            raise ValueError(f"PreemptionHandler: grace_s must be a number of seconds >= 0, got {grace_s!r}")
+        self.grace_s = float(grace)
+        """Seconds after the first signal during which further signals are the same preemption."""
         self._received: int | None = None
+        self._first_signal_at: float | None = None  # monotonic time of the first real signal
         self._previous: dict[int, _Handler] = {}
         self._lock = threading.Lock()
 
@@ -97,17 +119,28 @@ class PreemptionHandler:
             signal.signal(s, signal.SIG_DFL if old is None else old)
 
     def trigger(self, signum: int = signal.SIGTERM) -> None:
-        """Record a preemption as if ``signum`` had arrived (e.g. from a thread polling a
-        cloud provider's preemption notice). Safe from any thread."""
+        """Record a preemption notice that did not come as a signal (e.g. from a thread
+        polling a cloud provider). Safe from any thread.
+
+        ``received`` reports ``signum``; the job saves at its next step boundary. A notice is
+        not a signal: the scheduler's signal that usually follows it is still a first signal
+        (it starts the grace period), never the "second signal" that stops the job.
+        """
         if self._received is None:
             self._received = int(signum)
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
+        # Only flags and a clock read: no I/O, no locks inside a signal handler.
+        now = time.monotonic()
         if self._received is None:
-            self._received = signum  # only a flag: no I/O, no locks inside a signal handler
+            self._received = signum
+        if self._first_signal_at is None:
+            self._first_signal_at = now
             return
-        # A second signal: the job did not reach a step boundary in time. Stop as the
-        # process would have without us.
+        if now - self._first_signal_at < self.grace_s:
+            return  # the same notice delivered again (by the launcher, to the step, ...)
+        # A signal well after the first: the job did not reach a step boundary in time.
+        # Stop as the process would have without us.
         old = self._previous.get(signum, signal.SIG_DFL)
         self.uninstall()
         if callable(old):
@@ -117,4 +150,7 @@ class PreemptionHandler:
 
     def __repr__(self) -> str:
         names = ", ".join(s.name for s in self.signals)
-        return f"PreemptionHandler([{names}], received={self._received}, installed={self.installed})"
+        return (
+            f"PreemptionHandler([{names}], grace_s={self.grace_s}, received={self._received}, "
+            f"installed={self.installed})"
+        )

@@ -23,7 +23,8 @@ During a load every rank calls :meth:`Storage.read_file` (manifest) and
 :meth:`Storage.read_into` (byte ranges), from several threads at once.
 
 Methods must be thread-safe. Errors are raised as :class:`tessera.errors.StorageError`
-(or ``FileNotFoundError`` for a missing path) after the backend's own retries.
+(or ``FileNotFoundError`` for a missing path, ``IsADirectoryError`` / ``NotADirectoryError``
+for a path that is not a file) after the backend's own retries.
 """
 
 from __future__ import annotations

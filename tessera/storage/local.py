@@ -14,11 +14,13 @@ directory and only if the manifest is still the version the save started from: t
 from __future__ import annotations
 
 import fcntl
+import functools
 import logging
 import mmap
 import os
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import Concatenate, ParamSpec, TypeVar
 from urllib.parse import urlparse
 
 from ..errors import ConcurrentSaveError, StorageError
@@ -29,6 +31,30 @@ logger = logging.getLogger(__name__)
 
 LOCK_NAME = ".tessera-lock"
 """File (next to a manifest) that writers of that manifest ``flock`` while they replace it."""
+
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def _typed_errors(
+    method: Callable[Concatenate[FileStorage, str, _P], _R],
+) -> Callable[Concatenate[FileStorage, str, _P], _R]:
+    """Raise what the Storage protocol promises: ``StorageError`` naming the file, or
+    ``FileNotFoundError`` / ``IsADirectoryError`` / ``NotADirectoryError`` for a path that is
+    missing or not a file; never another raw ``OSError`` (EIO, EACCES, ENAMETOOLONG...)."""
+
+    @functools.wraps(method)
+    def typed(self: FileStorage, path: str, *args: _P.args, **kwargs: _P.kwargs) -> _R:
+        try:
+            return method(self, path, *args, **kwargs)
+        except (StorageError, FileNotFoundError, IsADirectoryError, NotADirectoryError):
+            raise
+        except OSError as e:
+            where = os.path.join(self.root, path)
+            raise StorageError(f"{method.__name__.strip('_')} of {where} failed: {type(e).__name__}: {e}") from e
+
+    return typed
 
 
 def local_root(url: str) -> str:
@@ -199,6 +225,7 @@ class FileStorage:
         finally:
             os.close(fd)
 
+    @_typed_errors
     def version(self, path: str) -> str | None:
         """An opaque token of ``path``'s current content (None if absent).
 
@@ -296,6 +323,7 @@ class FileStorage:
             raise StorageError(f"cannot take the commit lock of {full}: {e}") from e
         return fd
 
+    @_typed_errors
     def file_sizes(self, prefix: str) -> dict[str, int]:
         """``{relative path: size}`` of every file under ``prefix`` (one directory walk)."""
         base = self._abs(prefix) if prefix else self.root
@@ -336,6 +364,7 @@ class FileStorage:
         resolved, so ranks that reach one directory through different links agree."""
         return "file://" + os.path.realpath(self.root)
 
+    @_typed_errors
     def read_file(self, path: str) -> bytes:
         with open(self._abs(path), "rb") as f:
             return f.read()
@@ -355,6 +384,7 @@ class FileStorage:
             os.close(fd)
         self._fds.clear()
 
+    @_typed_errors
     def read_into(self, path: str, offset: int, out: memoryview) -> None:
         full = self._abs(path)
         fd = self._fd(full)
@@ -368,6 +398,7 @@ class FileStorage:
                 )
             got += n
 
+    @_typed_errors
     def map_range(self, path: str, offset: int, length: int) -> memoryview:
         """A read-only, zero-copy view of ``[offset, offset + length)`` of ``path`` (mmap).
 
@@ -398,6 +429,7 @@ class FileStorage:
             pass
         return memoryview(m)[offset : offset + length]
 
+    @_typed_errors
     def release_range(self, path: str, offset: int, length: int) -> None:
         """Drop this process's mapping of a range returned by :meth:`map_range`.
 
@@ -432,13 +464,12 @@ class FileStorage:
         except Exception:
             pass
 
+    @_typed_errors
     def size(self, path: str) -> int:
         return os.path.getsize(self._abs(path))
 
-    def exists(self, path: str) -> bool:
-        return os.path.exists(self._abs(path))
-
-    def list(self, prefix: str = "") -> list[str]:
+    @_typed_errors
+    def _list(self, prefix: str) -> list[str]:
         base = self._abs(prefix) if prefix else self.root
         if os.path.isfile(base):
             return [check_relpath(prefix)]
@@ -449,6 +480,14 @@ class FileStorage:
                     continue
                 found.append(os.path.relpath(os.path.join(dirpath, name), self.root).replace(os.sep, "/"))
         return sorted(found)
+
+    @_typed_errors
+    def exists(self, path: str) -> bool:
+        return os.path.exists(self._abs(path))
+
+    def list(self, prefix: str = "") -> list[str]:
+        """Every file under ``prefix`` (a directory or a file), relative to the root, sorted."""
+        return self._list(prefix)
 
     def delete(self, paths: Iterable[str]) -> None:
         dirs = set()

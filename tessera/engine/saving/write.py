@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -74,8 +74,17 @@ def checksum_chunks(data: memoryview, chunk_bytes: int) -> Iterator[tuple[memory
         yield c, xxhash.xxh3_64_intdigest(c)
 
 
+Progress = Callable[[int], None]
+"""Called with a byte count each time the backend has taken that many more bytes (0: a file is done)."""
+
+
 def _write_one(
-    storage: Storage, path: str, layout: FileLayout, staged: Sequence[torch.Tensor], chunk_bytes: int
+    storage: Storage,
+    path: str,
+    layout: FileLayout,
+    staged: Sequence[torch.Tensor],
+    chunk_bytes: int,
+    progress: Progress | None = None,
 ) -> WrittenFile:
     t0 = time.monotonic()
     tiles: list[WrittenTile] = []
@@ -88,9 +97,13 @@ def _write_one(
             for c, h in checksum_chunks(view, chunk_bytes):
                 sums.append(h)
                 yield c
+                if progress is not None:  # the backend asked for the next chunk: it took this one
+                    progress(len(c))
             tiles.append(WrittenTile(slot.fqn, slot.box, slot.byte_offset, slot.nbytes, tuple(sums)))
 
     storage.write_file(path, chunks())
+    if progress is not None:
+        progress(0)
     if len(tiles) != len(layout.slots):
         # A backend that stopped consuming the stream early must not lead to a commit.
         raise StorageError(f"writing {path}: the storage backend wrote {len(tiles)} of {len(layout.slots)} tiles")
@@ -103,13 +116,14 @@ def write_files(
     *,
     chunk_bytes: int,
     threads: int,
+    progress: Progress | None = None,
 ) -> list[WrittenFile]:
     """Write every ``(path, layout, staged tile bytes)``: :func:`write_tiles` for callers with tuples."""
     request = WriteRequest(tuple(FileWrite(p, lay, st) for p, lay, st in files), chunk_bytes, threads)
-    return write_tiles(storage, request)
+    return write_tiles(storage, request, progress)
 
 
-def write_tiles(storage: Storage, request: WriteRequest) -> list[WrittenFile]:
+def write_tiles(storage: Storage, request: WriteRequest, progress: Progress | None = None) -> list[WrittenFile]:
     """The write stage: write every file of ``request`` durably and return what was written.
 
     Durable means: each file fsync'ed by the backend, then (backends with ``sync_dirs``)
@@ -119,6 +133,10 @@ def write_tiles(storage: Storage, request: WriteRequest) -> list[WrittenFile]:
     If any file fails, every file of the call (complete or partial) is removed before the
     error is raised: a failed save leaves nothing behind, so a full disk does not stay full.
 
+    ``progress`` (optional, called from the writing threads) hears of every chunk the backend
+    took and of every finished file: the writer process reports it, so that a writer that
+    stops making progress can be told from a slow one.
+
     Raises:
         StorageError: the first failure (the other files are still attempted to the end).
     """
@@ -127,10 +145,12 @@ def write_tiles(storage: Storage, request: WriteRequest) -> list[WrittenFile]:
         return []
     try:
         if len(files) == 1 or threads == 1:
-            written = [_write_one(storage, f.path, f.layout, f.tiles, chunk_bytes) for f in files]
+            written = [_write_one(storage, f.path, f.layout, f.tiles, chunk_bytes, progress) for f in files]
         else:
             with ThreadPoolExecutor(max_workers=min(threads, len(files)), thread_name_prefix="tessera-write") as pool:
-                futures = [pool.submit(_write_one, storage, f.path, f.layout, f.tiles, chunk_bytes) for f in files]
+                futures = [
+                    pool.submit(_write_one, storage, f.path, f.layout, f.tiles, chunk_bytes, progress) for f in files
+                ]
                 written = [f.result() for f in futures]
         if isinstance(storage, SyncsDirs):
             storage.sync_dirs([w.path for w in written])

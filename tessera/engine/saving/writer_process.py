@@ -3,16 +3,24 @@
 With :attr:`tessera.WriterMode.PROCESS` a save's file writes, checksums and fsyncs run in a
 child process instead of threads of the training process, so they never take the training
 loop's GIL. The training process copies the bytes a rank writes into a shared-memory arena
-(a ``/dev/shm`` mapping both processes hold, reused by later saves and grown when a save
-needs more), sends the child the file layouts and where each tile lies in the arena, and
+(a mapping both processes hold, reused by later saves and grown when a save needs more; its
+file is unlinked as soon as it exists and reaches the child as a file descriptor, so it never
+outlives them: see :mod:`tessera.engine.saving.writer_channel`), sends the child the file layouts and where each tile lies in the arena, and
 gets back what :func:`tessera.engine.saving.write.write_files` returns (sizes and checksums). The child runs
 that very function on views of the arena, so files are byte-identical to the thread
 writer's. Planning, the claim and the commit protocol stay in the training process.
 
 One writer serves every save of a process, one save at a time; it is started at the first
 save that uses it (a new interpreter: about the cost of importing torch) and exits when its
-parent does: it reads requests from a pipe, and the pipe's end of file (or a changed parent
-pid) stops it. Only :class:`~tessera.storage.local.FileStorage` is written from the child
+parent does: it reads requests from a socket, and the socket's end of file (or a changed
+parent pid) stops it.
+
+No wait on the child is unbounded: when the child makes no progress for
+``TESSERA_WRITER_TIMEOUT_S`` seconds (default: half of ``TESSERA_TIMEOUT_S``) — it was stopped
+(SIGSTOP), or a write hangs in the kernel — the training process kills it and the save fails
+with :class:`~tessera.errors.StorageError` (on every rank, through the commit exchange); the
+next save starts a new writer. A slow write is not stuck: the child reports progress while
+bytes reach storage. Only :class:`~tessera.storage.local.FileStorage` is written from the child
 (other backends may keep state in the training process, like ``memory://``); saves to any
 other backend use the thread writer.
 """
@@ -27,116 +35,124 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Sequence
-from multiprocessing.connection import Connection
 from typing import Any
 
 import torch
 
+from ... import _knobs
 from ...errors import CheckpointError, StorageError
 from ...format.tilefile import FileLayout
 from ...storage.base import Storage
 from ...storage.local import FileStorage
 from .write import WriteRequest, WrittenFile, write_files
+from .writer_channel import Arena, Channel, ChannelTimeout, sweep_arenas
 
 logger = logging.getLogger(__name__)
 
 _ALIGN = 64
-_SHM_DIR = "/dev/shm"
 
 __all__ = ["ProcessWriter", "shutdown", "write_files_in_process", "write_tiles_in_process"]
 
 
-class _Arena:
-    """A shared-memory file mapped in this process; the child maps the same file."""
-
-    def __init__(self, nbytes: int) -> None:
-        directory = _SHM_DIR if os.path.isdir(_SHM_DIR) else None
-        fd, self.path = tempfile.mkstemp(prefix="tessera-writer-", dir=directory)
-        try:
-            os.ftruncate(fd, nbytes)
-            self.map = mmap.mmap(fd, nbytes)
-        finally:
-            os.close(fd)
-        self.nbytes = nbytes
-        self.tensor = torch.frombuffer(self.map, dtype=torch.uint8)
-        self.base = self.tensor.data_ptr()
-
-    def unlink(self) -> None:
-        try:
-            os.unlink(self.path)
-        except FileNotFoundError:
-            pass
-
-    def offset_of(self, t: torch.Tensor) -> int | None:
-        """Where ``t``'s bytes lie in the arena, or None if they lie elsewhere."""
-        ptr = t.data_ptr()
-        n = t.numel() * t.element_size()
-        if t.device.type == "cpu" and t.is_contiguous() and self.base <= ptr and ptr + n <= self.base + self.nbytes:
-            return ptr - self.base
-        return None
-
-
 class ProcessWriter:
-    """The writer process and its shared-memory arena. Thread-safe; one request at a time."""
+    """The writer process and its shared-memory arena. Thread-safe; one request at a time.
+
+    Every wait on the child is bounded: a request fails with :class:`StorageError` (and the
+    child is killed) once the child has made no progress for ``TESSERA_WRITER_TIMEOUT_S``
+    seconds; the child reports progress every :data:`_PROGRESS_EVERY_S` (at most a quarter of
+    that timeout) while bytes reach storage, so a slow write does not time out and a stopped
+    or stuck one always does.
+    """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._proc: Any = None
-        self._conn: Connection | None = None
-        self._arena: _Arena | None = None
+        self._channel: Channel | None = None
+        self._arena: Arena | None = None
 
     @property
     def pid(self) -> int | None:
         """The child's process id (None before the first save)."""
         return None if self._proc is None else self._proc.pid
 
-    def _start(self) -> Connection:
-        if self._proc is not None and self._proc.poll() is None and self._conn is not None:
-            return self._conn
+    def _start(self) -> Channel:
+        if self._proc is not None and self._proc.poll() is None and self._channel is not None:
+            return self._channel
         self._stop_locked()
+        sweep_arenas()  # names a process SIGKILLed while creating one could have left
         # A fresh interpreter, not a multiprocessing spawn: spawn re-runs the module level of
         # the user's main script, which in a training script without a __main__ guard trains.
         ours, theirs = socket.socketpair()
         env = dict(os.environ)
-        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        root = os.path.abspath(os.path.join(os.path.dirname(__file__), *[os.pardir] * 3))  # above tessera/
         env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [env.get("PYTHONPATH")])])
         code = f"from tessera.engine.saving.writer_process import _main; _main({theirs.fileno()}, {os.getpid()})"
         try:
             proc = subprocess.Popen([sys.executable, "-c", code], pass_fds=[theirs.fileno()], env=env)
+        except BaseException:
+            ours.close()
+            raise
         finally:
             theirs.close()
-        self._proc, self._conn, self._arena = proc, Connection(ours.detach()), None
+        self._proc, self._channel, self._arena = proc, Channel(ours), None
         _register_exit()
+        # A new interpreter importing torch can take long on a loaded machine: its start is
+        # bounded by the general timeout, not by the (shorter) no-progress one.
+        startup_s = max(_knobs.collective_timeout_s(), _knobs.writer_timeout_s())
+        self._call(self._channel, None, "starting the writer process", timeout=startup_s)
         logger.debug("started the writer process (pid %d)", proc.pid)
-        return self._conn
+        return self._channel
 
-    def _ensure_arena(self, conn: Connection, nbytes: int) -> _Arena:
+    def _ensure_arena(self, channel: Channel, nbytes: int, what: str) -> Arena:
         arena = self._arena
         if arena is not None and arena.nbytes >= nbytes:
             return arena
         self._arena = None  # the old mapping goes once nothing refers to it
-        arena = _Arena(max(nbytes, 1))
+        arena = Arena(max(nbytes, 1))
         try:
-            self._call(conn, ("map", arena.path, arena.nbytes))
+            self._call(channel, ("map", arena.nbytes), what, fd=arena.fd)
         finally:
-            arena.unlink()  # both processes hold a mapping: the name is no longer needed
+            arena.close_fd()  # both processes hold a mapping: the descriptor is no longer needed
         self._arena = arena
         logger.debug("writer arena of %d bytes", arena.nbytes)
         return arena
 
-    def _call(self, conn: Connection, request: tuple) -> Any:
+    def _call(
+        self, channel: Channel, request: tuple | None, what: str, fd: int | None = None, timeout: float | None = None
+    ) -> Any:
+        """Send ``request`` (None: only wait for a message) and wait for its reply, at most
+        ``timeout`` (default ``TESSERA_WRITER_TIMEOUT_S``) seconds without progress."""
+        if timeout is None:
+            timeout = _knobs.writer_timeout_s()
+        deadline = time.monotonic() + timeout
         try:
-            conn.send(request)
-            status, payload = conn.recv()
-        except (EOFError, OSError, BrokenPipeError) as e:
+            if request is not None:
+                channel.send(request, deadline)
+            if fd is not None:
+                channel.send_fd(fd, deadline)
+            while True:
+                kind, payload = channel.recv(deadline)
+                if kind != "progress":
+                    break
+                deadline = time.monotonic() + timeout  # bytes are reaching storage: not stuck
+        except ChannelTimeout as e:
+            pid = self.pid
+            self._kill_locked()
+            raise StorageError(
+                f"the tessera writer process (pid {pid}) made no progress for {timeout:g} s while {what}, "
+                "and was killed (TESSERA_WRITER_TIMEOUT_S; TESSERA_TIMEOUT_S for its start); the storage "
+                "may hang (check it), or the process was stopped. The next save starts a new writer process"
+            ) from e
+        except (EOFError, OSError) as e:
             code = None if self._proc is None else self._proc.poll()
             self._stop_locked()
-            raise StorageError(f"the tessera writer process died (exit code {code}): {type(e).__name__}: {e}") from e
-        if status == "error":
+            raise StorageError(
+                f"the tessera writer process died (exit code {code}) while {what}: {type(e).__name__}: {e}"
+            ) from e
+        if kind == "error":
             raise payload
         return payload
 
@@ -149,11 +165,12 @@ class ProcessWriter:
         threads: int,
     ) -> list[WrittenFile]:
         """:func:`tessera.engine.saving.write.write_files`, run in the writer process (same contract)."""
+        what = f"writing {len(files)} data file(s) under {storage.url}"
         with self._lock:
-            conn = self._start()
+            channel = self._start()
             # Sized from the layouts: the tiles may still be being staged (each is waited for below).
             total = sum(s.nbytes + (-s.nbytes % _ALIGN) for _, layout, _ in files for s in layout.slots)
-            arena = self._ensure_arena(conn, total)
+            arena = self._ensure_arena(channel, total, what)
             jobs = []
             pos = 0
             for path, layout, staged in files:
@@ -168,11 +185,12 @@ class ProcessWriter:
                         pos += n + (-n % _ALIGN)
                     spans.append((off, n))
                 jobs.append((path, layout, spans))
-            request = ("write", storage.url, storage.durable, jobs, chunk_bytes, threads)
+            every_s = min(_PROGRESS_EVERY_S, _knobs.writer_timeout_s() / 4)
+            request = ("write", storage.url, storage.durable, jobs, chunk_bytes, threads, every_s)
             try:
-                return self._call(conn, request)
+                return self._call(channel, request, what)
             except StorageError:
-                if self._proc is None:  # the child died mid-write: nobody removed its partial files
+                if self._proc is None:  # the child died or was killed mid-write: nobody removed its files
                     try:
                         storage.delete([p for p, _, _ in files])
                     except Exception as e:
@@ -185,20 +203,38 @@ class ProcessWriter:
             self._stop_locked()
 
     def _stop_locked(self) -> None:
-        conn, proc = self._conn, self._proc
-        self._conn, self._proc, self._arena = None, None, None
-        if conn is not None:
+        channel, proc = self._channel, self._proc
+        self._channel, self._proc, self._arena = None, None, None
+        if channel is not None:
             try:
-                conn.send(("stop",))
-            except (OSError, BrokenPipeError):
+                channel.send(("stop",), time.monotonic() + 1.0)
+            except (ChannelTimeout, OSError):
                 pass
-            conn.close()
+            channel.close()
         if proc is not None:
             try:
                 proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 proc.kill()
-                proc.wait()
+                _reap(proc)
+
+    def _kill_locked(self) -> None:
+        """SIGKILL the child (it may be stopped, where nothing else reaches it) and forget it."""
+        channel, proc = self._channel, self._proc
+        self._channel, self._proc, self._arena = None, None, None
+        if proc is not None:
+            proc.kill()
+            _reap(proc)
+        if channel is not None:
+            channel.close()
+
+
+def _reap(proc: subprocess.Popen) -> None:
+    # A process in uninterruptible I/O dies only when that I/O returns: do not wait for it.
+    try:
+        proc.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        logger.warning("the writer process (pid %d) was killed but has not exited yet (stuck in I/O)", proc.pid)
 
 
 _WRITER: ProcessWriter | None = None
@@ -258,7 +294,7 @@ def _main(fd: int, parent_pid: int) -> None:
     # Ctrl-C reaches the whole process group: the training process decides what happens to
     # a save in flight, so the writer finishes its request instead of dying half-way.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _serve(Connection(fd), parent_pid)
+    _serve(Channel(socket.socket(fileno=fd)), parent_pid)
 
 
 def _watch_parent(parent_pid: int) -> None:
@@ -270,13 +306,28 @@ def _watch_parent(parent_pid: int) -> None:
             os._exit(0)
 
 
-def _serve(conn: Connection, parent_pid: int) -> None:
+_PROGRESS_EVERY_S = 0.5
+
+
+def _serve(channel: Channel, parent_pid: int) -> None:
     """The writer process: map arenas, write files, report; until the parent goes away."""
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
     arena: torch.Tensor | None = None
+    lock = threading.Lock()  # writing threads report progress on the channel the reply uses
+    last = [time.monotonic()]
+    every_s = [_PROGRESS_EVERY_S]
+    channel.send(("ready", None))
+
+    def progress(_: int) -> None:
+        now = time.monotonic()
+        if now - last[0] >= every_s[0]:
+            with lock:
+                last[0] = now
+                channel.send(("progress", None))
+
     while True:
         try:
-            request = conn.recv()
+            request = channel.recv()
         except (EOFError, OSError):
             return
         kind = request[0]
@@ -284,25 +335,27 @@ def _serve(conn: Connection, parent_pid: int) -> None:
             return
         try:
             if kind == "map":
-                _, path, nbytes = request
-                fd = os.open(path, os.O_RDWR)
+                fd = channel.recv_fd()
                 try:
-                    arena = torch.frombuffer(mmap.mmap(fd, nbytes), dtype=torch.uint8)
+                    arena = torch.frombuffer(mmap.mmap(fd, request[1]), dtype=torch.uint8)
                 finally:
                     os.close(fd)
                 reply: Any = None
             elif kind == "write":
-                _, url, durable, jobs, chunk_bytes, threads = request
+                _, url, durable, jobs, chunk_bytes, threads, every_s[0] = request
                 if arena is None:
                     raise CheckpointError("internal error: the writer process has no shared-memory arena")
                 store = FileStorage(url, durable=durable)
                 files = [(p, lay, [arena[o : o + n] for o, n in spans]) for p, lay, spans in jobs]
-                reply = write_files(store, files, chunk_bytes=chunk_bytes, threads=threads)
+                last[0] = time.monotonic()
+                reply = write_files(store, files, chunk_bytes=chunk_bytes, threads=threads, progress=progress)
             else:
                 raise CheckpointError(f"internal error: unknown writer request {kind!r}")
-            conn.send(("ok", reply))
+            with lock:
+                channel.send(("ok", reply))
         except BaseException as e:  # sent back: the parent raises it in the save
-            conn.send(("error", _picklable(e)))
+            with lock:
+                channel.send(("error", _picklable(e)))
 
 
 def _picklable(e: BaseException) -> BaseException:
