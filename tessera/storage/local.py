@@ -13,58 +13,22 @@ directory and only if the manifest is still the version the save started from: t
 
 from __future__ import annotations
 
-import fcntl
-import functools
 import logging
 import mmap
 import os
-import threading
-from collections.abc import Callable, Iterable
-from typing import Concatenate, ParamSpec, TypeVar
-from urllib.parse import urlparse
+from collections.abc import Iterable
 
 from ..errors import ConcurrentSaveError, StorageError
 from ..format.names import check_relpath
+from ._local_files import LOCK_NAME as LOCK_NAME
+from ._local_files import LocalFiles, typed_errors
+from ._local_files import local_root as local_root
 from .base import Buffer, is_temp_name, temp_name
 
 logger = logging.getLogger(__name__)
 
-LOCK_NAME = ".tessera-lock"
-"""File (next to a manifest) that writers of that manifest ``flock`` while they replace it."""
 
-
-_P = ParamSpec("_P")
-_R = TypeVar("_R")
-
-
-def _typed_errors(
-    method: Callable[Concatenate[FileStorage, str, _P], _R],
-) -> Callable[Concatenate[FileStorage, str, _P], _R]:
-    """Raise what the Storage protocol promises: ``StorageError`` naming the file, or
-    ``FileNotFoundError`` / ``IsADirectoryError`` / ``NotADirectoryError`` for a path that is
-    missing or not a file; never another raw ``OSError`` (EIO, EACCES, ENAMETOOLONG...)."""
-
-    @functools.wraps(method)
-    def typed(self: FileStorage, path: str, *args: _P.args, **kwargs: _P.kwargs) -> _R:
-        try:
-            return method(self, path, *args, **kwargs)
-        except (StorageError, FileNotFoundError, IsADirectoryError, NotADirectoryError):
-            raise
-        except OSError as e:
-            where = os.path.join(self.root, path)
-            raise StorageError(f"{method.__name__.strip('_')} of {where} failed: {type(e).__name__}: {e}") from e
-
-    return typed
-
-
-def local_root(url: str) -> str:
-    """The filesystem path of a plain path or ``file://`` URL."""
-    if url.startswith("file://"):
-        return urlparse(url).path
-    return url
-
-
-class FileStorage:
+class FileStorage(LocalFiles):
     """Checkpoint storage on a local or shared filesystem.
 
     Args:
@@ -73,38 +37,6 @@ class FileStorage:
             Turning it off is faster and still atomic against process crashes, but not
             against power loss or a kernel crash.
     """
-
-    def __init__(self, url: str, *, durable: bool = True) -> None:
-        self.url = url
-        self.root = os.path.abspath(local_root(url))
-        self.durable = durable
-        self._fds: dict[str, int] = {}
-        self._maps: dict[str, mmap.mmap | None] = {}
-        self._maps_lock = threading.Lock()
-
-    def _abs(self, path: str) -> str:
-        return os.path.join(self.root, check_relpath(path))
-
-    def _fsync_dir(self, path: str) -> None:
-        if not self.durable:
-            return
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-    def _makedirs(self, directory: str) -> None:
-        if os.path.isdir(directory):
-            return
-        os.makedirs(directory, exist_ok=True)
-        # Make the new directory entries themselves durable, up to the root's parent.
-        d = directory
-        while self.durable and d.startswith(self.root) and d != os.path.dirname(self.root):
-            self._fsync_dir(os.path.dirname(d))
-            if d == self.root:
-                break
-            d = os.path.dirname(d)
 
     def write_file(self, path: str, chunks: Iterable[Buffer]) -> None:
         """Create ``path`` from ``chunks``; durable (fsync) on return when ``durable``.
@@ -154,30 +86,6 @@ class FileStorage:
                 self._unlink_quietly(target)
                 raise StorageError(f"replacing {full} failed: {e}") from e
 
-    def _create(self, full: str) -> int:
-        """Create ``full`` exclusively, with its directories.
-
-        Retried if a directory vanishes in between: another save's cleanup removes
-        directories it left empty (``data/``, ``.tessera-saves/``), which may be ones just made.
-        """
-        for attempt in range(8):
-            try:
-                self._makedirs(os.path.dirname(full))
-                return os.open(full, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-            except FileNotFoundError:
-                if attempt == 7:
-                    raise
-        raise AssertionError("unreachable")
-
-    @staticmethod
-    def _unlink_quietly(full: str) -> None:
-        try:
-            os.unlink(full)
-        except FileNotFoundError:
-            pass
-        except OSError as e:  # the original error matters more
-            logger.warning("could not remove partial file %s: %s", full, e)
-
     def sync_dirs(self, paths: Iterable[str]) -> None:
         """Make the directory entries of ``paths`` durable: one fsync per distinct directory.
 
@@ -225,7 +133,7 @@ class FileStorage:
         finally:
             os.close(fd)
 
-    @_typed_errors
+    @typed_errors
     def version(self, path: str) -> str | None:
         """An opaque token of ``path``'s current content (None if absent).
 
@@ -302,28 +210,7 @@ class FileStorage:
         finally:
             os.close(lock)
 
-    @staticmethod
-    def _lock(directory: str, full: str) -> int:
-        """An exclusive ``flock`` on ``directory`` itself (no file left behind), or, where the
-        filesystem cannot lock a directory (NFS emulates ``flock`` with POSIX locks, which need
-        a writable descriptor), on ``directory/.tessera-lock``. Returns the locked descriptor."""
-        try:
-            fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
-        except OSError as e:
-            raise StorageError(f"cannot open {directory} to commit {full}: {e}") from e
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            return fd
-        except OSError:
-            os.close(fd)
-        try:
-            fd = os.open(os.path.join(directory, LOCK_NAME), os.O_RDWR | os.O_CREAT, 0o644)
-            fcntl.flock(fd, fcntl.LOCK_EX)
-        except OSError as e:
-            raise StorageError(f"cannot take the commit lock of {full}: {e}") from e
-        return fd
-
-    @_typed_errors
+    @typed_errors
     def file_sizes(self, prefix: str) -> dict[str, int]:
         """``{relative path: size}`` of every file under ``prefix`` (one directory walk)."""
         base = self._abs(prefix) if prefix else self.root
@@ -364,27 +251,12 @@ class FileStorage:
         resolved, so ranks that reach one directory through different links agree."""
         return "file://" + os.path.realpath(self.root)
 
-    @_typed_errors
+    @typed_errors
     def read_file(self, path: str) -> bytes:
         with open(self._abs(path), "rb") as f:
             return f.read()
 
-    def _fd(self, full: str) -> int:
-        # One descriptor per file, shared by all threads: pread is positional, so safe.
-        with self._maps_lock:
-            fd = self._fds.get(full)
-            if fd is None:
-                if len(self._fds) >= 256:
-                    self._close_fds()
-                fd = self._fds[full] = os.open(full, os.O_RDONLY)
-            return fd
-
-    def _close_fds(self) -> None:
-        for fd in self._fds.values():
-            os.close(fd)
-        self._fds.clear()
-
-    @_typed_errors
+    @typed_errors
     def read_into(self, path: str, offset: int, out: memoryview) -> None:
         full = self._abs(path)
         fd = self._fd(full)
@@ -398,7 +270,7 @@ class FileStorage:
                 )
             got += n
 
-    @_typed_errors
+    @typed_errors
     def map_range(self, path: str, offset: int, length: int) -> memoryview:
         """A read-only, zero-copy view of ``[offset, offset + length)`` of ``path`` (mmap).
 
@@ -429,7 +301,7 @@ class FileStorage:
             pass
         return memoryview(m)[offset : offset + length]
 
-    @_typed_errors
+    @typed_errors
     def release_range(self, path: str, offset: int, length: int) -> None:
         """Drop this process's mapping of a range returned by :meth:`map_range`.
 
@@ -446,29 +318,11 @@ class FileStorage:
         except (AttributeError, OSError):  # pragma: no cover
             pass
 
-    def close(self) -> None:
-        """Close cached descriptors and memory maps (also done when the object is collected)."""
-        with self._maps_lock:
-            self._close_fds()
-            maps, self._maps = self._maps, {}
-        for m in maps.values():
-            if m is not None:
-                try:
-                    m.close()
-                except BufferError:  # a view is still alive somewhere; the GC will close it
-                    pass
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:
-            pass
-
-    @_typed_errors
+    @typed_errors
     def size(self, path: str) -> int:
         return os.path.getsize(self._abs(path))
 
-    @_typed_errors
+    @typed_errors
     def _list(self, prefix: str) -> list[str]:
         base = self._abs(prefix) if prefix else self.root
         if os.path.isfile(base):
@@ -481,7 +335,7 @@ class FileStorage:
                 found.append(os.path.relpath(os.path.join(dirpath, name), self.root).replace(os.sep, "/"))
         return sorted(found)
 
-    @_typed_errors
+    @typed_errors
     def exists(self, path: str) -> bool:
         return os.path.exists(self._abs(path))
 
