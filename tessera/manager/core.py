@@ -1,11 +1,15 @@
 """The :class:`CheckpointManager` facade: saves and loads by step, with retention.
 
 See the package docstring (:mod:`tessera.manager`) for the layout, crash safety and the
-distributed contract. The concepts live beside this module: step names and listing in
-:mod:`~tessera.manager.steps`, retention in :mod:`~tessera.manager.retention`, the
-asynchronous bookkeeping in :mod:`~tessera.manager.background`, the save under ``root`` and
-what follows a commit in :mod:`~tessera.manager.direct`, the local tier's save in
-:mod:`~tessera.manager.tiered`, and resuming in :mod:`~tessera.manager.resume`.
+distributed contract. The manager is composed of parts that own their state, one module
+each: the root's step directories and ``latest`` pointer
+(:class:`~tessera.manager.steps.StepDirectory`), retention
+(:class:`~tessera.manager.retention.Retention`), the save in flight and its thread
+(:class:`~tessera.manager.background.BackgroundSaves`), the save under ``root``
+(:class:`~tessera.manager.direct.DirectRoute`), the save through the local tier
+(:class:`~tessera.manager.tiered.TieredRoute`) and the choice of the step to load
+(:class:`~tessera.manager.resume.StepLoader`). The facade checks arguments, orders the
+calls and keeps the lifecycle; no part knows the facade.
 """
 
 from __future__ import annotations
@@ -23,12 +27,14 @@ from ..options import LoadOptions, SaveOptions
 from ..policies import SaveDecider, SavePolicy
 from ..preemption import PreemptionHandler
 from ..results import PendingSave, SaveResult
-from ..step_names import step_dirname
 from ..storage import Storage, storage_for
-from ..storage.host_memory import TIER_PREFIX, default_memory_root
-from . import background, direct, identity, resume, retention, tiered
-from .resume import StepLoadResult
-from .steps import check_step, join_root, read_pointer, scan_steps
+from .arguments import Kept, check_arguments
+from .background import BackgroundSaves, close_at_exit, forget_at_exit
+from .direct import DirectRoute
+from .resume import StepLoader, StepLoadResult
+from .retention import Retention
+from .steps import StepDirectory, check_step
+from .tiered import TieredRoute
 
 __all__ = ["CheckpointManager"]
 
@@ -120,34 +126,16 @@ class CheckpointManager:
         preemption: bool | PreemptionHandler = False,
         preemption_signal: int = signal.SIGTERM,
     ) -> None:
-        for name, value in (
-            ("keep_last", keep_last),
-            ("keep_every", keep_every),
-            ("durable_every", durable_every),
-            ("local_keep_last", local_keep_last),
-        ):
-            if value is not None and (type(value) is not int or value < 1):
-                raise ValueError(f"CheckpointManager({root!r}): {name} must be None or an integer >= 1, got {value!r}")
-        warn_single_node = local_replicas is not None
-        if local_replicas is None:
-            local_replicas = 1
-        if type(local_replicas) is not int or local_replicas < 0:
-            raise ValueError(
-                f"CheckpointManager({root!r}): local_replicas must be an integer >= 0, got {local_replicas!r}"
-            )
-        if isinstance(root, str) and root.startswith(TIER_PREFIX):
-            # "tier::<url>": the local tier in host memory, every step also durable under <url>.
-            root = root[len(TIER_PREFIX) :]
-            if local_dir is None:
-                local_dir = default_memory_root(root)
-        if local_dir is not None and (not isinstance(local_dir, str) or "://" in local_dir or not local_dir):
-            raise ValueError(
-                f"CheckpointManager({root!r}): local_dir must be a local directory path, got {local_dir!r}"
-            )
-        self.local_dir = local_dir
-        self.local_replicas = local_replicas
-        self.durable_every = durable_every
-        self._tier = (
+        root, local_dir, local_replicas, warn_single_node = check_arguments(
+            root,
+            keep_last=keep_last,
+            keep_every=keep_every,
+            durable_every=durable_every,
+            local_keep_last=local_keep_last,
+            local_replicas=local_replicas,
+            local_dir=local_dir,
+        )
+        tier = (
             LocalTier(
                 local_dir,
                 root,
@@ -159,31 +147,54 @@ class CheckpointManager:
             if local_dir is not None
             else None
         )
-        self.root = root
-        self.keep_last = keep_last
-        self.keep_every = keep_every
+        self._steps = StepDirectory(
+            root, storage_factory or (lambda url: storage_for(url, storage_options=storage_options))
+        )
+        self._retention = Retention(self._steps, keep_last=keep_last, keep_every=keep_every)
+        self._saves = BackgroundSaves()
+        self._direct = DirectRoute(
+            self._steps,
+            self._retention,
+            self._saves,
+            process_group=process_group,
+            allow_pickle=allow_pickle,
+            save_options=save_options,
+            retention_before_save=retention_before_save,
+        )
+        self._tiered = TieredRoute(tier, self._direct) if tier is not None else None
+        self._loader = StepLoader(self._steps, tier, local_dir)
+        self.local_replicas = local_replicas
+        self.durable_every = durable_every
         self.async_save = async_save
-        self.process_group = process_group
-        self.allow_pickle = allow_pickle
-        self.save_options = save_options
         self.load_options = load_options
-        self._factory = storage_factory or (lambda url: storage_for(url, storage_options=storage_options))
-        # Listing, the pointer and retention go through one backend bound to root.
-        self._root_store = self._factory(root)
-        self._pending: PendingSave | None = None
-        self._thread: threading.Thread | None = None
-        self._in_flight: set[int] = set()
-        self._lock = threading.Lock()
         self._closed = False
-        self.retention_before_save = retention_before_save
-        self._distributed = False
         handler = preemption if isinstance(preemption, PreemptionHandler) else None
         if handler is None and preemption:
             handler = PreemptionHandler([preemption_signal])
         self._decider = SaveDecider(save_policy, preemption=handler, process_group=process_group)
         if handler is not None:  # after every argument is checked: a refused manager leaves no handler
             handler.install()
-        background.close_at_exit(self)
+        close_at_exit(self)
+
+    # The arguments are kept as attributes of the same names; these live on the part that uses them.
+    root = Kept[str]("_steps")
+    keep_last = Kept[int | None]("_retention")
+    keep_every = Kept[int | None]("_retention")
+    process_group = Kept[Any]("_direct")
+    allow_pickle = Kept[bool]("_direct")
+    save_options = Kept[SaveOptions | None]("_direct")
+    retention_before_save = Kept[bool]("_direct")
+    local_dir = Kept[str | None]("_loader")
+
+    @property
+    def _pending(self) -> PendingSave | None:
+        """The save in flight, if any (read by the lifecycle tests)."""
+        return self._saves.pending
+
+    @property
+    def _thread(self) -> threading.Thread | None:
+        """The thread finishing the save in flight, if any (read by the lifecycle tests)."""
+        return self._saves.thread
 
     # ------------------------------------------------------------------------------------
     # Naming and listing (local: no communication)
@@ -195,11 +206,7 @@ class CheckpointManager:
             >>> CheckpointManager("/ckpt/run1").step_url(100)
             '/ckpt/run1/step-00000100'
         """
-        return join_root(self.root, step_dirname(check_step(step)))
-
-    def _scan(self) -> dict[int, bool]:
-        """Every step directory under root: ``{step: committed}``."""
-        return scan_steps(self._root_store)
+        return self._steps.url(step)
 
     def steps(self, *, local: bool = True) -> list[int]:
         """Committed steps, oldest first: those under ``root`` with a ``manifest.json`` and, with
@@ -216,12 +223,9 @@ class CheckpointManager:
             >>> mgr.steps()
             [300, 400, 500]
         """
-        found = {s for s, committed in self._scan().items() if committed}
-        if local and self._tier is not None:
-            root_id = self._tier.root_id
-            if root_id is None:
-                root_id = identity.read_root_id(self._root_store)
-            found.update(self._tier.steps_here(root_id))
+        found = {s for s, committed in self._steps.scan().items() if committed}
+        if local and self._tiered is not None:
+            found.update(self._tiered.steps_here())
         return sorted(found)
 
     def latest_step(self) -> int | None:
@@ -239,7 +243,7 @@ class CheckpointManager:
 
     def pointer_step(self) -> int | None:
         """The step the ``latest`` pointer names (None if absent or unreadable). Not collective."""
-        return read_pointer(self._root_store, self.root)
+        return self._steps.pointer()
 
     # ------------------------------------------------------------------------------------
     # Save
@@ -279,7 +283,7 @@ class CheckpointManager:
         if self._closed:
             raise ValueError(f"CheckpointManager({self.root!r}) is closed")
         t0 = time.monotonic()  # the stall counts the wait for the previous save too
-        self._wait_previous()
+        self._saves.wait_previous()
         waited = time.monotonic() - t0
         in_background = self.async_save if async_save is None else async_save
         preempted = self._decider.agree_preemption(step)  # collective only with preemption=True
@@ -287,10 +291,12 @@ class CheckpointManager:
             in_background = False  # the job exits next: the step must be committed (and durable) first
         self._decider.record_save(step)
         world = dist.world_for(self.process_group)
-        self._distributed = self._distributed or world.distributed
-        if self._tier is not None:
-            return tiered.save_tiered(self, step, state, in_background, world, t0, waited, durable=preempted or None)
-        return direct.save_direct(self, step, state, in_background, world, t0, waited)
+        self._saves.note_world(world)
+        if self._tiered is not None:
+            every = self.durable_every
+            durable = preempted or every is None or step % every == 0
+            return self._tiered.save(step, state, in_background, world, t0, waited, durable=durable)
+        return self._direct.save(step, state, in_background, world, t0, waited)
 
     def apply_retention(self, *, making_room_for: int | None = None) -> list[int]:
         """Rank 0: delete the steps retention does not keep; returns the steps deleted. Not collective.
@@ -305,7 +311,7 @@ class CheckpointManager:
         Example:
             >>> mgr.apply_retention(making_room_for=step)  # the disk is tight
         """
-        return retention.apply_retention(self, making_room_for=making_room_for)
+        return self._retention.apply(making_room_for=making_room_for)
 
     def should_save(self, step: int) -> bool:
         """Whether to save at ``step``: ``save_policy``, or a preemption any rank received.
@@ -369,7 +375,7 @@ class CheckpointManager:
         _args.check_manager_load(state, step)
         if self._closed:
             raise ValueError(f"CheckpointManager({self.root!r}) is closed")
-        self._wait_previous()
+        self._saves.wait_previous()
         world = dist.world_for(self.process_group)
         kwargs: dict[str, Any] = {
             "strict": strict,
@@ -380,13 +386,7 @@ class CheckpointManager:
         }
         if step is not None:
             step = check_step(step)
-        if self._tier is not None:
-            recovered = resume.recover(self, state, world, kwargs, step)
-            if recovered is not None:
-                return recovered
-        if step is not None:
-            return StepLoadResult(step, resume.load_step(self, step, state, kwargs), {})
-        return resume.load_newest(self, state, world, kwargs)
+        return self._loader.load(state, step, world, kwargs)
 
     def remove_local_steps(self) -> list[int]:
         """Delete this root's steps from the local tier on every node (host memory of a
@@ -408,21 +408,15 @@ class CheckpointManager:
             >>> mgr.remove_local_steps()
             [100]
         """
-        if self._tier is None:
+        if self._tiered is None:
             raise ValueError(f"CheckpointManager({self.root!r}) has no local tier (no local_dir, no tier:: root)")
         if self._closed:
             raise ValueError(f"CheckpointManager({self.root!r}) is closed")
-        self._wait_previous()
-        return tiered.remove_local(self, dist.world_for(self.process_group))
+        self._saves.wait_previous()
+        return self._tiered.remove_local(dist.world_for(self.process_group))
 
     # ------------------------------------------------------------------------------------
     # Lifecycle
-
-    def _wait_previous(self) -> None:
-        background.wait_previous(self)
-
-    def _join(self) -> None:
-        background.join(self)
 
     def wait(self) -> SaveResult | None:
         """Block until the pending save (if any) is committed and retention is done.
@@ -437,13 +431,7 @@ class CheckpointManager:
             >>> mgr.save(100, state)  # async
             >>> mgr.wait()
         """
-        pending, self._pending = self._pending, None
-        if pending is None:
-            return None
-        try:
-            return pending.wait()
-        finally:
-            self._join()
+        return self._saves.wait()
 
     def close(self) -> None:
         """Finish the pending save and stop accepting new ones. Idempotent.
@@ -454,14 +442,14 @@ class CheckpointManager:
         if self._closed:
             return
         self._closed = True
-        background.forget_at_exit(self)
+        forget_at_exit(self)
         if threading.current_thread() is threading.main_thread():
             self._decider.close()
         try:
-            self._wait_previous()
+            self._saves.wait_previous()
         finally:
-            if self._tier is not None:
-                self._tier.wait_deletions()
+            if self._tiered is not None:
+                self._tiered.tier.wait_deletions()
 
     def __enter__(self) -> CheckpointManager:
         return self
