@@ -1,15 +1,9 @@
 """The :class:`CheckpointManager` facade: saves and loads by step, with retention.
 
-See the package docstring (:mod:`tessera.manager`) for the layout, crash safety and the
-distributed contract. The manager is composed of parts that own their state, one module
-each: the root's step directories and ``latest`` pointer
-(:class:`~tessera.manager.steps.StepDirectory`), retention
-(:class:`~tessera.manager.retention.Retention`), the save in flight and its thread
-(:class:`~tessera.manager.background.BackgroundSaves`), the save under ``root``
-(:class:`~tessera.manager.direct.DirectRoute`), the save through the local tier
-(:class:`~tessera.manager.tiered.TieredRoute`) and the choice of the step to load
-(:class:`~tessera.manager.resume.StepLoader`). The facade checks arguments, orders the
-calls and keeps the lifecycle; no part knows the facade.
+See the package docstring (:mod:`tessera.manager`) for the layout, crash safety, the
+distributed contract and the parts the manager is composed of (one module each, each owning
+its state). The facade checks arguments, orders the calls and keeps the lifecycle; no part
+knows the facade.
 """
 
 from __future__ import annotations
@@ -45,54 +39,43 @@ class CheckpointManager:
     """Save and resume a training run's checkpoints by step, with retention.
 
     Args:
-        root: directory or URL holding one subdirectory per step. ``tier::<url>`` is short
-            for ``root=<url>`` with the local tier in host memory: ``local_dir`` defaults to
-            ``/dev/shm/tessera/<store>/<path of url>`` and, unless ``durable_every`` says
-            otherwise, every step is also saved under ``<url>``.
+        root: directory or URL holding one subdirectory per step. ``tier::<url>`` is ``<url>``
+            with the local tier in host memory (``local_dir`` defaults to
+            ``/dev/shm/tessera/<store>/<path of url>``).
         keep_last: keep at most this many of the newest committed steps (None: keep all).
         keep_every: also keep every step divisible by this (e.g. 1000), whatever ``keep_last``.
-        async_save: default of :meth:`save`: return once the save is planned; copy to host
-            memory, write and commit in the background (see :func:`tessera.async_save` for
-            when the state may change: ``PendingSave.wait_staged``).
+        async_save: default of :meth:`save`: return once the save is planned, and copy, write
+            and commit in the background (see :func:`tessera.async_save`).
         process_group: the ranks taking part (default: all).
         allow_pickle: store and load values that need pickle (see :func:`tessera.save`).
         save_options: passed to every save.
         load_options: passed to every load.
         storage_options: options of the backend :func:`~tessera.storage.storage_for` builds.
-        storage_factory: builds the backend of a URL (a step directory, or ``root``); the
-            default is :func:`~tessera.storage.storage_for` with ``storage_options``.
-        retention_before_save: also apply retention *before* each save, keeping room for the
-            step being saved (``keep_last - 1`` older steps), so that a disk that holds
-            ``keep_last`` checkpoints and no more can still take the next one. The newest
-            committed step is never deleted before the new one is committed.
-        local_dir: a node-local directory (e.g. ``/dev/shm/tessera-{node}``) that turns on the
-            replicated local tier: every save goes there first; ``{node}`` is replaced by
-            the node index (``GROUP_RANK``, else ``RANK // LOCAL_WORLD_SIZE``). Use one
-            directory per run. See ``docs/resilience.md``.
-        local_replicas: copies of each rank's files kept on other nodes' local tiers (0: none).
-            Default (None): 1, and no warning when the job has a single node (an explicit
-            value warns there, since no copy can be placed).
+        storage_factory: builds the backend of a URL (a step directory, or ``root``) instead.
+        retention_before_save: also apply retention before each save, keeping room for the
+            step being saved (``keep_last - 1`` older steps; never the newest committed one).
+        local_dir: a node-local directory (e.g. ``/dev/shm/tessera-{node}``, ``{node}`` being
+            the node index) that turns on the replicated local tier: every save goes there
+            first. Use one directory per run. See ``docs/resilience.md``.
+        local_replicas: copies of each rank's files kept on other nodes' local tiers (0: none;
+            None: 1, without the warning an explicit value gives on a single-node job).
         durable_every: with ``local_dir``, only steps divisible by this also go to ``root``
             (None: every step does).
         local_keep_last: committed local steps each node keeps.
         save_policy: what :meth:`should_save` answers (see :mod:`tessera.policies`).
-        preemption: install a handler for ``preemption_signal`` (main thread only): once
-            any rank receives it, :meth:`should_save` says True on every rank and the next
-            :meth:`save` is synchronous and durable; then :attr:`reached_preemption` is True
-            and the loop should exit. Restored by :meth:`close`. A
-            :class:`~tessera.PreemptionHandler` is installed as given (its signals, and
-            ``trigger()`` for a preemption notice that is not a signal).
+        preemption: install a handler for ``preemption_signal`` (main thread only; restored
+            by :meth:`close`), or the :class:`~tessera.PreemptionHandler` given: once any
+            rank is preempted, :meth:`should_save` says True, the next :meth:`save` is
+            synchronous and durable, then :attr:`reached_preemption` is True.
         preemption_signal: the signal that means preemption (default SIGTERM).
 
     Raises:
         ValueError: for ``keep_last``, ``keep_every``, ``durable_every`` or ``local_keep_last``
-            below 1, or ``local_replicas`` below 0.
+            below 1, ``local_replicas`` below 0, or a ``local_dir`` that is a URL.
 
     Collective contract: every rank constructs the manager alike and calls ``save``/``load``
-    in the same order; only rank 0 moves ``latest`` and deletes old steps (after a commit,
-    never the newest committed step, the one ``latest`` names, or one being saved). Close it
-    (or use it as a context manager) before tearing down ``torch.distributed``, so that a
-    pending save is finished; interpreter exit also closes it.
+    in the same order; only rank 0 moves ``latest`` and deletes old steps. Close it (or use
+    it as a context manager) before tearing down ``torch.distributed``.
 
     Example:
         >>> with tessera.CheckpointManager("/ckpt/run1", keep_last=3, keep_every=1000, async_save=True) as mgr:
@@ -187,13 +170,11 @@ class CheckpointManager:
     local_dir = Kept[str | None]("_loader")
 
     @property
-    def _pending(self) -> PendingSave | None:
-        """The save in flight, if any (read by the lifecycle tests)."""
+    def _pending(self) -> PendingSave | None:  # the save in flight (the lifecycle tests read it)
         return self._saves.pending
 
     @property
-    def _thread(self) -> threading.Thread | None:
-        """The thread finishing the save in flight, if any (read by the lifecycle tests)."""
+    def _thread(self) -> threading.Thread | None:  # its finishing thread (the lifecycle tests read it)
         return self._saves.thread
 
     # ------------------------------------------------------------------------------------
@@ -261,12 +242,10 @@ class CheckpointManager:
             async_save: override the manager's default for this call.
 
         Returns:
-            :class:`~tessera.SaveResult` for a synchronous save; for an asynchronous one a
-            :class:`~tessera.PendingSave` whose ``wait()`` returns after the commit and,
-            on rank 0, after ``latest`` and retention are done. An asynchronous save commits
-            exactly the state at the call: raw tensors are copied before this returns, those
-            of gated Statefuls (``ModelState``, ``OptimizerState``) in the background while
-            their next step or forward waits (see :class:`tessera.StagingMode`).
+            :class:`~tessera.SaveResult`, or for an asynchronous save a :class:`~tessera.PendingSave`
+            whose ``wait()`` returns after the commit (and, on rank 0, ``latest`` and retention).
+            It commits exactly the state at the call: raw tensors are copied before this returns,
+            gated Statefuls' while their next step waits (see :class:`tessera.StagingMode`).
 
         Raises:
             CheckpointError: if the save fails on any rank (the previous steps stay intact);
@@ -299,10 +278,10 @@ class CheckpointManager:
         return self._direct.save(step, state, in_background, world, t0, waited)
 
     def apply_retention(self, *, making_room_for: int | None = None) -> list[int]:
-        """Rank 0: delete the steps retention does not keep; returns the steps deleted. Not collective.
+        """Rank 0: delete the steps retention does not keep; returns them. Not collective.
 
-        Runs after every commit anyway. Call it (or pass ``retention_before_save=True``) to
-        free space *before* a save, e.g. after a save failed on a full disk.
+        Runs after every commit anyway; call it to free space *before* a save (e.g. after one
+        failed on a full disk), or pass ``retention_before_save=True``.
 
         Args:
             making_room_for: a step about to be saved: one of the ``keep_last`` places is kept
@@ -389,13 +368,11 @@ class CheckpointManager:
         return self._loader.load(state, step, world, kwargs)
 
     def remove_local_steps(self) -> list[int]:
-        """Delete this root's steps from the local tier on every node (host memory of a
-        ``tier::`` root): committed or not, this run's or stale; collective.
+        """Delete this root's steps, committed or not, from the local tier on every node; collective.
 
-        Call it when the run is over and its steps are durable (or no longer wanted): host
-        memory is not freed when the job ends. Steps under ``root`` are not touched. The
-        node directory goes too if nothing else is left in it. From the command line, on
-        each node: ``tessera local-tier remove ROOT``.
+        Call it when the run is over (host memory is not freed when the job ends); steps under
+        ``root`` stay, and the node directory goes if nothing else is left in it. From the
+        command line, on each node: ``tessera local-tier remove ROOT``.
 
         Returns:
             the steps deleted on this rank's node (empty on ranks that are not a node's first).
