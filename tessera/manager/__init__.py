@@ -24,15 +24,26 @@ collective, like :func:`tessera.save`); only rank 0 moves ``latest`` and deletes
 :meth:`~CheckpointManager.steps` and :meth:`~CheckpointManager.latest_step` only read
 storage and may be called by any rank alone. A manager is meant for one thread.
 
-Modules, one concept each:
+The manager is composed of parts that own their state, one module each; none of them
+imports :mod:`~tessera.manager.core` or knows the facade (``tests/test_manager_parts.py``
+checks it):
 
-- :mod:`~tessera.manager.core`: the :class:`CheckpointManager` facade (save, load, close).
-- :mod:`~tessera.manager.steps`: step names, listing, the ``latest`` pointer (no communication).
-- :mod:`~tessera.manager.retention`: which steps are kept; deleting a step manifest first.
-- :mod:`~tessera.manager.background`: the asynchronous save's thread, waiting for it, closing at exit.
-- :mod:`~tessera.manager.direct`: the save under ``root``; ``latest`` and retention after a commit.
-- :mod:`~tessera.manager.tiered`: the save with a node-local tier (``local_dir``).
-- :mod:`~tessera.manager.resume`: which step a load uses, falling back past unusable ones.
+- :mod:`~tessera.manager.core`: :class:`CheckpointManager`, the facade: checks arguments,
+  composes the parts, orders the calls, keeps the lifecycle (save, load, close).
+- :mod:`~tessera.manager.arguments`: checking the constructor's arguments; attributes kept by a part.
+- :mod:`~tessera.manager.steps`: :class:`~.steps.StepDirectory`: the root's backend, step names,
+  listing, the ``latest`` pointer, deleting a step manifest first (no communication).
+- :mod:`~tessera.manager.retention`: :class:`~.retention.Retention`: ``keep_last``/``keep_every``,
+  the steps being saved (never deleted), applying the policy.
+- :mod:`~tessera.manager.background`: :class:`~.background.BackgroundSaves`: the save in flight,
+  its finishing thread, waiting for it; closing open managers at exit.
+- :mod:`~tessera.manager.direct`: :class:`~.direct.DirectRoute`: the save under ``root``; ``latest``
+  and retention after a commit.
+- :mod:`~tessera.manager.tiered`: :class:`~.tiered.TieredRoute`: the save through the node-local
+  tier (``local_dir``), its durable copy, removing local steps.
+- :mod:`~tessera.manager.identity`: the durable root's id, which says which local steps are the run's.
+- :mod:`~tessera.manager.resume`: :class:`~.resume.StepLoader`: which step a load uses, falling
+  back past unusable ones.
 """
 
 from __future__ import annotations

@@ -1,11 +1,9 @@
 """The :class:`CheckpointManager` facade: saves and loads by step, with retention.
 
-See the package docstring (:mod:`tessera.manager`) for the layout, crash safety and the
-distributed contract. The concepts live beside this module: step names and listing in
-:mod:`~tessera.manager.steps`, retention in :mod:`~tessera.manager.retention`, the
-asynchronous bookkeeping in :mod:`~tessera.manager.background`, the save under ``root`` and
-what follows a commit in :mod:`~tessera.manager.direct`, the local tier's save in
-:mod:`~tessera.manager.tiered`, and resuming in :mod:`~tessera.manager.resume`.
+See the package docstring (:mod:`tessera.manager`) for the layout, crash safety, the
+distributed contract and the parts the manager is composed of (one module each, each owning
+its state). The facade checks arguments, orders the calls and keeps the lifecycle; no part
+knows the facade.
 """
 
 from __future__ import annotations
@@ -19,17 +17,19 @@ from typing import Any
 
 from .. import _args
 from ..engine import dist
-from ..format.names import step_dirname
 from ..options import LoadOptions, SaveOptions
 from ..results import PendingSave, SaveResult
 from ..storage import Storage, storage_for
-from ..storage.host_memory import TIER_PREFIX, default_memory_root
-from . import background, direct, identity, resume, retention, tiered
+from .arguments import Kept, check_arguments
+from .background import BackgroundSaves, close_at_exit, forget_at_exit
+from .direct import DirectRoute
 from .local_tier import LocalTier
 from .policies import SaveDecider, SavePolicy
 from .preemption import PreemptionHandler
-from .resume import StepLoadResult
-from .steps import check_step, join_root, read_pointer, scan_steps
+from .resume import StepLoader, StepLoadResult
+from .retention import Retention
+from .steps import StepDirectory, check_step
+from .tiered import TieredRoute
 
 __all__ = ["CheckpointManager"]
 
@@ -40,54 +40,43 @@ class CheckpointManager:
     """Save and resume a training run's checkpoints by step, with retention.
 
     Args:
-        root: directory or URL holding one subdirectory per step. ``tier::<url>`` is short
-            for ``root=<url>`` with the local tier in host memory: ``local_dir`` defaults to
-            ``/dev/shm/tessera/<store>/<path of url>`` and, unless ``durable_every`` says
-            otherwise, every step is also saved under ``<url>``.
+        root: directory or URL holding one subdirectory per step. ``tier::<url>`` is ``<url>``
+            with the local tier in host memory (``local_dir`` defaults to
+            ``/dev/shm/tessera/<store>/<path of url>``).
         keep_last: keep at most this many of the newest committed steps (None: keep all).
         keep_every: also keep every step divisible by this (e.g. 1000), whatever ``keep_last``.
-        async_save: default of :meth:`save`: return once the save is planned; copy to host
-            memory, write and commit in the background (see :func:`tessera.async_save` for
-            when the state may change: ``PendingSave.wait_staged``).
+        async_save: default of :meth:`save`: return once the save is planned, and copy, write
+            and commit in the background (see :func:`tessera.async_save`).
         process_group: the ranks taking part (default: all).
         allow_pickle: store and load values that need pickle (see :func:`tessera.save`).
         save_options: passed to every save.
         load_options: passed to every load.
         storage_options: options of the backend :func:`~tessera.storage.storage_for` builds.
-        storage_factory: builds the backend of a URL (a step directory, or ``root``); the
-            default is :func:`~tessera.storage.storage_for` with ``storage_options``.
-        retention_before_save: also apply retention *before* each save, keeping room for the
-            step being saved (``keep_last - 1`` older steps), so that a disk that holds
-            ``keep_last`` checkpoints and no more can still take the next one. The newest
-            committed step is never deleted before the new one is committed.
-        local_dir: a node-local directory (e.g. ``/dev/shm/tessera-{node}``) that turns on the
-            replicated local tier: every save goes there first; ``{node}`` is replaced by
-            the node index (``GROUP_RANK``, else ``RANK // LOCAL_WORLD_SIZE``). Use one
-            directory per run. See ``docs/resilience.md``.
-        local_replicas: copies of each rank's files kept on other nodes' local tiers (0: none).
-            Default (None): 1, and no warning when the job has a single node (an explicit
-            value warns there, since no copy can be placed).
+        storage_factory: builds the backend of a URL (a step directory, or ``root``) instead.
+        retention_before_save: also apply retention before each save, keeping room for the
+            step being saved (``keep_last - 1`` older steps; never the newest committed one).
+        local_dir: a node-local directory (e.g. ``/dev/shm/tessera-{node}``, ``{node}`` being
+            the node index) that turns on the replicated local tier: every save goes there
+            first. Use one directory per run. See ``docs/resilience.md``.
+        local_replicas: copies of each rank's files kept on other nodes' local tiers (0: none;
+            None: 1, without the warning an explicit value gives on a single-node job).
         durable_every: with ``local_dir``, only steps divisible by this also go to ``root``
             (None: every step does).
         local_keep_last: committed local steps each node keeps.
-        save_policy: what :meth:`should_save` answers (see :mod:`tessera.policies`).
-        preemption: install a handler for ``preemption_signal`` (main thread only): once
-            any rank receives it, :meth:`should_save` says True on every rank and the next
-            :meth:`save` is synchronous and durable; then :attr:`reached_preemption` is True
-            and the loop should exit. Restored by :meth:`close`. A
-            :class:`~tessera.PreemptionHandler` is installed as given (its signals, and
-            ``trigger()`` for a preemption notice that is not a signal).
+        save_policy: what :meth:`should_save` answers (see :mod:`tessera.manager.policies`).
+        preemption: install a handler for ``preemption_signal`` (main thread only; restored
+            by :meth:`close`), or the :class:`~tessera.PreemptionHandler` given: once any
+            rank is preempted, :meth:`should_save` says True, the next :meth:`save` is
+            synchronous and durable, then :attr:`reached_preemption` is True.
         preemption_signal: the signal that means preemption (default SIGTERM).
 
     Raises:
         ValueError: for ``keep_last``, ``keep_every``, ``durable_every`` or ``local_keep_last``
-            below 1, or ``local_replicas`` below 0.
+            below 1, ``local_replicas`` below 0, or a ``local_dir`` that is a URL.
 
     Collective contract: every rank constructs the manager alike and calls ``save``/``load``
-    in the same order; only rank 0 moves ``latest`` and deletes old steps (after a commit,
-    never the newest committed step, the one ``latest`` names, or one being saved). Close it
-    (or use it as a context manager) before tearing down ``torch.distributed``, so that a
-    pending save is finished; interpreter exit also closes it.
+    in the same order; only rank 0 moves ``latest`` and deletes old steps. Close it (or use
+    it as a context manager) before tearing down ``torch.distributed``.
 
     Example:
         >>> with tessera.CheckpointManager("/ckpt/run1", keep_last=3, keep_every=1000, async_save=True) as mgr:
@@ -121,34 +110,16 @@ class CheckpointManager:
         preemption: bool | PreemptionHandler = False,
         preemption_signal: int = signal.SIGTERM,
     ) -> None:
-        for name, value in (
-            ("keep_last", keep_last),
-            ("keep_every", keep_every),
-            ("durable_every", durable_every),
-            ("local_keep_last", local_keep_last),
-        ):
-            if value is not None and (type(value) is not int or value < 1):
-                raise ValueError(f"CheckpointManager({root!r}): {name} must be None or an integer >= 1, got {value!r}")
-        warn_single_node = local_replicas is not None
-        if local_replicas is None:
-            local_replicas = 1
-        if type(local_replicas) is not int or local_replicas < 0:
-            raise ValueError(
-                f"CheckpointManager({root!r}): local_replicas must be an integer >= 0, got {local_replicas!r}"
-            )
-        if isinstance(root, str) and root.startswith(TIER_PREFIX):
-            # "tier::<url>": the local tier in host memory, every step also durable under <url>.
-            root = root[len(TIER_PREFIX) :]
-            if local_dir is None:
-                local_dir = default_memory_root(root)
-        if local_dir is not None and (not isinstance(local_dir, str) or "://" in local_dir or not local_dir):
-            raise ValueError(
-                f"CheckpointManager({root!r}): local_dir must be a local directory path, got {local_dir!r}"
-            )
-        self.local_dir = local_dir
-        self.local_replicas = local_replicas
-        self.durable_every = durable_every
-        self._tier = (
+        root, local_dir, local_replicas, warn_single_node = check_arguments(
+            root,
+            keep_last=keep_last,
+            keep_every=keep_every,
+            durable_every=durable_every,
+            local_keep_last=local_keep_last,
+            local_replicas=local_replicas,
+            local_dir=local_dir,
+        )
+        tier = (
             LocalTier(
                 local_dir,
                 root,
@@ -160,31 +131,52 @@ class CheckpointManager:
             if local_dir is not None
             else None
         )
-        self.root = root
-        self.keep_last = keep_last
-        self.keep_every = keep_every
+        self._steps = StepDirectory(
+            root, storage_factory or (lambda url: storage_for(url, storage_options=storage_options))
+        )
+        self._retention = Retention(self._steps, keep_last=keep_last, keep_every=keep_every)
+        self._saves = BackgroundSaves()
+        self._direct = DirectRoute(
+            self._steps,
+            self._retention,
+            self._saves,
+            process_group=process_group,
+            allow_pickle=allow_pickle,
+            save_options=save_options,
+            retention_before_save=retention_before_save,
+        )
+        self._tiered = TieredRoute(tier, self._direct) if tier is not None else None
+        self._loader = StepLoader(self._steps, tier, local_dir)
+        self.local_replicas = local_replicas
+        self.durable_every = durable_every
         self.async_save = async_save
-        self.process_group = process_group
-        self.allow_pickle = allow_pickle
-        self.save_options = save_options
         self.load_options = load_options
-        self._factory = storage_factory or (lambda url: storage_for(url, storage_options=storage_options))
-        # Listing, the pointer and retention go through one backend bound to root.
-        self._root_store = self._factory(root)
-        self._pending: PendingSave | None = None
-        self._thread: threading.Thread | None = None
-        self._in_flight: set[int] = set()
-        self._lock = threading.Lock()
         self._closed = False
-        self.retention_before_save = retention_before_save
-        self._distributed = False
         handler = preemption if isinstance(preemption, PreemptionHandler) else None
         if handler is None and preemption:
             handler = PreemptionHandler([preemption_signal])
         self._decider = SaveDecider(save_policy, preemption=handler, process_group=process_group)
         if handler is not None:  # after every argument is checked: a refused manager leaves no handler
             handler.install()
-        background.close_at_exit(self)
+        close_at_exit(self)
+
+    # The arguments are kept as attributes of the same names; these live on the part that uses them.
+    root = Kept[str]("_steps")
+    keep_last = Kept[int | None]("_retention")
+    keep_every = Kept[int | None]("_retention")
+    process_group = Kept[Any]("_direct")
+    allow_pickle = Kept[bool]("_direct")
+    save_options = Kept[SaveOptions | None]("_direct")
+    retention_before_save = Kept[bool]("_direct")
+    local_dir = Kept[str | None]("_loader")
+
+    @property
+    def _pending(self) -> PendingSave | None:  # the save in flight (the lifecycle tests read it)
+        return self._saves.pending
+
+    @property
+    def _thread(self) -> threading.Thread | None:  # its finishing thread (the lifecycle tests read it)
+        return self._saves.thread
 
     # ------------------------------------------------------------------------------------
     # Naming and listing (local: no communication)
@@ -196,11 +188,7 @@ class CheckpointManager:
             >>> CheckpointManager("/ckpt/run1").step_url(100)
             '/ckpt/run1/step-00000100'
         """
-        return join_root(self.root, step_dirname(check_step(step)))
-
-    def _scan(self) -> dict[int, bool]:
-        """Every step directory under root: ``{step: committed}``."""
-        return scan_steps(self._root_store)
+        return self._steps.url(step)
 
     def steps(self, *, local: bool = True) -> list[int]:
         """Committed steps, oldest first: those under ``root`` with a ``manifest.json`` and, with
@@ -217,12 +205,9 @@ class CheckpointManager:
             >>> mgr.steps()
             [300, 400, 500]
         """
-        found = {s for s, committed in self._scan().items() if committed}
-        if local and self._tier is not None:
-            root_id = self._tier.root_id
-            if root_id is None:
-                root_id = identity.read_root_id(self._root_store)
-            found.update(self._tier.steps_here(root_id))
+        found = {s for s, committed in self._steps.scan().items() if committed}
+        if local and self._tiered is not None:
+            found.update(self._tiered.steps_here())
         return sorted(found)
 
     def latest_step(self) -> int | None:
@@ -240,7 +225,7 @@ class CheckpointManager:
 
     def pointer_step(self) -> int | None:
         """The step the ``latest`` pointer names (None if absent or unreadable). Not collective."""
-        return read_pointer(self._root_store, self.root)
+        return self._steps.pointer()
 
     # ------------------------------------------------------------------------------------
     # Save
@@ -258,12 +243,10 @@ class CheckpointManager:
             async_save: override the manager's default for this call.
 
         Returns:
-            :class:`~tessera.SaveResult` for a synchronous save; for an asynchronous one a
-            :class:`~tessera.PendingSave` whose ``wait()`` returns after the commit and,
-            on rank 0, after ``latest`` and retention are done. An asynchronous save commits
-            exactly the state at the call: raw tensors are copied before this returns, those
-            of gated Statefuls (``ModelState``, ``OptimizerState``) in the background while
-            their next step or forward waits (see :class:`tessera.StagingMode`).
+            :class:`~tessera.SaveResult`, or for an asynchronous save a :class:`~tessera.PendingSave`
+            whose ``wait()`` returns after the commit (and, on rank 0, ``latest`` and retention).
+            It commits exactly the state at the call: raw tensors are copied before this returns,
+            gated Statefuls' while their next step waits (see :class:`tessera.StagingMode`).
 
         Raises:
             CheckpointError: if the save fails on any rank (the previous steps stay intact);
@@ -280,7 +263,7 @@ class CheckpointManager:
         if self._closed:
             raise ValueError(f"CheckpointManager({self.root!r}) is closed")
         t0 = time.monotonic()  # the stall counts the wait for the previous save too
-        self._wait_previous()
+        self._saves.wait_previous()
         waited = time.monotonic() - t0
         in_background = self.async_save if async_save is None else async_save
         preempted = self._decider.agree_preemption(step)  # collective only with preemption=True
@@ -288,16 +271,18 @@ class CheckpointManager:
             in_background = False  # the job exits next: the step must be committed (and durable) first
         self._decider.record_save(step)
         world = dist.world_for(self.process_group)
-        self._distributed = self._distributed or world.distributed
-        if self._tier is not None:
-            return tiered.save_tiered(self, step, state, in_background, world, t0, waited, durable=preempted or None)
-        return direct.save_direct(self, step, state, in_background, world, t0, waited)
+        self._saves.note_world(world)
+        if self._tiered is not None:
+            every = self.durable_every
+            durable = preempted or every is None or step % every == 0
+            return self._tiered.save(step, state, in_background, world, t0, waited, durable=durable)
+        return self._direct.save(step, state, in_background, world, t0, waited)
 
     def apply_retention(self, *, making_room_for: int | None = None) -> list[int]:
-        """Rank 0: delete the steps retention does not keep; returns the steps deleted. Not collective.
+        """Rank 0: delete the steps retention does not keep; returns them. Not collective.
 
-        Runs after every commit anyway. Call it (or pass ``retention_before_save=True``) to
-        free space *before* a save, e.g. after a save failed on a full disk.
+        Runs after every commit anyway; call it to free space *before* a save (e.g. after one
+        failed on a full disk), or pass ``retention_before_save=True``.
 
         Args:
             making_room_for: a step about to be saved: one of the ``keep_last`` places is kept
@@ -306,7 +291,7 @@ class CheckpointManager:
         Example:
             >>> mgr.apply_retention(making_room_for=step)  # the disk is tight
         """
-        return retention.apply_retention(self, making_room_for=making_room_for)
+        return self._retention.apply(making_room_for=making_room_for)
 
     def should_save(self, step: int) -> bool:
         """Whether to save at ``step``: ``save_policy``, or a preemption any rank received.
@@ -370,7 +355,7 @@ class CheckpointManager:
         _args.check_manager_load(state, step)
         if self._closed:
             raise ValueError(f"CheckpointManager({self.root!r}) is closed")
-        self._wait_previous()
+        self._saves.wait_previous()
         world = dist.world_for(self.process_group)
         kwargs: dict[str, Any] = {
             "strict": strict,
@@ -381,22 +366,14 @@ class CheckpointManager:
         }
         if step is not None:
             step = check_step(step)
-        if self._tier is not None:
-            recovered = resume.recover(self, state, world, kwargs, step)
-            if recovered is not None:
-                return recovered
-        if step is not None:
-            return StepLoadResult(step, resume.load_step(self, step, state, kwargs), {})
-        return resume.load_newest(self, state, world, kwargs)
+        return self._loader.load(state, step, world, kwargs)
 
     def remove_local_steps(self) -> list[int]:
-        """Delete this root's steps from the local tier on every node (host memory of a
-        ``tier::`` root): committed or not, this run's or stale; collective.
+        """Delete this root's steps, committed or not, from the local tier on every node; collective.
 
-        Call it when the run is over and its steps are durable (or no longer wanted): host
-        memory is not freed when the job ends. Steps under ``root`` are not touched. The
-        node directory goes too if nothing else is left in it. From the command line, on
-        each node: ``tessera local-tier remove ROOT``.
+        Call it when the run is over (host memory is not freed when the job ends); steps under
+        ``root`` stay, and the node directory goes if nothing else is left in it. From the
+        command line, on each node: ``tessera local-tier remove ROOT``.
 
         Returns:
             the steps deleted on this rank's node (empty on ranks that are not a node's first).
@@ -409,21 +386,15 @@ class CheckpointManager:
             >>> mgr.remove_local_steps()
             [100]
         """
-        if self._tier is None:
+        if self._tiered is None:
             raise ValueError(f"CheckpointManager({self.root!r}) has no local tier (no local_dir, no tier:: root)")
         if self._closed:
             raise ValueError(f"CheckpointManager({self.root!r}) is closed")
-        self._wait_previous()
-        return tiered.remove_local(self, dist.world_for(self.process_group))
+        self._saves.wait_previous()
+        return self._tiered.remove_local(dist.world_for(self.process_group))
 
     # ------------------------------------------------------------------------------------
     # Lifecycle
-
-    def _wait_previous(self) -> None:
-        background.wait_previous(self)
-
-    def _join(self) -> None:
-        background.join(self)
 
     def wait(self) -> SaveResult | None:
         """Block until the pending save (if any) is committed and retention is done.
@@ -438,13 +409,7 @@ class CheckpointManager:
             >>> mgr.save(100, state)  # async
             >>> mgr.wait()
         """
-        pending, self._pending = self._pending, None
-        if pending is None:
-            return None
-        try:
-            return pending.wait()
-        finally:
-            self._join()
+        return self._saves.wait()
 
     def close(self) -> None:
         """Finish the pending save and stop accepting new ones. Idempotent.
@@ -455,14 +420,14 @@ class CheckpointManager:
         if self._closed:
             return
         self._closed = True
-        background.forget_at_exit(self)
+        forget_at_exit(self)
         if threading.current_thread() is threading.main_thread():
             self._decider.close()
         try:
-            self._wait_previous()
+            self._saves.wait_previous()
         finally:
-            if self._tier is not None:
-                self._tier.wait_deletions()
+            if self._tiered is not None:
+                self._tiered.tier.wait_deletions()
 
     def __enter__(self) -> CheckpointManager:
         return self

@@ -15,14 +15,12 @@ from __future__ import annotations
 import logging
 import uuid
 import warnings
-from typing import TYPE_CHECKING
 
 from ..engine import dist
 from ..errors import StorageError
 from ..storage import Storage
-
-if TYPE_CHECKING:
-    from .core import CheckpointManager
+from .local_tier import LocalTier
+from .steps import StepDirectory
 
 __all__ = ["ROOT_ID_NAME", "establish", "read_root_id"]
 
@@ -65,9 +63,10 @@ def _create_root_id(store: Storage) -> str:
     return value
 
 
-def establish(manager: CheckpointManager, world: dist.World, *, create: bool) -> None:
-    """Collective: learn the durable root's id (rank 0 reads it, creating it if ``create``),
-    then remove the local steps another id left (rank 0 says so once, job-wide).
+def establish(tier: LocalTier, steps: StepDirectory, world: dist.World, *, create: bool) -> None:
+    """Collective: learn the id of the durable root ``steps`` (rank 0 reads it, creating it if
+    ``create``) and give it to ``tier``, then remove the local steps another id left (rank 0
+    says so once, job-wide).
 
     A no-op once the id is known. Without an id (a load before the first save, or of a
     deleted root) no local step is the run's, and every step of this root in the local tier
@@ -76,19 +75,18 @@ def establish(manager: CheckpointManager, world: dist.World, *, create: bool) ->
     Raises:
         StorageError: on every rank, if rank 0 cannot read (or, saving, create) the id.
     """
-    tier = manager._tier
-    if tier is None or tier.root_id is not None:
+    if tier.root_id is not None:
         return
     payload: tuple[str | None, str | None] = (None, None)
     if world.is_coordinator:
         try:
-            payload = ((_create_root_id if create else read_root_id)(manager._root_store), None)
+            payload = ((_create_root_id if create else read_root_id)(steps.store), None)
         except Exception as e:
             payload = (None, f"{type(e).__name__}: {e}")
     root_id, error = dist.broadcast(world, payload, "reading the checkpoint root's identity")
     if error is not None:
         raise StorageError(
-            f"rank {world.rank}: cannot {'create' if create else 'read'} {manager.root}/{ROOT_ID_NAME}, the identity "
+            f"rank {world.rank}: cannot {'create' if create else 'read'} {steps.root}/{ROOT_ID_NAME}, the identity "
             f"that says which local-tier steps belong to this root: {error}"
         )
     tier.root_id = root_id
@@ -103,7 +101,7 @@ def establish(manager: CheckpointManager, world: dist.World, *, create: bool) ->
         )
         why = "it has no root id (deleted, or not saved to yet)" if root_id is None else f"its root id is {root_id}"
         warnings.warn(
-            f"the local tier at {tier.local_dir} held steps of {manager.root} written under another root id (a "
+            f"the local tier at {tier.local_dir} held steps of {steps.root} written under another root id (a "
             f"deleted root's or an earlier run's; {why}); they are never loaded and were removed: {where}",
             RuntimeWarning,
             stacklevel=4,

@@ -1,6 +1,6 @@
 """Resuming: which step a manager loads, falling back past incomplete or corrupt steps.
 
-Rank 0 lists the steps and every rank tries the same ones, newest first; a step is skipped
+:class:`StepLoader` chooses and loads the step. Rank 0 lists the steps and every rank tries the same ones, newest first; a step is skipped
 only for a failure that says the checkpoint is unusable (the same decision on every rank).
 With a local tier, the tier's recovery (own node, then peers) is tried first.
 """
@@ -10,22 +10,24 @@ from __future__ import annotations
 import logging
 import warnings
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from .. import api
 from ..engine import dist
 from ..errors import CheckpointError, CheckpointNotFoundError, StorageError
 from ..results import LoadResult
 from . import identity
+from .local_tier import LocalTier
 from .local_tier.recovery import is_unusable
-from .steps import close_store
+from .steps import StepDirectory, close_store
 
-if TYPE_CHECKING:
-    from .core import CheckpointManager
-
-__all__ = ["StepLoadResult", "is_skippable", "load_newest", "load_step", "recover"]
+__all__ = ["StepLoadResult", "StepLoader", "is_skippable"]
 
 logger = logging.getLogger(__name__)
+
+# Warnings name the line that called CheckpointManager.load: from a method that
+# StepLoader.load calls, that is 4 frames up (method, StepLoader.load, CheckpointManager.load).
+_STACKLEVEL = 4
 
 
 @dataclass(frozen=True)
@@ -49,108 +51,135 @@ class StepLoadResult:
     peer_bytes: int = 0
 
 
-def load_newest(manager: CheckpointManager, state: object, world: dist.World, kwargs: dict[str, Any]) -> StepLoadResult:
-    """Load the newest committed step under ``root`` that loads cleanly; collective.
+class StepLoader:
+    """Chooses the step a manager loads and loads it; every method is collective.
 
-    Raises:
-        CheckpointNotFoundError: if no step loads (every reason is listed).
-        CheckpointError: what loading failed with, for errors that are not skipped.
+    Args:
+        steps: the durable root.
+        tier: the node-local tier, tried first (None: no local tier).
+        local_dir: the local tier's directory as given (named in messages).
     """
-    listing: tuple[list[tuple[int, bool]] | None, Any] = (None, None)
-    own: BaseException | None = None
-    if world.is_coordinator:
-        try:
-            listing = (sorted(manager._scan().items(), reverse=True), None)
-        except Exception as e:
-            own = e
-            listing = (None, dist.error_text(0, e))
-    candidates, error = dist.broadcast(world, listing, "listing checkpoint steps")
-    if error is not None:  # rank 0's failure record, untouched
-        if own is not None and not world.distributed:
-            if isinstance(own, CheckpointError):
-                raise own
-            raise StorageError(f"listing the steps under {manager.root} failed: {type(own).__name__}: {own}") from own
-        dist.raise_failures(world, {0: error}, f"listing the steps under {manager.root}")
-    if candidates is None:
-        raise CheckpointError(f"listing {manager.root} failed")
-    skipped: dict[int, str] = {}
-    for s, committed in candidates:
-        if not committed:
-            _skip(manager, world, s, skipped, "incomplete: no manifest.json (its save never finished)")
-            continue
-        try:
-            result = load_step(manager, s, state, kwargs)
-        except CheckpointError as e:
-            if not is_skippable(e):
-                raise
-            _skip(manager, world, s, skipped, f"corrupt or unreadable: {e}")
-            continue
-        return StepLoadResult(s, result, skipped)
-    detail = "".join(f"\n  step {s}: {why}" for s, why in skipped.items())
-    local = ""
-    if manager._tier is not None:
-        local = "\n" + (manager._tier.last_report or f"the local tier at {manager.local_dir} was not used")
-    raise CheckpointNotFoundError(
-        f"no loadable checkpoint under {manager.root}" + (f":{detail}" if detail else " (no steps)") + local
-    )
 
+    def __init__(self, steps: StepDirectory, tier: LocalTier | None, local_dir: str | None) -> None:
+        self.steps = steps
+        self.tier = tier
+        self.local_dir = local_dir
 
-def recover(
-    manager: CheckpointManager, state: object, world: dist.World, kwargs: dict[str, Any], step: int | None
-) -> StepLoadResult | None:
-    """The local tier's recovery (own node, then peers), or None to fall back to ``root``."""
-    tier = manager._tier
-    assert tier is not None
-    identity.establish(manager, world, create=False)
-    if tier.root_id is None:  # the root has no identity: no local step is this run's
-        tier.last_report = (
-            f"the local tier at {manager.local_dir}: no step of this root ({manager.root} has no root id)"
-        )
-        return None
-    newest_durable = None
-    if step is None:
-        # A durable step newer than anything local (say local saves failed for a while) wins:
-        # the newest step that can be assembled from anything that survives. Rank 0 lists.
-        listed: int | None = None
+    def load(self, state: object, step: int | None, world: dist.World, kwargs: dict[str, Any]) -> StepLoadResult:
+        """:meth:`CheckpointManager.load` once its arguments are checked: the local tier's
+        recovery first (if any), then ``step`` under ``root``, or the newest step that loads.
+
+        Args:
+            state: the structure to fill.
+            step: a specific step (no fallback), or None for the newest valid one.
+            world: the process group's view of this rank.
+            kwargs: the keyword arguments of :func:`tessera.load`.
+        """
+        if self.tier is not None:
+            recovered = self._recover(self.tier, state, world, kwargs, step)
+            if recovered is not None:
+                return recovered
+        if step is not None:
+            return StepLoadResult(step, self.load_step(step, state, kwargs), {})
+        return self._load_newest(state, world, kwargs)
+
+    def load_step(self, step: int, state: object, kwargs: dict[str, Any]) -> LoadResult:
+        """Load ``step`` under ``root`` into ``state`` (no fallback); collective."""
+        url = self.steps.url(step)
+        store = self.steps.factory(url)
+        try:
+            return api.load(url, state, storage=store, **kwargs)
+        finally:
+            close_store(store)
+
+    def _load_newest(self, state: object, world: dist.World, kwargs: dict[str, Any]) -> StepLoadResult:
+        """Load the newest committed step under ``root`` that loads cleanly; collective.
+
+        Raises:
+            CheckpointNotFoundError: if no step loads (every reason is listed).
+            CheckpointError: what loading failed with, for errors that are not skipped.
+        """
+        root = self.steps.root
+        listing: tuple[list[tuple[int, bool]] | None, Any] = (None, None)
+        own: BaseException | None = None
         if world.is_coordinator:
             try:
-                listed = max((s for s, c in manager._scan().items() if c), default=None)
-            except Exception as e:  # the local tier may not need it; the durable path reports it
-                logger.warning("listing %s before recovering from the local tier failed: %s", manager.root, e)
-        newest_durable = dist.broadcast(world, listed, "listing the durable steps")
-    try:
-        got = tier.recover(state, world, kwargs, only_step=step, at_least=newest_durable)
-    except CheckpointError as e:
-        if not is_skippable(e) and not isinstance(e, StorageError):
-            raise
-        message = f"the local tier at {manager.local_dir} could not be used, falling back to {manager.root}: {e}"
-        tier.last_report = message
+                listing = (sorted(self.steps.scan().items(), reverse=True), None)
+            except Exception as e:
+                own = e
+                listing = (None, dist.error_text(0, e))
+        candidates, error = dist.broadcast(world, listing, "listing checkpoint steps")
+        if error is not None:  # rank 0's failure record, untouched
+            if own is not None and not world.distributed:
+                if isinstance(own, CheckpointError):
+                    raise own
+                raise StorageError(f"listing the steps under {root} failed: {type(own).__name__}: {own}") from own
+            dist.raise_failures(world, {0: error}, f"listing the steps under {root}")
+        if candidates is None:
+            raise CheckpointError(f"listing {root} failed")
+        skipped: dict[int, str] = {}
+        for s, committed in candidates:
+            if not committed:
+                self._skip(world, s, skipped, "incomplete: no manifest.json (its save never finished)")
+                continue
+            try:
+                result = self.load_step(s, state, kwargs)
+            except CheckpointError as e:
+                if not is_skippable(e):
+                    raise
+                self._skip(world, s, skipped, f"corrupt or unreadable: {e}")
+                continue
+            return StepLoadResult(s, result, skipped)
+        detail = "".join(f"\n  step {s}: {why}" for s, why in skipped.items())
+        local = ""
+        if self.tier is not None:
+            local = "\n" + (self.tier.last_report or f"the local tier at {self.local_dir} was not used")
+        raise CheckpointNotFoundError(
+            f"no loadable checkpoint under {root}" + (f":{detail}" if detail else " (no steps)") + local
+        )
+
+    def _recover(
+        self, tier: LocalTier, state: object, world: dist.World, kwargs: dict[str, Any], step: int | None
+    ) -> StepLoadResult | None:
+        """The local tier's recovery (own node, then peers), or None to fall back to ``root``."""
+        root = self.steps.root
+        identity.establish(tier, self.steps, world, create=False)
+        if tier.root_id is None:  # the root has no identity: no local step is this run's
+            tier.last_report = f"the local tier at {self.local_dir}: no step of this root ({root} has no root id)"
+            return None
+        newest_durable = None
+        if step is None:
+            # A durable step newer than anything local (say local saves failed for a while) wins:
+            # the newest step that can be assembled from anything that survives. Rank 0 lists.
+            listed: int | None = None
+            if world.is_coordinator:
+                try:
+                    listed = max((s for s, c in self.steps.scan().items() if c), default=None)
+                except Exception as e:  # the local tier may not need it; the durable path reports it
+                    logger.warning("listing %s before recovering from the local tier failed: %s", root, e)
+            newest_durable = dist.broadcast(world, listed, "listing the durable steps")
+        try:
+            got = tier.recover(state, world, kwargs, only_step=step, at_least=newest_durable)
+        except CheckpointError as e:
+            if not is_skippable(e) and not isinstance(e, StorageError):
+                raise
+            message = f"the local tier at {self.local_dir} could not be used, falling back to {root}: {e}"
+            tier.last_report = message
+            if world.is_coordinator:  # job-wide news: said once, by rank 0
+                warnings.warn(message, RuntimeWarning, stacklevel=_STACKLEVEL)
+            logger.debug("%s", message)
+            return None
+        if got is None:
+            return None
+        return StepLoadResult(got.step, got.result, {}, source=got.source, peer_bytes=got.peer_bytes)
+
+    def _skip(self, world: dist.World, step: int, skipped: dict[int, str], why: str) -> None:
+        skipped[step] = why
+        message = f"skipping checkpoint step {step} under {self.steps.root}: {why}"
         if world.is_coordinator:  # job-wide news: said once, by rank 0
-            warnings.warn(message, RuntimeWarning, stacklevel=3)
-        logger.debug("%s", message)
-        return None
-    if got is None:
-        return None
-    return StepLoadResult(got.step, got.result, {}, source=got.source, peer_bytes=got.peer_bytes)
-
-
-def load_step(manager: CheckpointManager, step: int, state: object, kwargs: dict[str, Any]) -> LoadResult:
-    """Load ``step`` under ``root`` into ``state`` (no fallback); collective."""
-    url = manager.step_url(step)
-    store = manager._factory(url)
-    try:
-        return api.load(url, state, storage=store, **kwargs)
-    finally:
-        close_store(store)
-
-
-def _skip(manager: CheckpointManager, world: dist.World, step: int, skipped: dict[int, str], why: str) -> None:
-    skipped[step] = why
-    message = f"skipping checkpoint step {step} under {manager.root}: {why}"
-    if world.is_coordinator:  # job-wide news: said once, by rank 0
-        warnings.warn(message, RuntimeWarning, stacklevel=4)
-    else:
-        logger.debug("%s", message)
+            warnings.warn(message, RuntimeWarning, stacklevel=_STACKLEVEL + 1)  # via _load_newest
+        else:
+            logger.debug("%s", message)
 
 
 def is_skippable(e: BaseException) -> bool:

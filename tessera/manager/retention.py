@@ -1,25 +1,20 @@
 """Retention: which steps a manager root keeps, and deleting the others safely.
 
-Only rank 0 applies retention. The choice (:func:`doomed_steps`) is a pure function of the
-listing; :func:`delete_step` un-commits a step before deleting its data, so that a deletion
-cut short leaves an incomplete step (skipped by loads), never a corrupt "committed" one.
+:class:`Retention` owns the policy (``keep_last``, ``keep_every``) and the steps being saved
+right now, which it never deletes. Only rank 0 applies it. The choice (:func:`doomed_steps`)
+is a pure function of the listing; deleting goes through
+:meth:`~tessera.manager.steps.StepDirectory.delete`, manifest first.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
 
-from ..format.manifest import MANIFEST_NAME
-from ..format.names import OWNER_MARKER_DIR, step_dirname
-from ..storage import Storage
-from ..storage.capabilities import Uncommits, Versioned
+from .steps import StepDirectory
 
-if TYPE_CHECKING:
-    from .core import CheckpointManager
-
-__all__ = ["apply_retention", "delete_step", "doomed_steps", "retain"]
+__all__ = ["Retention", "doomed_steps"]
 
 logger = logging.getLogger(__name__)
 
@@ -36,7 +31,7 @@ def doomed_steps(
     """The steps retention deletes, oldest first.
 
     Args:
-        found: every step directory, ``{step: committed}`` (see :func:`~tessera.manager.steps.scan_steps`).
+        found: every step directory, ``{step: committed}`` (see :meth:`StepDirectory.scan`).
         committed_step: the step just committed (kept; uncommitted leftovers older than it go).
         keep_last: keep this many of the newest committed steps (None: all).
         keep_every: also keep every committed step divisible by this (None: no such rule).
@@ -66,83 +61,79 @@ def doomed_steps(
     return sorted(doomed)
 
 
-def delete_step(store: Storage, root: str, step: int) -> None:
-    """Delete ``step``'s directory under ``store``: its manifest first, then its data.
+class Retention:
+    """The retention policy of one manager root, and the saves it must spare.
 
-    On a fenced backend (:class:`~tessera.storage.capabilities.Uncommits` and
-    :class:`~tessera.storage.capabilities.Versioned`) the manifest is withdrawn under the
-    step's commit lock, and only if no save committed the step meanwhile (then nothing is
-    deleted); the owner markers go with it, so that a save still writing into this step
-    (another job's) can no longer publish over the files deleted next.
-    """
-    name = step_dirname(step)
-    manifest = f"{name}/{MANIFEST_NAME}"
-    fenced = isinstance(store, Uncommits) and isinstance(store, Versioned)
-    expected = store.version(manifest) if fenced and isinstance(store, Versioned) else None
-    files = store.list(name)  # relative to root: "step-.../data/..."
-    # Un-commit first: a deletion cut short must not leave a "committed" step without data.
-    if fenced and isinstance(store, Uncommits):
-        markers = [f for f in files if f.startswith(f"{name}/{OWNER_MARKER_DIR}/")]
-        if not store.uncommit(manifest, expected, markers):
-            logger.info("not deleting step %d under %s: a save committed it meanwhile", step, root)
-            return
-    else:
-        store.delete([manifest])
-    store.delete([f for f in files if f != manifest])
-    logger.info("deleted step %d under %s (%d files)", step, root, len(files))
-
-
-def apply_retention(manager: CheckpointManager, *, making_room_for: int | None = None) -> list[int]:
-    """:meth:`CheckpointManager.apply_retention`: list ``root``, then :func:`retain`.
+    Thread-safety: :meth:`hold` and :meth:`release` may be called from the caller's thread
+    while retention runs in the manager's background thread (a lock guards the held steps).
 
     Args:
-        manager: the manager whose root is trimmed.
-        making_room_for: a step about to be saved (one of the ``keep_last`` places stays free).
-
-    Returns:
-        the steps deleted, oldest first.
+        steps: the root whose steps are deleted.
+        keep_last: keep at most this many of the newest committed steps (None: all).
+        keep_every: also keep every step divisible by this (None: no such rule).
     """
-    found = manager._scan()
-    committed = sorted(s for s, c in found.items() if c)
-    if making_room_for is None:
-        if not committed:
-            return []
-        return retain(manager, committed[-1], found, keep_last=manager.keep_last)
-    keep_last = None if manager.keep_last is None else max(1, manager.keep_last - 1)
-    newest = committed[-1] if committed else None
-    return retain(manager, newest, found, keep_last=keep_last, also_keep=frozenset({making_room_for}))
 
+    def __init__(self, steps: StepDirectory, *, keep_last: int | None, keep_every: int | None) -> None:
+        self.steps = steps
+        self.keep_last = keep_last
+        self.keep_every = keep_every
+        self._held: set[int] = set()
+        self._lock = threading.Lock()
 
-def retain(
-    manager: CheckpointManager,
-    committed_step: int | None,
-    found: dict[int, bool],
-    *,
-    keep_last: int | None,
-    also_keep: frozenset[int] = frozenset(),
-) -> list[int]:
-    """Delete what retention does not keep of ``found``, sparing the manager's saves in flight.
+    def hold(self, step: int) -> None:
+        """``step`` is being saved: never delete it until :meth:`release`."""
+        with self._lock:
+            self._held.add(step)
 
-    Args:
-        manager: the manager (its rules, saves in flight, root backend and ``latest``).
-        committed_step: the step just committed, or None.
-        found: the listing, ``{step: committed}``.
-        keep_last: the ``keep_last`` rule to apply (the manager's, or one less to make room).
-        also_keep: further steps to keep.
+    def release(self, step: int) -> None:
+        """``step``'s save is over (committed or not): retention may delete it again."""
+        with self._lock:
+            self._held.discard(step)
 
-    Returns:
-        the steps deleted, oldest first.
-    """
-    with manager._lock:
-        keep = set(manager._in_flight)
-    doomed = doomed_steps(
-        found,
-        committed_step=committed_step,
-        keep_last=keep_last,
-        keep_every=manager.keep_every,
-        keep=keep | set(also_keep),
-        pointer=manager.pointer_step(),
-    )
-    for s in doomed:
-        delete_step(manager._root_store, manager.root, s)
-    return doomed
+    def apply(self, *, making_room_for: int | None = None) -> list[int]:
+        """:meth:`CheckpointManager.apply_retention`: list the root, then delete what is not kept.
+
+        Args:
+            making_room_for: a step about to be saved (one of the ``keep_last`` places stays free).
+
+        Returns:
+            the steps deleted, oldest first.
+        """
+        found = self.steps.scan()
+        committed = sorted(s for s, c in found.items() if c)
+        if making_room_for is None:
+            if not committed:
+                return []
+            return self.retain(committed[-1], found)
+        keep_last = None if self.keep_last is None else max(1, self.keep_last - 1)
+        newest = committed[-1] if committed else None
+        return self._delete_unkept(newest, found, keep_last, frozenset({making_room_for}))
+
+    def retain(self, committed_step: int, found: dict[int, bool]) -> list[int]:
+        """After ``committed_step`` committed: delete what the policy does not keep of ``found``.
+
+        Args:
+            committed_step: the step just committed.
+            found: the listing, ``{step: committed}``.
+
+        Returns:
+            the steps deleted, oldest first.
+        """
+        return self._delete_unkept(committed_step, found, self.keep_last, frozenset())
+
+    def _delete_unkept(
+        self, committed_step: int | None, found: dict[int, bool], keep_last: int | None, also_keep: frozenset[int]
+    ) -> list[int]:
+        with self._lock:
+            keep = set(self._held)
+        doomed = doomed_steps(
+            found,
+            committed_step=committed_step,
+            keep_last=keep_last,
+            keep_every=self.keep_every,
+            keep=keep | set(also_keep),
+            pointer=self.steps.pointer(),
+        )
+        for s in doomed:
+            self.steps.delete(s)
+        return doomed

@@ -1,27 +1,28 @@
-"""Step directories under a manager root: naming, listing, and the ``latest`` pointer.
+"""Step directories under a manager root: naming, listing, the ``latest`` pointer, deletion.
 
-Local operations only (no communication); any rank may call them.
+:class:`StepDirectory` owns the root: its path or URL, the backend bound to it, and the
+factory that builds a backend for one step. Its operations are local (no communication);
+any rank may list, while only rank 0 moves ``latest`` or deletes steps.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 from ..format.manifest import MANIFEST_NAME
-from ..format.names import parse_step_dirname, step_dirname
+from ..format.names import OWNER_MARKER_DIR, parse_step_dirname, step_dirname
 from ..storage import Storage
-from ..storage.capabilities import Closable
+from ..storage.capabilities import Closable, Uncommits, Versioned
 
 __all__ = [
     "LATEST_NAME",
+    "StepDirectory",
     "check_step",
     "close_store",
     "join_root",
     "parse_step_dirname",
-    "read_pointer",
-    "scan_steps",
     "step_dirname",
-    "write_pointer",
 ]
 
 logger = logging.getLogger(__name__)
@@ -45,39 +46,91 @@ def check_step(step: int) -> int:
     return step
 
 
-def scan_steps(store: Storage) -> dict[int, bool]:
-    """Every step directory under ``store``'s root: ``{step: committed}``.
-
-    A step is committed when its ``manifest.json`` exists; other names are ignored.
-    """
-    found: dict[int, bool] = {}
-    for rel in store.list(""):
-        head, _, rest = rel.partition("/")
-        step = parse_step_dirname(head)
-        if step is None or not rest:
-            continue
-        found[step] = found.get(step, False) or rest == MANIFEST_NAME
-    return found
-
-
-def read_pointer(store: Storage, root: str) -> int | None:
-    """The step the ``latest`` pointer under ``store`` names (None if absent or unreadable)."""
-    try:
-        text = store.read_file(LATEST_NAME)
-    except FileNotFoundError:
-        return None
-    step = parse_step_dirname(text.decode("utf-8", "replace").strip())
-    if step is None:
-        logger.warning("%s/%s does not name a step directory (%r); ignoring it", root, LATEST_NAME, text[:80])
-    return step
-
-
-def write_pointer(store: Storage, step: int) -> None:
-    """Point ``latest`` at ``step`` (atomically)."""
-    store.write_atomic(LATEST_NAME, (step_dirname(step) + "\n").encode())
-
-
 def close_store(store: object) -> None:
     """Release ``store``'s resources if it holds any (:class:`~tessera.storage.capabilities.Closable`)."""
     if isinstance(store, Closable):
         store.close()
+
+
+class StepDirectory:
+    """The manager's root: one subdirectory per step and the ``latest`` pointer.
+
+    Listing, the pointer and deletions go through one backend bound to the root
+    (:attr:`store`); a step's save or load gets its own backend from :meth:`open_step`.
+
+    Args:
+        root: the directory or URL holding the steps.
+        factory: builds the backend of a URL (the root, or a step directory).
+    """
+
+    def __init__(self, root: str, factory: Callable[[str], Storage]) -> None:
+        self.root = root
+        self.factory = factory
+        self.store = factory(root)
+
+    def url(self, step: int) -> str:
+        """The path or URL of ``step``'s directory (it need not exist)."""
+        return join_root(self.root, step_dirname(check_step(step)))
+
+    def open_step(self, step: int) -> Storage:
+        """A new backend bound to ``step``'s directory; release it with :func:`close_store`."""
+        return self.factory(self.url(step))
+
+    def scan(self) -> dict[int, bool]:
+        """Every step directory under the root: ``{step: committed}``.
+
+        A step is committed when its ``manifest.json`` exists; other names are ignored.
+        """
+        found: dict[int, bool] = {}
+        for rel in self.store.list(""):
+            head, _, rest = rel.partition("/")
+            step = parse_step_dirname(head)
+            if step is None or not rest:
+                continue
+            found[step] = found.get(step, False) or rest == MANIFEST_NAME
+        return found
+
+    def pointer(self) -> int | None:
+        """The step the ``latest`` pointer names (None if absent or unreadable)."""
+        try:
+            text = self.store.read_file(LATEST_NAME)
+        except FileNotFoundError:
+            return None
+        step = parse_step_dirname(text.decode("utf-8", "replace").strip())
+        if step is None:
+            logger.warning("%s/%s does not name a step directory (%r); ignoring it", self.root, LATEST_NAME, text[:80])
+        return step
+
+    def point_at(self, step: int) -> None:
+        """Point ``latest`` at ``step`` (atomically)."""
+        self.store.write_atomic(LATEST_NAME, (step_dirname(step) + "\n").encode())
+
+    def remove_pointer(self) -> None:
+        """Delete ``latest`` (no step is left for it to name)."""
+        self.store.delete([LATEST_NAME])
+
+    def delete(self, step: int) -> None:
+        """Delete ``step``'s directory: its manifest first, then its data.
+
+        On a fenced backend (:class:`~tessera.storage.capabilities.Uncommits` and
+        :class:`~tessera.storage.capabilities.Versioned`) the manifest is withdrawn under the
+        step's commit lock, and only if no save committed the step meanwhile (then nothing is
+        deleted); the owner markers go with it, so that a save still writing into this step
+        (another job's) can no longer publish over the files deleted next.
+        """
+        store = self.store
+        name = step_dirname(step)
+        manifest = f"{name}/{MANIFEST_NAME}"
+        fenced = isinstance(store, Uncommits) and isinstance(store, Versioned)
+        expected = store.version(manifest) if fenced and isinstance(store, Versioned) else None
+        files = store.list(name)  # relative to root: "step-.../data/..."
+        # Un-commit first: a deletion cut short must not leave a "committed" step without data.
+        if fenced and isinstance(store, Uncommits):
+            markers = [f for f in files if f.startswith(f"{name}/{OWNER_MARKER_DIR}/")]
+            if not store.uncommit(manifest, expected, markers):
+                logger.info("not deleting step %d under %s: a save committed it meanwhile", step, self.root)
+                return
+        else:
+            store.delete([manifest])
+        store.delete([f for f in files if f != manifest])
+        logger.info("deleted step %d under %s (%d files)", step, self.root, len(files))

@@ -1,0 +1,102 @@
+"""The manager's constructor arguments: checking them, and keeping them on the parts that use them.
+
+:func:`check_arguments` validates at the boundary (before anything is built or installed)
+and resolves a ``tier::<url>`` root. :class:`Kept` makes an argument an attribute of the
+manager that one of its parts owns, so that ``mgr.keep_last = 5`` still changes what
+retention does.
+"""
+
+from __future__ import annotations
+
+from typing import Generic, NamedTuple, TypeVar, cast, overload
+
+from ..storage.host_memory import TIER_PREFIX, default_memory_root
+
+__all__ = ["Kept", "LocalTierArguments", "check_arguments"]
+
+T = TypeVar("T")
+
+
+class LocalTierArguments(NamedTuple):
+    """The arguments :func:`check_arguments` resolves."""
+
+    root: str
+    """The durable root (without a ``tier::`` prefix)."""
+    local_dir: str | None
+    """The local tier's directory (None: no local tier)."""
+    local_replicas: int
+    """Copies of each rank's files on other nodes."""
+    warn_single_node: bool
+    """Whether ``local_replicas`` was given (then a single-node job warns that no copy is placed)."""
+
+
+def check_arguments(
+    root: str,
+    *,
+    keep_last: int | None,
+    keep_every: int | None,
+    durable_every: int | None,
+    local_keep_last: int,
+    local_replicas: int | None,
+    local_dir: str | None,
+) -> LocalTierArguments:
+    """Check :class:`~tessera.CheckpointManager`'s arguments and resolve a ``tier::`` root.
+
+    ``tier::<url>`` is ``<url>`` with the local tier in host memory (``local_dir`` defaults to
+    :func:`~tessera.storage.host_memory.default_memory_root` of it).
+
+    Raises:
+        ValueError: for ``keep_last``, ``keep_every``, ``durable_every`` or ``local_keep_last``
+            below 1, ``local_replicas`` below 0, or a ``local_dir`` that is not a local path.
+    """
+    for name, value in (
+        ("keep_last", keep_last),
+        ("keep_every", keep_every),
+        ("durable_every", durable_every),
+        ("local_keep_last", local_keep_last),
+    ):
+        if value is not None and (type(value) is not int or value < 1):
+            raise ValueError(f"CheckpointManager({root!r}): {name} must be None or an integer >= 1, got {value!r}")
+    warn_single_node = local_replicas is not None
+    if local_replicas is None:
+        local_replicas = 1
+    if type(local_replicas) is not int or local_replicas < 0:
+        raise ValueError(f"CheckpointManager({root!r}): local_replicas must be an integer >= 0, got {local_replicas!r}")
+    if isinstance(root, str) and root.startswith(TIER_PREFIX):
+        # "tier::<url>": the local tier in host memory, every step also durable under <url>.
+        root = root[len(TIER_PREFIX) :]
+        if local_dir is None:
+            local_dir = default_memory_root(root)
+    if local_dir is not None and (not isinstance(local_dir, str) or "://" in local_dir or not local_dir):
+        raise ValueError(f"CheckpointManager({root!r}): local_dir must be a local directory path, got {local_dir!r}")
+    return LocalTierArguments(root, local_dir, local_replicas, warn_single_node)
+
+
+class Kept(Generic[T]):
+    """A public attribute of the manager that one of its parts owns.
+
+    Reading or assigning it on the manager reads or assigns the attribute of the same name
+    on the part, e.g. ``keep_last = Kept[int | None]("_retention")``.
+
+    Args:
+        part: the name of the manager's attribute holding the part.
+    """
+
+    def __init__(self, part: str) -> None:
+        self.part = part
+        self.name = ""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    @overload
+    def __get__(self, obj: None, objtype: type) -> Kept[T]: ...
+    @overload
+    def __get__(self, obj: object, objtype: type | None = None) -> T: ...
+    def __get__(self, obj: object, objtype: type | None = None) -> T | Kept[T]:
+        if obj is None:
+            return self
+        return cast(T, getattr(getattr(obj, self.part), self.name))
+
+    def __set__(self, obj: object, value: T) -> None:
+        setattr(getattr(obj, self.part), self.name, value)
