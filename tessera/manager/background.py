@@ -69,6 +69,10 @@ def _close_all() -> None:
                 pass
 
 
+def _run(finish: Callable[[Future[SaveResult]], None], future: Future[SaveResult], owner: Closes | None) -> None:
+    finish(future)
+
+
 class BackgroundSaves:
     """A manager's save in flight (at most one) and the thread finishing it.
 
@@ -77,7 +81,9 @@ class BackgroundSaves:
     caller thread only (the finishing thread touches only its future).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, owner: Closes | None = None) -> None:
+        # The manager, weakly (no cycle); a finishing thread holds it while a save is in flight.
+        self._owner = weakref.ref(owner) if owner is not None else None
         self.pending: PendingSave | None = None
         self.thread: threading.Thread | None = None
         # Whether a save ran in a process group: if the group is gone when a background save
@@ -107,7 +113,10 @@ class BackgroundSaves:
             waited: seconds spent waiting for the previous save.
         """
         future: Future[SaveResult] = Future()
-        thread = threading.Thread(target=finish, args=(future,), name="tessera-manager", daemon=True)
+        owner = self._owner() if self._owner is not None else None
+        # The thread's arguments hold the manager until the thread ends: a manager the caller
+        # dropped with a save in flight is still closed at exit, its save finished or reported.
+        thread = threading.Thread(target=_run, args=(finish, future, owner), name="tessera-manager", daemon=True)
         self.thread = thread
         thread.start()
         stall = time.monotonic() - t0

@@ -135,7 +135,7 @@ class CheckpointManager:
             root, storage_factory or (lambda url: storage_for(url, storage_options=storage_options))
         )
         self._retention = Retention(self._steps, keep_last=keep_last, keep_every=keep_every)
-        self._saves = BackgroundSaves()
+        self._saves = BackgroundSaves(owner=self)
         self._direct = DirectRoute(
             self._steps,
             self._retention,
