@@ -20,7 +20,8 @@ import time
 import torch
 
 import tessera
-from tessera import SaveOptions, WriterMode
+from tessera import SaveOptions
+from tessera.options import WriterMode
 
 
 def main() -> None:

@@ -37,7 +37,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 import tessera
-from tessera import SaveOptions, WriterMode
+from tessera import SaveOptions
+from tessera.options import WriterMode
 
 WRITERS = ("tessera-thread", "tessera-process", "dcp-thread", "dcp-process")
 

@@ -30,7 +30,7 @@ DOCS = [[d * 1000 + j for j in range(1 + (d * 37) % 23)] for d in range(400)]
 
 
 def make_loader(rank: int, world: int) -> object:
-    stream = tessera.ReshardableStream(DOCS, rank=rank, world_size=world, seed=0, prefetch=4, pack_len=16)
+    stream = tessera.adapters.ReshardableStream(DOCS, rank=rank, world_size=world, seed=0, prefetch=4, pack_len=16)
     try:
         from torchdata.stateful_dataloader import StatefulDataLoader
     except ImportError:
@@ -39,7 +39,7 @@ def make_loader(rank: int, world: int) -> object:
 
 
 def batches(loader: object):
-    if isinstance(loader, tessera.ReshardableStream):
+    if isinstance(loader, tessera.adapters.ReshardableStream):
         it = iter(loader)
         while batch := [seq for _, seq in zip(range(4), it)]:
             yield batch
@@ -52,7 +52,7 @@ def phase(rank: int, world: int, store: str, args: argparse.Namespace, resume: b
     dist.init_process_group("gloo", init_method=store, rank=rank, world_size=world)
     try:
         loader = make_loader(rank, world)
-        state = {"data": tessera.LoaderState(loader), "step": 0}
+        state = {"data": tessera.adapters.LoaderState(loader), "step": 0}
         if resume:
             tessera.load(args.ckpt, state)
         seen: list[int] = []
@@ -61,8 +61,8 @@ def phase(rank: int, world: int, store: str, args: argparse.Namespace, resume: b
             if not resume and n + 1 == args.steps:
                 break
         if not resume:
-            tessera.save(args.ckpt, {"data": tessera.LoaderState(loader), "step": args.steps})
-            prefetched, tokens = tessera.LoaderState(loader).stream.in_flight()
+            tessera.save(args.ckpt, {"data": tessera.adapters.LoaderState(loader), "step": args.steps})
+            prefetched, tokens = tessera.adapters.LoaderState(loader).stream.in_flight()
             print(
                 f"rank {rank}/{world}: read {len(seen)} tokens, in flight: {len(prefetched)} prefetched "
                 f"documents, {len(tokens)} packer tokens",

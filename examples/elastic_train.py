@@ -70,9 +70,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def make_manager(args: argparse.Namespace) -> tessera.CheckpointManager:
-    policy: tessera.SavePolicy = tessera.EveryNSteps(args.save_every)
+    policy: tessera.manager.SavePolicy = tessera.manager.EveryNSteps(args.save_every)
     if args.save_every_seconds is not None:
-        policy = tessera.AnyOf(policy, tessera.EveryNSeconds(args.save_every_seconds))
+        policy = tessera.manager.AnyOf(policy, tessera.manager.EveryNSeconds(args.save_every_seconds))
     kwargs: dict = {
         "keep_last": args.keep_last,
         "async_save": True,

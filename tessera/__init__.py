@@ -33,17 +33,8 @@ from typing import TYPE_CHECKING, Any
 from .errors import (
     CheckpointError,
     CheckpointNotFoundError,
-    CollectiveTimeoutError,
-    CommitCheckError,
-    ConcurrentSaveError,
     CorruptCheckpointError,
-    CoverageError,
-    DistributedError,
-    InvalidStateError,
-    LocationMismatchError,
-    ManifestError,
     MissingKeysError,
-    PickleNotAllowedError,
     StagingMutationError,
     StateMismatchError,
     StorageError,
@@ -51,67 +42,55 @@ from .errors import (
 from .version import __version__
 
 if TYPE_CHECKING:  # what the lazy names below resolve to, for type checkers and IDEs
-    from .adapters import (
-        DataPosition,
-        LoaderState,
-        ModelState,
-        OptimizerState,
-        ReshardableStream,
-        RNGState,
-        StagingGate,
-        reshard_stream_states,
-    )
+    from .adapters import ModelState, OptimizerState, RNGState, StagingGate
     from .api import LoadResult, PendingSave, SaveResult, async_save, load, read_manifest, save
-    from .hf_export import HFSaveResult, save_hf
-    from .manager import CheckpointManager, StepLoadResult
-    from .manager.policies import (
-        AllOf,
-        AnyOf,
-        AtSteps,
-        EveryNSeconds,
-        EveryNSteps,
-        OnPreemption,
-        SaveContext,
-        SavePolicy,
-    )
-    from .manager.preemption import PreemptionHandler
-    from .options import LoadOptions, SaveOptions, StagingMode, WriterMode
-    from .results import Problem, ProblemKind, VerifyReport
+    from .hf_export import save_hf
+    from .manager import CheckpointManager
+    from .options import LoadOptions, SaveOptions, StagingMode
     from .shards import FlatShard, OnResize, ShardedTensor, per_rank
     from .tools.verification import verify
 
 _LAZY: dict[str, str] = {
-    **dict.fromkeys(
-        (
-            "DataPosition",
-            "LoaderState",
-            "ModelState",
-            "OptimizerState",
-            "ReshardableStream",
-            "RNGState",
-            "StagingGate",
-            "reshard_stream_states",
-        ),
-        ".adapters",
-    ),
-    **dict.fromkeys(("HFSaveResult", "save_hf"), ".hf_export"),
+    **dict.fromkeys(("ModelState", "OptimizerState", "RNGState", "StagingGate"), ".adapters"),
+    "save_hf": ".hf_export",
     **dict.fromkeys(("LoadResult", "PendingSave", "SaveResult", "async_save", "load", "read_manifest", "save"), ".api"),
-    **dict.fromkeys(("CheckpointManager", "StepLoadResult"), ".manager"),
-    **dict.fromkeys(("LoadOptions", "SaveOptions", "StagingMode", "WriterMode"), ".options"),
-    **dict.fromkeys(
-        ("AllOf", "AnyOf", "AtSteps", "EveryNSeconds", "EveryNSteps", "OnPreemption", "SaveContext", "SavePolicy"),
-        ".manager.policies",
-    ),
-    "PreemptionHandler": ".manager.preemption",
+    "CheckpointManager": ".manager",
+    **dict.fromkeys(("LoadOptions", "SaveOptions", "StagingMode"), ".options"),
     **dict.fromkeys(("FlatShard", "OnResize", "ShardedTensor", "per_rank"), ".shards"),
-    **dict.fromkeys(("Problem", "ProblemKind", "VerifyReport"), ".results"),
     "verify": ".tools.verification",
 }
+
+_MOVED: dict[str, str] = {
+    **dict.fromkeys(
+        (
+            "AllOf", "AnyOf", "AtSteps", "EveryNSeconds", "EveryNSteps", "OnPreemption", "SaveContext",
+            "SavePolicy", "PreemptionHandler", "StepLoadResult",
+        ),
+        "manager",
+    ),
+    **dict.fromkeys(("DataPosition", "LoaderState", "ReshardableStream", "reshard_stream_states"), "adapters"),
+    "HFSaveResult": "hf_export",
+    "WriterMode": "options",
+    **dict.fromkeys(("Problem", "ProblemKind", "VerifyReport"), "results"),
+    **dict.fromkeys(
+        (
+            "CollectiveTimeoutError", "CommitCheckError", "ConcurrentSaveError", "CoverageError", "DistributedError",
+            "InvalidStateError", "LocationMismatchError", "ManifestError", "PickleNotAllowedError",
+            "UnsupportedPathError",
+        ),
+        "errors",
+    ),
+}  # fmt: skip
+"""Names that live in a namespace only (the common path is ``__all__``): where each is."""
 
 
 def __getattr__(name: str) -> Any:
     module = _LAZY.get(name)
     if module is None:
+        if name in _MOVED:
+            raise AttributeError(
+                f"module 'tessera' has no attribute {name!r}: it lives in its namespace, tessera.{_MOVED[name]}.{name}"
+            )
         # `import tessera; tessera.storage.X` keeps working for subpackages and modules.
         try:
             return importlib.import_module(f".{name}", __name__)
@@ -129,60 +108,32 @@ def __dir__() -> list[str]:
 
 
 __all__ = [
-    "AllOf",
-    "AnyOf",
-    "AtSteps",
     "CheckpointError",
     "CheckpointManager",
     "CheckpointNotFoundError",
-    "CollectiveTimeoutError",
-    "CommitCheckError",
-    "ConcurrentSaveError",
     "CorruptCheckpointError",
-    "CoverageError",
-    "DataPosition",
-    "DistributedError",
-    "EveryNSeconds",
-    "EveryNSteps",
     "FlatShard",
-    "HFSaveResult",
-    "InvalidStateError",
     "LoadOptions",
     "LoadResult",
-    "LoaderState",
-    "LocationMismatchError",
-    "ManifestError",
     "MissingKeysError",
     "ModelState",
-    "OnPreemption",
     "OnResize",
     "OptimizerState",
     "PendingSave",
-    "PickleNotAllowedError",
-    "PreemptionHandler",
-    "Problem",
-    "ProblemKind",
     "RNGState",
-    "ReshardableStream",
-    "SaveContext",
     "SaveOptions",
-    "SavePolicy",
     "SaveResult",
     "ShardedTensor",
     "StagingGate",
     "StagingMode",
     "StagingMutationError",
     "StateMismatchError",
-    "StepLoadResult",
     "StorageError",
-    "VerifyReport",
-    "WriterMode",
     "__version__",
     "async_save",
     "load",
     "per_rank",
     "read_manifest",
-    "reshard_stream_states",
     "save",
     "save_hf",
     "verify",

@@ -163,11 +163,11 @@ def test_pickle_opt_in(tmp_path) -> None:
     class Thing:
         pass
 
-    with pytest.raises(tessera.PickleNotAllowedError, match="'obj'"):
+    with pytest.raises(tessera.errors.PickleNotAllowedError, match="'obj'"):
         tessera.save(str(tmp_path), {"obj": Thing()})
     assert not (tmp_path / "manifest.json").exists()  # refused before anything was written
     tessera.save(str(tmp_path), {"obj": collections.OrderedDict(a=1)}, allow_pickle=True)
-    with pytest.raises(tessera.PickleNotAllowedError):
+    with pytest.raises(tessera.errors.PickleNotAllowedError):
         tessera.load(str(tmp_path), {"obj": None})
     target = {"obj": None}
     tessera.load(str(tmp_path), target, allow_pickle=True)

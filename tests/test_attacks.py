@@ -209,7 +209,7 @@ def _save_meta(rank: int, world: int, path: str) -> str:
 def test_a_state_that_cannot_be_stored_is_an_invalid_state_error(tmp_path: Path, state: dict) -> None:
     # Before: bare ValueError / TypeError (not CheckpointErrors), and DistributedError on
     # every rank of a multi-rank save; still both builtins, as before.
-    with pytest.raises(tessera.InvalidStateError) as info:
+    with pytest.raises(tessera.errors.InvalidStateError) as info:
         tessera.save(str(tmp_path / "ck"), state)
     assert isinstance(info.value, (ValueError)) and isinstance(info.value, TypeError)
 

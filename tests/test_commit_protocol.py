@@ -306,7 +306,7 @@ def test_enospc_writing_the_manifest_is_a_storage_error(tmp_path: Path, monkeypa
     monkeypatch.setattr(os, "write", write)
     with pytest.raises(StorageError, match="No space left on device") as info:
         tessera.save(path, make_state(2))
-    assert not isinstance(info.value, tessera.DistributedError)
+    assert not isinstance(info.value, tessera.errors.DistributedError)
     monkeypatch.undo()
     assert _load(path) == 1
     m = tessera.read_manifest(path)

@@ -22,15 +22,15 @@ ALL_TOKENS = Counter(t for d in DOCS for t in d)
 SAMPLES = list(range(37))
 
 
-def _stream(rank: int, world: int, *, pack: bool = True, source=None) -> tessera.ReshardableStream:
+def _stream(rank: int, world: int, *, pack: bool = True, source=None) -> tessera.adapters.ReshardableStream:
     if pack:
-        return tessera.ReshardableStream(
+        return tessera.adapters.ReshardableStream(
             DOCS if source is None else source, rank=rank, world_size=world, seed=5, prefetch=2, pack_len=6
         )
-    return tessera.ReshardableStream(SAMPLES, rank=rank, world_size=world, seed=5, prefetch=3, epochs=2)
+    return tessera.adapters.ReshardableStream(SAMPLES, rank=rank, world_size=world, seed=5, prefetch=3, epochs=2)
 
 
-def _take(stream: tessera.ReshardableStream, it, n: int | None, pack: bool) -> list[int]:
+def _take(stream: tessera.adapters.ReshardableStream, it, n: int | None, pack: bool) -> list[int]:
     out: list[int] = []
     for _ in range(n) if n is not None else itertools.count():
         try:
@@ -65,8 +65,8 @@ def test_resharding_keeps_every_sample_exactly_once(pack, old, new, skew, again)
     """Any DP sizes, ranks at different positions, resharded twice: nothing lost, nothing repeated."""
     everything = ALL_TOKENS if pack else Counter(SAMPLES * 2)
     first, states = _lanes(None, old, skew[:old], pack)
-    second, states = _lanes(tessera.reshard_stream_states(states, new), new, skew[:new], pack)
-    third, _ = _lanes(tessera.reshard_stream_states(states, again), again, None, pack)
+    second, states = _lanes(tessera.adapters.reshard_stream_states(states, new), new, skew[:new], pack)
+    third, _ = _lanes(tessera.adapters.reshard_stream_states(states, again), again, None, pack)
     assert Counter(first + second + third) == everything
 
 
@@ -76,10 +76,10 @@ def test_same_dp_size_resumes_exactly_where_it_stopped(tmp_path):
     before = _take(s, it, 5, True)
     prefetched, tokens = s.in_flight()
     assert len(prefetched) == 2 and tokens  # data in flight at the save
-    tessera.save(str(tmp_path / "c"), {"data": tessera.LoaderState(s)})
+    tessera.save(str(tmp_path / "c"), {"data": tessera.adapters.LoaderState(s)})
     rest = _take(s, it, None, True)
     resumed = _stream(0, 1)
-    tessera.load(str(tmp_path / "c"), {"data": tessera.LoaderState(resumed)})
+    tessera.load(str(tmp_path / "c"), {"data": tessera.adapters.LoaderState(resumed)})
     assert _take(resumed, iter(resumed), None, True) == rest
     assert Counter(before + rest) == ALL_TOKENS
 
@@ -91,11 +91,11 @@ def test_errors():
     with pytest.raises(StateMismatchError, match="saved source_len=60, this stream has 3"):
         _stream(0, 2, source=[[1]] * 3).load_state_dict(states[0])
     with pytest.raises(StateMismatchError, match="not one complete set of 2 ranks"):
-        tessera.reshard_stream_states(states[:1], 3)
+        tessera.adapters.reshard_stream_states(states[:1], 3)
     with pytest.raises(TypeError, match="ReshardableStream or a StatefulDataLoader"):
-        tessera.LoaderState([1, 2])
+        tessera.adapters.LoaderState([1, 2])
     with pytest.raises(ValueError, match=r"rank 2 must be in \[0, 2\)"):
-        tessera.ReshardableStream(DOCS, rank=2, world_size=2)
+        tessera.adapters.ReshardableStream(DOCS, rank=2, world_size=2)
 
 
 # --------------------------------------------------------------------------------------
@@ -110,7 +110,7 @@ def _dp_job(rank: int, world: int, path: str, save_after: int | None, resume: bo
         from torchdata.stateful_dataloader import StatefulDataLoader
 
         source = StatefulDataLoader(stream, batch_size=2, collate_fn=list)
-    state = {"data": tessera.LoaderState(source), "step": 0}
+    state = {"data": tessera.adapters.LoaderState(source), "step": 0}
     if resume:
         tessera.load(path, state)
     it = iter(source)
@@ -129,7 +129,7 @@ def _dp_job(rank: int, world: int, path: str, save_after: int | None, resume: bo
             seen += got
         n += 1
     if save_after is not None:
-        tessera.save(path, {"data": tessera.LoaderState(source), "step": n})
+        tessera.save(path, {"data": tessera.adapters.LoaderState(source), "step": n})
     return seen, stream.in_flight()
 
 
@@ -171,13 +171,13 @@ def test_stateful_dataloader_dp4_resumes_on_dp2_and_dp3(tmp_path, pack):
 def test_stateful_dataloader_rejects_workers():
     tdl = pytest.importorskip("torchdata.stateful_dataloader")
     with pytest.raises(ValueError, match="num_workers=0"):
-        tessera.LoaderState(tdl.StatefulDataLoader(_stream(0, 1), num_workers=2))
+        tessera.adapters.LoaderState(tdl.StatefulDataLoader(_stream(0, 1), num_workers=2))
 
 
 def _replicated_dp_job(rank: int, world: int, path: str, dp: int, save: bool):
     """``world`` processes as ``dp`` DP ranks, each stream shared by world // dp processes (TP-like)."""
     stream = _stream(rank * dp // world, dp)
-    state = {"data": tessera.LoaderState(stream)}
+    state = {"data": tessera.adapters.LoaderState(stream)}
     if not save:
         tessera.load(path, state)
     got = _take(stream, iter(stream), 3 + rank * dp // world if save else None, True)

@@ -95,7 +95,7 @@ def _write_manifest(path: str, data: bytes) -> None:
 def _decode_or_manifest_error(data: bytes) -> Manifest | None:
     try:
         return decode(data)
-    except tessera.ManifestError:
+    except tessera.errors.ManifestError:
         return None
 
 
@@ -247,7 +247,7 @@ def test_decoder_on_damaged_manifest_bytes(valid: tuple[str, dict], data: st.Dat
 def test_zero_dim_tile_with_a_list_as_file_index_is_a_manifest_error(valid: tuple[str, dict]) -> None:
     doc = copy.deepcopy(valid[1])
     doc["tensors"]["z"]["tiles"][0][0] = []  # found by test_decoder_on_mutated_manifests
-    with pytest.raises(tessera.ManifestError):
+    with pytest.raises(tessera.errors.ManifestError):
         decode(json.dumps(doc).encode())
 
 
@@ -258,16 +258,16 @@ def test_integers_beyond_int64_are_manifest_errors(valid: tuple[str, dict], wher
         doc["checksum"]["chunk_bytes"] = 2**63 + 4096  # found by test_decoder_on_mutated_manifests
     else:
         doc["files"][0]["bytes"] = 2**64
-    with pytest.raises(tessera.ManifestError):
+    with pytest.raises(tessera.errors.ManifestError):
         decode(json.dumps(doc).encode())
 
 
 def test_deeply_nested_manifest_is_refused_quickly() -> None:
     with _time_limit(20):
         for depth in (10_000, 200_000):
-            with pytest.raises(tessera.ManifestError):
+            with pytest.raises(tessera.errors.ManifestError):
                 decode(b"[" * depth + b"]" * depth)
-            with pytest.raises(tessera.ManifestError):
+            with pytest.raises(tessera.errors.ManifestError):
                 decode(b'{"format": "tessera", "version": 1, "x": ' + b"[" * depth + b"]" * depth + b"}")
 
 
@@ -287,10 +287,10 @@ def test_huge_shapes_are_refused_without_allocating(valid: tuple[str, dict], ckp
     tracemalloc.start()
     try:
         for variant in variants:
-            with pytest.raises(tessera.ManifestError, match="implausibly large"):
+            with pytest.raises(tessera.errors.ManifestError, match="implausibly large"):
                 decode(json.dumps(variant).encode())
         _write_manifest(ckpt, json.dumps(variants[0]).encode())
-        with pytest.raises(tessera.ManifestError):
+        with pytest.raises(tessera.errors.ManifestError):
             tessera.load(ckpt, _blank(), options=NO_TIMINGS)
         assert verify(ckpt).problems[0].kind == ProblemKind.MANIFEST
         _, peak = tracemalloc.get_traced_memory()
@@ -323,7 +323,7 @@ def test_large_but_plausible_shape_loads_nothing_before_the_mismatch(valid: tupl
 def test_tile_outside_its_tensor_via_int64_overflow_is_refused(valid: tuple[str, dict]) -> None:
     doc = copy.deepcopy(valid[1])
     doc["tensors"]["w"]["tiles"][0][1] = [2**63 - 2, 0]  # shape [8, 4]; the tile's lengths stay [8, 4]
-    with pytest.raises(tessera.ManifestError):
+    with pytest.raises(tessera.errors.ManifestError):
         m = decode(json.dumps(doc).encode())
         raise AssertionError(f"accepted tile {m.tensors['w'].tiles[0]}")
 
@@ -375,11 +375,11 @@ def test_file_references_outside_the_checkpoint_are_refused(valid: tuple[str, di
     doc = copy.deepcopy(valid[1])
     doc["files"][0]["path"] = ref
     raw = json.dumps(doc).encode()
-    with pytest.raises(tessera.ManifestError, match="file reference|outside"):
+    with pytest.raises(tessera.errors.ManifestError, match="file reference|outside"):
         decode(raw)
     _write_manifest(ckpt, raw)
     target = _blank()
-    with pytest.raises(tessera.ManifestError):
+    with pytest.raises(tessera.errors.ManifestError):
         tessera.load(ckpt, target, options=NO_TIMINGS)
     assert torch.equal(target["w"], torch.zeros(8, 4))
     (p,) = verify(ckpt).problems
@@ -390,9 +390,9 @@ def test_file_references_outside_the_checkpoint_are_refused(valid: tuple[str, di
 def test_storage_refuses_paths_outside_its_root(tmp_path, ref: str) -> None:
     store = FileStorage(str(tmp_path / "root"))
     (tmp_path / "outside").write_text("secret")
-    with pytest.raises(tessera.ManifestError):
+    with pytest.raises(tessera.errors.ManifestError):
         store.read_file(ref)
-    with pytest.raises(tessera.ManifestError):
+    with pytest.raises(tessera.errors.ManifestError):
         store.write_file(ref, [b"x"])
 
 
@@ -418,12 +418,12 @@ class _Payload:
 def test_pickled_values_never_load_without_opt_in(tmp_path) -> None:
     path = str(tmp_path / "ckpt")
     marker = str(tmp_path / "pwned")
-    with pytest.raises(tessera.PickleNotAllowedError):
+    with pytest.raises(tessera.errors.PickleNotAllowedError):
         tessera.save(path, {"w": torch.ones(2), "obj": _Payload(marker)})  # opt-in needed at save
     tessera.save(path, {"w": torch.ones(2), "obj": _Payload(marker)}, allow_pickle=True)
     assert not os.path.exists(marker)
     target = {"w": torch.zeros(2), "obj": None}
-    with pytest.raises(tessera.PickleNotAllowedError, match="'obj'.*allow_pickle=True"):
+    with pytest.raises(tessera.errors.PickleNotAllowedError, match="'obj'.*allow_pickle=True"):
         tessera.load(path, target, options=NO_TIMINGS)
     assert not os.path.exists(marker) and target["obj"] is None
     report = verify(path)
@@ -436,7 +436,7 @@ def test_pickle_refusal_happens_before_any_tensor_is_touched(tmp_path) -> None:
     path = str(tmp_path / "ckpt")
     tessera.save(path, {"w": torch.ones(2), "obj": {1, 2}}, allow_pickle=True)
     target = {"w": torch.zeros(2), "obj": None}
-    with pytest.raises(tessera.PickleNotAllowedError):
+    with pytest.raises(tessera.errors.PickleNotAllowedError):
         tessera.load(path, target, options=NO_TIMINGS)
     assert torch.equal(target["w"], torch.zeros(2)), "tensors were filled by a load that then failed"
 
@@ -667,14 +667,14 @@ def test_a_compressed_tile_table_cannot_size_allocations(
             f"refusing a {len(data)}-byte manifest allocated {peak / 2**20:.1f} MiB"
         )
         _write_manifest(ckpt, data)
-        with pytest.raises(tessera.ManifestError, match=match):
+        with pytest.raises(tessera.errors.ManifestError, match=match):
             tessera.load(ckpt, _blank(), options=NO_TIMINGS)
         (p,) = verify(ckpt).problems
         assert p.kind == ProblemKind.MANIFEST and "tile_table" in p.message
 
 
 def _expect_manifest_error(data: bytes, match: str) -> None:
-    with pytest.raises(tessera.ManifestError, match=match):
+    with pytest.raises(tessera.errors.ManifestError, match=match):
         decode(data)
 
 
@@ -685,7 +685,7 @@ def test_zero_length_tiles_are_refused(valid: tuple[str, dict]) -> None:
 
     doc["tensors"]["z"]["tile_table"]["offsets"] = _b64z(np.zeros(34, dtype="<i8"))  # 17 tiles x 2 dims
     doc["tensors"]["z"]["tile_table"]["lengths"] = _b64z(np.zeros(34, dtype="<i8"))
-    with pytest.raises(tessera.ManifestError, match="hold no element"):
+    with pytest.raises(tessera.errors.ManifestError, match="hold no element"):
         decode(json.dumps(doc).encode())
 
 
@@ -698,18 +698,18 @@ def test_an_oversized_manifest_is_refused_before_it_is_read(ckpt: str) -> None:
         assert peak < 1 << 20, f"the size check read {peak / 2**20:.1f} MiB of the manifest"
         (p,) = verify(ckpt).problems
         assert p.kind == ProblemKind.MANIFEST and "limit" in p.message
-        with pytest.raises(tessera.ManifestError, match="size"):
+        with pytest.raises(tessera.errors.ManifestError, match="size"):
             tessera.load(ckpt, _blank(), options=NO_TIMINGS)
 
 
 def _expect_read_error(path: str) -> None:
-    with pytest.raises(tessera.ManifestError, match=r"size \d+ bytes is over the 1073741824-byte limit"):
+    with pytest.raises(tessera.errors.ManifestError, match=r"size \d+ bytes is over the 1073741824-byte limit"):
         tessera.read_manifest(path)
 
 
 def test_a_manifest_that_is_a_directory_is_a_manifest_error(tmp_path) -> None:
     os.makedirs(tmp_path / "ckpt" / MANIFEST_NAME)
-    with pytest.raises(tessera.ManifestError, match="not a regular file"):
+    with pytest.raises(tessera.errors.ManifestError, match="not a regular file"):
         tessera.load(str(tmp_path / "ckpt"), {"w": torch.zeros(1)}, options=NO_TIMINGS)
     assert verify(str(tmp_path / "ckpt")).problems[0].kind == ProblemKind.MANIFEST
 

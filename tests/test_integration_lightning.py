@@ -263,7 +263,7 @@ def test_non_plain_value_needs_pickle(tmp_path):
     class Opaque:
         pass
 
-    with pytest.raises(tessera.PickleNotAllowedError, match="hyper_parameters"):
+    with pytest.raises(tessera.errors.PickleNotAllowedError, match="hyper_parameters"):
         TesseraCheckpointIO().save_checkpoint({"hyper_parameters": {"o": Opaque()}, "w": torch.ones(1)}, tmp_path / "c")
 
 

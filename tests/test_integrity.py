@@ -289,7 +289,7 @@ def test_verify_reports_tiles_moved_in_the_manifest(ckpt: str, offsets: list[int
 def test_manifest_tile_beyond_its_file_is_refused(ckpt: str) -> None:
     rel, _, _ = _rank1_file(ckpt)
     _edit_manifest(ckpt, lambda doc: _w_tile_of_rank1(doc).__setitem__(3, 10**9))
-    with pytest.raises(tessera.ManifestError, match=rf"'w'.*{rel}"):
+    with pytest.raises(tessera.errors.ManifestError, match=rf"'w'.*{rel}"):
         tessera.load(ckpt, _target())
     (p,) = verify(ckpt).problems
     assert p.kind == ProblemKind.MANIFEST and "'w'" in p.message and rel in p.message

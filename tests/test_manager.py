@@ -325,7 +325,7 @@ def test_pickled_values_need_the_managers_opt_in(tmp_path) -> None:
     root = str(tmp_path / "run")
     with CheckpointManager(root, allow_pickle=True) as mgr:
         mgr.save(1, {"w": torch.ones(2), "obj": {1, 2, 3}})
-    with CheckpointManager(root) as mgr, pytest.raises(tessera.PickleNotAllowedError):
+    with CheckpointManager(root) as mgr, pytest.raises(tessera.errors.PickleNotAllowedError):
         mgr.load({"w": torch.zeros(2), "obj": None})
     with CheckpointManager(root, allow_pickle=True) as mgr:
         target = {"w": torch.zeros(2), "obj": None}

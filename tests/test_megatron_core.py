@@ -65,11 +65,11 @@ def test_tensors_objects_common_and_nonpersistent_round_trip(tmp_path) -> None:
 
 def test_objects_needing_pickle_are_opt_in_at_save_and_load(tmp_path) -> None:
     sd = {"o": mapping.ShardedObject("o", Opaque(4), (1,), (0,))}
-    with pytest.raises(tessera.PickleNotAllowedError, match="'o/shard_0_1'"):
+    with pytest.raises(tessera.errors.PickleNotAllowedError, match="'o/shard_0_1'"):
         save_sharded_state_dict(str(tmp_path), sd)
     save_sharded_state_dict(str(tmp_path), sd, allow_pickle=True)
     req = {"o": mapping.ShardedObject("o", None, (1,), (0,))}
-    with pytest.raises(tessera.PickleNotAllowedError, match="allow_pickle"):
+    with pytest.raises(tessera.errors.PickleNotAllowedError, match="allow_pickle"):
         load_sharded_state_dict(str(tmp_path), req)
     assert load_sharded_state_dict(str(tmp_path), req, allow_pickle=True)["o"].x == 4
 

@@ -132,7 +132,7 @@ def test_a_stored_value_nested_600_deep_is_a_manifest_error_at_load(tmp_path) ->
     with open(mpath, "w") as f:
         json.dump(doc, f)
     target = {"w": torch.zeros(2), "deep": 0}
-    with pytest.raises(tessera.ManifestError, match="'deep'"):
+    with pytest.raises(tessera.errors.ManifestError, match="'deep'"):
         tessera.load(path, target, options=NO_TIMINGS)
     assert torch.equal(target["w"], torch.zeros(2)) and target["deep"] == 0
     report = tessera.verify(path)

@@ -24,32 +24,36 @@ from tests.dist_utils import run_distributed
 REPO = str(Path(__file__).resolve().parents[1])
 
 
-def ctx(step: int, seconds: float = 0.0, preempted: bool = False, last: int | None = None) -> tessera.SaveContext:
-    return tessera.SaveContext(step, last, seconds, preempted)
+def ctx(
+    step: int, seconds: float = 0.0, preempted: bool = False, last: int | None = None
+) -> tessera.manager.SaveContext:
+    return tessera.manager.SaveContext(step, last, seconds, preempted)
 
 
 def test_every_n_steps() -> None:
-    p = tessera.EveryNSteps(5)
+    p = tessera.manager.EveryNSteps(5)
     assert [s for s in range(0, 21) if p.should_save(ctx(s))] == [0, 5, 10, 15, 20]
     assert not p.uses_clock
 
 
 def test_at_steps() -> None:
-    p = tessera.AtSteps([3, 7])
+    p = tessera.manager.AtSteps([3, 7])
     assert [s for s in range(10) if p.should_save(ctx(s))] == [3, 7]
 
 
 def test_every_n_seconds() -> None:
-    p = tessera.EveryNSeconds(2.5)
+    p = tessera.manager.EveryNSeconds(2.5)
     assert not p.should_save(ctx(1, seconds=2.49))
     assert p.should_save(ctx(1, seconds=2.5))
     assert p.uses_clock
 
 
 def test_on_preemption_and_combinators() -> None:
-    assert tessera.OnPreemption().should_save(ctx(7, preempted=True))
-    assert not tessera.OnPreemption().should_save(ctx(7))
-    any_of = tessera.AnyOf(tessera.EveryNSteps(10), tessera.EveryNSeconds(60), tessera.OnPreemption())
+    assert tessera.manager.OnPreemption().should_save(ctx(7, preempted=True))
+    assert not tessera.manager.OnPreemption().should_save(ctx(7))
+    any_of = tessera.manager.AnyOf(
+        tessera.manager.EveryNSteps(10), tessera.manager.EveryNSeconds(60), tessera.manager.OnPreemption()
+    )
     assert any_of.uses_clock
     assert (
         any_of.should_save(ctx(10))
@@ -57,19 +61,21 @@ def test_on_preemption_and_combinators() -> None:
         and any_of.should_save(ctx(3, preempted=True))
     )
     assert not any_of.should_save(ctx(3, seconds=1))
-    all_of = tessera.AllOf(tessera.EveryNSteps(10), tessera.EveryNSeconds(60))
+    all_of = tessera.manager.AllOf(tessera.manager.EveryNSteps(10), tessera.manager.EveryNSeconds(60))
     assert not all_of.should_save(ctx(10, seconds=5)) and all_of.should_save(ctx(10, seconds=60))
     assert not all_of.should_save(ctx(11, seconds=100))
-    assert isinstance(any_of, tessera.SavePolicy) and isinstance(tessera.EveryNSteps(1), tessera.SavePolicy)
+    assert isinstance(any_of, tessera.manager.SavePolicy) and isinstance(
+        tessera.manager.EveryNSteps(1), tessera.manager.SavePolicy
+    )
 
 
 @pytest.mark.parametrize(
     "make, message",
     [
-        (lambda: tessera.EveryNSteps(0), "n must be a positive integer, got 0"),
-        (lambda: tessera.EveryNSteps(2.0), "n must be a positive integer, got 2.0"),
-        (lambda: tessera.EveryNSteps(True), "n must be a positive integer, got True"),
-        (lambda: tessera.EveryNSeconds(-1), "seconds must be a positive number, got -1"),
+        (lambda: tessera.manager.EveryNSteps(0), "n must be a positive integer, got 0"),
+        (lambda: tessera.manager.EveryNSteps(2.0), "n must be a positive integer, got 2.0"),
+        (lambda: tessera.manager.EveryNSteps(True), "n must be a positive integer, got True"),
+        (lambda: tessera.manager.EveryNSeconds(-1), "seconds must be a positive number, got -1"),
     ],
 )
 def test_bad_arguments(make, message: str) -> None:
@@ -79,7 +85,7 @@ def test_bad_arguments(make, message: str) -> None:
 
 def test_not_a_policy() -> None:
     with pytest.raises(TypeError, match="is not a save policy"):
-        tessera.AnyOf(tessera.EveryNSteps(1), 5)  # type: ignore[arg-type]
+        tessera.manager.AnyOf(tessera.manager.EveryNSteps(1), 5)  # type: ignore[arg-type]
     before = signal.getsignal(signal.SIGTERM)
     with pytest.raises(TypeError, match="is not a save policy"):
         tessera.CheckpointManager("/nonexistent-unused", save_policy="every 5", preemption=True)  # type: ignore[arg-type]
@@ -96,7 +102,7 @@ class FakeClock:
 
 def test_decider_single_process_clock_restarts_at_each_save() -> None:
     clock = FakeClock(100.0)
-    decider = SaveDecider(tessera.EveryNSeconds(10), clock=clock)
+    decider = SaveDecider(tessera.manager.EveryNSeconds(10), clock=clock)
     clock.now = 105.0
     assert not decider.should_save(1)
     clock.now = 110.0
@@ -119,7 +125,9 @@ def _clock_at(rank: int, step: int) -> float:
 
 def _clocks_disagree(rank: int, world: int) -> list[bool]:
     clock = FakeClock(_clock_at(rank, 0))
-    decider = SaveDecider(tessera.AnyOf(tessera.EveryNSteps(7), tessera.EveryNSeconds(3)), clock=clock)
+    decider = SaveDecider(
+        tessera.manager.AnyOf(tessera.manager.EveryNSteps(7), tessera.manager.EveryNSeconds(3)), clock=clock
+    )
     decisions = []
     for step in range(1, 15):
         clock.now = _clock_at(rank, step)
@@ -153,7 +161,7 @@ def test_decider_all_ranks_agree_when_clocks_disagree() -> None:
 def _two_clocks(rank: int, world: int) -> list[tuple[int, bool]]:
     # Rank 0's clock stands still; rank 1's advances 4 s per step. T = 10 s.
     clock = FakeClock(0.0)
-    decider = SaveDecider(tessera.EveryNSeconds(10), clock=clock)
+    decider = SaveDecider(tessera.manager.EveryNSeconds(10), clock=clock)
     out = []
     for step in range(1, 9):
         if rank == 1:
@@ -174,7 +182,7 @@ def test_decider_uses_the_largest_elapsed_time() -> None:
 
 def _manager_every_n(rank: int, world: int, root: str) -> tuple[list[int], list[int]]:
     saved = []
-    with tessera.CheckpointManager(root, save_policy=tessera.EveryNSteps(3)) as mgr:
+    with tessera.CheckpointManager(root, save_policy=tessera.manager.EveryNSteps(3)) as mgr:
         for step in range(1, 10):
             if mgr.should_save(step):
                 mgr.save(step, {"w": torch.full((4,), float(step)), "step": step})
@@ -200,7 +208,11 @@ def test_manager_should_save_on_preemption_single_process(tmp_path) -> None:
     before = signal.getsignal(signal.SIGUSR1)
     root = str(tmp_path / "run")
     with tessera.CheckpointManager(
-        root, save_policy=tessera.EveryNSteps(100), preemption=True, preemption_signal=signal.SIGUSR1, async_save=True
+        root,
+        save_policy=tessera.manager.EveryNSteps(100),
+        preemption=True,
+        preemption_signal=signal.SIGUSR1,
+        async_save=True,
     ) as mgr:
         assert not mgr.should_save(1)
         os.kill(os.getpid(), signal.SIGUSR1)
@@ -260,7 +272,7 @@ def test_handler_refuses_a_thread_and_an_empty_list() -> None:
 def test_manager_takes_a_handler_that_code_can_trigger(tmp_path) -> None:
     import threading
 
-    handler = tessera.PreemptionHandler([signal.SIGUSR2])
+    handler = tessera.manager.PreemptionHandler([signal.SIGUSR2])
     with tessera.CheckpointManager(str(tmp_path / "run"), preemption=handler) as mgr:
         assert handler.installed and not mgr.should_save(1)
         t = threading.Thread(target=handler.trigger)  # e.g. a thread polling a preemption notice

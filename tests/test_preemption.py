@@ -43,7 +43,7 @@ def _train(rank: int, world: int, root: str, progress_dir: str, async_save: bool
         root,
         keep_last=2,
         async_save=async_save,
-        save_policy=tessera.EveryNSteps(4),
+        save_policy=tessera.manager.EveryNSteps(4),
         preemption=True,
         preemption_signal=signum,
     )

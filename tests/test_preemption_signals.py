@@ -35,7 +35,7 @@ TRAINER = textwrap.dedent(
     import tessera
 
     root, workdir, mode = sys.argv[1:4]
-    handler = tessera.PreemptionHandler()
+    handler = tessera.manager.PreemptionHandler()
     w = torch.zeros(8)
     state = {"w": w, "step": 0}
 
@@ -50,7 +50,7 @@ TRAINER = textwrap.dedent(
                 sys.exit(f"{name} never came")
             time.sleep(0.005)
 
-    with tessera.CheckpointManager(root, save_policy=tessera.EveryNSteps(100), preemption=handler) as mgr:
+    with tessera.CheckpointManager(root, save_policy=tessera.manager.EveryNSteps(100), preemption=handler) as mgr:
         for step in range(1, 100):
             w.add_(1.0)
             state["step"] = step
@@ -145,16 +145,16 @@ def test_a_signal_after_the_grace_period_stops_the_job(tmp_path: Path) -> None:
 
 
 def test_grace_period_from_the_knob_and_argument() -> None:
-    assert tessera.PreemptionHandler().grace_s == 5.0
-    assert tessera.PreemptionHandler(grace_s=0).grace_s == 0.0
+    assert tessera.manager.PreemptionHandler().grace_s == 5.0
+    assert tessera.manager.PreemptionHandler(grace_s=0).grace_s == 0.0
     with pytest.raises(ValueError, match="grace_s"):
-        tessera.PreemptionHandler(grace_s=-1)
+        tessera.manager.PreemptionHandler(grace_s=-1)
     os.environ["TESSERA_PREEMPTION_GRACE_S"] = "2.5"
     try:
-        assert tessera.PreemptionHandler().grace_s == 2.5
+        assert tessera.manager.PreemptionHandler().grace_s == 2.5
         os.environ["TESSERA_PREEMPTION_GRACE_S"] = "soon"
         with pytest.raises(ValueError, match="TESSERA_PREEMPTION_GRACE_S"):
-            tessera.PreemptionHandler()
+            tessera.manager.PreemptionHandler()
     finally:
         del os.environ["TESSERA_PREEMPTION_GRACE_S"]
 
@@ -170,7 +170,7 @@ def _train(rank: int, world: int, root: str, workdir: str, notice_rank: int) -> 
     n = N // world
     local = torch.arange(N, dtype=torch.float32)[rank * n : (rank + 1) * n].clone()
     state = {"w": tessera.ShardedTensor(local, (N,), (rank * n,)), "step": 0}
-    handler = tessera.PreemptionHandler()
+    handler = tessera.manager.PreemptionHandler()
     if rank == notice_rank:
 
         def poll() -> None:  # a poller that sees the provider's notice, then says it told the handler
@@ -184,7 +184,7 @@ def _train(rank: int, world: int, root: str, workdir: str, notice_rank: int) -> 
         root,
         keep_last=3,
         async_save=True,
-        save_policy=tessera.AnyOf(tessera.EveryNSteps(4), tessera.OnPreemption()),
+        save_policy=tessera.manager.AnyOf(tessera.manager.EveryNSteps(4), tessera.manager.OnPreemption()),
         preemption=handler,
     )
     progress = os.path.join(workdir, str(rank))

@@ -108,7 +108,7 @@ def test_single_process_raises_the_same_types(tmp_path) -> None:
         tessera.load(path, {"w": torch.zeros(4), "x": torch.zeros(1)}, options=NO_TIMINGS)
     with pytest.raises(tessera.StorageError, match="No space left") as info:
         tessera.save(path, {"w": torch.ones(4)}, storage=_FailingWrites(path, fail=True))
-    assert not isinstance(info.value, tessera.DistributedError)
+    assert not isinstance(info.value, tessera.errors.DistributedError)
 
 
 class _ManifestWriteFails(FileStorage):
@@ -125,7 +125,7 @@ def test_a_failed_manifest_write_in_one_process_is_a_storage_error(tmp_path) -> 
     path = str(tmp_path / "c")
     with pytest.raises(tessera.StorageError, match="committing .*manifest.json failed.*No space left") as info:
         tessera.save(path, {"w": torch.ones(4)}, storage=_ManifestWriteFails(path))
-    assert not isinstance(info.value, tessera.DistributedError)
+    assert not isinstance(info.value, tessera.errors.DistributedError)
     assert not os.path.exists(os.path.join(path, "manifest.json"))
 
 
@@ -133,15 +133,20 @@ def test_collective_error_picks_the_common_tessera_type() -> None:
     def rec(rank: int, e: BaseException) -> RankFailure:
         return RankFailure.of(rank, e)
 
-    same = collective_error("x", {0: rec(0, tessera.ManifestError("a")), 1: rec(1, tessera.ManifestError("b"))})
-    assert type(same) is tessera.ManifestError and same.failures == {0: "ManifestError: a", 1: "ManifestError: b"}
+    same = collective_error(
+        "x", {0: rec(0, tessera.errors.ManifestError("a")), 1: rec(1, tessera.errors.ManifestError("b"))}
+    )
+    assert type(same) is tessera.errors.ManifestError and same.failures == {
+        0: "ManifestError: a",
+        1: "ManifestError: b",
+    }
     related = collective_error(
         "x", {0: rec(0, tessera.MissingKeysError("a")), 1: rec(1, tessera.StateMismatchError("b"))}
     )
     assert type(related) is tessera.StateMismatchError
-    mixed = collective_error("x", {0: rec(0, tessera.ManifestError("a")), 1: rec(1, tessera.StorageError("b"))})
-    assert type(mixed) is tessera.DistributedError and "rank 1: StorageError: b" in str(mixed)
+    mixed = collective_error("x", {0: rec(0, tessera.errors.ManifestError("a")), 1: rec(1, tessera.StorageError("b"))})
+    assert type(mixed) is tessera.errors.DistributedError and "rank 1: StorageError: b" in str(mixed)
     builtin = collective_error("x", {0: rec(0, TypeError("a"))})
-    assert type(builtin) is tessera.DistributedError
+    assert type(builtin) is tessera.errors.DistributedError
     text = collective_error("x", {0: "something"})
-    assert type(text) is tessera.DistributedError
+    assert type(text) is tessera.errors.DistributedError

@@ -20,9 +20,10 @@ import pytest
 import torch
 
 import tessera
-from tessera import SaveOptions, StagingMode, WriterMode
+from tessera import SaveOptions, StagingMode
 from tessera.engine.saving import writer_process
 from tessera.errors import StorageError
+from tessera.options import WriterMode
 from tests.dist_utils import run_distributed
 
 THREAD = SaveOptions(writer=WriterMode.THREAD)

@@ -22,8 +22,9 @@ import pytest
 import torch
 
 import tessera
-from tessera import SaveOptions, WriterMode
+from tessera import SaveOptions
 from tessera.engine.saving import writer_channel, writer_process
+from tessera.options import WriterMode
 from tests.dist_utils import run_ranks
 
 REPO = Path(__file__).resolve().parent.parent

@@ -74,8 +74,8 @@ class ReshardableStream(IterableDataset):
         pack_len: pack tokens into sequences of this length (None: yield samples as they are).
 
     Example:
-        >>> stream = tessera.ReshardableStream(docs, rank=dp_rank, world_size=dp_size, pack_len=2048)
-        >>> state = {"model": tessera.ModelState(model), "data": tessera.LoaderState(stream)}
+        >>> stream = tessera.adapters.ReshardableStream(docs, rank=dp_rank, world_size=dp_size, pack_len=2048)
+        >>> state = {"model": tessera.ModelState(model), "data": tessera.adapters.LoaderState(stream)}
     """
 
     def __init__(
@@ -230,7 +230,7 @@ class ReshardableStream(IterableDataset):
                     f"data stream of rank {self.rank}/{self.world_size}: saved {k}={state_dict[k]!r}, this stream has "
                     f"{mine[k]!r}"
                     + (
-                        "; a state of another DP size must be resharded (tessera.LoaderState does it)"
+                        "; a state of another DP size must be resharded (tessera.adapters.LoaderState does it)"
                         if k in ("world_size", "rank")
                         else ""
                     )
@@ -269,8 +269,8 @@ class LoaderState:
         loader: a :class:`ReshardableStream` or a ``StatefulDataLoader`` whose dataset is one.
 
     Example:
-        >>> loader = StatefulDataLoader(tessera.ReshardableStream(docs, pack_len=2048), batch_size=8)
-        >>> tessera.save(path, {"model": tessera.ModelState(model), "data": tessera.LoaderState(loader)})
+        >>> loader = StatefulDataLoader(tessera.adapters.ReshardableStream(docs, pack_len=2048), batch_size=8)
+        >>> tessera.save(path, {"model": tessera.ModelState(model), "data": tessera.adapters.LoaderState(loader)})
     """
 
     def __init__(self, loader: StatefulLoader) -> None:

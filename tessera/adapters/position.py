@@ -27,7 +27,7 @@ class DataPosition:
         samples_seen: samples of this epoch already consumed by all ranks together.
 
     Example:
-        >>> pos = tessera.DataPosition()
+        >>> pos = tessera.adapters.DataPosition()
         >>> idx = pos.batch_indices(len(ds), 32, rank, world)  # this rank's share
         >>> ...train on ds[idx]...; pos.advance(32)
     """

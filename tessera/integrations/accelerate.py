@@ -19,7 +19,7 @@ key                       what
 Because model and optimizer states are keyed by parameter FQN and saved as each rank's
 shards, a checkpoint saved by N processes resumes on M. Data-loader positions are not
 saved (Accelerate keeps them per process); use ``accelerator.skip_first_batches`` or
-``tessera.DataPosition`` (see docs/integrations.md).
+``tessera.adapters.DataPosition`` (see docs/integrations.md).
 """
 
 from __future__ import annotations

@@ -49,7 +49,35 @@ checks it):
 from __future__ import annotations
 
 from .core import CheckpointManager
+from .policies import (
+    AllOf,
+    AnyOf,
+    AtSteps,
+    EveryNSeconds,
+    EveryNSteps,
+    OnPreemption,
+    SaveContext,
+    SaveDecider,
+    SavePolicy,
+)
+from .preemption import PreemptionHandler
 from .resume import StepLoadResult
 from .steps import LATEST_NAME, parse_step_dirname, step_dirname
 
-__all__ = ["LATEST_NAME", "CheckpointManager", "StepLoadResult", "parse_step_dirname", "step_dirname"]
+__all__ = [
+    "LATEST_NAME",
+    "AllOf",
+    "AnyOf",
+    "AtSteps",
+    "CheckpointManager",
+    "EveryNSeconds",
+    "EveryNSteps",
+    "OnPreemption",
+    "PreemptionHandler",
+    "SaveContext",
+    "SaveDecider",
+    "SavePolicy",
+    "StepLoadResult",
+    "parse_step_dirname",
+    "step_dirname",
+]

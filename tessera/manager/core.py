@@ -65,7 +65,7 @@ class CheckpointManager:
         local_keep_last: committed local steps each node keeps.
         save_policy: what :meth:`should_save` answers (see :mod:`tessera.manager.policies`).
         preemption: install a handler for ``preemption_signal`` (main thread only; restored
-            by :meth:`close`), or the :class:`~tessera.PreemptionHandler` given: once any
+            by :meth:`close`), or the :class:`~tessera.manager.PreemptionHandler` given: once any
             rank is preempted, :meth:`should_save` says True, the next :meth:`save` is
             synchronous and durable, then :attr:`reached_preemption` is True.
         preemption_signal: the signal that means preemption (default SIGTERM).

@@ -1,6 +1,6 @@
 """Write data files from a separate, long-lived writer process fed from shared memory.
 
-With :attr:`tessera.WriterMode.PROCESS` a save's file writes, checksums and fsyncs run in a
+With :attr:`tessera.options.WriterMode.PROCESS` a save's file writes, checksums and fsyncs run in a
 child process instead of threads of the training process, so they never take the training
 loop's GIL. The training process copies the bytes a rank writes into a shared-memory arena
 (a mapping both processes hold, reused by later saves and grown when a save needs more; its
