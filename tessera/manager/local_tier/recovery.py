@@ -25,11 +25,12 @@ import numpy as np
 from ... import api
 from ...engine import dist
 from ...engine.file_checks import check_file, tiles_by_file
-from ...errors import CheckpointError, CollectiveTimeoutError, CorruptCheckpointError, DistributedError, StorageError
+from ...errors import CheckpointError, CollectiveTimeoutError, CorruptCheckpointError, DistributedError
 from ...format import manifest
 from ...format.manifest import MANIFEST_NAME, Manifest
 from ...results import LoadResult
 from .fetches import choose_fetches, choose_manifest_fetches, holdings_of
+from .files import as_storage_error, remove_quietly
 from .inventory import MARKER_NAME, NodeInventory, choose_step, marker_bytes
 from .needs import needed_files
 from .transfer import run_transfers
@@ -127,7 +128,7 @@ class RecoveryAttempt:
         store = self.tier.step_store(step, world)
         holdings = holdings_of(inventories, step, save_id)
         if self.leader and self.node not in holdings:
-            _remove(os.path.join(store.root, MARKER_NAME))  # another save of this step, if any
+            remove_quietly(os.path.join(store.root, MARKER_NAME))  # another save of this step, if any
         what = f"step {step}: fetching from peers"
         first = choose_manifest_fetches(inventories, placement, step, save_id)
         received = run_transfers(world, first, store.root, what)
@@ -150,7 +151,7 @@ class RecoveryAttempt:
             # Each rank says which files its load reads (one bit per file): a node fetches only those.
             wanted = np.packbits(needed_files(state, m, rank=world.rank, world_size=world.size)).tobytes()
         except Exception as e:
-            error = _storage_error(e, f"rank {world.rank}: step {step}: reading the local manifest")
+            error = as_storage_error(e, f"rank {world.rank}: step {step}: reading the local manifest")
         masks = dist.exchange(world, error, wanted, what)
         needs: dict[int, set[int]] = {}
         for rank, bits in enumerate(masks):
@@ -180,7 +181,7 @@ class RecoveryAttempt:
                 problems = check_file(store, m, entry, tiles.get(i, [])).problems
                 if problems:
                     mine.append((entry.path, problems[0].message))
-                    _remove(os.path.join(store.root, entry.path))
+                    remove_quietly(os.path.join(store.root, entry.path))
         found = dist.all_gather(self.world, mine, f"step {step}: checking the local copies")
         new = [
             f"step {step}: {path} on node {self.placement.node_of[rank]}: {why}"
@@ -209,18 +210,3 @@ class RecoveryAttempt:
         lines += ["  " + (("; ".join(held)) if held else "no committed step of this run on any node")]
         lines += [f"  bad copy: {b}" for b in self.bad]
         return "\n".join(lines)
-
-
-def _remove(path: str) -> None:
-    try:
-        os.remove(path)
-    except FileNotFoundError:
-        pass
-
-
-def _storage_error(e: BaseException, what: str) -> CheckpointError:
-    if isinstance(e, CheckpointError):
-        return e
-    out = StorageError(f"{what}: {type(e).__name__}: {e}")
-    out.__cause__ = e
-    return out

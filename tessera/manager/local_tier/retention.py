@@ -17,6 +17,7 @@ import threading
 
 from ...format.names import step_dirname
 from ...storage.host_memory import prune_empty_parents
+from .files import remove_quietly
 from .inventory import MARKER_NAME, local_steps, owner_of, read_marker
 
 logger = logging.getLogger(__name__)
@@ -41,7 +42,7 @@ class LocalRetention:
         fenced = []
         for s, step_dir in local_steps(directory):
             if s > step and owner_of(read_marker(step_dir), self.root, root_id) == "ours":
-                _remove(os.path.join(step_dir, MARKER_NAME))
+                remove_quietly(os.path.join(step_dir, MARKER_NAME))
                 fenced.append(s)
         if fenced:
             logger.warning(
@@ -78,7 +79,7 @@ class LocalRetention:
         :meth:`wait`, which every save and recovery calls first)."""
         dirs = [os.path.join(directory, step_dirname(s)) for s in sorted(set(steps))]
         for step_dir in dirs:
-            _remove(os.path.join(step_dir, MARKER_NAME))  # un-commit first: a cut-short delete is skipped
+            remove_quietly(os.path.join(step_dir, MARKER_NAME))  # un-commit first: a cut-short delete is skipped
         # Freeing the data is off the save's path: a background thread, joined before the next save.
         self.wait()
         if dirs:
@@ -110,7 +111,7 @@ def remove_root_steps(directory: str, root: str) -> list[int]:
     for step, step_dir in local_steps(directory):
         if owner_of(read_marker(step_dir), root, None) == "foreign":
             continue
-        _remove(os.path.join(step_dir, MARKER_NAME))  # un-commit first: a cut-short delete is skipped
+        remove_quietly(os.path.join(step_dir, MARKER_NAME))  # un-commit first: a cut-short delete is skipped
         shutil.rmtree(step_dir, ignore_errors=True)
         doomed.append(step)
     try:
@@ -124,10 +125,3 @@ def remove_root_steps(directory: str, root: str) -> list[int]:
 def _remove_dirs(dirs: list[str]) -> None:
     for d in dirs:
         shutil.rmtree(d, ignore_errors=True)
-
-
-def _remove(path: str) -> None:
-    try:
-        os.remove(path)
-    except FileNotFoundError:
-        pass

@@ -30,6 +30,7 @@ from ...format import manifest
 from ...format.manifest import MANIFEST_NAME
 from ...format.names import step_dirname
 from ...storage import FileStorage, Storage
+from .files import as_storage_error, remove_quietly
 from .inventory import MARKER_NAME, NodeInventory, marker_bytes, scan_node
 from .placement import Placement, node_dir, node_index, place
 from .recovery import Recovery, RecoveryAttempt
@@ -149,7 +150,7 @@ class LocalTier:
         """Un-commit ``step`` on this node before it is saved again (node leaders; local)."""
         self.wait_deletions()
         if self._is_leader(world):
-            _remove(os.path.join(self.node_directory(world), step_dirname(step), MARKER_NAME))
+            remove_quietly(os.path.join(self.node_directory(world), step_dirname(step), MARKER_NAME))
 
     def commit(self, step: int, world: dist.World) -> bytes:
         """Collective, after :func:`tessera.save` committed ``step`` into rank 0's node directory:
@@ -239,7 +240,7 @@ class LocalTier:
             except CheckpointError:
                 raise
             except Exception as e:
-                raise _storage_error(e, f"rank {world.rank}: {what}") from e
+                raise as_storage_error(e, f"rank {world.rank}: {what}") from e
             return uploaded
 
         def publish(g: dist.Gathered[list[str]]) -> None:
@@ -331,18 +332,3 @@ def _global_rank_now() -> int | None:
     import torch.distributed as tdist
 
     return tdist.get_rank() if tdist.is_available() and tdist.is_initialized() else None
-
-
-def _remove(path: str) -> None:
-    try:
-        os.remove(path)
-    except FileNotFoundError:
-        pass
-
-
-def _storage_error(e: BaseException, what: str) -> CheckpointError:
-    if isinstance(e, CheckpointError):
-        return e
-    out = StorageError(f"{what}: {type(e).__name__}: {e}")
-    out.__cause__ = e
-    return out
