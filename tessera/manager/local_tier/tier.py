@@ -166,38 +166,47 @@ class LocalTier:
         """
         placement = self.placement(world)
         store = self.step_store(step, world)
-        payload: tuple[bytes | None, str | None] = (None, None)
-        if world.is_coordinator:
+
+        def read_manifest() -> bytes | None:
+            if not world.is_coordinator:
+                return None
             try:
-                payload = (store.read_file(MANIFEST_NAME), None)
+                return store.read_file(MANIFEST_NAME)
             except Exception as e:
-                payload = (None, f"{type(e).__name__}: {e}")
-        data, error = dist.broadcast(world, payload, f"step {step}: sharing the local manifest")
-        if data is None:
-            raise StorageError(f"step {step}: rank 0 cannot read its local manifest in {store.root}: {error}")
+                raise StorageError(
+                    f"step {step}: rank 0 cannot read its local manifest in {store.root}: {type(e).__name__}: {e}"
+                ) from e
+
+        def from_rank_0(gathered: dist.Gathered[bytes | None]) -> bytes | None:
+            return gathered.payloads[0]
+
+        shared = dist.collective_step(world, f"step {step}: sharing the local manifest", read_manifest, from_rank_0)
+        assert shared is not None  # rank 0 read it, or the step raised on every rank
+        data = shared
         m = manifest.decode(data, source=f"{store.root}/{MANIFEST_NAME}")
         node = placement.node_of[world.rank]
         leader = placement.leader(node) == world.rank
-        own_error: BaseException | None = None
-        if leader and node != placement.node_of[0]:
-            try:
+
+        def write_manifest() -> None:
+            if leader and node != placement.node_of[0]:
                 store.write_atomic(MANIFEST_NAME, data)
-            except Exception as e:
-                own_error = e
-        dist.exchange(world, own_error, None, f"step {step}: writing the local manifest")
+
+        dist.collective_step(world, f"step {step}: writing the local manifest", write_manifest)
         transfers = [Transfer(f.rank, t, f.path, f.nbytes) for f in m.files for t in placement.targets[f.rank]]
         run_transfers(world, transfers, store.root, f"step {step}: replicating")
-        fenced: list[int] = []
-        if leader:
-            try:
-                # Steps newer than this one are of a timeline the job left (a rollback): they stop
-                # being committed before this one is, so no recovery can prefer them to it.
-                fenced = self.fence_newer(world, step)
-                files = [(f.path, f.nbytes) for f in m.files]
-                store.write_atomic(MARKER_NAME, marker_bytes(self.root, self._id(), step, m.save_id, files))
-            except Exception as e:
-                own_error = e
-        fenced_anywhere = dist.exchange(world, own_error, fenced, f"step {step}: committing the local step")
+
+        def commit_locally() -> list[int]:
+            if not leader:
+                return []
+            # Steps newer than this one are of a timeline the job left (a rollback): they stop
+            # being committed before this one is, so no recovery can prefer them to it.
+            fenced = self.fence_newer(world, step)
+            files = [(f.path, f.nbytes) for f in m.files]
+            store.write_atomic(MARKER_NAME, marker_bytes(self.root, self._id(), step, m.save_id, files))
+            return fenced
+
+        fenced_anywhere = dist.collective_step(world, f"step {step}: committing the local step", commit_locally)
+        fenced = fenced_anywhere[world.rank]
         self.last_fenced = any(fenced_anywhere)
         if leader:
             try:
