@@ -221,6 +221,10 @@ def _torchrun(
     # pytorch/pytorch#167288: with the agent's store shared, a restarted worker may read a dead
     # worker's address left there by the previous start; a fresh store per start avoids it.
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    # torchrun leaves its torchelastic_* log directories in the temporary directory when a
+    # worker is killed: give it one under tmp_path, removed with the test's files.
+    (tmp / f"{name}-tmp").mkdir(exist_ok=True)
+    env["TMPDIR"] = str(tmp / f"{name}-tmp")
     log = open(tmp / f"{name}.log", "w")  # noqa: SIM115 (closed with the process below)
     proc = subprocess.Popen(cmd, cwd=str(tmp), env=env, stdout=log, stderr=subprocess.STDOUT)
     proc.log = log  # type: ignore[attr-defined]
