@@ -32,6 +32,10 @@ class CorruptCheckpointError(CheckpointError, ValueError):
     """Stored bytes or the manifest do not match what was committed (checksum, size, schema)."""
 
 
+class MissingTilesError(CorruptCheckpointError, FileNotFoundError):
+    """A step references tiles it shares with other steps of its root, and they are not there."""
+
+
 class ManifestError(CorruptCheckpointError):
     """The manifest is malformed, truncated, oversized, or refers outside the checkpoint."""
 

@@ -21,6 +21,7 @@ from ..format.geometry import Box, split_box
 from ..format.manifest import Manifest
 from ..format.values import decode_value
 from ..storage import Storage, storage_for
+from ..storage.shared_tiles import with_shared_tiles
 from ._common import DEFAULT_BLOCK_BYTES, numel
 
 logger = logging.getLogger(__name__)
@@ -53,8 +54,9 @@ class CheckpointReader:
         max_read_bytes: int = 32 << 20,
     ) -> None:
         self.path = path
-        self.storage = storage_for(path, storage)
-        self.manifest: Manifest = read_manifest(path, storage=self.storage)
+        base = storage_for(path, storage)
+        self.manifest: Manifest = read_manifest(path, storage=base)
+        self.storage = with_shared_tiles(base, self.manifest, path)
         self.max_read_bytes = max_read_bytes
         self._reader = Reader(self.storage, self.manifest, rank=0, verify=verify, threads=io_threads)
 

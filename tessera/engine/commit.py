@@ -40,7 +40,7 @@ from dataclasses import dataclass
 
 from ..errors import CheckpointError, CommitCheckError, ConcurrentSaveError, LocationMismatchError, StorageError
 from ..format.manifest import MANIFEST_NAME, FileEntry, Manifest, encode
-from ..format.names import DATA_DIR, LOAD_TIMINGS_DIR, OWNER_MARKER_DIR
+from ..format.names import DATA_DIR, LOAD_TIMINGS_DIR, OWNER_MARKER_DIR, is_shared_ref
 from ..storage.base import Storage
 from ..storage.capabilities import (
     ConditionalPublish,
@@ -139,7 +139,8 @@ def check_files(store: Storage, claim: Claim, files: Sequence[FileEntry], path: 
     Raises:
         CommitCheckError: naming the missing or wrong-sized files and the ranks that wrote them.
     """
-    expected = {f.path: (f.nbytes, f.rank) for f in files}
+    # Shared tiles (``@tiles/...``, dedup) live outside the checkpoint; the save checks them itself.
+    expected = {f.path: (f.nbytes, f.rank) for f in files if not is_shared_ref(f.path)}
     if not expected or (isinstance(store, PartialVisibility) and not store.all_files_visible):
         return  # a node directory of the local tier: the tier checks every node's files itself
     found = _sizes(store, claim.data_prefix, list(expected))
@@ -331,7 +332,7 @@ def abandon(store: Storage, claim: Claim, files: Iterable[str], path: str, *, ke
     With ``keep_data`` only the marker goes (the manifest may refer to the files); without
     a marker, the files are removed by the next save that commits.
     """
-    doomed = set() if keep_data else set(files)
+    doomed = set() if keep_data else {f for f in files if not is_shared_ref(f)}
     if not keep_data:
         try:
             doomed |= set(store.list(claim.data_prefix))

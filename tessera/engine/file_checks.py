@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import xxhash
 
+from ..errors import MissingTilesError
 from ..format.dtypes import dtype_from_name
 from ..format.geometry import Box
 from ..format.manifest import FileEntry, Manifest, TensorEntry, Tile
@@ -92,10 +93,11 @@ def check_file(store: Storage, manifest: Manifest, entry: FileEntry, tiles: list
 
     try:
         size = store.size(entry.path)
-    except FileNotFoundError:
+    except FileNotFoundError as e:
+        why = f" ({e})" if isinstance(e, MissingTilesError) else ""
         problem(
             ProblemKind.MISSING_FILE,
-            f"{where} is missing; it holds tensor(s) {_names(tiles)}",
+            f"{where} is missing; it holds tensor(s) {_names(tiles)}{why}",
             tiles[0][0] if tiles else None,
         )
         return out

@@ -21,6 +21,15 @@ OWNER_MARKER_DIR = ".tessera-saves"
 """Directory (inside a checkpoint) of the owner markers of saves in progress (see tessera.engine.commit)."""
 LOAD_TIMINGS_DIR = "timings"
 """Directory (inside a checkpoint) where each load's per-rank timings are kept."""
+SHARED_TILES_DIR = ".tessera-tiles"
+"""Directory beside the step directories of a manager root that holds the data files steps
+share (``CheckpointManager(dedup=True)``): one subdirectory per save id, plus :data:`PINS_DIR`."""
+SHARED_REF = "@tiles/"
+"""Prefix of a manifest's reference to a file in the :data:`SHARED_TILES_DIR` beside the
+checkpoint (``@tiles/<save id>/<rank>-<k>.safetensors``); every other reference is inside
+the checkpoint."""
+PINS_DIR = ".pins"
+"""Directory (inside :data:`SHARED_TILES_DIR`) of the pins of saves in flight: what they may reference."""
 
 STEP_PREFIX = "step-"
 STEP_DIGITS = 8
@@ -66,6 +75,31 @@ def check_relpath(path: str) -> str:
     if norm.startswith("/") or norm == ".." or norm.startswith("../") or norm == "." or ":" in norm.split("/")[0]:
         raise ManifestError(f"file reference {path!r} points outside the checkpoint directory; refusing it")
     return norm
+
+
+def is_shared_ref(path: str) -> bool:
+    """Whether a manifest file reference points into the shared tile directory (:data:`SHARED_REF`)."""
+    return path.startswith(SHARED_REF)
+
+
+def shared_tiles_url(checkpoint_url: str) -> str:
+    """The shared tile directory of the checkpoint at ``checkpoint_url``: beside it, in its parent.
+
+    Example:
+        >>> shared_tiles_url("s3://bucket/run/step-00000100/")
+        's3://bucket/run/.tessera-tiles'
+        >>> shared_tiles_url("step-00000100")
+        '.tessera-tiles'
+    """
+    url = checkpoint_url.rstrip("/")
+    head, sep, name = url.rpartition("/")
+    if not sep:
+        if ":" in url:
+            raise ValueError(f"{checkpoint_url!r} has no parent directory to hold shared tiles")
+        return SHARED_TILES_DIR
+    if not name or head.endswith(":/") or head.endswith(":"):
+        raise ValueError(f"{checkpoint_url!r} has no parent directory to hold shared tiles")
+    return f"{head}/{SHARED_TILES_DIR}"
 
 
 def strip_prefix(names: Iterable[str], prefix: str | None) -> dict[str, str]:

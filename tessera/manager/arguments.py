@@ -39,6 +39,7 @@ def check_arguments(
     local_keep_last: int,
     local_replicas: int | None,
     local_dir: str | None,
+    dedup: bool = False,
 ) -> LocalTierArguments:
     """Check :class:`~tessera.CheckpointManager`'s arguments and resolve a ``tier::`` root.
 
@@ -69,6 +70,11 @@ def check_arguments(
             local_dir = default_memory_root(root)
     if local_dir is not None and (not isinstance(local_dir, str) or "://" in local_dir or not local_dir):
         raise ValueError(f"CheckpointManager({root!r}): local_dir must be a local directory path, got {local_dir!r}")
+    if dedup and local_dir is not None:
+        raise ValueError(
+            f"CheckpointManager({root!r}): dedup=True applies to saves under root and cannot be combined "
+            "with a local tier (local_dir or a 'tier::' root) yet; choose one"
+        )
     return LocalTierArguments(root, local_dir, local_replicas, warn_single_node)
 
 

@@ -28,6 +28,7 @@ from .policies import SaveDecider, SavePolicy
 from .preemption import PreemptionHandler
 from .resume import StepLoader, StepLoadResult
 from .retention import Retention
+from .shared_tiles import SharedTiles
 from .steps import StepDirectory, check_step
 from .tiered import TieredRoute
 
@@ -69,6 +70,9 @@ class CheckpointManager:
             rank is preempted, :meth:`should_save` says True, the next :meth:`save` is
             synchronous and durable, then :attr:`reached_preemption` is True.
         preemption_signal: the signal that means preemption (default SIGTERM).
+        dedup: write only the tiles that changed since the previous step; unchanged ones are
+            referenced in ``<root>/.tessera-tiles``, and every step still loads on its own.
+            Not with ``local_dir``. See ``docs/incremental.md``.
 
     Raises:
         ValueError: for ``keep_last``, ``keep_every``, ``durable_every`` or ``local_keep_last``
@@ -109,6 +113,7 @@ class CheckpointManager:
         save_policy: SavePolicy | None = None,
         preemption: bool | PreemptionHandler = False,
         preemption_signal: int = signal.SIGTERM,
+        dedup: bool = False,
     ) -> None:
         root, local_dir, local_replicas, warn_single_node = check_arguments(
             root,
@@ -118,6 +123,7 @@ class CheckpointManager:
             local_keep_last=local_keep_last,
             local_replicas=local_replicas,
             local_dir=local_dir,
+            dedup=dedup,
         )
         tier = (
             LocalTier(
@@ -144,6 +150,7 @@ class CheckpointManager:
             allow_pickle=allow_pickle,
             save_options=save_options,
             retention_before_save=retention_before_save,
+            shared=SharedTiles(self._steps) if dedup else None,
         )
         self._tiered = TieredRoute(tier, self._direct) if tier is not None else None
         self._loader = StepLoader(self._steps, tier, local_dir)
@@ -291,7 +298,9 @@ class CheckpointManager:
         Example:
             >>> mgr.apply_retention(making_room_for=step)  # the disk is tight
         """
-        return self._retention.apply(making_room_for=making_room_for)
+        deleted = self._retention.apply(making_room_for=making_room_for)
+        self._direct.collect_shared()
+        return deleted
 
     def should_save(self, step: int) -> bool:
         """Whether to save at ``step``: ``save_policy``, or a preemption any rank received.
@@ -428,6 +437,8 @@ class CheckpointManager:
         finally:
             if self._tiered is not None:
                 self._tiered.tier.wait_deletions()
+            if self._direct.shared is not None:
+                self._direct.shared.close()
 
     def __enter__(self) -> CheckpointManager:
         return self

@@ -14,13 +14,14 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
-from .. import api
 from ..engine import dist
+from ..engine.saving import SaveRequest, start_save
 from ..options import SaveOptions
 from ..results import PendingSave, SaveResult
 from ..storage import Storage
 from .background import BackgroundSaves
 from .retention import Retention
+from .shared_tiles import SharedTiles
 from .steps import LATEST_NAME, StepDirectory, close_store
 
 __all__ = ["DirectRoute"]
@@ -42,6 +43,8 @@ class DirectRoute:
         allow_pickle: store values that need pickle.
         save_options: passed to every save.
         retention_before_save: rank 0 applies retention before each save, making room for it.
+        shared: the root's shared tile directory (``dedup=True``): saves reference unchanged
+            tiles there, and rank 0 collects what no step uses any more after retention.
     """
 
     def __init__(
@@ -54,6 +57,7 @@ class DirectRoute:
         allow_pickle: bool,
         save_options: SaveOptions | None,
         retention_before_save: bool,
+        shared: SharedTiles | None = None,
     ) -> None:
         self.steps = steps
         self.retention = retention
@@ -62,6 +66,7 @@ class DirectRoute:
         self.allow_pickle = allow_pickle
         self.save_options = save_options
         self.retention_before_save = retention_before_save
+        self.shared = shared
 
     def save(
         self, step: int, state: object, in_background: bool, world: dist.World, t0: float, waited: float
@@ -87,7 +92,8 @@ class DirectRoute:
                 self.retention.apply(making_room_for=step)
             except Exception as e:
                 logger.warning("retention before saving step %d under %s failed: %s", step, self.steps.root, e)
-        return self.run(step, url, state, store, in_background, lambda: self.after_commit(step, world), t0, waited)
+        then = lambda: self.after_commit(step, world)  # noqa: E731
+        return self.run(step, url, state, store, in_background, then, t0, waited, dedup=self.shared is not None)
 
     def run(
         self,
@@ -99,29 +105,37 @@ class DirectRoute:
         then: Callable[[], None],
         t0: float,
         waited: float,
+        *,
+        dedup: bool = False,
     ) -> SaveResult | PendingSave:
         """Save ``state`` to ``path`` through ``store``, then call ``then()`` once it is committed.
 
         Retention spares ``step`` until the save is over, and ``store`` is released either way.
         Synchronous, or (``in_background``) the save runs as ``async_save`` and ``then`` in the
-        manager's thread; errors of either reach the returned PendingSave.
+        manager's thread; errors of either reach the returned PendingSave. With ``dedup`` the
+        save references unchanged tiles in the root's shared tile directory.
         """
         self.retention.hold(step)
-        kwargs: dict[str, Any] = {
-            "process_group": self.process_group,
-            "storage": store,
-            "allow_pickle": self.allow_pickle,
-            "options": self.save_options,
-        }
+        shared = self.shared.for_save() if dedup and self.shared is not None else None
+        request = SaveRequest(
+            path,
+            state,
+            self.process_group,
+            store,
+            self.allow_pickle,
+            self.save_options,
+            background=in_background,
+            dedup=shared,
+        )
         if not in_background:
             try:
-                result = api.save(path, state, **kwargs)
+                result = start_save(request).wait()
                 then()
             finally:
                 self._forget(step, store)
             return result
         try:
-            inner = api.async_save(path, state, **kwargs)
+            inner = start_save(request)
         except BaseException:
             self._forget(step, store)
             raise
@@ -169,3 +183,13 @@ class DirectRoute:
             self.retention.retain(step, found)
         except Exception as e:
             logger.warning("retention under %s failed after step %d: %s", root, step, e)
+        self.collect_shared()
+
+    def collect_shared(self) -> None:
+        """Rank 0, after retention: remove the shared tiles no step uses any more (logged, never raised)."""
+        if self.shared is None:
+            return
+        try:
+            self.shared.collect()
+        except Exception as e:
+            logger.warning("collecting shared tiles under %s failed: %s", self.steps.root, e)

@@ -140,6 +140,20 @@ class Storage(Protocol):
 
 
 @runtime_checkable
+class Reopens(Protocol):
+    """A backend that can open the same kind of storage, with the same options, at another URL.
+
+    Used to reach the shared tile directory beside a checkpoint (``CheckpointManager(dedup=True)``)
+    from the checkpoint's own backend, so a step loads through ``tessera.load`` with nothing else
+    configured. A backend without it cannot load steps that share tiles.
+    """
+
+    def reopen(self, url: str) -> Storage:
+        """A backend bound to ``url``, configured as this one (credentials, durability, retries)."""
+        ...
+
+
+@runtime_checkable
 class CommitStorage(ConditionalPublish, ListsSizes, SyncsDirs, Protocol):
     """The optional methods the commit protocol uses when a backend has them (docs/guarantees.md).
 

@@ -17,6 +17,8 @@ Who uses what, in the order a save and a load meet them:
 - :class:`Uncommits` (rank 0, manager retention): withdraw a manifest under the fence.
 - :class:`MapsRanges` (every rank, load): zero-copy reads from a memory map.
 - :class:`Closable` (manager, CLI): release descriptors.
+- :class:`~tessera.storage.base.Reopens` (saves and loads of steps that share tiles): the shared
+  tile directory (declared beside ``Storage``, since it returns one).
 
 Note that ``isinstance`` against a runtime protocol checks that the members exist, not their
 signatures; :func:`tessera.engine.commit` inspects the one optional keyword it relies on (``owner``).

@@ -111,6 +111,7 @@ class FsspecStorage:
         self.max_concurrency = int(max_concurrency)
         self.retry = retry or RetryOptions()
         options = dict(storage_options or {})
+        self._options = dict(options)
         self._s3: S3Objects | None = None
         if protocol in ("s3", "s3a"):
             self.fs = s3_filesystem(options)
@@ -141,6 +142,12 @@ class FsspecStorage:
 
     def __repr__(self) -> str:
         return f"FsspecStorage({self.url!r})"
+
+    def reopen(self, url: str) -> FsspecStorage:
+        """:class:`~tessera.storage.base.Reopens`: the same filesystem options, part size and retries at ``url``."""
+        return FsspecStorage(
+            url, self._options, part_size=self.part_size, max_concurrency=self.max_concurrency, retry=self.retry
+        )
 
     # -- Storage protocol --------------------------------------------------------------------------
 

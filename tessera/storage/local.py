@@ -38,6 +38,10 @@ class FileStorage(LocalFiles):
             against power loss or a kernel crash.
     """
 
+    def reopen(self, url: str) -> FileStorage:
+        """:class:`~tessera.storage.base.Reopens`: a directory at ``url`` with the same durability."""
+        return FileStorage(url, durable=self.durable)
+
     def write_file(self, path: str, chunks: Iterable[Buffer]) -> None:
         """Create ``path`` from ``chunks``; durable (fsync) on return when ``durable``.
 

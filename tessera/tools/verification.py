@@ -19,12 +19,13 @@ import numpy as np
 from .. import _knobs
 from ..engine.file_checks import check_file, tiles_by_file, unreferenced_files
 from ..engine.loading.manifest import read_bytes
-from ..errors import CoverageError, ManifestError, PickleNotAllowedError
+from ..errors import CheckpointError, CoverageError, ManifestError, PickleNotAllowedError
 from ..format.geometry import Box, check_box_coverage
 from ..format.manifest import MANIFEST_NAME, Manifest, decode
 from ..format.values import decode_value
 from ..results import Problem, ProblemKind, VerifyReport
 from ..storage import Storage, storage_for
+from ..storage.shared_tiles import with_shared_tiles
 
 __all__ = ["Problem", "ProblemKind", "VerifyReport", "verify"]
 
@@ -89,6 +90,12 @@ def verify(path: str, *, storage: Storage | None = None, threads: int | None = N
             path, None, (Problem(ProblemKind.MANIFEST, msg, file=MANIFEST_NAME),), seconds=time.monotonic() - t0
         )
 
+    try:
+        store = with_shared_tiles(store, manifest, path)
+    except CheckpointError as e:
+        return VerifyReport(
+            path, None, (Problem(ProblemKind.READ, str(e), file=MANIFEST_NAME),), seconds=time.monotonic() - t0
+        )
     problems: list[Problem] = []
     problems += _check_coverage(manifest)
     pickled = _check_values(manifest, problems)

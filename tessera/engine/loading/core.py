@@ -22,6 +22,7 @@ from ...format.names import LOAD_TIMINGS_DIR
 from ...options import LoadOptions
 from ...results import LoadResult
 from ...storage import Storage, storage_for
+from ...storage.shared_tiles import with_shared_tiles
 from .. import dist
 from ..dist import World
 from ..flat_state import FlatState, flatten, restore_values
@@ -93,8 +94,8 @@ def load(
     data = dist.collective_step(
         world, f"reading {path}/{MANIFEST_NAME}", open_storage, lambda g: manifest_bytes(g, stores, path)
     )
-    store = stores[0]
     manifest = decode(data, source=f"{path}/{MANIFEST_NAME}")
+    store = with_shared_tiles(stores[0], manifest, path)
     timer.mark("metadata")
     plan = _plan_load(
         world, manifest, state, path, strict=strict, cast=cast_dtypes, allow_pickle=allow_pickle, opts=opts

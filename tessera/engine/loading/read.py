@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 import xxhash
 
-from ...errors import CorruptCheckpointError, StorageError
+from ...errors import CorruptCheckpointError, MissingTilesError, StorageError
 from ...format.dtypes import ALIGN, as_bytes, itemsize
 from ...format.geometry import row_major_strides
 from ...format.manifest import Manifest
@@ -152,6 +152,8 @@ class Reader:
 
     def _read_error(self, req: ReadRequest, e: OSError) -> CorruptCheckpointError:
         """The error for a failed read, naming the rank, the file and the tensors."""
+        if isinstance(e, MissingTilesError):
+            return MissingTilesError(f"rank {self.rank}: tensor(s) {_names(req)}: {e}")
         if isinstance(e, FileNotFoundError) and not isinstance(e, StorageError):
             return CorruptCheckpointError(
                 f"rank {self.rank}: data file {self._file(req.file)} of tensor(s) {_names(req)} is missing from the checkpoint"

@@ -38,10 +38,12 @@ def build_manifest(
     """The manifest of a save whose ranks reported ``reports`` (rank ``r`` at index ``r``)."""
     cols = {m.fqn: _Columns() for m in metas}
     files: list[FileEntry] = []
+    index: dict[str, int] = {}  # under dedup, several ranks may reference one stored file
     for rank, rep in enumerate(reports):
         for f in rep.files:
-            fi = len(files)
-            files.append(FileEntry(f.path, rank, f.nbytes))
+            fi = index.setdefault(f.path, len(files))
+            if fi == len(files):
+                files.append(FileEntry(f.path, rank, f.nbytes))
             for fqn, offsets, lengths, byte_offset, sums in zip(
                 f.fqns, f.offsets, f.lengths, f.byte_offsets, f.checksums
             ):

@@ -26,6 +26,7 @@ from .. import commit, dist
 from ..commit import Claim
 from ..dist import Gathered, World
 from ..timing import PhaseTimer
+from . import dedup
 from .assemble import build_manifest
 from .handoff import CommitOutcome, FileReport, PreparedSave, RankReport
 from .sources import Staged
@@ -63,14 +64,18 @@ def finish_save(
     """
     tiles: list[Staged] = []
 
-    def stage_locally() -> None:
+    def stage_locally() -> str | None:
         tiles.append(staged())
+        return dedup.base_of(save)  # under dedup, rank 0 pins what the ranks may reference
 
-    claim = dist.collective_step(world, f"saving checkpoint {save.path}", stage_locally, lambda g: _claim(g, save))
+    claim, share = dist.collective_step(
+        world, f"saving checkpoint {save.path}", stage_locally, lambda g: _claim(g, save)
+    )
     written: list[WrittenFile] = []
+    reports: list[FileReport] = []
 
     def write_locally() -> RankReport:
-        written.extend(_write(world, save, tiles[0]))
+        written.extend(_write(world, save, tiles[0], share, reports))
         if verdict is not None:
             verdict()
         timer.mark("write")
@@ -79,7 +84,7 @@ def finish_save(
         timings: dict[str, float] = {**timer.phases, "bytes": sum(w.nbytes for w in written)}
         if timer.stall is not None:
             timings["stall"] = timer.stall
-        return RankReport(files=tuple(FileReport.of(w) for w in written), values=save.values, timings=timings)
+        return RankReport(files=tuple(reports), values=save.values, timings=timings)
 
     committing = False  # rank 0 reached the commit (it then cleans up a failure itself)
 
@@ -95,12 +100,14 @@ def finish_save(
             # The exchange itself failed (a rank died or hangs): nothing was published, so
             # rank 0 removes the save's files and marker, as it would for a reported failure.
             commit.abandon(save.store, claim, [w.path for w in written], save.path)
+            dedup.abandon(save)
         # Other ranks keep their files: the exchange failing does not tell them whether rank 0
         # published the manifest before it died, and removing files a committed manifest
         # names would corrupt the checkpoint. If the save did not commit, its files are under
         # data/<save id>/ with its owner marker, and the next commit at the path removes them.
         raise
     timer.mark("commit")
+    dedup.committed(save, reports, outcome)
     my_bytes = sum(w.nbytes for w in written)
     if world.is_coordinator:
         logger.info(
@@ -112,24 +119,42 @@ def finish_save(
     )
 
 
-def _claim(gathered: Gathered[None], save: PreparedSave) -> Claim | None:
-    """Rank 0: claim the path once every rank has staged (see :mod:`tessera.engine.commit`)."""
+def _claim(gathered: Gathered[str | None], save: PreparedSave) -> tuple[Claim, bool] | None:
+    """Rank 0: claim the path once every rank has staged (see :mod:`tessera.engine.commit`).
+
+    Returns:
+        the claim, and whether the ranks may reference stored tiles (under dedup).
+    """
     if not gathered.ok:
         return None  # nobody claimed, nobody writes: nothing to clean up
-    return commit.claim(save.store, save.save_id)
+    share = dedup.pin(save, gathered.all())
+    try:
+        return commit.claim(save.store, save.save_id), share
+    except BaseException:
+        dedup.unpin(save)
+        raise
 
 
-def _write(world: World, save: PreparedSave, staged: Staged) -> list[WrittenFile]:
-    """The write stage of this rank. Raises StorageError naming the rank for any non-tessera error."""
-    prefix = f"{DATA_DIR}/{save.save_id}"
-    request = WriteRequest(
-        files=tuple(FileWrite(f"{prefix}/{lay.name}", lay, st) for lay, st in zip(save.plan.layouts, staged)),
-        chunk_bytes=save.options.chunk_bytes,
-        threads=save.options.io_threads,
-    )
+def _write(
+    world: World, save: PreparedSave, staged: Staged, share: bool, reports: list[FileReport]
+) -> list[WrittenFile]:
+    """The write stage of this rank (``reports`` receives what the manifest will list).
+
+    Raises StorageError naming the rank for any non-tessera error.
+    """
     write = write_tiles_in_process if save.options.writer is WriterMode.PROCESS else write_tiles
     try:
-        return write(save.store, request)
+        if save.dedup is not None:
+            return dedup.write_shared(save, staged, share, write, reports)
+        prefix = f"{DATA_DIR}/{save.save_id}"
+        request = WriteRequest(
+            files=tuple(FileWrite(f"{prefix}/{lay.name}", lay, st) for lay, st in zip(save.plan.layouts, staged)),
+            chunk_bytes=save.options.chunk_bytes,
+            threads=save.options.io_threads,
+        )
+        written = write(save.store, request)
+        reports.extend(FileReport.of(w) for w in written)
+        return written
     except CheckpointError:
         raise
     except Exception as e:
@@ -149,6 +174,7 @@ def _commit(gathered: Gathered[RankReport], save: PreparedSave, claim: Claim) ->
     if not gathered.ok:
         files = [w.path for rep in gathered.payloads if rep is not None for w in rep.files]
         commit.abandon(save.store, claim, files, save.path)
+        dedup.abandon(save)
         lost = commit.superseded(save.store, claim, save.path)
         if lost is not None:
             raise lost
@@ -156,10 +182,17 @@ def _commit(gathered: Gathered[RankReport], save: PreparedSave, claim: Claim) ->
     reports = gathered.all()
     assert save.plan.metas is not None  # rank 0 holds the global tensor table
     try:
-        manifest = build_manifest(len(reports), save.plan.metas, reports, save.save_id, save.options)
+        manifest = dedup.annotate(
+            save, build_manifest(len(reports), save.plan.metas, reports, save.save_id, save.options)
+        )
+        dedup.check_shared(save, manifest)
     except BaseException:
         commit.abandon(save.store, claim, [w.path for rep in reports for w in rep.files], save.path)
+        dedup.abandon(save)
         raise
-    commit.commit_manifest(save.store, claim, manifest, save.path)
+    try:
+        commit.commit_manifest(save.store, claim, manifest, save.path)
+    finally:
+        dedup.unpin(save)  # committed: the manifest protects its tiles; failed: collection may take them
     timings = {r: rep.timings for r, rep in enumerate(reports)}
-    return CommitOutcome(sum(f.nbytes for f in manifest.files), timings)
+    return CommitOutcome(dedup.bytes_written(save, manifest), timings, dedup.dirs_of(save, manifest))

@@ -20,6 +20,7 @@ from ...options import SaveOptions
 from ...storage import Storage
 from ..flat_state import FlatState
 from .plan import RankPlan, TensorMeta
+from .tile_index import Dedup
 from .write import WrittenFile
 
 
@@ -43,6 +44,8 @@ class SaveRequest:
     """Backend options when ``storage`` is None."""
     background: bool = False
     """Write and commit in a background thread (``async_save``)."""
+    dedup: Dedup | None = None
+    """Write into a root's shared tile directory, referencing unchanged tiles (the manager's ``dedup``)."""
 
 
 @dataclass(frozen=True)
@@ -101,6 +104,7 @@ class PreparedSave:
     flat: FlatState
     values: EncodedValues
     options: SaveOptions
+    dedup: Dedup | None = None
 
 
 @dataclass(frozen=True)
@@ -122,11 +126,12 @@ class FileReport:
     """Each tile's chunk checksums (xxh3-64), in order."""
 
     @classmethod
-    def of(cls, written: WrittenFile) -> FileReport:
-        """The report of a file :func:`tessera.engine.saving.write.write_tiles` wrote."""
+    def of(cls, written: WrittenFile, path: str | None = None) -> FileReport:
+        """The report of a file :func:`tessera.engine.saving.write.write_tiles` wrote (as ``path``
+        in the manifest, when it differs from where it was written)."""
         tiles = written.tiles
         return cls(
-            path=written.path,
+            path=written.path if path is None else path,
             nbytes=written.nbytes,
             fqns=tuple(t.fqn for t in tiles),
             offsets=tuple(t.box.offsets for t in tiles),
@@ -141,7 +146,7 @@ class RankReport:
     """What one rank tells rank 0 once its data files are written."""
 
     files: tuple[FileReport, ...]
-    """The files this rank wrote, with their tiles and checksums."""
+    """The files this rank wrote (or, under dedup, references), with their tiles and checksums."""
     values: EncodedValues
     timings: dict[str, float]
     """The rank's phase durations and byte count."""
@@ -152,4 +157,7 @@ class CommitOutcome:
     """What rank 0 announces once the manifest is published."""
 
     total_bytes: int
+    """Bytes the save wrote (referenced shared tiles excluded)."""
     rank_timings: dict[int, dict[str, float]]
+    shared_dirs: frozenset[str] = frozenset()
+    """Under dedup: every shared directory the manifest references (what the next save pins)."""

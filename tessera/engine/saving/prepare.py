@@ -70,7 +70,9 @@ def prepare(
     cached = plan is not None and len({r.plan_id for r in reports}) == 1
     if plan is None or not cached:
         plan = _plan(world, ctx, mine.local_plan, opts)
-    return PreparedSave(request.path, mine.store, save_id, plan, cached, mine.flat, mine.values, opts)
+    return PreparedSave(
+        request.path, mine.store, save_id, plan, cached, mine.flat, mine.values, opts, dedup=request.dedup
+    )
 
 
 def _encode_values(flat: FlatState, allow_pickle: bool) -> EncodedValues:

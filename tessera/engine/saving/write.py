@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import xxhash
@@ -33,6 +33,8 @@ class FileWrite:
     layout: FileLayout
     tiles: Sequence[torch.Tensor]
     """Host byte views (1-D uint8), in ``layout.slots`` order."""
+    known_sums: Mapping[int, tuple[int, ...]] = field(default_factory=dict)
+    """Chunk checksums already computed for some slots (by index): not computed again."""
 
 
 @dataclass(frozen=True)
@@ -85,17 +87,25 @@ def _write_one(
     staged: Sequence[torch.Tensor],
     chunk_bytes: int,
     progress: Progress | None = None,
+    known_sums: Mapping[int, tuple[int, ...]] | None = None,
 ) -> WrittenFile:
     t0 = time.monotonic()
     tiles: list[WrittenTile] = []
+    known = known_sums or {}
 
     def chunks() -> Iterator[memoryview | bytes]:
         yield layout.header
-        for slot, data in zip(layout.slots, staged):
+        for i, (slot, data) in enumerate(zip(layout.slots, staged)):
             view = data.numpy().data if data.numel() else memoryview(b"")
-            sums = []
-            for c, h in checksum_chunks(view, chunk_bytes):
-                sums.append(h)
+            sums = list(known.get(i, ()))
+            pieces = (
+                ((view[j : j + chunk_bytes], 0) for j in range(0, len(view), chunk_bytes))
+                if i in known
+                else checksum_chunks(view, chunk_bytes)
+            )
+            for c, h in pieces:
+                if i not in known:
+                    sums.append(h)
                 yield c
                 if progress is not None:  # the backend asked for the next chunk: it took this one
                     progress(len(c))
@@ -145,11 +155,14 @@ def write_tiles(storage: Storage, request: WriteRequest, progress: Progress | No
         return []
     try:
         if len(files) == 1 or threads == 1:
-            written = [_write_one(storage, f.path, f.layout, f.tiles, chunk_bytes, progress) for f in files]
+            written = [
+                _write_one(storage, f.path, f.layout, f.tiles, chunk_bytes, progress, f.known_sums) for f in files
+            ]
         else:
             with ThreadPoolExecutor(max_workers=min(threads, len(files)), thread_name_prefix="tessera-write") as pool:
                 futures = [
-                    pool.submit(_write_one, storage, f.path, f.layout, f.tiles, chunk_bytes, progress) for f in files
+                    pool.submit(_write_one, storage, f.path, f.layout, f.tiles, chunk_bytes, progress, f.known_sums)
+                    for f in files
                 ]
                 written = [f.result() for f in futures]
         if isinstance(storage, SyncsDirs):

@@ -1,0 +1,262 @@
+"""Cross-step dedup: reference tiles already committed under the root instead of writing them again.
+
+With ``CheckpointManager(dedup=True)`` every save writes its data files into the root's
+shared tile directory (``<root>/.tessera-tiles/<save id>/``), and a tile whose bytes equal
+the tile at the same place (tensor name and box) of the step the save builds on is not
+written: the new manifest references the stored copy (``@tiles/<save id>/<file>``), so every
+step stays complete on its own.
+
+Equality is decided on the staged bytes, never on ``requires_grad``: the tile's xxh3-64
+chunk checksums (those the manifest records anyway) are compared with the stored tile's,
+chunk by chunk, stopping at the first difference. A tile that changed therefore costs one
+extra chunk hash, and one that did not is hashed once and not written.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ...errors import CommitCheckError
+from ...format.dtypes import dtype_from_name, dtype_name, itemsize
+from ...format.manifest import Manifest
+from ...format.names import SHARED_REF, is_shared_ref
+from ...format.tilefile import FileLayout, TileSlot, layout_file
+from ...storage import Storage
+from ...storage.capabilities import ListsSizes
+from ..tile_pins import remove_pin, write_pin
+from .handoff import CommitOutcome, FileReport, PreparedSave
+from .tile_index import StoredTile, TileIndex, TileKey, shared_dir
+from .write import FileWrite, WriteRequest, WrittenFile, checksum_chunks
+
+__all__ = ["SharedWrites", "next_index", "shared_reports", "split_writes"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SharedWrites:
+    """A rank's write stage under dedup: the files to write and the tiles referenced instead."""
+
+    files: tuple[FileWrite, ...]
+    """New data files, at paths relative to the shared tile directory (``<save id>/<file>``)."""
+    referenced: tuple[FileReport, ...]
+    """Stored tiles used as they are, one report per stored file."""
+
+
+def split_writes(
+    save_id: str,
+    layouts: Sequence[FileLayout],
+    staged: Sequence[Sequence[torch.Tensor]],
+    index: TileIndex | None,
+    chunk_bytes: int,
+) -> SharedWrites:
+    """Decide, tile by tile, what to write and what to reference (hashing the staged bytes)."""
+    if index is not None and index.chunk_bytes != chunk_bytes:
+        index = None  # checksums of another granularity cannot be compared
+    files: list[FileWrite] = []
+    refs: dict[str, list[tuple[TileSlot, StoredTile]]] = defaultdict(list)
+    for layout, views in zip(layouts, staged):
+        keep: list[tuple[TileSlot, torch.Tensor, tuple[int, ...] | None]] = []
+        for slot, view in zip(layout.slots, views):
+            stored = None if index is None else index.tiles.get((slot.fqn, slot.box.offsets, slot.box.lengths))
+            if stored is None or stored.nbytes != slot.nbytes or stored.dtype != dtype_name(slot.dtype):
+                keep.append((slot, view, None))
+                continue
+            same, sums = _compare(view, stored.checksums, chunk_bytes)
+            if same:
+                refs[stored.path].append((slot, stored))
+            else:
+                keep.append((slot, view, sums))
+        if not keep:
+            continue
+        new = layout_file(layout.name, [(s.fqn, s.box, s.dtype) for s, _, _ in keep])
+        by_place = {(s.fqn, s.box): (v, sums) for s, v, sums in keep}
+        views_in_order = tuple(by_place[(s.fqn, s.box)][0] for s in new.slots)
+        known = {j: sums for j, s in enumerate(new.slots) if (sums := by_place[(s.fqn, s.box)][1]) is not None}
+        files.append(FileWrite(f"{save_id}/{layout.name}", new, views_in_order, known))
+    return SharedWrites(tuple(files), tuple(_report(p, pairs) for p, pairs in refs.items()))
+
+
+def _compare(view: torch.Tensor, stored: tuple[int, ...], chunk_bytes: int) -> tuple[bool, tuple[int, ...] | None]:
+    """Whether ``view``'s chunk checksums equal ``stored``; all of its checksums if they were computed."""
+    data = view.numpy().data if view.numel() else memoryview(b"")
+    sums = []
+    for i, (_, h) in enumerate(checksum_chunks(data, chunk_bytes)):
+        if i >= len(stored) or h != stored[i]:
+            return False, None
+        sums.append(h)
+    if len(sums) != len(stored):
+        return False, None
+    return True, tuple(sums)
+
+
+def _report(path: str, pairs: list[tuple[TileSlot, StoredTile]]) -> FileReport:
+    return FileReport(
+        path=path,
+        nbytes=pairs[0][1].file_nbytes,
+        fqns=tuple(s.fqn for s, _ in pairs),
+        offsets=tuple(s.box.offsets for s, _ in pairs),
+        lengths=tuple(s.box.lengths for s, _ in pairs),
+        byte_offsets=tuple(t.byte_offset for _, t in pairs),
+        checksums=tuple(t.checksums for _, t in pairs),
+    )
+
+
+def shared_reports(written: Iterable[WrittenFile]) -> tuple[FileReport, ...]:
+    """Reports of files written into the shared tile directory, with their manifest references."""
+    return tuple(FileReport.of(w, path=SHARED_REF + w.path) for w in written)
+
+
+def next_index(
+    save_id: str,
+    url: str,
+    chunk_bytes: int,
+    reports: Iterable[FileReport],
+    dtypes: Mapping[str, str],
+    dirs: frozenset[str],
+) -> TileIndex:
+    """This rank's index for the next save: every tile it wrote or referenced in this one."""
+    tiles: dict[TileKey, StoredTile] = {}
+    for r in reports:
+        for fqn, offs, lens, bo, sums in zip(r.fqns, r.offsets, r.lengths, r.byte_offsets, r.checksums):
+            dtype = dtypes[fqn]
+            nbytes = math.prod(lens) * itemsize(dtype_from_name(dtype))
+            tiles[(fqn, offs, lens)] = StoredTile(r.path, dtype, bo, nbytes, sums, r.nbytes)
+    return TileIndex(url, save_id, chunk_bytes, tiles, dirs | {shared_dir(r.path) for r in reports})
+
+
+# -- The steps of :mod:`.finish` under dedup (each a no-op without it) ---------------------------
+
+
+def base_of(save: PreparedSave) -> str | None:
+    """Every rank, staging: the save id its references would come from (None: none)."""
+    d = save.dedup
+    return d.index.base_save_id if d is not None and d.index is not None else None
+
+
+def pin(save: PreparedSave, bases: Sequence[str | None]) -> bool:
+    """Rank 0, before the claim: pin the save's directories, then decide whether ranks may reference.
+
+    Ranks reference stored tiles only if they all build on one base save and that save is
+    still committed *after* the pin exists (the order a concurrent collection relies on).
+    """
+    d = save.dedup
+    if d is None:
+        return False
+    index = d.index
+    write_pin(d.tiles, save.save_id, save.path, index.dirs if index is not None else frozenset())
+    if index is None or set(bases) != {index.base_save_id}:
+        if index is not None:
+            logger.info(
+                "%s: ranks build on different saves (%s); writing every tile", save.path, sorted(map(str, set(bases)))
+            )
+        return False
+    try:
+        return d.still_committed(index)
+    except Exception as e:
+        logger.warning(
+            "%s: cannot tell whether %s is still committed (%s); writing every tile", save.path, index.base_url, e
+        )
+        return False
+
+
+def unpin(save: PreparedSave) -> None:
+    """Rank 0, once the save committed or failed."""
+    if save.dedup is not None:
+        remove_pin(save.dedup.tiles, save.save_id)
+
+
+def write_shared(
+    save: PreparedSave,
+    staged: Sequence[Sequence[torch.Tensor]],
+    share: bool,
+    write: Callable[[Storage, WriteRequest], list[WrittenFile]],
+    reports: list[FileReport],
+) -> list[WrittenFile]:
+    """Every rank: write the tiles that changed into the shared directory; report them and the references."""
+    d = save.dedup
+    assert d is not None
+    split = split_writes(save.save_id, save.plan.layouts, staged, d.index if share else None, save.options.chunk_bytes)
+    written = write(d.tiles, WriteRequest(split.files, save.options.chunk_bytes, save.options.io_threads))
+    reports.extend(shared_reports(written))
+    reports.extend(split.referenced)
+    return written
+
+
+def abandon(save: PreparedSave) -> None:
+    """Rank 0, for a save that will not commit: remove its new shared files and its pin. Never raises."""
+    d = save.dedup
+    if d is None:
+        return
+    try:
+        d.tiles.delete(d.tiles.list(save.save_id))
+    except Exception as e:
+        logger.warning("could not remove the shared files of a failed save of %s: %s", save.path, e)
+    remove_pin(d.tiles, save.save_id)
+
+
+def annotate(save: PreparedSave, manifest: Manifest) -> Manifest:
+    """Under dedup, record where the step was saved (``saved_at``): a copy made by hand names it in errors."""
+    if save.dedup is None:
+        return manifest
+    return dataclasses.replace(manifest, metadata={**manifest.metadata, "saved_at": save.path})
+
+
+def check_shared(save: PreparedSave, manifest: Manifest) -> None:
+    """Rank 0, before publishing: every shared file the manifest references exists with its size.
+
+    Raises:
+        CommitCheckError: naming the missing or wrong-sized files.
+    """
+    d = save.dedup
+    shared = {f.path: f for f in manifest.files if is_shared_ref(f.path)}
+    if d is None or not shared:
+        return
+    found: dict[str, int] = {}
+    for sid in sorted({shared_dir(p) for p in shared}):
+        sizes = (
+            d.tiles.file_sizes(sid)
+            if isinstance(d.tiles, ListsSizes)
+            else {p: d.tiles.size(p) for p in d.tiles.list(sid)}
+        )
+        found.update({SHARED_REF + p: n for p, n in sizes.items()})
+    problems = [
+        f"{p}: {'missing' if found.get(p) is None else f'{found[p]} bytes instead of {f.nbytes}'}"
+        for p, f in sorted(shared.items())
+        if found.get(p) != f.nbytes
+    ]
+    if problems:
+        raise CommitCheckError(
+            f"not committing {save.path}: {len(problems)} shared tile file(s) under {d.tiles.url} are not as the "
+            f"manifest would reference them: {'; '.join(problems[:5])}{' ...' if len(problems) > 5 else ''}. "
+            "Was the shared tile directory changed by hand or by a job that ignores pins? The previous checkpoint is unchanged"
+        )
+
+
+def bytes_written(save: PreparedSave, manifest: Manifest) -> int:
+    """Bytes of the files this save wrote: those of its manifest minus the shared tiles it references."""
+    own = SHARED_REF + save.save_id + "/"
+    return sum(f.nbytes for f in manifest.files if not is_shared_ref(f.path) or f.path.startswith(own))
+
+
+def dirs_of(save: PreparedSave, manifest: Manifest) -> frozenset[str]:
+    """The shared directories ``manifest`` references (empty without dedup)."""
+    if save.dedup is None:
+        return frozenset()
+    return frozenset(shared_dir(f.path) for f in manifest.files if is_shared_ref(f.path))
+
+
+def committed(save: PreparedSave, reports: Sequence[FileReport], outcome: CommitOutcome) -> None:
+    """Every rank, once the save committed: hand the manager this rank's index for the next save."""
+    d = save.dedup
+    if d is None:
+        return
+    dtypes = {m.fqn: m.dtype for m in save.plan.rank_plan.metas}
+    d.committed(next_index(save.save_id, save.path, save.options.chunk_bytes, reports, dtypes, outcome.shared_dirs))

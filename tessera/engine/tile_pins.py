@@ -1,0 +1,90 @@
+"""Pins: what a save in flight may reference in a root's shared tile directory.
+
+A save with dedup (``CheckpointManager(dedup=True)``) references tiles that earlier steps
+committed, and writes its own new tiles under ``<save id>/`` of the shared tile directory.
+Neither is protected by a committed manifest until the save commits, so before any rank
+writes, rank 0 *pins* them: ``.pins/<save id>`` names the save's own directory and every
+directory its ranks may reference. Garbage collection (:mod:`tessera.manager.shared_tiles`)
+never removes a pinned directory; the pin goes once the save committed or failed.
+
+The order of operations is what makes this safe against a collection running at the same
+time in another process (docs/guarantees.md, "Shared tiles"): a save pins *before* it
+checks that the step it takes its references from is still committed; a collection lists
+committed manifests *before* it lists pins.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass
+
+from ..format.names import PINS_DIR
+from ..storage import Storage
+
+__all__ = ["Pin", "read_pins", "remove_pin", "write_pin"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Pin:
+    """A save in flight and the shared directories it may use.
+
+    Attributes:
+        save_id: the save (its own new tiles go under ``<save_id>/``).
+        checkpoint: where the save commits (its step directory).
+        dirs: directories (save ids) of tiles it may reference.
+        created: when it was pinned (seconds since the epoch, the pinning host's clock).
+    """
+
+    save_id: str
+    checkpoint: str
+    dirs: frozenset[str]
+    created: float
+
+    @property
+    def protects(self) -> frozenset[str]:
+        return self.dirs | {self.save_id}
+
+
+def _pin_path(save_id: str) -> str:
+    return f"{PINS_DIR}/{save_id}"
+
+
+def write_pin(tiles: Storage, save_id: str, checkpoint: str, dirs: frozenset[str]) -> Pin:
+    """Rank 0, before any rank writes or references a tile: pin the save's directories."""
+    pin = Pin(save_id, checkpoint, dirs, time.time())
+    doc = {"save_id": save_id, "checkpoint": checkpoint, "dirs": sorted(dirs), "created": pin.created}
+    tiles.write_atomic(_pin_path(save_id), json.dumps(doc).encode())
+    return pin
+
+
+def remove_pin(tiles: Storage, save_id: str) -> None:
+    """Rank 0, once the save committed or failed. Never raises (a leftover pin only delays collection)."""
+    try:
+        tiles.delete([_pin_path(save_id)])
+    except Exception as e:
+        logger.warning("could not remove the pin of save %s under %s: %s", save_id, tiles.url, e)
+
+
+def read_pins(tiles: Storage) -> list[Pin]:
+    """Every pin in the shared tile directory. A pin that cannot be parsed pins every directory
+    (it is returned with ``dirs`` = {"*"}): collection must not guess what it protected."""
+    pins = []
+    for path in tiles.list(PINS_DIR):
+        save_id = path.rsplit("/", 1)[-1]
+        try:
+            doc = json.loads(tiles.read_file(path))
+            pins.append(
+                Pin(
+                    str(doc["save_id"]), str(doc["checkpoint"]), frozenset(map(str, doc["dirs"])), float(doc["created"])
+                )
+            )
+        except FileNotFoundError:
+            continue  # removed since the listing: the save is over
+        except Exception as e:
+            logger.warning("unreadable pin %s under %s (%s): keeping every shared tile", path, tiles.url, e)
+            pins.append(Pin(save_id, "", frozenset({"*"}), time.time()))
+    return pins
