@@ -137,6 +137,16 @@ def cmd_inspect(args: argparse.Namespace, out: Console) -> int:
         f"{len(data['values'])} values, {len(data['per_rank'])} per-rank values"
     )
     out.print(f"  layout {json.dumps(data['layout'])}")
+    shared = data["sharing"]
+    if shared is not None:
+        uses = ", ".join(
+            f"{fmt_size(s['bytes'])} of {'step ' + str(s['step']) if s['step'] is not None else 'save ' + s['save_id']}"
+            for s in shared["from"]
+        )
+        out.print(
+            f"  shares tiles (dedup): {fmt_size(shared['own_bytes'])} written by this save, "
+            f"{fmt_size(shared['shared_bytes'])} stored by earlier saves ({uses})"
+        )
     shown = f"tensors matching '{args.filter}': {len(data['tensors'])} of {count}" if args.filter else "tensors"
     table = Table(title=shown, title_justify="left")
     for col, justify in (

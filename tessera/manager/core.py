@@ -267,8 +267,7 @@ class CheckpointManager:
         """
         _args.check_manager_save(step, state)
         step = check_step(step)
-        if self._closed:
-            raise ValueError(f"CheckpointManager({self.root!r}) is closed")
+        self._check_open()
         t0 = time.monotonic()  # the stall counts the wait for the previous save too
         self._saves.wait_previous()
         waited = time.monotonic() - t0
@@ -298,9 +297,7 @@ class CheckpointManager:
         Example:
             >>> mgr.apply_retention(making_room_for=step)  # the disk is tight
         """
-        deleted = self._retention.apply(making_room_for=making_room_for)
-        self._direct.collect_shared()
-        return deleted
+        return self._direct.apply_retention(making_room_for)
 
     def should_save(self, step: int) -> bool:
         """Whether to save at ``step``: ``save_policy``, or a preemption any rank received.
@@ -362,17 +359,11 @@ class CheckpointManager:
             >>> print(f"resumed from step {loaded.step}")
         """
         _args.check_manager_load(state, step)
-        if self._closed:
-            raise ValueError(f"CheckpointManager({self.root!r}) is closed")
+        self._check_open()
         self._saves.wait_previous()
         world = dist.world_for(self.process_group)
-        kwargs: dict[str, Any] = {
-            "strict": strict,
-            "process_group": self.process_group,
-            "allow_pickle": self.allow_pickle,
-            "cast_dtypes": cast_dtypes,
-            "options": self.load_options,
-        }
+        kwargs = {"strict": strict, "cast_dtypes": cast_dtypes, "options": self.load_options}
+        kwargs.update(process_group=self.process_group, allow_pickle=self.allow_pickle)
         if step is not None:
             step = check_step(step)
         return self._loader.load(state, step, world, kwargs)
@@ -397,13 +388,16 @@ class CheckpointManager:
         """
         if self._tiered is None:
             raise ValueError(f"CheckpointManager({self.root!r}) has no local tier (no local_dir, no tier:: root)")
-        if self._closed:
-            raise ValueError(f"CheckpointManager({self.root!r}) is closed")
+        self._check_open()
         self._saves.wait_previous()
         return self._tiered.remove_local(dist.world_for(self.process_group))
 
     # ------------------------------------------------------------------------------------
     # Lifecycle
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ValueError(f"CheckpointManager({self.root!r}) is closed")
 
     def wait(self) -> SaveResult | None:
         """Block until the pending save (if any) is committed and retention is done.
@@ -437,8 +431,7 @@ class CheckpointManager:
         finally:
             if self._tiered is not None:
                 self._tiered.tier.wait_deletions()
-            if self._direct.shared is not None:
-                self._direct.shared.close()
+            self._direct.close()
 
     def __enter__(self) -> CheckpointManager:
         return self

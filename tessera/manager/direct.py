@@ -185,6 +185,17 @@ class DirectRoute:
             logger.warning("retention under %s failed after step %d: %s", root, step, e)
         self.collect_shared()
 
+    def apply_retention(self, making_room_for: int | None) -> list[int]:
+        """:meth:`CheckpointManager.apply_retention`: retention, then collection of shared tiles."""
+        deleted = self.retention.apply(making_room_for=making_room_for)
+        self.collect_shared()
+        return deleted
+
+    def close(self) -> None:
+        """Release the shared tile directory's backend (if any)."""
+        if self.shared is not None:
+            self.shared.close()
+
     def collect_shared(self) -> None:
         """Rank 0, after retention: remove the shared tiles no step uses any more (logged, never raised)."""
         if self.shared is None:

@@ -231,7 +231,7 @@ def convert_checkpoint(
     except ValueError as e:
         raise UsageError(str(e)) from e
     dst_fmt = cv.Format(dst_format) if dst_format else cv.Format.TESSERA
-    if src_fmt == dst_fmt:
+    if src_fmt == dst_fmt and src_fmt != cv.Format.TESSERA:
         raise UsageError(f"source and destination are both {src_fmt.value}; choose another format with --to")
     try:
         cast = parse_dtype(dtype) if dtype else None
@@ -258,6 +258,12 @@ def convert_checkpoint(
             return dst_fmt, export_checkpoint(dst_fmt, tmp, dst, opts, prefix=prefix)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
+    if src_fmt == dst_fmt:  # tessera to tessera: a self-contained copy (shared tiles brought in)
+        if opts.dtype is not None or opts.prefix is not None:
+            raise UsageError("a tessera-to-tessera copy is byte for byte: --dtype and --prefix do not apply")
+        from .copy import copy_checkpoint
+
+        return dst_fmt, copy_checkpoint(src, dst)
     if src_fmt == cv.Format.TESSERA:
         prefix = hf_export_prefix(src, opts.prefix, notify) if dst_fmt == cv.Format.HF else opts.prefix
         return dst_fmt, export_checkpoint(dst_fmt, src, dst, opts, prefix=prefix)

@@ -16,8 +16,13 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
+import numpy as np
+
+from ..engine.saving.tile_index import shared_dir
 from ..format.manifest import MANIFEST_NAME, Manifest
+from ..format.names import is_shared_ref, parse_step_dirname
 from ..format.safetensors_header import read_file_header, tensor_entries
+from ..storage import storage_for
 
 __all__ = [
     "HFDirectory",
@@ -317,4 +322,51 @@ def inspect_data(path: str) -> dict[str, Any]:
         "values": m.values,
         "per_rank": {k: {"on_resize": v.on_resize, "values": list(v.by_rank)} for k, v in m.per_rank.items()},
         "metadata": {k: v for k, v in m.metadata.items() if k != "tensor_policies"},
+        "sharing": sharing(m, path),
     }
+
+
+def sharing(m: Manifest, path: str) -> dict[str, Any] | None:
+    """How a step of a dedup root shares tiles: its own bytes, and the bytes of each earlier save it uses.
+
+    Returns:
+        None for a self-contained checkpoint, else ``{"own_bytes", "shared_bytes", "from":
+        [{"save_id", "step", "bytes"}, ...]}`` (``step`` None when no step of the root has that save).
+    """
+    by_dir: dict[str, int] = {}
+    for entry in m.tensors.values():
+        table = entry.table
+        sizes = np.bincount(table.file, weights=table.nbytes, minlength=len(table.paths)).tolist() if len(table) else []
+        for p, n in zip(table.paths, sizes):
+            key = shared_dir(p) if is_shared_ref(p) else m.save_id
+            by_dir[key] = by_dir.get(key, 0) + int(n)
+    if set(by_dir) <= {m.save_id}:
+        return None
+    steps = _steps_by_save_id(path)
+    others = sorted((k for k in by_dir if k != m.save_id), key=lambda k: (steps.get(k, -1), k))
+    return {
+        "own_bytes": by_dir.get(m.save_id, 0),
+        "shared_bytes": sum(by_dir[k] for k in others),
+        "from": [{"save_id": k, "step": steps.get(k), "bytes": by_dir[k]} for k in others],
+    }
+
+
+def _steps_by_save_id(path: str) -> dict[str, int]:
+    """The steps beside ``path`` (a manager root's), by the id of the save that committed them."""
+    from ..api import read_manifest
+
+    parent = path.rstrip("/").rpartition("/")[0] or "."
+    found: dict[str, int] = {}
+    try:
+        names = {rel.split("/", 1)[0] for rel in storage_for(parent).list("")}
+    except Exception:
+        return found
+    for name in names:
+        step = parse_step_dirname(name)
+        if step is None:
+            continue
+        try:
+            found[read_manifest(f"{parent}/{name}").save_id] = step
+        except Exception:
+            continue
+    return found
