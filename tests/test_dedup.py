@@ -361,6 +361,39 @@ def test_retention_keeps_every_directory_a_kept_step_references(tmp_path: Path) 
     assert not os.path.exists(os.path.join(root, TILES, PINS))  # every save removed its pin
 
 
+def test_collection_removes_dead_pins_and_empty_directories_of_killed_saves(tmp_path: Path) -> None:
+    """What a save killed early leaves (a pin, an empty directory, files) goes once the save cannot commit."""
+    root = str(tmp_path / "run")
+    with CheckpointManager(root, dedup=True) as mgr:
+        _save(mgr, [1])
+    tiles = os.path.join(root, TILES)
+    os.makedirs(os.path.join(tiles, "0123456789abcdef"))  # killed between mkdir and its first file
+    dead = os.path.join(tiles, "fedcba9876543210")  # killed mid-write: files, a pin, no owner marker
+    os.makedirs(dead)
+    with open(os.path.join(dead, "0-0.safetensors"), "wb") as f:
+        f.write(b"x" * 100)
+    FileStorage(tiles).write_atomic(
+        f"{PINS}/fedcba9876543210",
+        b'{"save_id": "fedcba9876543210", "checkpoint": "%s", "dirs": [], "created": %f}'
+        % (os.path.join(root, "step-00000002").encode(), time.time() - 3600),
+    )
+    young = os.path.join(tiles, "aaaaaaaaaaaaaaaa")  # a save that has just pinned: spared
+    os.makedirs(young)
+    with open(os.path.join(young, "0-0.safetensors"), "wb") as f:
+        f.write(b"y")
+    FileStorage(tiles).write_atomic(
+        f"{PINS}/aaaaaaaaaaaaaaaa",
+        b'{"save_id": "aaaaaaaaaaaaaaaa", "checkpoint": "%s", "dirs": [], "created": %f}'
+        % (os.path.join(root, "step-00000003").encode(), time.time()),
+    )
+    with CheckpointManager(root, dedup=True) as mgr:
+        mgr.apply_retention()
+    left = sorted(os.listdir(tiles))
+    assert "0123456789abcdef" not in left and "fedcba9876543210" not in left, left
+    assert "aaaaaaaaaaaaaaaa" in left and [p.save_id for p in read_pins(FileStorage(tiles))] == ["aaaaaaaaaaaaaaaa"]
+    check_root(root, [1])
+
+
 def test_steps_removed_by_hand_leave_the_others_loadable(tmp_path: Path) -> None:
     root = str(tmp_path / "run")
     with CheckpointManager(root, dedup=True) as mgr:
@@ -688,12 +721,6 @@ class HookedStorage(FileStorage):
         return super().list(prefix)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="collection lists manifests, then pins, then the directories: a save that pins, commits and "
-    "unpins in between is in neither list, and its new directory is deleted "
-    "(tessera/manager/shared_tiles.py, SharedTiles.collect)",
-)
 def test_a_save_that_commits_while_another_job_collects_keeps_its_tiles(tmp_path: Path) -> None:
     root = str(tmp_path / "run")
     with CheckpointManager(root, dedup=True, keep_last=1, storage_factory=HookedStorage) as job_a:

@@ -5,12 +5,14 @@ committed, and writes its own new tiles under ``<save id>/`` of the shared tile 
 Neither is protected by a committed manifest until the save commits, so before any rank
 writes, rank 0 *pins* them: ``.pins/<save id>`` names the save's own directory and every
 directory its ranks may reference. Garbage collection (:mod:`tessera.manager.shared_tiles`)
-never removes a pinned directory; the pin goes once the save committed or failed.
+never removes a pinned directory. A failed save removes its pin; a committed save leaves it
+to the next collection that reads its manifest (removing it at the commit would let a
+collection that listed manifests just before the commit, and pins just after, miss both).
 
 The order of operations is what makes this safe against a collection running at the same
 time in another process (docs/guarantees.md, "Shared tiles"): a save pins *before* it
 checks that the step it takes its references from is still committed; a collection lists
-committed manifests *before* it lists pins.
+the directories present, then committed manifests, then pins.
 """
 
 from __future__ import annotations
@@ -62,7 +64,7 @@ def write_pin(tiles: Storage, save_id: str, checkpoint: str, dirs: frozenset[str
 
 
 def remove_pin(tiles: Storage, save_id: str) -> None:
-    """Rank 0, once the save committed or failed. Never raises (a leftover pin only delays collection)."""
+    """Remove a pin: rank 0 of a failed save, or a collection. Never raises (a leftover pin only delays collection)."""
     try:
         tiles.delete([_pin_path(save_id)])
     except Exception as e:

@@ -8,7 +8,7 @@ and references the tiles that did not change since the step it builds on (see
   index is the rank's own tiles of the manager's last committed save, or, after a restart,
   those of the step ``latest`` names (every rank reads that manifest; no communication);
 - :meth:`collect` (rank 0, after retention): remove the directories that no committed step
-  references and no save in flight has pinned.
+  references and no save in flight has pinned, and the pins whose saves are over.
 
 Safety against saves of other processes (another job, a zombie) rests on the order of
 operations described in :mod:`tessera.engine.tile_pins`: collection lists committed
@@ -23,7 +23,7 @@ import time
 
 from ..engine.loading.manifest import read_manifest
 from ..engine.saving.tile_index import Dedup, TileIndex, shared_dir
-from ..engine.tile_pins import Pin, read_pins
+from ..engine.tile_pins import Pin, read_pins, remove_pin
 from ..errors import CheckpointNotFoundError
 from ..format.names import OWNER_MARKER_DIR, PINS_DIR, SHARED_TILES_DIR, is_shared_ref
 from ..storage import Storage
@@ -105,13 +105,17 @@ class SharedTiles:
     def collect(self) -> list[str]:
         """Rank 0: remove the shared directories nothing committed or in flight references.
 
-        Order: committed manifests are listed before pins (see :mod:`tessera.engine.tile_pins`);
-        an unreadable manifest or pin stops the collection (nothing is removed on a guess).
+        Order (see :mod:`tessera.engine.tile_pins`): the directories present, then the committed
+        manifests, then the pins. A pin goes once its save's manifest was among those read (the
+        manifest protects what the save uses from then on) or once its save can no longer
+        commit. An unreadable manifest or pin stops the collection: nothing is removed on a guess.
 
         Returns:
             the save ids whose directories were removed.
         """
+        present = {p.split("/", 1)[0] for p in self.store.list("")} - {PINS_DIR}  # later ones are not ours to judge
         referenced: set[str] = set()
+        committed: dict[str, str] = {}  # checkpoint -> the save id committed there
         for step, is_committed in sorted(self.steps.scan().items()):
             if not is_committed:
                 continue
@@ -126,19 +130,25 @@ class SharedTiles:
                 return []
             finally:
                 close_store(store)
+            committed[url] = manifest.save_id
             referenced |= {shared_dir(f.path) for f in manifest.files if is_shared_ref(f.path)}
         protected = set(referenced)
+        over: list[str] = []  # pins that protect nothing any more
         for pin in read_pins(self.store):
-            if self._protects(pin):
+            if committed.get(pin.checkpoint) == pin.save_id or not self._protects(pin):
+                over.append(pin.save_id)
+            else:
                 protected |= pin.protects
         if "*" in protected:
             return []
-        present = {p.split("/", 1)[0] for p in self.store.list("")}
-        doomed = sorted(present - protected - {PINS_DIR})
+        doomed = sorted(present - protected)
         for sid in doomed:
             self.store.delete(self.store.list(sid))
-            if isinstance(self.store, RemovesEmptyDirs):
-                self.store.remove_empty_dirs(sid)
+        for sid in over:
+            remove_pin(self.store, sid)
+        root = self.steps.store
+        if isinstance(root, RemovesEmptyDirs):  # those of saves killed before their first file
+            root.remove_empty_dirs(SHARED_TILES_DIR)
         if doomed:
             logger.info("removed %d shared tile directories under %s", len(doomed), self.url)
         return doomed

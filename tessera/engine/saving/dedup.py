@@ -168,7 +168,7 @@ def pin(save: PreparedSave, bases: Sequence[str | None]) -> bool:
 
 
 def unpin(save: PreparedSave) -> None:
-    """Rank 0, once the save committed or failed."""
+    """Rank 0, when the claim failed (nothing was written)."""
     if save.dedup is not None:
         remove_pin(save.dedup.tiles, save.save_id)
 

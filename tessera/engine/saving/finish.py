@@ -18,7 +18,7 @@ import logging
 import threading
 from collections.abc import Callable
 
-from ...errors import CheckpointError, StorageError
+from ...errors import CheckpointError, CommitCheckError, ConcurrentSaveError, StorageError
 from ...format.names import DATA_DIR
 from ...options import WriterMode
 from ...results import SaveResult
@@ -192,7 +192,8 @@ def _commit(gathered: Gathered[RankReport], save: PreparedSave, claim: Claim) ->
         raise
     try:
         commit.commit_manifest(save.store, claim, manifest, save.path)
-    finally:
-        dedup.unpin(save)  # committed: the manifest protects its tiles; failed: collection may take them
+    except (ConcurrentSaveError, CommitCheckError):
+        dedup.abandon(save)  # not committed: its new shared files and pin go (a committed pin stays, see dedup)
+        raise
     timings = {r: rep.timings for r, rep in enumerate(reports)}
     return CommitOutcome(dedup.bytes_written(save, manifest), timings, dedup.dirs_of(save, manifest))

@@ -62,7 +62,10 @@ class TileIndex:
         """Every shared tile of a committed manifest (a step of this root, read at start-up)."""
         sizes = {f.path: f.nbytes for f in manifest.files}
         tiles: dict[TileKey, StoredTile] = {}
+        renamed = manifest.metadata.get("tile_names") or {}
         for fqn, entry in manifest.tensors.items():
+            if fqn in renamed:
+                continue  # its tiles carry another name in their files (``tessera rename``): not reused
             table = entry.table
             shared = [i for i, p in enumerate(table.paths) if is_shared_ref(p)]
             if not shared:
