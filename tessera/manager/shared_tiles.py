@@ -25,9 +25,10 @@ from ..engine.loading.manifest import read_manifest
 from ..engine.saving.tile_index import Dedup, TileIndex, shared_dir
 from ..engine.tile_pins import Pin, read_pins, remove_pin
 from ..errors import CheckpointNotFoundError
+from ..format.manifest import MANIFEST_NAME
 from ..format.names import OWNER_MARKER_DIR, PINS_DIR, SHARED_TILES_DIR, is_shared_ref
 from ..storage import Storage
-from ..storage.capabilities import RemovesEmptyDirs
+from ..storage.capabilities import RemovesEmptyDirs, Versioned
 from .steps import StepDirectory, close_store, join_root
 
 __all__ = ["PIN_GRACE_S", "PIN_LEASE_S", "SharedTiles"]
@@ -55,6 +56,7 @@ class SharedTiles:
         self._index: TileIndex | None = None
         self._started = False  # whether the index was looked for (after a restart: in `latest`)
         self._lock = threading.Lock()
+        self._seen: dict[str, tuple[str, tuple[str, frozenset[str]]]] = {}  # url -> (version, refs)
 
     # -- Saves --------------------------------------------------------------------------------
 
@@ -92,13 +94,32 @@ class SharedTiles:
 
     def _save_id_at(self, url: str) -> str | None:
         """The save id committed at ``url`` (None: nothing committed there)."""
+        found = self._refs_at(url)
+        return None if found is None else found[0]
+
+    def _refs_at(self, url: str) -> tuple[str, frozenset[str]] | None:
+        """``(save id, shared directories referenced)`` of the manifest committed at ``url`` (None: none).
+
+        Cached by the manifest's version where the root's backend has versions (one ``stat`` or
+        HEAD instead of decoding the manifest again at every collection).
+        """
+        root = self.steps.store
+        rel = url[len(self.steps.root) :].strip("/") if url.startswith(self.steps.root) else None
+        version = root.version(f"{rel}/{MANIFEST_NAME}") if rel and isinstance(root, Versioned) else None
+        hit = self._seen.get(url)
+        if version is not None and hit is not None and hit[0] == version:
+            return hit[1]
         store = self.steps.factory(url)
         try:
-            return read_manifest(url, storage=store).save_id
+            manifest = read_manifest(url, storage=store)
         except CheckpointNotFoundError:
             return None
         finally:
             close_store(store)
+        refs = manifest.save_id, frozenset(shared_dir(f.path) for f in manifest.files if is_shared_ref(f.path))
+        if version is not None:
+            self._seen[url] = (version, refs)
+        return refs
 
     # -- Collection ---------------------------------------------------------------------------
 
@@ -120,18 +141,15 @@ class SharedTiles:
             if not is_committed:
                 continue
             url = self.steps.url(step)
-            store = self.steps.factory(url)
             try:
-                manifest = read_manifest(url, storage=store)
-            except CheckpointNotFoundError:
-                continue  # deleted since the listing
+                refs = self._refs_at(url)
             except Exception as e:
                 logger.warning("not collecting shared tiles under %s: cannot read %s (%s)", self.url, url, e)
                 return []
-            finally:
-                close_store(store)
-            committed[url] = manifest.save_id
-            referenced |= {shared_dir(f.path) for f in manifest.files if is_shared_ref(f.path)}
+            if refs is None:
+                continue  # deleted since the listing
+            committed[url] = refs[0]
+            referenced |= refs[1]
         protected = set(referenced)
         over: list[str] = []  # pins that protect nothing any more
         for pin in read_pins(self.store):
