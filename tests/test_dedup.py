@@ -806,3 +806,23 @@ def test_dedup_with_a_local_tier_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="dedup"):
         CheckpointManager(str(tmp_path / "run"), dedup=True, local_dir=str(tmp_path / "local"))
     assert not os.path.exists(tmp_path / "run" / TILES)
+
+
+@pytest.mark.parametrize("changed_chunk", [0, 2, 4])
+def test_a_tile_that_changes_in_any_chunk_is_written_whole_with_correct_checksums(
+    tmp_path: Path, changed_chunk
+) -> None:
+    """The comparison stops at the first differing chunk and the write reuses the checksums found so far."""
+    root = str(tmp_path / "run")
+    opts = tessera.SaveOptions(chunk_bytes=4096)
+    t = torch.arange(5 * 1024, dtype=torch.float32)  # five 4 KiB chunks
+    with CheckpointManager(root, dedup=True, save_options=opts) as mgr:
+        mgr.save(1, {"t": t})
+        t[changed_chunk * 1024 + 7] = -1.0
+        written = mgr.save(2, {"t": t}).bytes_written
+    assert written >= t.numel() * 4  # the whole tile again, not only the chunk that changed
+    report = tessera.verify(mgr.step_url(2))
+    assert report.ok and report.bytes_checked >= t.numel() * 4, report.problems
+    out = {"t": torch.zeros_like(t)}
+    tessera.load(mgr.step_url(2), out)
+    assert torch.equal(out["t"], t)

@@ -63,11 +63,11 @@ def split_writes(
     files: list[FileWrite] = []
     refs: dict[str, list[tuple[TileSlot, StoredTile]]] = defaultdict(list)
     for layout, views in zip(layouts, staged):
-        keep: list[tuple[TileSlot, torch.Tensor, tuple[int, ...] | None]] = []
+        keep: list[tuple[TileSlot, torch.Tensor, tuple[int, ...]]] = []
         for slot, view in zip(layout.slots, views):
             stored = None if index is None else index.tiles.get((slot.fqn, slot.box.offsets, slot.box.lengths))
             if stored is None or stored.nbytes != slot.nbytes or stored.dtype != dtype_name(slot.dtype):
-                keep.append((slot, view, None))
+                keep.append((slot, view, ()))
                 continue
             same, sums = _compare(view, stored.checksums, chunk_bytes)
             if same:
@@ -79,22 +79,21 @@ def split_writes(
         new = layout_file(layout.name, [(s.fqn, s.box, s.dtype) for s, _, _ in keep])
         by_place = {(s.fqn, s.box): (v, sums) for s, v, sums in keep}
         views_in_order = tuple(by_place[(s.fqn, s.box)][0] for s in new.slots)
-        known = {j: sums for j, s in enumerate(new.slots) if (sums := by_place[(s.fqn, s.box)][1]) is not None}
+        known = {j: sums for j, s in enumerate(new.slots) if (sums := by_place[(s.fqn, s.box)][1])}
         files.append(FileWrite(f"{save_id}/{layout.name}", new, views_in_order, known))
     return SharedWrites(tuple(files), tuple(_report(p, pairs) for p, pairs in refs.items()))
 
 
-def _compare(view: torch.Tensor, stored: tuple[int, ...], chunk_bytes: int) -> tuple[bool, tuple[int, ...] | None]:
-    """Whether ``view``'s chunk checksums equal ``stored``; all of its checksums if they were computed."""
+def _compare(view: torch.Tensor, stored: tuple[int, ...], chunk_bytes: int) -> tuple[bool, tuple[int, ...]]:
+    """Whether ``view``'s chunk checksums equal ``stored``, and the checksums computed to find out
+    (up to the first that differs: the write goes on from there instead of hashing them again)."""
     data = view.numpy().data if view.numel() else memoryview(b"")
-    sums = []
+    sums: list[int] = []
     for i, (_, h) in enumerate(checksum_chunks(data, chunk_bytes)):
-        if i >= len(stored) or h != stored[i]:
-            return False, None
         sums.append(h)
-    if len(sums) != len(stored):
-        return False, None
-    return True, tuple(sums)
+        if i >= len(stored) or h != stored[i]:
+            return False, tuple(sums)
+    return len(sums) == len(stored), tuple(sums)
 
 
 def _report(path: str, pairs: list[tuple[TileSlot, StoredTile]]) -> FileReport:

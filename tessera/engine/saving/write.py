@@ -34,7 +34,7 @@ class FileWrite:
     tiles: Sequence[torch.Tensor]
     """Host byte views (1-D uint8), in ``layout.slots`` order."""
     known_sums: Mapping[int, tuple[int, ...]] = field(default_factory=dict)
-    """Chunk checksums already computed for some slots (by index): not computed again."""
+    """The first chunk checksums of some slots (by index), already computed: not computed again."""
 
 
 @dataclass(frozen=True)
@@ -98,14 +98,14 @@ def _write_one(
         for i, (slot, data) in enumerate(zip(layout.slots, staged)):
             view = data.numpy().data if data.numel() else memoryview(b"")
             sums = list(known.get(i, ()))
-            pieces = (
-                ((view[j : j + chunk_bytes], 0) for j in range(0, len(view), chunk_bytes))
-                if i in known
-                else checksum_chunks(view, chunk_bytes)
-            )
-            for c, h in pieces:
-                if i not in known:
-                    sums.append(h)
+            done = len(sums) * chunk_bytes  # bytes whose checksums are known
+            for j in range(0, min(done, len(view)), chunk_bytes):
+                c = view[j : j + chunk_bytes]
+                yield c
+                if progress is not None:
+                    progress(len(c))
+            for c, h in checksum_chunks(view[done:], chunk_bytes):
+                sums.append(h)
                 yield c
                 if progress is not None:  # the backend asked for the next chunk: it took this one
                     progress(len(c))
