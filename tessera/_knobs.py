@@ -57,6 +57,11 @@ def staging_mode() -> str:
     return os.environ.get("TESSERA_STAGING", "") or "auto"
 
 
+def max_staging_bytes() -> str | None:
+    """Host-memory budget of async saves (``TESSERA_MAX_STAGING_BYTES``, e.g. ``2GiB``; unset: none)."""
+    return os.environ.get("TESSERA_MAX_STAGING_BYTES") or None
+
+
 def check_staging() -> str:
     """How background copies are checked (``TESSERA_CHECK_STAGING``: ``sampled`` (default), ``full``, ``off``).
 

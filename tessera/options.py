@@ -118,8 +118,22 @@ class SaveOptions:
     means ``FULL`` and ``False`` means ``OFF``."""
     writer: WriterMode = field(default_factory=lambda: _writer_mode(_knobs.writer_mode()))
     """Who writes the data files (:class:`WriterMode`; knob ``TESSERA_WRITER``)."""
+    max_staging_bytes: int | str | None = field(default_factory=_knobs.max_staging_bytes)
+    """Host-memory budget of an ``async_save`` (bytes, or a size such as ``"1GiB"``; knob
+    ``TESSERA_MAX_STAGING_BYTES``): when the
+    tensors copied in the background hold more, they stream through reused buffers of this
+    many bytes in all instead of one full host copy, and the state's mutations stay held until
+    the last byte has been copied (docs/manager.md, "Async saves in a memory budget"). None:
+    one full copy, as fast as the copy allows."""
 
     def __post_init__(self) -> None:
+        if self.max_staging_bytes is not None:
+            budget = parse_size(self.max_staging_bytes)
+            if budget < 4096:
+                raise ValueError(
+                    f"SaveOptions.max_staging_bytes must be at least 4 KiB, got {self.max_staging_bytes!r}"
+                )
+            object.__setattr__(self, "max_staging_bytes", budget)
         object.__setattr__(self, "staging", _staging_mode(self.staging))
         object.__setattr__(self, "check_staging", _staging_check(self.check_staging))
         object.__setattr__(self, "writer", _writer_mode(self.writer))

@@ -8,8 +8,10 @@ retention does.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Generic, NamedTuple, TypeVar, cast, overload
 
+from ..options import SaveOptions
 from ..storage.host_memory import TIER_PREFIX, default_memory_root
 
 __all__ = ["Kept", "LocalTierArguments", "check_arguments"]
@@ -106,3 +108,10 @@ class Kept(Generic[T]):
 
     def __set__(self, obj: object, value: T) -> None:
         setattr(getattr(obj, self.part), self.name, value)
+
+
+def with_budget(options: SaveOptions | None, max_staging_bytes: int | str | None) -> SaveOptions | None:
+    """``options`` with ``CheckpointManager(max_staging_bytes=...)`` set in them (if given)."""
+    if max_staging_bytes is None:
+        return options
+    return dataclasses.replace(options or SaveOptions(), max_staging_bytes=max_staging_bytes)

@@ -20,7 +20,7 @@ from ..engine import dist
 from ..options import LoadOptions, SaveOptions
 from ..results import PendingSave, SaveResult
 from ..storage import Storage, storage_for
-from .arguments import Kept, check_arguments
+from .arguments import Kept, check_arguments, with_budget
 from .background import BackgroundSaves, close_at_exit, forget_at_exit
 from .direct import DirectRoute
 from .local_tier import LocalTier
@@ -73,6 +73,8 @@ class CheckpointManager:
         dedup: write only the tiles that changed since the previous step; unchanged ones are
             referenced in ``<root>/.tessera-tiles``, and every step still loads on its own.
             Not with ``local_dir``. See ``docs/incremental.md``.
+        max_staging_bytes: the host-memory budget of asynchronous saves (sets
+            :attr:`SaveOptions.max_staging_bytes <tessera.SaveOptions.max_staging_bytes>` of ``save_options``).
 
     Raises:
         ValueError: for ``keep_last``, ``keep_every``, ``durable_every`` or ``local_keep_last``
@@ -114,6 +116,7 @@ class CheckpointManager:
         preemption: bool | PreemptionHandler = False,
         preemption_signal: int = signal.SIGTERM,
         dedup: bool = False,
+        max_staging_bytes: int | str | None = None,
     ) -> None:
         root, local_dir, local_replicas, warn_single_node = check_arguments(
             root,
@@ -148,7 +151,7 @@ class CheckpointManager:
             self._saves,
             process_group=process_group,
             allow_pickle=allow_pickle,
-            save_options=save_options,
+            save_options=with_budget(save_options, max_staging_bytes),
             retention_before_save=retention_before_save,
             shared=SharedTiles(self._steps) if dedup else None,
         )
@@ -202,8 +205,7 @@ class CheckpointManager:
         a local tier, the run's local steps this node holds completely.
 
         Not collective; reads storage (with a local tier, also the root's identity and this
-        node's directory: nodes may disagree after a node loss). A committed step may still
-        turn out corrupt on load.
+        node's directory: nodes may disagree after a node loss).
 
         Args:
             local: count the local tier's steps (False: only the durable steps under ``root``).
@@ -221,8 +223,7 @@ class CheckpointManager:
         """The newest committed step (durable, or local on this node: see :meth:`steps`), or
         None when there is none. Not collective.
 
-        This is where :meth:`load` starts; it does not depend on the ``latest`` pointer,
-        which may lag one step behind after a crash.
+        Where :meth:`load` starts; it does not depend on ``latest`` (which may lag after a crash).
 
         Example:
             >>> start = 0 if mgr.latest_step() is None else mgr.load(state).step + 1

@@ -7,12 +7,14 @@ import threading
 from .. import dist
 from .handoff import SavePlan
 from .staging import StagingBuffer
+from .window import WindowBuffers
 
 _MAX_PLANS = 4
 
 
 class SaveCache:
-    """Per process group: cached plans and the reused host staging buffer.
+    """Per process group: cached plans and the reused host staging memory (one full buffer, or
+    the small buffers of saves in a memory budget).
 
     ``lock`` serialises the starts of saves of one group in this process (the save in
     flight itself is tracked by :mod:`tessera.engine.inflight`).
@@ -21,6 +23,7 @@ class SaveCache:
     def __init__(self) -> None:
         self.plans: dict[str, SavePlan] = {}
         self.staging = StagingBuffer()
+        self.window = WindowBuffers()  # the buffers of saves in a memory budget
         self.lock = threading.Lock()
 
     def remember(self, plan: SavePlan) -> None:

@@ -33,6 +33,7 @@ from ...storage.capabilities import ListsSizes
 from ..tile_pins import remove_pin, write_pin
 from .handoff import CommitOutcome, FileReport, PreparedSave
 from .tile_index import StoredTile, TileIndex, TileKey, shared_dir
+from .window import file_write
 from .write import FileWrite, WriteRequest, WrittenFile, checksum_chunks
 
 __all__ = ["SharedWrites", "next_index", "shared_reports", "split_writes"]
@@ -60,6 +61,8 @@ def split_writes(
     """Decide, tile by tile, what to write and what to reference (hashing the staged bytes)."""
     if index is not None and index.chunk_bytes != chunk_bytes:
         index = None  # checksums of another granularity cannot be compared
+    if index is None:  # nothing to compare with: every file as planned (staged in full or through a window)
+        return SharedWrites(tuple(file_write(f"{save_id}/{lay.name}", lay, v) for lay, v in zip(layouts, staged)), ())
     files: list[FileWrite] = []
     refs: dict[str, list[tuple[TileSlot, StoredTile]]] = defaultdict(list)
     for layout, views in zip(layouts, staged):

@@ -30,7 +30,8 @@ from . import dedup
 from .assemble import build_manifest
 from .handoff import CommitOutcome, FileReport, PreparedSave, RankReport
 from .sources import Staged
-from .write import FileWrite, WriteRequest, WrittenFile, write_tiles
+from .window import WindowedTiles, file_write
+from .write import WriteRequest, WrittenFile, write_tiles
 from .writer_process import write_tiles_in_process
 
 logger = logging.getLogger(__name__)
@@ -142,13 +143,16 @@ def _write(
 
     Raises StorageError naming the rank for any non-tessera error.
     """
-    write = write_tiles_in_process if save.options.writer is WriterMode.PROCESS else write_tiles
+    windowed = any(isinstance(st, WindowedTiles) for st in staged)
+    # A memory budget's copies run in the writing threads, so it writes from this process.
+    process = save.options.writer is WriterMode.PROCESS and not windowed
+    write = write_tiles_in_process if process else write_tiles
     try:
         if save.dedup is not None:
-            return dedup.write_shared(save, staged, share, write, reports)
+            return dedup.write_shared(save, staged, share and not windowed, write, reports)
         prefix = f"{DATA_DIR}/{save.save_id}"
         request = WriteRequest(
-            files=tuple(FileWrite(f"{prefix}/{lay.name}", lay, st) for lay, st in zip(save.plan.layouts, staged)),
+            files=tuple(file_write(f"{prefix}/{lay.name}", lay, st) for lay, st in zip(save.plan.layouts, staged)),
             chunk_bytes=save.options.chunk_bytes,
             threads=save.options.io_threads,
         )

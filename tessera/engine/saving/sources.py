@@ -236,14 +236,39 @@ class MutationCheck:
             if how is None and i in self._crcs and zlib.crc32(staged[i].numpy().data) != self._crcs[i]:
                 how = "its bytes changed (CRC32)"
             if how is not None:
-                raise StagingMutationError(
-                    f"rank {rank}: tensor '{self._names[i]}' was modified after async_save({path!r}) returned and "
-                    f"before its bytes were copied to host memory: {how}. The checkpoint would mix two moments "
-                    f"of training, so the save is abandoned on every rank. Change saved tensors only after "
-                    f"pending.wait_staged(), through calls a gated Stateful holds (optimizer.step() with "
-                    f"tessera.OptimizerState, a forward with tessera.ModelState, or your own with "
-                    f"tessera.StagingGate), or save with SaveOptions(staging=StagingMode.AUTO or BLOCKING)"
-                )
+                raise self._changed(i, how, rank, path)
+
+    def verify_sources(self, srcs: Sequence[torch.Tensor], crcs: dict[int, int] | None, rank: int, path: str) -> None:
+        """:meth:`verify` for copies made piece by piece (a memory budget): the sampled elements
+        are read from the sources themselves, and ``FULL`` compares the CRC32 of each copy as it
+        was made.
+
+        Raises:
+            StagingMutationError: naming the first tensor found changed, the rank and the path.
+        """
+        for i in self._checked:
+            how = None
+            if version_counter(srcs[i]) != self._versions[i]:
+                how = "an in-place operation changed it (its version counter moved)"
+            elif (sample := self._samples[i]) is not None:
+                base = srcs[i].data_ptr()
+                got = b"".join(ctypes.string_at(base + off, sample.itemsize) for off in sample.src_offsets)
+                if got != sample.expected:
+                    how = "its bytes changed through an alias (e.g. .data)"
+            if how is None and crcs is not None and i in self._crcs and crcs.get(i) != self._crcs[i]:
+                how = "its bytes changed (CRC32)"
+            if how is not None:
+                raise self._changed(i, how, rank, path)
+
+    def _changed(self, i: int, how: str, rank: int, path: str) -> StagingMutationError:
+        return StagingMutationError(
+            f"rank {rank}: tensor '{self._names[i]}' was modified after async_save({path!r}) returned and "
+            f"before its bytes were copied to host memory: {how}. The checkpoint would mix two moments "
+            f"of training, so the save is abandoned on every rank. Change saved tensors only after "
+            f"pending.wait_staged(), through calls a gated Stateful holds (optimizer.step() with "
+            f"tessera.OptimizerState, a forward with tessera.ModelState, or your own with "
+            f"tessera.StagingGate), or save with SaveOptions(staging=StagingMode.AUTO or BLOCKING)"
+        )
 
 
 def private_copies(srcs: list[torch.Tensor], which: Sequence[int]) -> None:

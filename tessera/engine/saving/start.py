@@ -21,6 +21,7 @@ from .handoff import PreparedSave, SaveRequest
 from .prepare import prepare
 from .sources import MutationCheck, OverlappedCopy, Staged, hold_mutations, private_copies, sources, stage
 from .staging import ready_event
+from .window import Window
 
 _STALL_PARTS = ("wait_previous", "plan", "stage", "schedule")
 
@@ -37,7 +38,7 @@ class _StageStep:
     staged: Callable[[], Staged]
     failed: BaseException | None = None
     event: threading.Event | None = None
-    overlapped: OverlappedCopy | None = None
+    overlapped: OverlappedCopy | Window | None = None
 
 
 def start_save(request: SaveRequest) -> PendingSave:
@@ -126,7 +127,7 @@ def _stage_step(request: SaveRequest, save: PreparedSave, ctx: SaveCache, rank: 
     now = [i for i, g in enumerate(srcs.gated) if not g] if mode is StagingMode.AUTO else []
     private_copies(srcs.tensors, now)
     after = ready_event(srcs.tensors)
-    check = None
+    check, reference = None, None
     if opts.check_staging is not StagingCheck.OFF:
         reference = MutationCheck(srcs.tensors, srcs.names, opts.check_staging, skip=set(now))
         check = partial(reference.verify, rank=rank, path=request.path)
@@ -136,6 +137,23 @@ def _stage_step(request: SaveRequest, save: PreparedSave, ctx: SaveCache, rank: 
         event.set()
         timer.mark("copy")
 
+    budget = opts.max_staging_bytes
+    behind = sum(t.numel() * t.element_size() for i, t in enumerate(srcs.tensors) if i not in set(now))
+    if isinstance(budget, int) and behind > budget:  # stream through the budget, no full host copy
+        window = Window(
+            save.plan,
+            srcs.tensors,
+            budget,
+            opts.io_threads,
+            ctx.window,
+            rank,
+            after,
+            copied,
+            None if reference is None else partial(reference.verify_sources, rank=rank, path=request.path),
+            crcs=opts.check_staging is StagingCheck.FULL,
+        )
+        timer.mark("schedule")
+        return _StageStep(window.start, event=event, overlapped=window)
     overlapped = OverlappedCopy(save.plan, srcs.tensors, ctx.staging, rank, after, copied, check)
     timer.mark("schedule")
     return _StageStep(overlapped.start, event=event, overlapped=overlapped)

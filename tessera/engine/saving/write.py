@@ -35,6 +35,9 @@ class FileWrite:
     """Host byte views (1-D uint8), in ``layout.slots`` order."""
     known_sums: Mapping[int, tuple[int, ...]] = field(default_factory=dict)
     """The first chunk checksums of some slots (by index), already computed: not computed again."""
+    pieces: Callable[[int], Iterator[memoryview]] | None = None
+    """Under a memory budget: slot ``i``'s bytes come as consecutive pieces of ``pieces(i)``
+    (each valid until the next is asked for) instead of from ``tiles``."""
 
 
 @dataclass(frozen=True)
@@ -88,10 +91,38 @@ def _write_one(
     chunk_bytes: int,
     progress: Progress | None = None,
     known_sums: Mapping[int, tuple[int, ...]] | None = None,
+    pieces: Callable[[int], Iterator[memoryview]] | None = None,
 ) -> WrittenFile:
     t0 = time.monotonic()
     tiles: list[WrittenTile] = []
     known = known_sums or {}
+
+    def streamed() -> Iterator[memoryview | bytes]:
+        """The tiles' bytes from ``pieces``, checksummed across piece boundaries."""
+        assert pieces is not None
+        yield layout.header
+        for i, slot in enumerate(layout.slots):
+            sums: list[int] = []
+            h = xxhash.xxh3_64()
+            filled = 0
+            for part in pieces(i):
+                pos = 0
+                while pos < len(part):
+                    n = min(chunk_bytes - filled, len(part) - pos)
+                    c = part[pos : pos + n]
+                    h.update(c)
+                    filled += n
+                    pos += n
+                    if filled == chunk_bytes:
+                        sums.append(h.intdigest())
+                        h.reset()
+                        filled = 0
+                    yield c
+                    if progress is not None:
+                        progress(len(c))
+            if filled:
+                sums.append(h.intdigest())
+            tiles.append(WrittenTile(slot.fqn, slot.box, slot.byte_offset, slot.nbytes, tuple(sums)))
 
     def chunks() -> Iterator[memoryview | bytes]:
         yield layout.header
@@ -111,7 +142,7 @@ def _write_one(
                     progress(len(c))
             tiles.append(WrittenTile(slot.fqn, slot.box, slot.byte_offset, slot.nbytes, tuple(sums)))
 
-    storage.write_file(path, chunks())
+    storage.write_file(path, chunks() if pieces is None else streamed())
     if progress is not None:
         progress(0)
     if len(tiles) != len(layout.slots):
@@ -156,12 +187,15 @@ def write_tiles(storage: Storage, request: WriteRequest, progress: Progress | No
     try:
         if len(files) == 1 or threads == 1:
             written = [
-                _write_one(storage, f.path, f.layout, f.tiles, chunk_bytes, progress, f.known_sums) for f in files
+                _write_one(storage, f.path, f.layout, f.tiles, chunk_bytes, progress, f.known_sums, f.pieces)
+                for f in files
             ]
         else:
             with ThreadPoolExecutor(max_workers=min(threads, len(files)), thread_name_prefix="tessera-write") as pool:
                 futures = [
-                    pool.submit(_write_one, storage, f.path, f.layout, f.tiles, chunk_bytes, progress, f.known_sums)
+                    pool.submit(
+                        _write_one, storage, f.path, f.layout, f.tiles, chunk_bytes, progress, f.known_sums, f.pieces
+                    )
                     for f in files
                 ]
                 written = [f.result() for f in futures]
