@@ -270,7 +270,7 @@ def test_a_process_killed_in_the_middle_of_a_budget_save_leaves_the_previous_che
     proc = start(_save_and_hang, path, progress)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
-        if os.path.exists(progress) and open(progress).read().count("piece") >= 5:
+        if os.path.exists(progress) and Path(progress).read_text().count("piece") >= 5:
             break
         time.sleep(0.01)
     os.kill(proc.pid, signal.SIGKILL)
