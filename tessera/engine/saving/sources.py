@@ -136,9 +136,21 @@ class OverlappedCopy:
         if self._error is not None:
             raise self._error
 
+    def _order(self) -> list[int]:
+        """The files' tiles taken in turn (first of each file, then second, ...): every writer
+        thread gets its first tile early instead of waiting for the files before its own."""
+        starts, i = [], 0
+        for lay in self._plan.layouts:
+            starts.append((i, len(lay.slots)))
+            i += len(lay.slots)
+        longest = max((n for _, n in starts), default=0)
+        return [s + j for j in range(longest) for s, n in starts if j < n]
+
     def _copy(self) -> None:
         try:
-            staged = self._buffer.stage(self._srcs, copy=True, after=self._after, on_staged=self._tiles.put)
+            staged = self._buffer.stage(
+                self._srcs, copy=True, after=self._after, on_staged=self._tiles.put, order=self._order()
+            )
             if self._check is not None:
                 self._check(self._srcs, staged)  # before the gate opens: a held mutation is no mutation
         except StagingMutationError as e:

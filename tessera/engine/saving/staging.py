@@ -54,6 +54,7 @@ class StagingBuffer:
         copy: bool,
         after: object | None = None,
         on_staged: Callable[[int, torch.Tensor], None] | None = None,
+        order: Sequence[int] | None = None,
     ) -> list[torch.Tensor]:
         """Host byte views (1-D uint8) of ``sources``, in order.
 
@@ -66,10 +67,12 @@ class StagingBuffer:
                 stream of the calling thread.
             on_staged: called with ``(index, host view)`` as soon as each source's bytes are
                 in host memory (CPU copies: one by one; device copies: after their stream).
+            order: the order to copy the sources in (default: as given).
         """
         out: list[torch.Tensor | None] = [None] * len(sources)
         todo = []
-        for i, src in enumerate(sources):
+        for i in order if order is not None else range(len(sources)):
+            src = sources[i]
             if not copy and src.device.type == "cpu" and src.is_contiguous():
                 out[i] = as_bytes(src)
             else:
