@@ -6,12 +6,19 @@ public fallback or a clear error.
 
 from __future__ import annotations
 
-from typing import TypeGuard
+import sys
+from typing import TYPE_CHECKING, TypeGuard
 
 import torch
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from .format.geometry import Box
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
+
+_DTENSOR_MODULE = "torch.distributed.tensor"
+"""Imported only when a DTensor exists (importing it costs about a second: sympy, the op registry);
+a save of plain tensors in a fresh process does not pay for it."""
 
 
 def dtensor_local_box(dt: DTensor, name: str) -> Box:
@@ -25,6 +32,8 @@ def dtensor_local_box(dt: DTensor, name: str) -> Box:
     Raises:
         ValueError: for ``Partial`` placements (the shard is not a box of the tensor).
     """
+    from torch.distributed.tensor import Partial, Replicate, Shard
+
     placements = dt.placements
     for p in placements:
         if isinstance(p, Partial):
@@ -60,6 +69,8 @@ def dtensor_local_box(dt: DTensor, name: str) -> Box:
 
 def _box_from_placements(dt: DTensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """Fallback: torch.chunk semantics, applied mesh dim by mesh dim."""
+    from torch.distributed.tensor import Shard
+
     mesh = dt.device_mesh
     coord = mesh.get_coordinate()
     if coord is None:
@@ -80,7 +91,9 @@ def _box_from_placements(dt: DTensor) -> tuple[tuple[int, ...], tuple[int, ...]]
 
 
 def is_dtensor(value: object) -> TypeGuard[DTensor]:
-    return isinstance(value, DTensor)
+    """Whether ``value`` is a DTensor; no DTensor can exist before its module was imported."""
+    module = sys.modules.get(_DTENSOR_MODULE)
+    return module is not None and isinstance(value, module.DTensor)
 
 
 def local_tensor(dt: DTensor) -> torch.Tensor:
