@@ -34,6 +34,7 @@ import threading
 import time
 import traceback
 import types
+import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -46,10 +47,13 @@ def _forkserver() -> multiprocessing.context.ForkServerContext:
     ctx = multiprocessing.get_context("forkserver")
     # What nearly every rank imports anyway, once here instead of in each: DTensor (tessera's
     # adapters and saves), torch._dynamo (the first optimizer built), tessera's manager, pytest
-    # (the test module that defines fn). About 1.3 s of CPU per rank on a 2-core machine.
+    # (the test module that defines fn): about 1.3 s of CPU per rank on a 2-core machine. And
+    # the Llama model of the Hugging Face tests (1.3 s in each of their ranks). A module that
+    # is not installed is skipped.
     ctx.set_forkserver_preload([
         "torch", "torch.distributed", "torch.distributed.tensor", "torch._dynamo",
         "tessera", "tessera.adapters", "tessera.manager", "pytest", "tests.dist_utils",
+        "transformers", "transformers.models.llama.modeling_llama",
     ])  # fmt: skip
     return ctx
 
@@ -232,7 +236,7 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
 # One script, as ``python FILE`` runs it
 
 
-def _script_main(script: str, cwd: str, env: dict[str, str], stdout: str, stderr: str) -> None:
+def _script_main(script: str, argv: list[str], cwd: str, env: dict[str, str], stdout: str, stderr: str) -> None:
     """Run ``script`` as ``__main__`` and end the way an interpreter ends: non-daemon threads,
     then atexit handlers (tessera's among them), then the exit code."""
     for fd, path in ((1, stdout), (2, stderr)):
@@ -242,10 +246,15 @@ def _script_main(script: str, cwd: str, env: dict[str, str], stdout: str, stderr
     os.chdir(cwd)
     os.environ.clear()
     os.environ.update(env)
+    # What an interpreter reads from the environment at its start; the server started earlier.
     threads = env.get("OMP_NUM_THREADS", "")
     if threads.isdigit() and int(threads) > 0:
-        torch.set_num_threads(int(threads))  # the server imported torch before this env existed
-    sys.argv = [script]
+        torch.set_num_threads(int(threads))
+    options = [o for o in env.get("PYTHONWARNINGS", "").split(",") if o]
+    if options:
+        sys.warnoptions[:] = options
+        warnings._processoptions(options)  # type: ignore[attr-defined]
+    sys.argv = [script, *argv]
     sys.path.insert(0, os.path.dirname(script))
     main = types.ModuleType("__main__")
     main.__dict__.update(__file__=script, __cached__=None, __builtins__=builtins)
@@ -276,31 +285,30 @@ def _script_main(script: str, cwd: str, env: dict[str, str], stdout: str, stderr
     os._exit(code)
 
 
-def run_script(
-    script: str | os.PathLike[str], *, cwd: str | os.PathLike[str], env: dict[str, str], timeout: float
-) -> subprocess.CompletedProcess[str]:
-    """Run ``script`` like ``python script`` in ``cwd`` with environment ``env``, in a process
-    forked from the preloaded server (torch and tessera are imported already); its exit code
-    and output.
+class ScriptProcess:
+    """A script started by :func:`start_script`: the part of ``subprocess.Popen`` tests use
+    (``pid``, ``poll``, ``kill``, ``communicate``, ``returncode``), output read from files."""
 
-    Unlike a fresh interpreter, the process starts with those modules imported; a script that
-    starts processes from functions it defines (``multiprocessing``) needs a real interpreter.
+    def __init__(self, script: str, argv: list[str], cwd: str, env: dict[str, str], logs: str) -> None:
+        self.args = [sys.executable, script, *argv]
+        stem = os.path.basename(script)
+        self._out, self._err = (os.path.join(logs, f"{stem}.{n}") for n in ("stdout", "stderr"))
+        self._proc = _forkserver().Process(target=_script_main, args=(script, argv, cwd, env, self._out, self._err))
+        self._proc.start()
+        self.pid: int = self._proc.pid  # type: ignore[assignment]
+        self.returncode: int | None = None
 
-    Raises:
-        subprocess.TimeoutExpired: after ``timeout`` seconds (the process is killed), with the
-            output so far.
-    """
-    script = os.path.abspath(script)
-    out_dir = tempfile.TemporaryDirectory(prefix="tessera-script-")
-    try:
-        stdout, stderr = (os.path.join(out_dir.name, n) for n in ("stdout", "stderr"))
-        p = _forkserver().Process(target=_script_main, args=(script, os.path.abspath(cwd), env, stdout, stderr))
-        p.start()
-        p.join(timeout)
-        timed_out = p.is_alive()
-        if timed_out:
-            p.kill()
-            p.join()
+    def poll(self) -> int | None:
+        if self.returncode is None and not self._proc.is_alive():
+            self._proc.join()
+            self.returncode = self._proc.exitcode
+        return self.returncode
+
+    def kill(self) -> None:
+        self._proc.kill()
+
+    def output(self) -> tuple[str, str]:
+        """What the process wrote so far: (stdout, stderr)."""
 
         def read(path: str) -> str:
             try:
@@ -309,10 +317,58 @@ def run_script(
             except FileNotFoundError:
                 return ""
 
-        args = [sys.executable, script]
-        if timed_out:
-            raise subprocess.TimeoutExpired(args, timeout, output=read(stdout), stderr=read(stderr))
-        assert p.exitcode is not None
-        return subprocess.CompletedProcess(args, p.exitcode, read(stdout), read(stderr))
-    finally:
-        out_dir.cleanup()
+        return read(self._out), read(self._err)
+
+    def communicate(self, timeout: float | None = None) -> tuple[str, str]:
+        """Wait for the process to end; its (stdout, stderr).
+
+        Raises:
+            subprocess.TimeoutExpired: the process still runs after ``timeout`` seconds.
+        """
+        self._proc.join(timeout)
+        if self.poll() is None:
+            out, err = self.output()
+            raise subprocess.TimeoutExpired(self.args, timeout or 0.0, output=out, stderr=err)
+        return self.output()
+
+
+def start_script(
+    script: str | os.PathLike[str],
+    *argv: str,
+    cwd: str | os.PathLike[str],
+    env: dict[str, str],
+    logs: str | os.PathLike[str],
+) -> ScriptProcess:
+    """Start ``script`` like ``python script *argv`` in ``cwd`` with environment ``env``, in a
+    process forked from the preloaded server (torch and tessera are imported already); its
+    stdout and stderr go to files in ``logs``, named after the script.
+
+    Unlike a fresh interpreter, the process starts with those modules imported; a script that
+    starts processes from functions it defines (``multiprocessing``) needs a real interpreter.
+    """
+    return ScriptProcess(os.path.abspath(script), list(argv), os.path.abspath(cwd), env, os.path.abspath(logs))
+
+
+def run_script(
+    script: str | os.PathLike[str],
+    *argv: str,
+    cwd: str | os.PathLike[str],
+    env: dict[str, str],
+    timeout: float,
+) -> subprocess.CompletedProcess[str]:
+    """Run ``script`` as :func:`start_script` does and wait for it; its exit code and output.
+
+    Raises:
+        subprocess.TimeoutExpired: after ``timeout`` seconds (the process is killed), with the
+            output so far.
+    """
+    with tempfile.TemporaryDirectory(prefix="tessera-script-") as logs:
+        proc = start_script(script, *argv, cwd=cwd, env=env, logs=logs)
+        try:
+            out, err = proc.communicate(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+            raise
+        assert proc.returncode is not None
+        return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)

@@ -257,6 +257,8 @@ def test_a_failing_snippet_fails(tmp_path: Path, fresh: bool) -> None:
 _LIKE_AN_INTERPRETER = """
 import atexit, os, sys, threading, time
 import torch
+import warnings
+warnings.warn("hidden by PYTHONWARNINGS")
 atexit.register(lambda: print("atexit", flush=True))
 threading.Thread(target=lambda: (time.sleep(0.2), print("thread", flush=True))).start()
 class Gone:
@@ -272,10 +274,12 @@ raise KeyError("boom")
 
 def test_a_forked_snippet_runs_like_a_fresh_interpreter(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """What the forked runner must keep from ``python FILE``: ``__main__``, argv, the working
-    directory and environment, output at the fd level, exit code and traceback, and the exit
-    sequence (non-daemon threads, atexit handlers, finalizers) that tessera's cleanup relies on."""
+    directory and environment (warning filters and torch's threads included), output at the fd
+    level, exit code and traceback, and the exit sequence (non-daemon threads, atexit handlers,
+    finalizers) that tessera's cleanup relies on."""
     monkeypatch.setenv("TESSERA_SNIPPET_PROBE", "seen")  # set after the fork server started
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setenv("PYTHONWARNINGS", "ignore")
     forked = run_snippet(Snippet("x.md", 1, _LIKE_AN_INTERPRETER), tmp_path / "forked")
     fresh = run_snippet(Snippet("x.md", 1, "import multiprocessing\n" + _LIKE_AN_INTERPRETER), tmp_path / "fresh")
     assert forked.stdout == fresh.stdout == "__main__ snippet.py snippet.py []\nseen 1\nthread\natexit\nfinalized\n"
