@@ -1,10 +1,10 @@
 """The one harness for tests on real process groups: N processes joined by a gloo group.
 
-Processes come from a ``forkserver`` that has already imported torch and tessera, so a rank
-starts in milliseconds instead of the seconds a fresh interpreter needs. Each rank
-initialises ``torch.distributed`` (gloo, a FileStore rendezvous in a temporary directory)
-and calls ``fn(rank, world_size, *args)``; ``fn`` must be a module-level function so that the
-ranks can import it.
+Processes come from a ``forkserver`` that has already imported torch, tessera and what
+ranks import from them (``_forkserver``), so a rank starts in milliseconds instead of the
+seconds a fresh interpreter needs. Each rank initialises ``torch.distributed`` (gloo, a
+FileStore rendezvous in a temporary directory) and calls ``fn(rank, world_size, *args)``;
+``fn`` must be a module-level function so that the ranks can import it.
 
 * :func:`run_distributed` returns every rank's return value and fails the test with each
   failed rank's traceback (a hang is killed after ``timeout`` seconds);
@@ -13,17 +13,28 @@ ranks can import it.
   (to kill one mid-save), :func:`start` one process without a group.
 
 Tests that use it carry the ``distributed`` marker (set in ``tests/conftest.py``).
+
+:func:`run_script` runs a Python file as ``python FILE`` would, in a process from the same
+server (the documentation's code blocks, tests/test_docs.py): no group, no marker.
 """
 
 from __future__ import annotations
 
+import atexit
+import builtins
 import datetime
+import gc
 import multiprocessing
 import os
 import pickle
+import subprocess
+import sys
 import tempfile
+import threading
 import time
 import traceback
+import types
+import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -32,9 +43,18 @@ import torch
 import torch.distributed as dist
 
 
-def _forkserver() -> multiprocessing.context.BaseContext:
+def _forkserver() -> multiprocessing.context.ForkServerContext:
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "tessera", "tests.dist_utils"])
+    # What nearly every rank imports anyway, once here instead of in each: DTensor (tessera's
+    # adapters and saves), torch._dynamo (the first optimizer built), tessera's manager, pytest
+    # (the test module that defines fn): about 1.3 s of CPU per rank on a 2-core machine. And
+    # the Llama model of the Hugging Face tests (1.3 s in each of their ranks). A module that
+    # is not installed is skipped.
+    ctx.set_forkserver_preload([
+        "torch", "torch.distributed", "torch.distributed.tensor", "torch._dynamo",
+        "tessera", "tessera.adapters", "tessera.manager", "pytest", "tests.dist_utils",
+        "transformers", "transformers.models.llama.modeling_llama",
+    ])  # fmt: skip
     return ctx
 
 
@@ -89,7 +109,7 @@ def _rank_main(
             init_method=f"file://{store_path}",
             rank=rank,
             world_size=world,
-            **({} if pg_timeout is None else {"timeout": datetime.timedelta(seconds=pg_timeout)}),
+            timeout=None if pg_timeout is None else datetime.timedelta(seconds=pg_timeout),
         )
         t0 = time.monotonic()
         out: tuple[str, Any] = ("ok", fn(rank, world, *args))
@@ -210,3 +230,145 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
     if errors:
         raise AssertionError("distributed test failed:\n" + "\n".join(errors))
     return [o.value for o in outcomes]
+
+
+# ------------------------------------------------------------------------------------------
+# One script, as ``python FILE`` runs it
+
+
+def _script_main(script: str, argv: list[str], cwd: str, env: dict[str, str], stdout: str, stderr: str) -> None:
+    """Run ``script`` as ``__main__`` and end the way an interpreter ends: non-daemon threads,
+    then atexit handlers (tessera's among them), then the exit code."""
+    for fd, path in ((1, stdout), (2, stderr)):
+        out = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.dup2(out, fd)  # fd level: C code and child processes write there too
+        os.close(out)
+    os.chdir(cwd)
+    os.environ.clear()
+    os.environ.update(env)
+    # What an interpreter reads from the environment at its start; the server started earlier.
+    threads = env.get("OMP_NUM_THREADS", "")
+    if threads.isdigit() and int(threads) > 0:
+        torch.set_num_threads(int(threads))
+    options = [o for o in env.get("PYTHONWARNINGS", "").split(",") if o]
+    if options:
+        sys.warnoptions[:] = options
+        warnings._processoptions(options)  # type: ignore[attr-defined]
+    sys.argv = [script, *argv]
+    sys.path.insert(0, os.path.dirname(script))
+    main = types.ModuleType("__main__")
+    main.__dict__.update(__file__=script, __cached__=None, __builtins__=builtins)
+    sys.modules["__main__"] = main  # what the script defines pickles by reference, as under python FILE
+    code = 0
+    try:
+        with open(script, "rb") as f:
+            exec(compile(f.read(), script, "exec"), main.__dict__)
+    except SystemExit as e:
+        if e.code is None:
+            code = 0
+        elif isinstance(e.code, int):
+            code = e.code
+        else:
+            print(e.code, file=sys.stderr)
+            code = 1
+    except BaseException as e:
+        traceback.print_exception(type(e), e, e.__traceback__.tb_next if e.__traceback__ else None)
+        code = 1
+    # What the interpreter does at exit, in its order: join non-daemon threads, run atexit
+    # handlers, then drop __main__'s names (objects' finalizers run).
+    threading._shutdown()  # type: ignore[attr-defined]
+    atexit._run_exitfuncs()
+    main.__dict__.clear()
+    gc.collect()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+class ScriptProcess:
+    """A script started by :func:`start_script`: the part of ``subprocess.Popen`` tests use
+    (``pid``, ``poll``, ``kill``, ``communicate``, ``returncode``), output read from files."""
+
+    def __init__(self, script: str, argv: list[str], cwd: str, env: dict[str, str], logs: str) -> None:
+        self.args = [sys.executable, script, *argv]
+        stem = os.path.basename(script)
+        self._out, self._err = (os.path.join(logs, f"{stem}.{n}") for n in ("stdout", "stderr"))
+        self._proc = _forkserver().Process(target=_script_main, args=(script, argv, cwd, env, self._out, self._err))
+        self._proc.start()
+        self.pid: int = self._proc.pid  # type: ignore[assignment]
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None and not self._proc.is_alive():
+            self._proc.join()
+            self.returncode = self._proc.exitcode
+        return self.returncode
+
+    def kill(self) -> None:
+        self._proc.kill()
+
+    def output(self) -> tuple[str, str]:
+        """What the process wrote so far: (stdout, stderr)."""
+
+        def read(path: str) -> str:
+            try:
+                with open(path, encoding="utf-8", errors="replace") as f:
+                    return f.read()
+            except FileNotFoundError:
+                return ""
+
+        return read(self._out), read(self._err)
+
+    def communicate(self, timeout: float | None = None) -> tuple[str, str]:
+        """Wait for the process to end; its (stdout, stderr).
+
+        Raises:
+            subprocess.TimeoutExpired: the process still runs after ``timeout`` seconds.
+        """
+        self._proc.join(timeout)
+        if self.poll() is None:
+            out, err = self.output()
+            raise subprocess.TimeoutExpired(self.args, timeout or 0.0, output=out, stderr=err)
+        return self.output()
+
+
+def start_script(
+    script: str | os.PathLike[str],
+    *argv: str,
+    cwd: str | os.PathLike[str],
+    env: dict[str, str],
+    logs: str | os.PathLike[str],
+) -> ScriptProcess:
+    """Start ``script`` like ``python script *argv`` in ``cwd`` with environment ``env``, in a
+    process forked from the preloaded server (torch and tessera are imported already); its
+    stdout and stderr go to files in ``logs``, named after the script.
+
+    Unlike a fresh interpreter, the process starts with those modules imported; a script that
+    starts processes from functions it defines (``multiprocessing``) needs a real interpreter.
+    """
+    return ScriptProcess(os.path.abspath(script), list(argv), os.path.abspath(cwd), env, os.path.abspath(logs))
+
+
+def run_script(
+    script: str | os.PathLike[str],
+    *argv: str,
+    cwd: str | os.PathLike[str],
+    env: dict[str, str],
+    timeout: float,
+) -> subprocess.CompletedProcess[str]:
+    """Run ``script`` as :func:`start_script` does and wait for it; its exit code and output.
+
+    Raises:
+        subprocess.TimeoutExpired: after ``timeout`` seconds (the process is killed), with the
+            output so far.
+    """
+    with tempfile.TemporaryDirectory(prefix="tessera-script-") as logs:
+        proc = start_script(script, *argv, cwd=cwd, env=env, logs=logs)
+        try:
+            out, err = proc.communicate(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+            raise
+        assert proc.returncode is not None
+        return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import os
 import random
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -13,6 +11,7 @@ import torch
 
 import tessera
 from tessera.adapters import DataPosition, RNGState
+from tests.dist_utils import run_script
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -72,9 +71,11 @@ def test_data_position_resumes_and_validates(tmp_path) -> None:
 
 
 def _run(script: str, *args: str, ckpt: str) -> str:
-    cmd = [sys.executable, os.path.join(ROOT, "examples", script), "--ckpt", ckpt, *args]
+    """``python examples/<script> --ckpt ckpt *args``; the script's own process is forked from
+    the preloaded server (tests/dist_utils.py), the ranks it spawns are fresh interpreters."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=ROOT, check=False)
+    path = os.path.join(ROOT, "examples", script)
+    done = run_script(path, "--ckpt", ckpt, *args, cwd=ROOT, env=env, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return done.stdout
 

@@ -1,7 +1,11 @@
 """Every ```python block of README.md and docs/*.md runs as written.
 
-Each block runs in a fresh Python process whose working directory is an empty temporary
-directory, with the repository importable (``PYTHONPATH``). Two markers, on the line
+Each block runs as a script in its own Python process whose working directory is an empty
+temporary directory, with the repository importable (``PYTHONPATH``). The process is forked
+from a server that has imported torch and tessera already (``run_script`` in
+tests/dist_utils.py), which saves the seconds a fresh interpreter needs; a block that starts
+processes from functions it defines (``multiprocessing``) or names ``torchrun`` runs in a
+fresh interpreter instead. Two markers, on the line
 before a block (blank lines in between are allowed), change that:
 
 * ``<!-- snippet: skip (reason) -->``: the block is not run. The reason is required, so a
@@ -29,6 +33,7 @@ from pathlib import Path
 import pytest
 
 from tessera.storage.host_memory import default_memory_root
+from tests.dist_utils import run_script
 
 REPO = Path(__file__).resolve().parent.parent
 TIMEOUT_S = float(os.environ.get("TESSERA_DOCS_TIMEOUT_S", "300"))  # generous: the machine may be shared
@@ -95,23 +100,21 @@ def extract(text: str, file: str) -> list[Snippet]:
                 )
             continue
         code = "\n".join(body) + "\n"
-        kind = marker[0] if marker else ""
+        kind, at = marker if marker else ("", 0)
         if kind == "continue":
             if not out:
-                raise SnippetMarkerError(f"{file}:{marker[1]}: 'snippet: continue' with no earlier python block")
+                raise SnippetMarkerError(f"{file}:{at}: 'snippet: continue' with no earlier python block")
             prev = out[-1]
             prev.code += f"\n# --- {file}:{start} ---\n" + code
             prev.lines.append(start)
         elif kind.startswith("skip"):
             reason = re.fullmatch(r"skip\s*\((.+)\)", kind)
             if reason is None or not reason.group(1).strip():
-                raise SnippetMarkerError(
-                    f"{file}:{marker[1]}: 'snippet: skip' needs a reason: <!-- snippet: skip (why) -->"
-                )
+                raise SnippetMarkerError(f"{file}:{at}: 'snippet: skip' needs a reason: <!-- snippet: skip (why) -->")
             out.append(Snippet(file, start, code, skip=reason.group(1).strip(), lines=[start]))
         elif kind:
             raise SnippetMarkerError(
-                f"{file}:{marker[1]}: unknown snippet marker {kind!r} (use 'skip (reason)' or 'continue')"
+                f"{file}:{at}: unknown snippet marker {kind!r} (use 'skip (reason)' or 'continue')"
             )
         else:
             out.append(Snippet(file, start, code, lines=[start]))
@@ -130,8 +133,17 @@ def all_snippets() -> list[Snippet]:
     return out
 
 
+_NEEDS_INTERPRETER = re.compile(r"^\s*(import|from)\s+(torch\.)?multiprocessing\b|torchrun", re.MULTILINE)
+
+
+def needs_interpreter(code: str) -> bool:
+    """Whether a block must run in a fresh interpreter: it starts processes from functions it
+    defines (a spawned child re-runs the script), or it is a torchrun script."""
+    return _NEEDS_INTERPRETER.search(code) is not None
+
+
 def run_snippet(snippet: Snippet, tmp: Path) -> subprocess.CompletedProcess[str]:
-    """Run ``snippet`` in a fresh process, in the empty directory ``tmp/cwd``."""
+    """Run ``snippet`` as a script, in the empty directory ``tmp/cwd``."""
     tmp.mkdir(parents=True, exist_ok=True)
     script = tmp / "snippet.py"
     script.write_text(snippet.code, encoding="utf-8")
@@ -140,6 +152,8 @@ def run_snippet(snippet: Snippet, tmp: Path) -> subprocess.CompletedProcess[str]
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [env.get("PYTHONPATH")])])
     env.setdefault("OMP_NUM_THREADS", "1")
+    if not needs_interpreter(snippet.code):
+        return run_script(script, cwd=cwd, env=env, timeout=TIMEOUT_S)
     return subprocess.run(
         [sys.executable, str(script)], cwd=cwd, env=env, capture_output=True, text=True, timeout=TIMEOUT_S
     )
@@ -230,11 +244,50 @@ def test_malformed_markers_are_errors(text: str, message: str) -> None:
         extract(text, "x.md")
 
 
-def test_a_failing_snippet_fails(tmp_path: Path) -> None:
-    proc = run_snippet(Snippet("x.md", 1, "import tessera\nraise SystemExit(3)\n"), tmp_path / "a")
-    assert proc.returncode == 3
-    proc = run_snippet(Snippet("x.md", 1, "import os, tessera\nprint(os.listdir('.'))\n"), tmp_path / "b")
+@pytest.mark.parametrize("fresh", [False, True], ids=["forked", "interpreter"])
+def test_a_failing_snippet_fails(tmp_path: Path, fresh: bool) -> None:
+    head = "import multiprocessing  # a fresh interpreter\n" if fresh else ""
+    snippet = Snippet("x.md", 1, head + "import tessera\nraise SystemExit(3)\n")
+    assert needs_interpreter(snippet.code) is fresh
+    assert run_snippet(snippet, tmp_path / "a").returncode == 3
+    proc = run_snippet(Snippet("x.md", 1, head + "import os, tessera\nprint(os.listdir('.'))\n"), tmp_path / "b")
     assert proc.returncode == 0 and proc.stdout.strip() == "[]"
+
+
+_LIKE_AN_INTERPRETER = """
+import atexit, os, sys, threading, time
+import torch
+import warnings
+warnings.warn("hidden by PYTHONWARNINGS")
+atexit.register(lambda: print("atexit", flush=True))
+threading.Thread(target=lambda: (time.sleep(0.2), print("thread", flush=True))).start()
+class Gone:
+    def __del__(self):
+        print("finalized", flush=True)
+gone = Gone()
+print(__name__, os.path.basename(__file__), os.path.basename(sys.argv[0]), os.listdir("."), flush=True)
+print(os.environ["TESSERA_SNIPPET_PROBE"], torch.get_num_threads(), flush=True)
+os.write(2, b"fd 2\\n")
+raise KeyError("boom")
+"""
+
+
+def test_a_forked_snippet_runs_like_a_fresh_interpreter(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the forked runner must keep from ``python FILE``: ``__main__``, argv, the working
+    directory and environment (warning filters and torch's threads included), output at the fd
+    level, exit code and traceback, and the exit sequence (non-daemon threads, atexit handlers,
+    finalizers) that tessera's cleanup relies on."""
+    monkeypatch.setenv("TESSERA_SNIPPET_PROBE", "seen")  # set after the fork server started
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setenv("PYTHONWARNINGS", "ignore")
+    forked = run_snippet(Snippet("x.md", 1, _LIKE_AN_INTERPRETER), tmp_path / "forked")
+    fresh = run_snippet(Snippet("x.md", 1, "import multiprocessing\n" + _LIKE_AN_INTERPRETER), tmp_path / "fresh")
+    assert forked.stdout == fresh.stdout == "__main__ snippet.py snippet.py []\nseen 1\nthread\natexit\nfinalized\n"
+    assert forked.returncode == fresh.returncode == 1
+    for proc in (forked, fresh):
+        assert proc.stderr.startswith("fd 2\nTraceback (most recent call last):\n"), proc.stderr
+        assert proc.stderr.endswith("KeyError: 'boom'\n"), proc.stderr
+        assert proc.stderr.count('File "') == 1, proc.stderr  # only the snippet's own frame
 
 
 # ------------------------------------------------------------------------------------------

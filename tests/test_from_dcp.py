@@ -10,23 +10,22 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from tessera.cli import main as cli_main
+from tests.dist_utils import run_script
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def _run(script: str, ckpt: Path, *args: str) -> dict[int, float]:
-    """Run an example; the losses it printed, by step."""
-    cmd = [sys.executable, str(ROOT / "examples" / script), "--ckpt", str(ckpt), *args]
+    """Run an example as ``python examples/<script> --ckpt ckpt *args``, in a process forked
+    from the preloaded server (tests/dist_utils.py); the losses it printed, by step."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [env.get("PYTHONPATH")])])
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=ROOT, check=False)
+    done = run_script(ROOT / "examples" / script, "--ckpt", str(ckpt), *args, cwd=ROOT, env=env, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return {int(s): float(v) for s, v in re.findall(r"^step (\d+) loss (\S+)$", done.stdout, re.M)}
 

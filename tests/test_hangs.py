@@ -257,8 +257,13 @@ def _fail_staging_on_rank1(rank: int, world: int, path: str) -> dict:
     except Exception as e:
         failed = (type(e).__name__, str(e))
     took = time.monotonic() - t0
-    if rank == 1:
-        time.sleep(TIMEOUT_S + 5)  # the training loop goes on: this rank is alive, not dead
+    done = path + ".rank0-returned"
+    if rank == 0:
+        open(done, "w").close()
+    else:  # the training loop goes on: this rank is alive, not dead, until rank 0 has its answer
+        deadline = time.monotonic() + TIMEOUT_S + 5
+        while not os.path.exists(done) and time.monotonic() < deadline:
+            time.sleep(0.05)
     return {"failed": failed, "seconds": took}
 
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
-import sys
 
 import pytest
+
+from tests.dist_utils import run_script
 
 _TESTS = """
 import pytest
@@ -41,6 +41,9 @@ def test_never_collected():
 
 
 def _run(tmp_path, require: str | None, *, module: bool = True) -> str:
+    """``python -m pytest`` on the test files above with this conftest, in a process forked
+    from the preloaded server (tests/dist_utils.py): the conftest imports torch, and a fresh
+    interpreter spends seconds on that."""
     shutil.copy(os.path.join(os.path.dirname(__file__), "conftest.py"), tmp_path / "conftest.py")
     (tmp_path / "test_x.py").write_text(_TESTS)
     if module:
@@ -48,14 +51,15 @@ def _run(tmp_path, require: str | None, *, module: bool = True) -> str:
     (tmp_path / "pytest.ini").write_text(
         "[pytest]\nmarkers =\n    interop(*packages): real frameworks\n    cuda: cuda\n"
     )
+    # The server imported anyio (a pytest plugin) with transformers: pytest's warning that it
+    # cannot rewrite it would add a word to the summary lines compared below.
+    quiet = ["-W", "ignore::pytest.PytestAssertRewriteWarning"]
+    args = ["-q", "-rA", "-p", "no:cacheprovider", *quiet, str(tmp_path)]
+    (tmp_path / "run_pytest.py").write_text(f"import sys\nimport pytest\n\nsys.exit(pytest.main({args!r}))\n")
     env = {k: v for k, v in os.environ.items() if k != "TESSERA_REQUIRE_INTEROP"}
     if require is not None:
         env["TESSERA_REQUIRE_INTEROP"] = require
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider", str(tmp_path)],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    return proc.stdout
+    return run_script(tmp_path / "run_pytest.py", cwd=tmp_path, env=env, timeout=300).stdout
 
 
 @pytest.mark.parametrize("require", [None, "0"])

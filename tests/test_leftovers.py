@@ -5,10 +5,10 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 from tessera.storage.host_memory import default_memory_root
+from tests.dist_utils import run_script
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -43,8 +43,11 @@ def _session(tmp_path: Path, body: str) -> subprocess.CompletedProcess[str]:
     (work / "test_inner.py").write_text(body)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     env.pop("TESSERA_LEFTOVER_CHECK", None)
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--basetemp", str(tmp_path / "base")]
-    return subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True, timeout=300, check=False)
+    # python -m pytest, in a process forked from the preloaded server (tests/dist_utils.py).
+    args = ["-q", "-p", "no:cacheprovider", "--basetemp", str(tmp_path / "base")]
+    script = tmp_path / "run_pytest.py"
+    script.write_text(f"import sys\nimport pytest\n\nsys.exit(pytest.main({args!r}))\n")
+    return run_script(script, cwd=work, env=env, timeout=300)
 
 
 def test_a_session_that_leaves_files_fails_and_names_them(tmp_path: Path) -> None:

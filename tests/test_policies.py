@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -19,7 +17,7 @@ import torch
 
 import tessera
 from tessera.manager.policies import SaveDecider
-from tests.dist_utils import run_distributed
+from tests.dist_utils import run_distributed, run_script
 
 REPO = str(Path(__file__).resolve().parents[1])
 
@@ -241,9 +239,9 @@ def test_second_signal_kills_the_process(tmp_path) -> None:
         print("survived", flush=True)
         """
     )
-    proc = subprocess.run(
-        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60, env={**os.environ}
-    )
+    script = tmp_path / "job.py"
+    script.write_text(code)
+    proc = run_script(script, cwd=REPO, env={**os.environ}, timeout=60)  # a forked process: real signals
     assert proc.stdout.split() == ["received", str(int(signal.SIGTERM))], proc.stdout + proc.stderr
     assert proc.returncode == -signal.SIGTERM
 

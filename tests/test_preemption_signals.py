@@ -10,8 +10,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import textwrap
 import threading
 import time
@@ -22,6 +20,7 @@ import torch
 
 import tessera
 from tests.crash_worker import start_ranks
+from tests.dist_utils import ScriptProcess, start_script
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -70,17 +69,22 @@ TRAINER = textwrap.dedent(
 )
 
 
-def _start(tmp_path: Path, mode: str, env: dict[str, str] | None = None) -> tuple[subprocess.Popen, Path, Path]:
+def _start(tmp_path: Path, mode: str, env: dict[str, str] | None = None) -> tuple[ScriptProcess, Path, Path]:
+    """The trainer, in a process forked from the preloaded server (tests/dist_utils.py): a
+    real process that gets real signals, without a fresh interpreter's seconds of imports."""
     workdir = tmp_path / "work"
     workdir.mkdir()
     root = tmp_path / "run"
-    proc = subprocess.Popen(
-        [sys.executable, "-c", TRAINER, str(root), str(workdir), mode],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        cwd=str(tmp_path),
+    script = tmp_path / "trainer.py"
+    script.write_text(TRAINER)
+    proc = start_script(
+        script,
+        str(root),
+        str(workdir),
+        mode,
+        cwd=tmp_path,
         env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", **(env or {})},
+        logs=tmp_path,
     )
     deadline = time.monotonic() + 120
     while not (workdir / "ready").exists():
@@ -90,7 +94,7 @@ def _start(tmp_path: Path, mode: str, env: dict[str, str] | None = None) -> tupl
     return proc, workdir, root
 
 
-def _finish(proc: subprocess.Popen) -> tuple[int, str, str]:
+def _finish(proc: ScriptProcess) -> tuple[int | None, str, str]:
     try:
         out, err = proc.communicate(timeout=120)
     finally:
