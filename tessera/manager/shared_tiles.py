@@ -21,11 +21,11 @@ import logging
 import threading
 import time
 
-from ..engine.loading.manifest import read_manifest
+from ..engine.loading.manifest import read_manifest, read_manifest_bytes
 from ..engine.saving.tile_index import Dedup, TileIndex, shared_dir
 from ..engine.tile_pins import Pin, read_pins, remove_pin
 from ..errors import CheckpointNotFoundError
-from ..format.manifest import MANIFEST_NAME
+from ..format.manifest import MANIFEST_NAME, decode_files
 from ..format.names import OWNER_MARKER_DIR, PINS_DIR, SHARED_TILES_DIR, is_shared_ref
 from ..storage import Storage
 from ..storage.capabilities import RemovesEmptyDirs, Versioned
@@ -111,12 +111,12 @@ class SharedTiles:
             return hit[1]
         store = self.steps.factory(url)
         try:
-            manifest = read_manifest(url, storage=store)
+            save_id, files = decode_files(read_manifest_bytes(store, url), source=f"{url}/{MANIFEST_NAME}")
         except CheckpointNotFoundError:
             return None
         finally:
             close_store(store)
-        refs = manifest.save_id, frozenset(shared_dir(f.path) for f in manifest.files if is_shared_ref(f.path))
+        refs = save_id, frozenset(shared_dir(f.path) for f in files if is_shared_ref(f.path))
         if version is not None:
             self._seen[url] = (version, refs)
         return refs

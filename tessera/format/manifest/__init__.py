@@ -11,7 +11,7 @@ Modules:
     decoder: :func:`decode` and :func:`read_bytes`, bytes (or a store) to a validated manifest.
 """
 
-from .decoder import decode
+from .decoder import decode, decode_files
 from .encoder import encode
 from .schema import (
     CHECKSUM_ALGORITHM,
@@ -46,5 +46,6 @@ __all__ = [
     "Tile",
     "TileTable",
     "decode",
+    "decode_files",
     "encode",
 ]

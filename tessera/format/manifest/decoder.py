@@ -12,7 +12,7 @@ import json
 import math
 import zlib
 from itertools import chain
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -72,7 +72,35 @@ def decode(data: bytes, *, source: str = MANIFEST_NAME) -> Manifest:
         raise ManifestError(f"{source}: invalid manifest: nested too deeply") from None
 
 
-def _decode(data: bytes) -> Manifest:
+def decode_files(data: bytes, *, source: str = MANIFEST_NAME) -> tuple[str, tuple[FileEntry, ...]]:
+    """The save id and file list of ``manifest.json`` bytes, validated, without decoding any tensor.
+
+    For readers that need only which files a checkpoint uses (collection of shared tiles):
+    tens of times faster than :func:`decode` on a manifest with many tensors.
+
+    Raises:
+        ManifestError: naming ``source`` and the first problem found.
+    """
+    try:
+        head = _head(data)
+    except ManifestError as e:
+        raise ManifestError(f"{source}: {e}") from None
+    except RecursionError:
+        raise ManifestError(f"{source}: invalid manifest: nested too deeply") from None
+    return head.save_id, head.files
+
+
+class _Head(NamedTuple):
+    doc: dict
+    version: int
+    save_id: str
+    world_size: int
+    chunk_bytes: int
+    files: tuple[FileEntry, ...]
+
+
+def _head(data: bytes) -> _Head:
+    """The top level of a manifest: everything but tensors, values and the informational fields."""
     if len(data) > MAX_MANIFEST_BYTES:
         raise _fail(f"size {len(data)} bytes is over the {MAX_MANIFEST_BYTES}-byte limit")
     try:
@@ -112,7 +140,11 @@ def _decode(data: bytes) -> Manifest:
             raise _fail(f"files[{i}]: file {entry.path!r} is listed twice")
         seen_paths.add(entry.path)
         files.append(entry)
+    return _Head(doc, version, save_id, world_size, chunk_bytes, tuple(files))
 
+
+def _decode(data: bytes) -> Manifest:
+    doc, version, save_id, world_size, chunk_bytes, files = _head(data)
     tensors: dict[str, TensorEntry] = {}
     # Shared by every tensor: per-tensor copies would cost tensors x files.
     paths = tuple(f.path for f in files)
@@ -211,7 +243,7 @@ def _decode_tiles(
     entry: dict,
     shape: tuple[int, ...],
     size: int,
-    files: list[FileEntry],
+    files: tuple[FileEntry, ...],
     paths: tuple[str, ...],
     file_sizes: np.ndarray,
     chunk_bytes: int,
