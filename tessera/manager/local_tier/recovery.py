@@ -18,7 +18,7 @@ import logging
 import os
 import warnings
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -29,14 +29,28 @@ from ...errors import CheckpointError, CollectiveTimeoutError, CorruptCheckpoint
 from ...format import manifest
 from ...format.manifest import MANIFEST_NAME, Manifest
 from ...results import LoadResult
+from ...storage import FileStorage
 from .fetches import choose_fetches, choose_manifest_fetches, holdings_of
 from .files import as_storage_error, remove_quietly
 from .inventory import MARKER_NAME, NodeInventory, choose_step, marker_bytes
 from .needs import needed_files
+from .placement import Placement
 from .transfer import run_transfers
 
-if TYPE_CHECKING:
-    from .tier import LocalTier
+
+class TierView(Protocol):
+    """What recovery uses of :class:`~tessera.manager.local_tier.LocalTier` (which owns recovery,
+    so recovery names the part it needs instead of importing its owner)."""
+
+    local_dir: str
+    root: str
+    root_id: str | None
+
+    def placement(self, world: dist.World) -> Placement: ...
+    def inventory(self, world: dist.World) -> list[NodeInventory | None]: ...
+    def step_label(self, step: int) -> str: ...
+    def step_store(self, step: int, world: dist.World) -> FileStorage: ...
+
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +93,7 @@ class RecoveryAttempt:
         world: the process group's view of this rank.
     """
 
-    def __init__(self, tier: LocalTier, world: dist.World) -> None:
+    def __init__(self, tier: TierView, world: dist.World) -> None:
         self.tier = tier
         self.world = world
         self.placement = tier.placement(world)
