@@ -303,8 +303,8 @@ class CheckpointManager:
     def should_save(self, step: int) -> bool:
         """Whether to save at ``step``: ``save_policy``, or a preemption any rank received.
 
-        Collective (one tiny all-reduce) when the policy reads the clock or ``preemption``
-        is on: call it on every rank after every step; every rank gets the same answer.
+        Collective (a tiny all-reduce) when the policy reads the clock or ``preemption`` is on:
+        call it on every rank after every step.
 
         Example:
             >>> if mgr.should_save(step):
