@@ -303,8 +303,7 @@ class CheckpointManager:
     def should_save(self, step: int) -> bool:
         """Whether to save at ``step``: ``save_policy``, or a preemption any rank received.
 
-        Collective (a tiny all-reduce) when the policy reads the clock or ``preemption`` is on:
-        call it on every rank after every step.
+        Collective when the policy reads the clock or ``preemption`` is on: call it on every rank.
 
         Example:
             >>> if mgr.should_save(step):
