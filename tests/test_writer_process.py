@@ -273,13 +273,13 @@ def _failing_copy(rank: int, world: int, root: str) -> tuple[str, str, list[str]
     if rank == 1:
         real = stage.StagingBuffer.stage
 
-        def failing(self, sources, *, copy, after=None, on_staged=None):
+        def failing(self, sources, *, copy, after=None, on_staged=None, **kwargs):
             def first_only(i, view):
                 if i > 0:
                     raise RuntimeError("injected copy failure")
                 on_staged(i, view)
 
-            return real(self, sources, copy=copy, after=after, on_staged=first_only if on_staged else None)
+            return real(self, sources, copy=copy, after=after, on_staged=first_only if on_staged else None, **kwargs)
 
         stage.StagingBuffer.stage = failing
     state = _sharded(rank, world, 0)
