@@ -278,3 +278,21 @@ def test_a_process_killed_in_the_middle_of_a_budget_save_leaves_the_previous_che
     assert proc.exitcode == -signal.SIGKILL
     _committed_equals(path, before)
     assert tessera.verify(path).ok
+
+
+def test_the_full_check_catches_a_write_the_sampled_check_cannot_see_under_a_budget(
+    tmp_path: Path, slow_window: dict[str, Any]
+) -> None:
+    """A ``.data`` write (no version counter move) to an element the samples miss, before its piece
+    is copied: ``StagingCheck.FULL`` compares the CRC32 of every piece as it was copied."""
+    slow_window["seconds"] = consistency.DELAY_S
+    t = torch.arange(64 * 1024, dtype=torch.float32)
+    opts = tessera.SaveOptions(
+        staging=tessera.StagingMode.BACKGROUND,
+        check_staging=tessera.options.StagingCheck.FULL,
+        max_staging_bytes=BUDGET,
+    )
+    pending = tessera.async_save(str(tmp_path / "c"), {"t": t}, options=opts)
+    t.data[12345] = -1.0  # neither the first, the middle nor the last element
+    with pytest.raises(tessera.StagingMutationError, match="CRC32"):
+        pending.wait()

@@ -199,6 +199,12 @@ def _sample(src: torch.Tensor) -> _Sample | None:
     return _Sample(tuple(src_offsets), tuple(staged_offsets), size, expected)
 
 
+def _read(t: torch.Tensor, offsets: Sequence[int], itemsize: int) -> bytes:
+    """The bytes at ``offsets`` of ``t``'s memory (no torch op)."""
+    base = t.data_ptr()
+    return b"".join(ctypes.string_at(base + off, itemsize) for off in offsets)
+
+
 class MutationCheck:
     """What each source copied in the background was at the ``async_save`` call.
 
@@ -236,38 +242,45 @@ class MutationCheck:
         Raises:
             StagingMutationError: naming the first tensor found changed, the rank and the path.
         """
-        for i in self._checked:
-            how = None
-            if version_counter(srcs[i]) != self._versions[i]:
-                how = "an in-place operation changed it (its version counter moved)"
-            elif (sample := self._samples[i]) is not None:
-                base = staged[i].data_ptr()
-                got = b"".join(ctypes.string_at(base + off, sample.itemsize) for off in sample.staged_offsets)
-                if got != sample.expected:
-                    how = "its bytes changed through an alias (e.g. .data)"
-            if how is None and i in self._crcs and zlib.crc32(staged[i].numpy().data) != self._crcs[i]:
-                how = "its bytes changed (CRC32)"
-            if how is not None:
-                raise self._changed(i, how, rank, path)
+        self._check(
+            srcs,
+            lambda i, sample: _read(staged[i], sample.staged_offsets, sample.itemsize),
+            lambda i: zlib.crc32(staged[i].numpy().data),
+            rank,
+            path,
+        )
 
     def verify_sources(self, srcs: Sequence[torch.Tensor], crcs: dict[int, int] | None, rank: int, path: str) -> None:
         """:meth:`verify` for copies made piece by piece (a memory budget): the sampled elements
         are read from the sources themselves, and ``FULL`` compares the CRC32 of each copy as it
-        was made.
+        was made (``crcs``, by source index).
 
         Raises:
             StagingMutationError: naming the first tensor found changed, the rank and the path.
         """
+        self._check(
+            srcs,
+            lambda i, sample: _read(srcs[i], sample.src_offsets, sample.itemsize),
+            lambda i: None if crcs is None else crcs.get(i),
+            rank,
+            path,
+        )
+
+    def _check(
+        self,
+        srcs: Sequence[torch.Tensor],
+        sampled: Callable[[int, _Sample], bytes],
+        crc: Callable[[int], int | None],
+        rank: int,
+        path: str,
+    ) -> None:
         for i in self._checked:
             how = None
             if version_counter(srcs[i]) != self._versions[i]:
                 how = "an in-place operation changed it (its version counter moved)"
-            elif (sample := self._samples[i]) is not None:
-                base = srcs[i].data_ptr()
-                got = b"".join(ctypes.string_at(base + off, sample.itemsize) for off in sample.src_offsets)
-                if got != sample.expected:
-                    how = "its bytes changed through an alias (e.g. .data)"
-            if how is None and crcs is not None and i in self._crcs and crcs.get(i) != self._crcs[i]:
+            elif (sample := self._samples[i]) is not None and sampled(i, sample) != sample.expected:
+                how = "its bytes changed through an alias (e.g. .data)"
+            if how is None and i in self._crcs and (got := crc(i)) is not None and got != self._crcs[i]:
                 how = "its bytes changed (CRC32)"
             if how is not None:
                 raise self._changed(i, how, rank, path)
