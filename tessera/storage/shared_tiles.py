@@ -10,7 +10,8 @@ error that says how to make the step self-contained.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import contextlib
+from collections.abc import Iterable, Iterator
 
 from ..errors import MissingTilesError, UnsupportedPathError
 from ..format.manifest import Manifest
@@ -96,32 +97,30 @@ class SharedTileReads:
         store, rel = self._route(path)
         store.write_atomic(rel, data)
 
-    def read_file(self, path: str) -> bytes:
-        store, rel = self._route(path)
+    @contextlib.contextmanager
+    def _explained(self, store: Storage, path: str) -> Iterator[None]:
+        """A shared file that is not there is a step without its root: say so."""
         try:
-            return store.read_file(rel)
+            yield
         except FileNotFoundError as e:
             if store is self.shared:
                 raise self._missing(path) from e
             raise
+
+    def read_file(self, path: str) -> bytes:
+        store, rel = self._route(path)
+        with self._explained(store, path):
+            return store.read_file(rel)
 
     def read_into(self, path: str, offset: int, out: memoryview) -> None:
         store, rel = self._route(path)
-        try:
+        with self._explained(store, path):
             store.read_into(rel, offset, out)
-        except FileNotFoundError as e:
-            if store is self.shared:
-                raise self._missing(path) from e
-            raise
 
     def size(self, path: str) -> int:
         store, rel = self._route(path)
-        try:
+        with self._explained(store, path):
             return store.size(rel)
-        except FileNotFoundError as e:
-            if store is self.shared:
-                raise self._missing(path) from e
-            raise
 
     def exists(self, path: str) -> bool:
         store, rel = self._route(path)
@@ -149,12 +148,8 @@ class _MappedSharedTileReads(SharedTileReads):
     def map_range(self, path: str, offset: int, length: int) -> memoryview:
         store, rel = self._route(path)
         assert isinstance(store, MapsRanges)
-        try:
+        with self._explained(store, path):
             return store.map_range(rel, offset, length)
-        except FileNotFoundError as e:
-            if store is self.shared:
-                raise self._missing(path) from e
-            raise
 
     def release_range(self, path: str, offset: int, length: int) -> None:
         store, rel = self._route(path)
