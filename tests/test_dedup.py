@@ -826,3 +826,31 @@ def test_a_tile_that_changes_in_any_chunk_is_written_whole_with_correct_checksum
     out = {"t": torch.zeros_like(t)}
     tessera.load(mgr.step_url(2), out)
     assert torch.equal(out["t"], t)
+
+
+def delete_and_load_on_ranks(rank: int, world: int, root: str) -> list[str]:
+    """Retention (keep_last=2) deletes steps 1 and 2, rank 0 removes step 3 by hand; every rank
+    then loads step 4 and a step saved after the removal, bit for bit on its own layout."""
+    with CheckpointManager(root, dedup=True, keep_last=2, load_options=NO_TIMINGS) as mgr:
+        for s in (1, 2, 3, 4):
+            mgr.save(s, rank_state(s, rank, world))
+        _barrier()
+        if rank == 0:
+            shutil.rmtree(f"{root}/step-00000003")
+        _barrier()
+        mgr.save(5, rank_state(5, rank, world))
+        _barrier()
+        kept = mgr.steps()
+    problems = [f"kept {kept}"] if kept != [4, 5] else []
+    for s in (4, 5):
+        problems += [
+            f"step {s}: {n}" for n in mismatches(load_step(f"{root}/step-{s:08d}", rank, world), s, rank, world)
+        ]
+    return problems
+
+
+def test_steps_deleted_by_retention_and_by_hand_leave_the_others_loadable_on_three_ranks(tmp_path: Path) -> None:
+    root = str(tmp_path / "run")
+    assert run_distributed(delete_and_load_on_ranks, 3, root) == [[], [], []]
+    refs = check_root(root, [4, 5])  # every byte of both verifies, and nothing they use was collected
+    assert tile_dirs(root) == refs[4] | refs[5]
