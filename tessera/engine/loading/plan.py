@@ -19,7 +19,7 @@ import torch
 
 from ...errors import CorruptCheckpointError, CoverageError, StateMismatchError
 from ...format.dtypes import dtype_from_name, itemsize
-from ...format.geometry import Box, check_box_coverage, runs, split_box
+from ...format.geometry import Box, check_box_coverage, row_major_strides, split_box
 from ...format.manifest import Manifest, Tile
 
 logger = logging.getLogger(__name__)
@@ -287,6 +287,9 @@ def plan_reads(
 
 
 def _byte_span(rel: Box, tile_lengths: tuple[int, ...], size: int) -> tuple[int, int]:
-    """``[first, last)`` bytes of the tile that ``rel`` touches (exact runs, merged)."""
-    rs = list(runs(rel, tile_lengths))
-    return rs[0][0] * size, (rs[-1][0] + rs[-1][1]) * size
+    """``[first, last)`` bytes of the tile that ``rel`` touches: from its first element to just
+    past its last, in row-major order (O(ndim): no walk over the box's rows)."""
+    strides = row_major_strides(tile_lengths)
+    first = sum(o * s for o, s in zip(rel.offsets, strides))
+    last = sum((o + n - 1) * s for o, n, s in zip(rel.offsets, rel.lengths, strides))
+    return first * size, (last + 1) * size
