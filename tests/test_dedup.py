@@ -854,3 +854,23 @@ def test_steps_deleted_by_retention_and_by_hand_leave_the_others_loadable_on_thr
     assert run_distributed(delete_and_load_on_ranks, 3, root) == [[], [], []]
     refs = check_root(root, [4, 5])  # every byte of both verifies, and nothing they use was collected
     assert tile_dirs(root) == refs[4] | refs[5]
+
+
+def test_a_save_whose_shared_tiles_were_deleted_by_hand_fails_and_the_next_one_writes_everything(
+    tmp_path: Path,
+) -> None:
+    """Deleting a directory of `.tessera-tiles` by hand breaks the steps that use it (verify says so);
+    the save that would reference it fails its commit check, and the manager starts over."""
+    root = str(tmp_path / "run")
+    with CheckpointManager(root, dedup=True) as mgr:
+        _save(mgr, [1, 2])
+        first = tessera.read_manifest(mgr.step_url(1)).save_id
+        shutil.rmtree(os.path.join(root, TILES, first))  # holds the frozen part every step uses
+        assert not tessera.verify(mgr.step_url(2)).ok
+        with pytest.raises(tessera.errors.CommitCheckError, match="shared tile file"):
+            mgr.save(3, rank_state(3, 0, 1))
+        before = files_under(root)
+        mgr.save(4, rank_state(4, 0, 1))
+        assert new_bytes(before, files_under(root)) >= FROZEN_BYTES + changing_bytes(4)
+    assert mismatches(load_step(f"{root}/step-00000004"), 4, 0, 0) == []
+    assert tessera.verify(f"{root}/step-00000004").ok

@@ -16,6 +16,7 @@ from typing import Any
 
 from ..engine import dist
 from ..engine.saving import SaveRequest, start_save
+from ..engine.saving.tile_index import Dedup
 from ..options import SaveOptions
 from ..results import PendingSave, SaveResult
 from ..storage import Storage
@@ -129,7 +130,11 @@ class DirectRoute:
         )
         if not in_background:
             try:
-                result = start_save(request).wait()
+                try:
+                    result = start_save(request).wait()
+                except BaseException:
+                    self._failed(shared)
+                    raise
                 then()
             finally:
                 self._forget(step, store)
@@ -137,6 +142,7 @@ class DirectRoute:
         try:
             inner = start_save(request)
         except BaseException:
+            self._failed(shared)
             self._forget(step, store)
             raise
 
@@ -145,6 +151,7 @@ class DirectRoute:
                 result = inner.wait()
                 then()
             except BaseException as e:
+                self._failed(shared)
                 future.set_exception(self.saves.explain(e, step, self.steps.root))
                 return
             finally:
@@ -152,6 +159,12 @@ class DirectRoute:
             future.set_result(result)
 
         return self.saves.start(inner, finish, path=path, t0=t0, waited=waited)
+
+    def _failed(self, shared: Dedup | None) -> None:
+        """A dedup save failed (on every rank): the next one writes every tile, since what it
+        would reference may be why this one failed (shared files removed by hand)."""
+        if shared is not None and self.shared is not None:
+            self.shared.start_over()
 
     def _forget(self, step: int, store: Storage) -> None:
         """``step`` is no longer being saved (retention may delete it); release its backend."""

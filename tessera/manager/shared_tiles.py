@@ -69,6 +69,12 @@ class SharedTiles:
             index = self._index
         return Dedup(self.store, index, self._still_committed, self._committed)
 
+    def start_over(self) -> None:
+        """A save failed: the next one references nothing and writes every tile."""
+        with self._lock:
+            self._index = None
+            self._started = True
+
     def _committed(self, index: TileIndex) -> None:
         with self._lock:
             self._index = index
