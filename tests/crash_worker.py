@@ -238,7 +238,7 @@ def gated_save(
 # Save loops run in a child process until killed
 
 
-def _log(progress: str, line: str) -> None:
+def log_progress(progress: str, line: str) -> None:
     # O_APPEND + one write per line: survives SIGKILL (the page cache is the kernel's).
     fd = os.open(progress, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     try:
@@ -304,17 +304,17 @@ def save_loop(
             if factory
             else CheckpointManager(target, **kwargs)
         )
-    _log(progress, "ready")
+    log_progress(progress, "ready")
     for k in range(first, first + count):
         state = make_state(k) if world == 1 else make_rank_state(k, rank, world)
-        _log(progress, f"begin {k}")
+        log_progress(progress, f"begin {k}")
         if mode == "contended":
             try:
                 tessera.save(target, state)
             except tessera.CheckpointError as e:
                 if not _fenced(e):
                     raise
-                _log(progress, f"lost {k}")
+                log_progress(progress, f"lost {k}")
                 continue
         elif mgr is None:
             tessera.save(target, state, storage=factory(target) if factory else None)
@@ -327,7 +327,7 @@ def save_loop(
                 a = state["model"]["a"]
                 (a if isinstance(a, torch.Tensor) else a.local).add_(1.0)
                 out.wait()
-        _log(progress, f"done {k}")
+        log_progress(progress, f"done {k}")
     if mgr is not None:
         mgr.close()
 

@@ -30,7 +30,7 @@ from tessera.errors import MissingTilesError
 from tessera.manager import CheckpointManager
 from tessera.manager import shared_tiles as shared_tiles_mod
 from tessera.storage import FileStorage, FsspecStorage
-from tests.crash_worker import read_progress, wait_for_line
+from tests.crash_worker import log_progress, read_progress, wait_for_line
 from tests.dist_utils import run_distributed, start, start_ranks
 from tests.s3_server import moto_endpoint, s3_bucket, s3_client, s3_options  # noqa: F401 - fixtures
 
@@ -449,14 +449,6 @@ def test_a_step_copied_without_its_root_names_where_it_was_saved(tmp_path: Path)
 # -- 5a: rank 0 SIGKILLed during dedup saves -------------------------------------------------------
 
 
-def _log(progress: str, line: str) -> None:
-    fd = os.open(progress, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    try:
-        os.write(fd, (line + "\n").encode())
-    finally:
-        os.close(fd)
-
-
 class SlowStorage(FileStorage):
     """A real :class:`FileStorage` that sleeps a little before each write and delete, so that a
     kill at a random moment lands in any phase of a save (staging, pin, data, commit, collection)."""
@@ -481,11 +473,11 @@ def dedup_save_loop(rank: int, world: int, root: str, progress_dir: str, first: 
     torch.set_num_threads(1)
     progress = os.path.join(progress_dir, str(rank))
     mgr = CheckpointManager(root, dedup=True, keep_last=2, storage_factory=SlowStorage)
-    _log(progress, "ready")
+    log_progress(progress, "ready")
     for k in range(first, first + 10**6):
-        _log(progress, f"begin {k}")
+        log_progress(progress, f"begin {k}")
         mgr.save(k, rank_state(k, rank, world))
-        _log(progress, f"done {k}")
+        log_progress(progress, f"done {k}")
 
 
 def _check_after_kill(root: str, progress_dir: str, world: int) -> str:
@@ -576,7 +568,7 @@ class SlowTileDeletes(FileStorage):
     def delete(self, paths: Iterable[str]) -> None:
         paths = list(paths)
         if self.root.rstrip("/").endswith(TILES) and paths:
-            _log(self.progress, f"deleting {paths[0]}")
+            log_progress(self.progress, f"deleting {paths[0]}")
             time.sleep(0.15)
         super().delete(paths)
 
@@ -585,7 +577,7 @@ def collect_slowly(root: str, progress: str) -> None:
     torch.set_num_threads(1)
     SlowTileDeletes.progress = progress
     CheckpointManager(root, dedup=True, keep_last=1, storage_factory=SlowTileDeletes).apply_retention()
-    _log(progress, "finished")
+    log_progress(progress, "finished")
 
 
 def _count(progress: str, prefix: str) -> int:
@@ -636,7 +628,7 @@ class GatedStorage(FileStorage):
         if not cls.gate:
             return
         gate, cls.gate = cls.gate, ""
-        _log(cls.entered, "entered")
+        log_progress(cls.entered, "entered")
         deadline = time.monotonic() + 60
         while not os.path.exists(gate):
             assert time.monotonic() < deadline, f"{gate} never appeared"
@@ -664,15 +656,15 @@ def job_b(root: str, control: str, at: str) -> None:
     GatedStorage.at = at
     with CheckpointManager(root, dedup=True, storage_factory=GatedStorage) as mgr:
         _save(mgr, [1], job=1)
-        _log(os.path.join(control, "b"), "saved 1")
+        log_progress(os.path.join(control, "b"), "saved 1")
         wait_for_line(os.path.join(control, "b"), "go")
         GatedStorage.entered = os.path.join(control, "b")
         GatedStorage.gate = os.path.join(control, "gate")
         try:
             _save(mgr, [4], job=1)
-            _log(os.path.join(control, "b"), "saved 4")
+            log_progress(os.path.join(control, "b"), "saved 4")
         except BaseException as e:
-            _log(os.path.join(control, "b"), f"failed {type(e).__name__}: {e}")
+            log_progress(os.path.join(control, "b"), f"failed {type(e).__name__}: {e}")
 
 
 @pytest.mark.parametrize("at", ["write", "publish"])
@@ -687,7 +679,7 @@ def test_another_jobs_collection_spares_what_a_save_in_flight_references(tmp_pat
         _save(job_a, [2], job=0)
         _save(job_a, [3], job=2)  # ...nor step 3 with step 2: step 2's directory is collectable
     ids = _save_ids(root)
-    _log(b_log, "go")
+    log_progress(b_log, "go")
     wait_for_line(b_log, "entered")
     # B's step 4 is pinned and in flight; job A applies keep_last=1: steps 1 and 2 go.
     assert CheckpointManager(root, dedup=True, keep_last=1).apply_retention() == [1, 2]
