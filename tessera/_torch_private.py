@@ -90,6 +90,28 @@ def _box_from_placements(dt: DTensor) -> tuple[tuple[int, ...], tuple[int, ...]]
     return tuple(shape), tuple(offset)
 
 
+def dtensor_replica(dt: DTensor, world_size: int) -> tuple[int, int] | None:
+    """``(index, count)`` of this rank among the ranks holding the same box of ``dt``, or None.
+
+    The holders of one box differ only in their mesh coordinates along ``Replicate`` dims, a
+    global fact every rank knows: so a save can decide who writes a replicated box without
+    asking the others. Only when the mesh spans the whole saving group (else ranks outside the
+    mesh may hold copies too: the save then exchanges plans).
+    """
+    from torch.distributed.tensor import Replicate
+
+    mesh = dt.device_mesh
+    coord = mesh.get_coordinate()
+    if coord is None or mesh.size() != world_size:
+        return None
+    index, count = 0, 1
+    for mesh_dim, p in enumerate(dt.placements):
+        if isinstance(p, Replicate):
+            index = index * mesh.size(mesh_dim) + coord[mesh_dim]
+            count *= mesh.size(mesh_dim)
+    return index, count
+
+
 def is_dtensor(value: object) -> TypeGuard[DTensor]:
     """Whether ``value`` is a DTensor; no DTensor can exist before its module was imported."""
     module = sys.modules.get(_DTENSOR_MODULE)

@@ -97,6 +97,14 @@ class CollectiveTimeoutError(DistributedError, TimeoutError):
     """A collective phase did not complete in time: a rank died or hangs."""
 
 
+class PlanMismatchError(DistributedError):
+    """The ranks of a save disagree on its plan: the state's structure changed on some ranks
+    since the last save and not on the others. The save wrote nothing that stays; a
+    synchronous save starts over by itself (``retry``), and every rank's next save plans again."""
+
+    retry: bool = False
+
+
 class ConcurrentSaveError(CheckpointError, RuntimeError):
     """Another save committed to the same checkpoint path while this one ran.
 

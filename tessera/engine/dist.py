@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import hashlib
 import logging
 import threading
 from collections.abc import Callable, Mapping, Sequence
@@ -364,3 +365,176 @@ def collective_step(
 
 
 run_collective = _run  # public name: one collective step; a dead peer or a timeout -> CollectiveTimeoutError
+
+
+# --- Fixed-size votes: the coordination of a steady-state save or a load -------------------------
+#
+# A vote is one all-reduce (MAX) of a few int64 numbers, whatever the number of ranks, tensors
+# or tiles: every rank learns whether any rank failed and whether the ranks agree on a few
+# facts (a plan id, a location, a manifest version). Only when something failed do the ranks
+# exchange their error records (a second, variable-size collective on the error path only).
+
+_MASK62 = (1 << 62) - 1
+_Kind = Literal["same", "max", "coordinator"]
+
+
+def fingerprint62(text: str) -> int:
+    """A positive 62-bit hash of ``text``, to compare strings across ranks inside a vote."""
+    digest = hashlib.blake2b(text.encode(), digest_size=8).digest()
+    return (int.from_bytes(digest, "little") & _MASK62) | 1
+
+
+class Ballot:
+    """The facts one rank puts into a :func:`vote`, declared (with their reduction) before
+    the rank's work runs, so that a rank failing half-way still votes a vector of the same size.
+
+    Kinds: ``"same"`` asks whether every rank set the same value (values in [0, 2**62));
+    ``"max"`` is the maximum (a flag raised by any rank, a count); ``"coordinator"`` hands
+    rank 0's value to every rank.
+    """
+
+    def __init__(self, **kinds: _Kind) -> None:
+        self._kinds = kinds
+        self._values = dict.fromkeys(kinds, 0)
+
+    def __setitem__(self, name: str, value: int) -> None:
+        if name not in self._kinds:
+            raise KeyError(f"ballot has no field {name!r}")
+        if not 0 <= int(value) <= _MASK62:
+            raise ValueError(f"vote field {name!r} must be in [0, 2**62), got {value}")
+        self._values[name] = int(value)
+
+    def vector(self, rank: int) -> list[int]:
+        out: list[int] = []
+        for name, kind in self._kinds.items():
+            v = self._values[name]
+            if kind == "same":
+                out += [v, -v]
+            else:
+                out.append(v if kind == "max" or rank == 0 else 0)
+        return out
+
+    def tally(self, reduced: list[int]) -> Tally:
+        agreed: dict[str, bool] = {}
+        values: dict[str, int] = {}
+        i = 0
+        for name, kind in self._kinds.items():
+            if kind == "same":
+                agreed[name], values[name] = reduced[i] == -reduced[i + 1], reduced[i]
+                i += 2
+            else:
+                values[name] = reduced[i]
+                i += 1
+        return Tally(agreed, values)
+
+
+@dataclass(frozen=True)
+class Tally:
+    """The outcome of a :func:`vote`: per ``"same"`` field whether every rank agreed, and the
+    reduced value of every field (for a ``"same"`` field, the largest value voted)."""
+
+    agreed: dict[str, bool]
+    values: dict[str, int]
+
+    def __getitem__(self, name: str) -> int:
+        return self.values[name]
+
+
+def vote(
+    world: World,
+    what: str,
+    ballot: Ballot,
+    local: Callable[[], None],
+    *,
+    failed: Callable[[], BaseException | None] | None = None,
+) -> Tally:
+    """Collective: every rank runs ``local`` (which fills ``ballot``); one all-reduce of the ballots.
+
+    If ``local`` raised on any rank, ``failed`` runs on every rank (rank 0 removing what it
+    claimed, say), then the failed ranks' error records are exchanged (the only
+    variable-size collective, on the error path) and every rank raises as
+    :func:`collective_step` does. If rank 0's ``failed`` returns an error, that is the real
+    cause (a lost race behind missing files, say): it replaces the ranks' failures.
+
+    Returns:
+        the :class:`Tally`.
+
+    Example:
+        >>> b = Ballot(plan="same")
+        >>> vote(World(0, 1), "agreeing", b, lambda: b.__setitem__("plan", 7)).agreed["plan"]
+        True
+    """
+    own: BaseException | None = None
+    try:
+        local()
+    except Exception as e:
+        own = e
+    vector = ballot.vector(world.rank)
+    t = torch.tensor([1 if own is not None else 0, *vector], dtype=torch.int64)
+    if world.distributed:
+        _run(world, what, lambda: dist.all_reduce(t, op=dist.ReduceOp.MAX, group=world.group))
+    reduced = t.tolist()
+    if reduced[0]:
+        cause = failed() if failed is not None else None
+        record = None if own is None else error_text(world.rank, own)
+        cause_record = None if cause is None or not world.is_coordinator else error_text(0, cause)
+        records = all_gather(world, (record, cause_record), what)
+        if records[0][1] is not None:
+            raise_failures(world, {0: records[0][1]}, what, own=cause)
+        raise_failures(world, {r: f for r, (f, _) in enumerate(records) if f is not None}, what, own=own)
+    return ballot.tally(reduced[1:])
+
+
+class Reported(Exception):
+    """Raised by a coordinator's decision when ranks reported failures outside a collective
+    (in their report files): carries their records, so every rank raises their common type."""
+
+    def __init__(self, failures: Mapping[int, RankFailure]) -> None:
+        super().__init__("; ".join(f"rank {r}: {f}" for r, f in sorted(failures.items())))
+        self.failures = dict(failures)
+
+
+def record_of(rank: int, type_name: str, message: str) -> RankFailure:
+    """A failure record read back from storage: the type is trusted only if tessera defines it."""
+    from ..errors import _known
+
+    return RankFailure(rank, type_name, message, _known(type_name) is not None)
+
+
+def announce(
+    world: World,
+    what: str,
+    decide: Callable[[], list[int]] | None,
+    width: int,
+    *,
+    own: BaseException | None = None,
+) -> list[int]:
+    """Collective: rank 0's decision (``width`` int64 numbers) on every rank, or its failure.
+
+    Rank 0 runs ``decide`` (the others pass None). On success: one broadcast of a fixed-size
+    vector. If ``decide`` raised, a second broadcast carries the failures (those of a
+    :class:`Reported`, else rank 0's own) and every rank raises one error of their common type;
+    ``own`` is this rank's own failure, if it had one (raised unchanged when it is the only one).
+    """
+    mine: BaseException | None = own
+    failures: dict[int, RankFailure] = {}
+    vector = [0] * width
+    if world.is_coordinator:
+        assert decide is not None
+        try:
+            vector = list(decide())
+            if len(vector) != width:
+                raise CheckpointError(f"internal error: {what} decided {len(vector)} numbers, not {width}")
+        except Reported as e:
+            failures = e.failures
+        except Exception as e:
+            mine, failures = e, {0: error_text(0, e)}
+    t = torch.tensor([1 if failures else 0, *vector], dtype=torch.int64)
+    if world.distributed:
+        _run(world, what, lambda: dist.broadcast(t, src=_global(world, 0), group=world.group))
+    out = t.tolist()
+    if out[0]:
+        failures = broadcast(world, failures, what)
+        raise_failures(world, failures, what, own=mine if mine is not None and world.rank in failures else None)
+        raise CheckpointError(f"{what} failed")  # unreachable: failures is not empty
+    return out[1:]

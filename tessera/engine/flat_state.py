@@ -55,6 +55,10 @@ class TensorPiece:
     gated: bool = False
     """Whether a :class:`GatedStateful` produced the piece: its mutations can be held until
     an async save has copied it, so the copy may run in the background."""
+    replica: tuple[int, int] | None = None
+    """``(index, count)`` of this rank among the ranks holding the same box, where that follows
+    from global facts (DTensor placements, a plain tensor every rank holds, a per-rank tensor);
+    None where it does not (then a first save exchanges plans)."""
 
 
 @dataclass
@@ -264,15 +268,21 @@ class _Flattener:
                 raise InvalidStateError(f"'{fqn}': a DTensor cannot be per_rank()")
             box = _torch_private.dtensor_local_box(t, fqn)
             local = _torch_private.local_tensor(t).detach()  # shares memory: loads still fill the DTensor
-            self.add(TensorPiece(fqn, tuple(t.shape), t.dtype, box, local))
+            replica = _torch_private.dtensor_replica(t, self.world_size)
+            self.add(TensorPiece(fqn, tuple(t.shape), t.dtype, box, local, replica=replica))
             return
         data = t.detach()
         if per_rank is not None:
             shape = (self.world_size, *t.shape)
             box = Box((self.rank,) + (0,) * t.dim(), (1, *t.shape))
-            self.add(TensorPiece(fqn, shape, t.dtype, box, data.unsqueeze(0), per_rank=per_rank))
+            self.add(TensorPiece(fqn, shape, t.dtype, box, data.unsqueeze(0), per_rank=per_rank, replica=(0, 1)))
             return
-        self.add(TensorPiece(fqn, tuple(t.shape), t.dtype, Box.whole(t.shape), data))
+        # A plain tensor is taken as replicated on every rank (DDP); if some ranks lack it, their
+        # tensor tables differ and the save exchanges plans instead.
+        whole = TensorPiece(
+            fqn, tuple(t.shape), t.dtype, Box.whole(t.shape), data, replica=(self.rank, self.world_size)
+        )
+        self.add(whole)
 
     def shard(self, s: ShardedTensor | FlatShard, fqn: str) -> None:
         local = s.local if isinstance(s, ShardedTensor) else s.local_1d

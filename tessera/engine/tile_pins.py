@@ -2,9 +2,10 @@
 
 A save with dedup (``CheckpointManager(dedup=True)``) references tiles that earlier steps
 committed, and writes its own new tiles under ``<save id>/`` of the shared tile directory.
-Neither is protected by a committed manifest until the save commits, so before any rank
-writes, rank 0 *pins* them: ``.pins/<save id>`` names the save's own directory and every
-directory its ranks may reference. Garbage collection (:mod:`tessera.manager.shared_tiles`)
+Neither is protected by a committed manifest until the save commits, so before it writes,
+every rank *pins* them: ``.pins/<save id>`` (rank 0) and ``.pins/<save id>.r<rank>`` name the
+save's own directory and every directory the rank may reference (ranks do not wait for each
+other before writing, so each protects what it writes and references itself). Garbage collection (:mod:`tessera.manager.shared_tiles`)
 never removes a pinned directory. A failed save removes its pin; a committed save leaves it
 to the next collection that reads its manifest (removing it at the commit would let a
 collection that listed manifests just before the commit, and pins just after, miss both).
@@ -51,22 +52,24 @@ class Pin:
         return self.dirs | {self.save_id}
 
 
-def _pin_path(save_id: str) -> str:
-    return f"{PINS_DIR}/{save_id}"
+def _pin_path(save_id: str, rank: int) -> str:
+    return f"{PINS_DIR}/{save_id}" if rank == 0 else f"{PINS_DIR}/{save_id}.r{rank}"
 
 
-def write_pin(tiles: Storage, save_id: str, checkpoint: str, dirs: frozenset[str]) -> Pin:
-    """Rank 0, before any rank writes or references a tile: pin the save's directories."""
+def write_pin(tiles: Storage, save_id: str, checkpoint: str, dirs: frozenset[str], rank: int = 0) -> Pin:
+    """A rank, before it writes or references a tile: pin the save's directories."""
     pin = Pin(save_id, checkpoint, dirs, time.time())
     doc = {"save_id": save_id, "checkpoint": checkpoint, "dirs": sorted(dirs), "created": pin.created}
-    tiles.write_atomic(_pin_path(save_id), json.dumps(doc).encode())
+    tiles.write_atomic(_pin_path(save_id, rank), json.dumps(doc).encode())
     return pin
 
 
 def remove_pin(tiles: Storage, save_id: str) -> None:
-    """Remove a pin: rank 0 of a failed save, or a collection. Never raises (a leftover pin only delays collection)."""
+    """Remove a save's pins (every rank's): rank 0 of a failed save, or a collection. Never
+    raises (a leftover pin only delays collection)."""
     try:
-        tiles.delete([_pin_path(save_id)])
+        names = [p for p in tiles.list(PINS_DIR) if p.rsplit("/", 1)[-1].split(".r", 1)[0] == save_id]
+        tiles.delete(sorted(set(names) | {_pin_path(save_id, 0)}))
     except Exception as e:
         logger.warning("could not remove the pin of save %s under %s: %s", save_id, tiles.url, e)
 
@@ -76,7 +79,7 @@ def read_pins(tiles: Storage) -> list[Pin]:
     (it is returned with ``dirs`` = {"*"}): collection must not guess what it protected."""
     pins = []
     for path in tiles.list(PINS_DIR):
-        save_id = path.rsplit("/", 1)[-1]
+        save_id = path.rsplit("/", 1)[-1].split(".r", 1)[0]
         try:
             doc = json.loads(tiles.read_file(path))
             pins.append(

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..format.manifest import Manifest
@@ -162,13 +162,16 @@ class LoadRecord:
         name: the record's path inside the checkpoint.
         created: when the load finished (UTC, ISO 8601).
         world_size: how many ranks loaded.
-        timings: each rank's phases.
+        timings: each rank's phases (a load records rank 0's).
     """
 
     name: str
     created: str
     world_size: int
     timings: list[RankTiming]
+    slowest: dict[str, tuple[int, float]] = field(default_factory=dict)
+    """Per phase, the slowest rank and its seconds (a load records rank 0's phases in full and,
+    for the others, only this: its votes carry a few bytes per rank)."""
 
 
 def _rank_list(ranks: object) -> list[RankTiming]:
@@ -185,6 +188,16 @@ def _rank_list(ranks: object) -> list[RankTiming]:
         ordered = {p: phases[p] for p in known + [p for p in phases if p not in PHASE_ORDER]}
         out.append(RankTiming(int(r), ordered, int(t.get("bytes", 0) or 0)))
     return sorted(out, key=lambda t: t.rank)
+
+
+def _slowest(doc: object) -> dict[str, tuple[int, float]]:
+    if not isinstance(doc, dict):
+        return {}
+    out = {}
+    for phase, v in doc.items():
+        if isinstance(v, dict) and isinstance(v.get("rank"), int) and isinstance(v.get("seconds"), (int, float)):
+            out[str(phase)] = (v["rank"], float(v["seconds"]))
+    return out
 
 
 def load_records(path: str, storage: Any = None) -> list[LoadRecord]:
@@ -213,7 +226,13 @@ def load_records(path: str, storage: Any = None) -> list[LoadRecord]:
             timings = _rank_list(doc.get("ranks"))
             if timings:
                 out.append(
-                    LoadRecord(name, str(doc.get("created", "")), int(doc.get("world_size", len(timings))), timings)
+                    LoadRecord(
+                        name,
+                        str(doc.get("created", "")),
+                        int(doc.get("world_size", len(timings))),
+                        timings,
+                        _slowest(doc.get("slowest")),
+                    )
                 )
     return out
 
@@ -244,7 +263,10 @@ def timing_sources(path: str, manifest: Manifest) -> dict[str, TimingSource]:
     if records and "load" not in sources:
         last = records[-1]
         earlier = f"; {len(records) - 1} earlier load(s) recorded" if len(records) > 1 else ""
-        sources["load"] = TimingSource(last.timings, f"the newest load, {last.created}, {last.name}{earlier}")
+        slowest = "".join(
+            f"; slowest {p}: rank {r} ({t:.3f}s)" for p, (r, t) in last.slowest.items() if last.world_size > 1
+        )
+        sources["load"] = TimingSource(last.timings, f"the newest load, {last.created}, {last.name}{earlier}{slowest}")
     return sources
 
 

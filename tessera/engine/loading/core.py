@@ -2,9 +2,11 @@
 
 The manifest is read in :mod:`.manifest`, the target checked in :mod:`.validate`.
 
-Rank 0 reads the manifest once and broadcasts it; every rank validates its target against
-it (all ranks agree before any byte is copied), reads only the bytes that overlap what it
-holds, and the ranks agree on success at the end, so an error anywhere is raised everywhere.
+Every rank reads the manifest itself and plans its own reads (no plan is exchanged); two
+fixed-size votes coordinate the load: after validating (every rank succeeded, on one version
+of the checkpoint) and after reading (before any Stateful object gets its state), so an error
+anywhere is raised everywhere, whatever the number of ranks, tensors or tiles. Restoring the
+values is local: an exception from a Stateful's own ``load_state_dict`` is raised on its rank.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import uuid
 from dataclasses import dataclass, replace
 from typing import Any
 
-from ...errors import MissingKeysError
+from ...errors import CheckpointError, MissingKeysError
 from ...format.manifest import MANIFEST_NAME, Manifest, decode
 from ...format.names import LOAD_TIMINGS_DIR
 from ...options import LoadOptions
@@ -83,61 +85,85 @@ def load(
     previous = wait_pending(process_group)  # a failed background save fails this load on every rank
     timer = PhaseTimer()
     world = dist.world_for(process_group)
-    stores: list[Storage] = []
+    mine: list[tuple[Storage, Manifest, LoadPlan]] = []
+    ballot = dist.Ballot(version="same", some_rank_wants_all="max")
 
-    def open_storage() -> None:
+    def prepare() -> None:
         if previous is not None:
             raise previous
-        stores.append(storage_for(path, storage, storage_options=storage_options))
+        store = storage_for(path, storage, storage_options=storage_options)
+        manifest = decode(manifest_bytes(store, path), source=f"{path}/{MANIFEST_NAME}")
+        store = with_shared_tiles(store, manifest, path)
+        timer.mark("metadata")
+        plan = _plan_load(world, manifest, state, strict=strict, cast=cast_dtypes, allow_pickle=allow_pickle, opts=opts)
+        mine.append((store, manifest, plan))
+        ballot["version"] = dist.fingerprint62(manifest.save_id)
+        ballot["some_rank_wants_all"] = int(not plan.unexpected)
 
-    # Metadata: rank 0 reads the manifest once and every rank gets the same bytes.
-    data = dist.collective_step(
-        world, f"reading {path}/{MANIFEST_NAME}", open_storage, lambda g: manifest_bytes(g, stores, path)
-    )
-    manifest = decode(data, source=f"{path}/{MANIFEST_NAME}")
-    store = with_shared_tiles(stores[0], manifest, path)
-    timer.mark("metadata")
-    plan = _plan_load(
-        world, manifest, state, path, strict=strict, cast=cast_dtypes, allow_pickle=allow_pickle, opts=opts
-    )
+    # Every rank reads the manifest and plans its own reads; one vote agrees that all of them
+    # succeeded, on one version of the checkpoint, before any rank writes into its state.
+    tally = dist.vote(world, f"validating the load of {path}", ballot, prepare)
+    store, manifest, plan = mine[0]
+    if not tally.agreed["version"]:
+        raise CheckpointError(
+            f"the ranks read different checkpoints at {path}: a save committed there while they loaded; load again"
+        )
+    unexpected: list[str] = []
+    if not tally["some_rank_wants_all"]:  # a key is unexpected only if no rank wants it (pipeline stages)
+        everyone = dist.all_gather(world, plan.unexpected, f"validating the load of {path}")
+        unexpected = sorted(set(plan.unexpected).intersection(*(set(u) for u in everyone)))
+    if strict and unexpected:
+        raise MissingKeysError(
+            f"keys do not match (strict=True): in the checkpoint but wanted by no rank: {preview(unexpected)}"
+        )
+    plan = replace(plan, unexpected=unexpected)
     if not strict:
         warn_skipped(world, path, plan.missing, plan.unexpected)
     targets, broadcasts = plan.targets, list[Broadcast]()
     if opts.broadcast_replicated:
         targets, broadcasts = split_replicated(world, plan.targets)
+    read_ballot = dist.Ballot(slowest_metadata="max", slowest_plan="max", slowest_read="max")
+    stats: list[int] = []
 
-    def read() -> int:
+    def read() -> None:
         requests = plan.requests
         if broadcasts:  # this rank now reads only its share of the replicated targets
             requests = plan_reads(manifest, targets, max_read_bytes=opts.max_read_bytes, rank=world.rank)
         timer.mark("plan")
         reader = Reader(store, manifest, rank=world.rank, verify=opts.verify, threads=opts.io_threads)
-        stats = reader.run(requests)
+        stats.append(reader.run(requests).bytes_read)
         timer.mark("read")
-        return stats.bytes_read
+        for p in _PHASES:  # the slowest rank of each phase, for the load's timing record
+            read_ballot[f"slowest_{p}"] = _slowest(timer.phases.get(p, 0.0), world.rank)
 
     # Every rank must know the reads succeeded everywhere before broadcasting, or before
     # handing state to Stateful objects whose load_state_dict may itself communicate.
-    bytes_read = dist.collective_step(world, f"reading the tensors of {path}", read)[world.rank]
+    slowest = dist.vote(world, f"reading the tensors of {path}", read_ballot, read)
+    bytes_read = stats[0]
     if broadcasts:
         run_broadcasts(world, broadcasts)
         timer.mark("broadcast")
-
-    def restore() -> dict[str, float]:
-        restore_values(
-            state,
-            plan.flat,
-            lambda k: plan.decoded[k] if k in plan.decoded else lookup_value(manifest, k, world, allow_pickle),
-        )
-        timer.mark("values")
-        return {**timer.total(), "bytes": bytes_read}
-
-    reports = dist.collective_step(world, f"loading {path}", restore)
+    restore_values(
+        state,
+        plan.flat,
+        lambda k: plan.decoded[k] if k in plan.decoded else lookup_value(manifest, k, world, allow_pickle),
+    )
+    timer.mark("values")
+    total = timer.total()
     if world.is_coordinator:
-        logger.info("loaded %s (%d bytes on rank 0) in %.3fs", path, bytes_read, reports[0]["total"])
+        logger.info("loaded %s (%d bytes on rank 0) in %.3fs", path, bytes_read, total["total"])
         if opts.record_timings:
-            _record_load_timings(store, manifest, reports)
-    return LoadResult(plan.missing, plan.unexpected, bytes_read, timer.total(), manifest.save_id)
+            _record_load_timings(store, manifest, world.size, {**total, "bytes": bytes_read}, slowest)
+    return LoadResult(plan.missing, plan.unexpected, bytes_read, total, manifest.save_id)
+
+
+_PHASES = ("metadata", "plan", "read")
+_RANK_BITS = 24
+
+
+def _slowest(seconds: float, rank: int) -> int:
+    """A phase's duration (microseconds) and the rank, packed so that the maximum names the slowest rank."""
+    return min(int(seconds * 1e6), (1 << (62 - _RANK_BITS)) - 1) << _RANK_BITS | rank
 
 
 @dataclass(frozen=True)
@@ -158,54 +184,51 @@ def _plan_load(
     world: World,
     manifest: Manifest,
     state: object,
-    path: str,
     *,
     strict: bool,
     cast: bool,
     allow_pickle: bool,
     opts: LoadOptions,
 ) -> LoadPlan:
-    """Collective: validate the target against the manifest and plan the reads, on every rank.
+    """This rank's part of the load: validate the target against the manifest and plan the reads.
+
+    ``unexpected`` holds the checkpoint keys *this* rank does not want; the caller keeps those
+    no rank wants.
 
     Raises:
-        StateMismatchError, MissingKeysError, CoverageError, ...: on every rank if any rank failed.
+        StateMismatchError, MissingKeysError, CoverageError, ...: this rank's problem.
     """
-    mine: list[LoadPlan] = []
-
-    def local() -> list[str]:
-        flat = flatten(state, rank=world.rank, world_size=world.size, for_load=True, manifest=manifest)
-        targets, missing, unexpected = validate(manifest, flat, world, state, strict=strict, cast=cast)
-        check_targets(targets, world.rank)  # aliasing: before any rank writes a byte
-        # Plan every read now: a gap or overlap in the saved tiles (coverage) is then found,
-        # and agreed on by every rank, before any rank writes into its targets.
-        requests = plan_reads(manifest, targets, max_read_bytes=opts.max_read_bytes, rank=world.rank)
-        # Decode plain values now, before any tensor is touched: a refused pickle or a
-        # malformed value then leaves the caller's state exactly as it was.
-        decoded = {k: lookup_value(manifest, k, world, allow_pickle) for k in [*flat.values, *flat.per_rank_values]}
-        mine.append(LoadPlan(flat, targets, requests, decoded, sorted(missing), []))
-        return unexpected
-
-    replies = dist.collective_step(world, f"validating the load of {path}", local)
-    # A key is unexpected only if no rank wants it: a pipeline stage holds only its layers.
-    unexpected = sorted(set(replies[world.rank]).intersection(*(set(u) for u in replies)))
-    if strict and unexpected:
-        raise MissingKeysError(
-            f"keys do not match (strict=True): in the checkpoint but wanted by no rank: {preview(unexpected)}"
-        )
-    return replace(mine[0], unexpected=unexpected)
+    flat = flatten(state, rank=world.rank, world_size=world.size, for_load=True, manifest=manifest)
+    targets, missing, unexpected = validate(manifest, flat, world, state, strict=strict, cast=cast)
+    check_targets(targets, world.rank)  # aliasing: before any rank writes a byte
+    # Plan every read now: a gap or overlap in the saved tiles (coverage) is then found,
+    # and agreed on by every rank, before any rank writes into its targets.
+    requests = plan_reads(manifest, targets, max_read_bytes=opts.max_read_bytes, rank=world.rank)
+    # Decode plain values now, before any tensor is touched: a refused pickle or a
+    # malformed value then leaves the caller's state exactly as it was.
+    decoded = {k: lookup_value(manifest, k, world, allow_pickle) for k in [*flat.values, *flat.per_rank_values]}
+    return LoadPlan(flat, targets, requests, decoded, sorted(missing), sorted(unexpected))
 
 
-def _record_load_timings(store: Storage, manifest: Manifest, ranks: list[dict[str, float]]) -> None:
-    """Rank 0: keep this load's per-rank timings beside the checkpoint, for ``tessera trace``.
+def _record_load_timings(
+    store: Storage, manifest: Manifest, world_size: int, own: dict[str, float], slowest: dist.Tally
+) -> None:
+    """Rank 0: keep this load's timings beside the checkpoint, for ``tessera trace``: its own
+    phases and, per phase, the slowest rank (what the load's vote carried, a few bytes per rank).
 
     Best effort: a read-only checkpoint location must not make loading fail.
     """
+    mask = (1 << _RANK_BITS) - 1
     doc = {
         "kind": "load",
         "save_id": manifest.save_id,
-        "world_size": len(ranks),
+        "world_size": world_size,
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "ranks": {str(r): t for r, t in enumerate(ranks)},
+        "ranks": {"0": own},
+        "slowest": {
+            p: {"rank": slowest[f"slowest_{p}"] & mask, "seconds": (slowest[f"slowest_{p}"] >> _RANK_BITS) / 1e6}
+            for p in _PHASES
+        },
     }
     name = f"{LOAD_TIMINGS_DIR}/load-{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}-{uuid.uuid4().hex[:8]}.json"
     try:

@@ -7,7 +7,6 @@ from typing import Any
 from ...errors import CheckpointError, CheckpointNotFoundError, ManifestError, StorageError
 from ...format.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest, decode
 from ...storage import Storage, storage_for
-from ..dist import Gathered
 
 
 def read_manifest(
@@ -44,16 +43,14 @@ def read_manifest_bytes(store: Storage, path: str) -> bytes:
         ) from None
 
 
-def manifest_bytes(gathered: Gathered[None], stores: list[Storage], path: str) -> bytes | None:
-    """Rank 0: the manifest's bytes, once every rank has opened its storage."""
-    if not gathered.ok:
-        return None
+def manifest_bytes(store: Storage, path: str) -> bytes:
+    """Any rank: the manifest's bytes, with any storage failure named as one."""
     try:
-        return read_manifest_bytes(stores[0], path)
+        return read_manifest_bytes(store, path)
     except CheckpointError:  # CheckpointNotFoundError, ManifestError (oversized, a directory), StorageError, ...
         raise
     except Exception as e:
-        raise StorageError(f"rank 0: reading {path}/{MANIFEST_NAME} failed: {type(e).__name__}: {e}") from e
+        raise StorageError(f"reading {path}/{MANIFEST_NAME} failed: {type(e).__name__}: {e}") from e
 
 
 def read_bytes(store: Storage, source: str) -> bytes:

@@ -3,66 +3,72 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
 
+from ...errors import CheckpointError
 from ...format.dtypes import dtype_from_name, itemsize
+from ...format.geometry import check_box_coverage
 from ...format.manifest import FileEntry, Manifest, PerRankEntry, TensorEntry, TileTable
+from ...format.rank_report import RankReportDoc
 from ...options import SaveOptions
 from ...version import __version__
 from ..flat_state import dotted_parents, is_empty_container
-from .handoff import RankReport
 from .plan import TensorMeta
 
 
-@dataclass
-class _Columns:
-    """One tensor's tiles as columns, appended to while reading the reports (no per-tile objects)."""
-
-    file: list[int] = field(default_factory=list)
-    offsets: list[tuple[int, ...]] = field(default_factory=list)
-    lengths: list[tuple[int, ...]] = field(default_factory=list)
-    byte_offset: list[int] = field(default_factory=list)
-    chunks: list[int] = field(default_factory=list)
-    """Number of chunk checksums per tile."""
-    sums: list[int] = field(default_factory=list)
-    """Every tile's chunk checksums, concatenated."""
-
-
 def build_manifest(
-    world_size: int, metas: tuple[TensorMeta, ...], reports: list[RankReport], save_id: str, opts: SaveOptions
+    world_size: int, metas: tuple[TensorMeta, ...], reports: list[RankReportDoc], save_id: str, opts: SaveOptions
 ) -> Manifest:
-    """The manifest of a save whose ranks reported ``reports`` (rank ``r`` at index ``r``)."""
-    cols = {m.fqn: _Columns() for m in metas}
+    """The manifest of a save whose ranks reported ``reports`` (rank ``r`` at index ``r``).
+
+    Tiles are merged as numpy columns (one concatenation, one sort), never one object per tile.
+
+    Raises:
+        CheckpointError: a report names a tensor the plan does not have (a rank saved a
+            different structure than it planned).
+    """
+    meta_index = {m.fqn: i for i, m in enumerate(metas)}
+    nd = max((len(m.shape) for m in metas), default=0)
     files: list[FileEntry] = []
-    index: dict[str, int] = {}  # under dedup, several ranks may reference one stored file
+    file_index: dict[str, int] = {}  # under dedup, several ranks may reference one stored file
+    name_maps: dict[tuple[str, ...], np.ndarray] = {}
+    parts: list[tuple[np.ndarray, ...]] = []
     for rank, rep in enumerate(reports):
-        for f in rep.files:
-            fi = index.setdefault(f.path, len(files))
+        t = rep.tiles
+        if t is None or not len(t):
+            continue
+        names = name_maps.get(t.names)
+        if names is None:
+            unknown = [n for n in t.names if n not in meta_index]
+            if unknown:
+                raise CheckpointError(
+                    f"rank {rank} reported tiles of tensors the save did not plan: {unknown[:3]}; its state "
+                    "changed between planning and writing"
+                )
+            names = name_maps[t.names] = np.array([meta_index[n] for n in t.names], dtype=np.int64)
+        fmap = np.empty(len(t.files), dtype=np.int64)
+        for j, (path, nbytes) in enumerate(t.files):
+            fi = file_index.setdefault(path, len(files))
             if fi == len(files):
-                files.append(FileEntry(f.path, rank, f.nbytes))
-            for fqn, offsets, lengths, byte_offset, sums in zip(
-                f.fqns, f.offsets, f.lengths, f.byte_offsets, f.checksums
-            ):
-                c = cols[fqn]
-                c.file.append(fi)
-                c.offsets.append(offsets)
-                c.lengths.append(lengths)
-                c.byte_offset.append(byte_offset)
-                c.chunks.append(len(sums))
-                c.sums.extend(sums)
+                files.append(FileEntry(path, rank, nbytes))
+            fmap[j] = fi
+        k = t.offsets.shape[1]
+        offs = np.zeros((len(t), nd), dtype=np.int64)
+        lens = np.ones((len(t), nd), dtype=np.int64)
+        offs[:, :k], lens[:, :k] = t.offsets[:, :nd], t.lengths[:, :nd]
+        parts.append((names[t.name], fmap[t.file], offs, lens, t.byte_offset, t.chunks, t.checksums))
     paths = tuple(f.path for f in files)
-    tensors = {m.fqn: TensorEntry(m.dtype, m.shape, table=_table(paths, m, cols[m.fqn])) for m in metas}
+    tensors = {m.fqn: TensorEntry(m.dtype, m.shape, table=t) for m, t in zip(metas, _tables(paths, metas, nd, parts))}
     values: dict[str, Any] = {}
     per_rank: dict[str, list[Any]] = {}
     policies: dict[str, str] = {}
     for rank, rep in enumerate(reports):
-        for k, v in rep.values.values.items():
+        for k, v in rep.values.items():
             values.setdefault(k, v)  # lowest rank wins; plain values are meant to be replicated
-        for k, (v, policy) in rep.values.per_rank.items():
+        for k, (v, policy) in rep.per_rank.items():
             per_rank.setdefault(k, [None] * world_size)[rank] = v
             policies[k] = policy
     for m in metas:
@@ -93,27 +99,45 @@ def build_manifest(
     )
 
 
-def _table(paths: tuple[str, ...], meta: TensorMeta, c: _Columns) -> TileTable:
-    """A tensor's tile table, tiles sorted by their offsets."""
-    n, nd = len(c.file), len(meta.shape)
-    offs = np.array(c.offsets, dtype=np.int64).reshape(n, nd)
-    lens = np.array(c.lengths, dtype=np.int64).reshape(n, nd)
-    counts = np.array(c.chunks, dtype=np.int64)
-    order = np.lexsort(offs.T[::-1]) if nd and n else np.arange(n)
-    starts = np.concatenate([[0], np.cumsum(counts)])[:-1]
-    sum_arr = np.array(c.sums, dtype=np.uint64)
-    new_counts = counts[order]
-    new_starts = np.concatenate([[0], np.cumsum(new_counts)])[:-1]
-    total = int(new_counts.sum())
-    sum_order = np.arange(total) - np.repeat(new_starts, new_counts) + np.repeat(starts[order], new_counts)
-    nbytes = (lens.prod(axis=1) if nd else np.ones(n, dtype=np.int64)) * itemsize(dtype_from_name(meta.dtype))
-    return TileTable(
-        paths,
-        np.array(c.file, dtype=np.int64)[order],
-        offs[order],
-        lens[order],
-        np.array(c.byte_offset, dtype=np.int64)[order],
-        nbytes[order],
-        new_counts,
-        sum_arr[sum_order],
-    )
+def _tables(
+    paths: tuple[str, ...], metas: tuple[TensorMeta, ...], nd: int, parts: list[tuple[np.ndarray, ...]]
+) -> list[TileTable]:
+    """Every tensor's tile table, tiles sorted by their offsets."""
+    if parts:
+        meta, file, offs, lens, byte_offset, chunks, sums = (np.concatenate(c) for c in zip(*parts))
+    else:
+        meta = file = byte_offset = chunks = np.zeros(0, dtype=np.int64)
+        offs = lens = np.zeros((0, nd), dtype=np.int64)
+        sums = np.zeros(0, dtype=np.uint64)
+    starts = np.concatenate([[0], np.cumsum(chunks)]).astype(np.int64)
+    order = np.argsort(meta, kind="stable")
+    bounds = np.searchsorted(meta[order], np.arange(len(metas) + 1))
+    out = []
+    for i, m in enumerate(metas):
+        rows = order[bounds[i] : bounds[i + 1]]
+        k = len(m.shape)
+        if k and len(rows) > 1:  # by offsets, first dimension first
+            rows = rows[np.lexsort(offs[rows, :k].T[::-1])]
+        counts = chunks[rows]
+        total = int(counts.sum())
+        new_starts = np.concatenate([[0], np.cumsum(counts)])[:-1].astype(np.int64)
+        sum_rows = np.arange(total, dtype=np.int64) - np.repeat(new_starts, counts) + np.repeat(starts[rows], counts)
+        row_lens = lens[rows, :k]
+        nbytes = (row_lens.prod(axis=1) if k else np.ones(len(rows), dtype=np.int64)) * itemsize(
+            dtype_from_name(m.dtype)
+        )
+        out.append(
+            TileTable(paths, file[rows], offs[rows, :k], row_lens, byte_offset[rows], nbytes, counts, sums[sum_rows])
+        )
+    return out
+
+
+def check_coverage(manifest: Manifest) -> None:
+    """Raise unless every tensor's tiles cover it exactly once (for plans no rank checked whole).
+
+    Raises:
+        CoverageError: naming the tensor and the gap or overlap.
+    """
+    for fqn, entry in manifest.tensors.items():
+        t = entry.table
+        check_box_coverage(fqn, entry.shape, t.offsets, t.lengths)

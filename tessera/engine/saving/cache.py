@@ -25,6 +25,17 @@ class SaveCache:
         self.staging = StagingBuffer()
         self.window = WindowBuffers()  # the buffers of saves in a memory budget
         self.lock = threading.Lock()
+        self.saves = 0
+        """Saves started in this group (every rank counts alike): part of each save's id."""
+        self.nonce: int | None = None
+        """Rank 0's random number from the group's last foreground vote: part of each save's id."""
+        self.table: str | None = None
+        """Digest of the tensor table every rank agreed on for plans each rank derives alone."""
+
+    def forget(self) -> None:
+        """The ranks' plans disagreed: every rank plans again at its next save, together."""
+        self.plans.clear()
+        self.nonce = self.table = None
 
     def remember(self, plan: SavePlan) -> None:
         """Cache ``plan`` under its fingerprint, dropping the oldest beyond a few."""

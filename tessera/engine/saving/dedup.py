@@ -32,7 +32,7 @@ from ...storage import Storage
 from ...storage.capabilities import ListsSizes
 from ..tile_pins import remove_pin, write_pin
 from .handoff import CommitOutcome, FileReport, PreparedSave
-from .tile_index import StoredTile, TileIndex, TileKey, shared_dir
+from .tile_index import Dedup, StoredTile, TileIndex, TileKey, shared_dir
 from .window import file_write
 from .write import FileWrite, WriteRequest, WrittenFile, checksum_chunks
 
@@ -137,42 +137,25 @@ def next_index(
 # -- The steps of :mod:`.finish` under dedup (each a no-op without it) ---------------------------
 
 
-def base_of(save: PreparedSave) -> str | None:
-    """Every rank, staging: the save id its references would come from (None: none)."""
-    d = save.dedup
-    return d.index.base_save_id if d is not None and d.index is not None else None
+def pin(d: Dedup | None, save_id: str, path: str, rank: int) -> bool:
+    """Every rank, before it writes: pin the save's directories; whether it may reference stored tiles.
 
-
-def pin(save: PreparedSave, bases: Sequence[str | None]) -> bool:
-    """Rank 0, before the claim: pin the save's directories, then decide whether ranks may reference.
-
-    Ranks reference stored tiles only if they all build on one base save and that save is
-    still committed *after* the pin exists (the order a concurrent collection relies on).
+    Only if the base save is still committed *after* the pin exists (the order a concurrent
+    collection relies on).
     """
-    d = save.dedup
     if d is None:
         return False
     index = d.index
-    write_pin(d.tiles, save.save_id, save.path, index.dirs if index is not None else frozenset())
-    if index is None or set(bases) != {index.base_save_id}:
-        if index is not None:
-            logger.info(
-                "%s: ranks build on different saves (%s); writing every tile", save.path, sorted(map(str, set(bases)))
-            )
+    write_pin(d.tiles, save_id, path, index.dirs if index is not None else frozenset(), rank)
+    if index is None:
         return False
     try:
         return d.still_committed(index)
     except Exception as e:
         logger.warning(
-            "%s: cannot tell whether %s is still committed (%s); writing every tile", save.path, index.base_url, e
+            "%s: cannot tell whether %s is still committed (%s); writing every tile", path, index.base_url, e
         )
         return False
-
-
-def unpin(save: PreparedSave) -> None:
-    """Rank 0, when the claim failed (nothing was written)."""
-    if save.dedup is not None:
-        remove_pin(save.dedup.tiles, save.save_id)
 
 
 def write_shared(

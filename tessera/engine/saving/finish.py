@@ -1,15 +1,24 @@
-"""The claim, write and commit steps of a save (in the background for ``async_save``).
+"""The claim, write, vote and commit steps of a save (in the background for ``async_save``).
 
-1. **claim** (collective): every rank runs its stage step; rank 0 claims the path
-   (:func:`tessera.engine.commit.claim`) only if every rank's stage step succeeded, so no rank
-   writes a data file before rank 0's owner marker exists and nobody writes after any rank
-   failed. (A background save's stage step only starts the copy, which the writes then
-   follow tile by tile: a copy failing later fails the write step, on every rank.)
-2. **write** (every rank): :func:`tessera.engine.saving.write.write_tiles`, then the rank's report.
-3. **commit** (collective): rank 0 assembles the manifest and commits it
-   (:func:`tessera.engine.commit.commit_manifest`), or removes the save's files if any rank failed.
+1. **claim** (rank 0, before its own writes): :func:`tessera.engine.commit.claim` reads the
+   manifest's version and writes the owner marker. Under dedup every rank pins what it will write
+   and reference (:func:`tessera.engine.saving.dedup.pin`) before writing. The other ranks
+   do not wait for it: until the marker exists only a concurrent save's cleanup at the same path
+   could remove their files, and then the commit check fails loudly.
+2. **write** (every rank): :func:`tessera.engine.saving.write.write_tiles`, then the rank's report
+   (:mod:`tessera.format.rank_report`: its files, tiles, checksums, values, timings) beside its
+   data files; the report's size never reaches a collective.
+3. **vote** (one fixed-size all-reduce): every rank's bytes and report are durable, and the
+   ranks agree on the plan and the location. A rank that failed, or
+   had to plan in the foreground, voted already (:mod:`.prepare`). If the vote fails, every rank
+   removes what it wrote (rank 0 also the marker) and raises.
+4. **commit** (rank 0, then one broadcast): rank 0 reads the reports, assembles and commits the
+   manifest (:func:`tessera.engine.commit.commit_manifest`); one fixed-size broadcast tells every
+   rank the outcome (a failure's records follow in a second one).
 
-Errors anywhere are raised on every rank by :func:`tessera.engine.dist.collective_step`.
+A steady-state save therefore coordinates with two fixed-size collectives (3 and 4), whatever
+the number of tensors, tiles or ranks. Where rank 0 cannot see every rank's files (a node-local
+tier) the reports are gathered instead, one more collective.
 """
 
 from __future__ import annotations
@@ -17,24 +26,36 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
-from ...errors import CheckpointError, CommitCheckError, ConcurrentSaveError, StorageError
+from ...errors import (
+    CheckpointError,
+    CommitCheckError,
+    ConcurrentSaveError,
+    LocationMismatchError,
+    PlanMismatchError,
+    StorageError,
+)
 from ...format.names import DATA_DIR
+from ...format.rank_report import RankReportDoc, decode_report, encode_report, report_path
 from ...options import WriterMode
 from ...results import SaveResult
+from ...storage.capabilities import PartialVisibility
 from .. import commit, dist
 from ..commit import Claim
-from ..dist import Gathered, World
+from ..dist import World
 from ..timing import PhaseTimer
 from . import dedup
-from .assemble import build_manifest
-from .handoff import CommitOutcome, FileReport, PreparedSave, RankReport
+from .assemble import build_manifest, check_coverage
+from .handoff import CommitOutcome, FileReport, PreparedSave, rank_report
+from .prepare import plan_mismatch, save_ballot
 from .sources import Staged
 from .window import WindowedTiles, file_write
 from .write import WriteRequest, WrittenFile, write_tiles
 from .writer_process import write_tiles_in_process
 
 logger = logging.getLogger(__name__)
+_READ_THREADS = 16
 
 
 def finish_save(
@@ -45,7 +66,7 @@ def finish_save(
     returned: threading.Event | None = None,
     verdict: Callable[[], None] | None = None,
 ) -> SaveResult:
-    """Collective: claim, write, commit. Runs in the save's background thread (or inline).
+    """Collective: claim, write, vote, commit. Runs in the save's background thread (or inline).
 
     Args:
         world: the ranks taking part.
@@ -55,7 +76,7 @@ def finish_save(
         returned: set once ``async_save`` returned (its stall is in ``timer.stall`` then);
             None for a synchronous save.
         verdict: for a copy in the background, waits for it to end and raises what it found
-            (a source changed under it): checked after the writes, before the commit vote.
+            (a source changed under it): checked after the writes, before the vote.
 
     Returns:
         this rank's :class:`SaveResult`.
@@ -63,20 +84,22 @@ def finish_save(
     Raises:
         CheckpointError: any rank's failure, of the same type on every rank.
     """
-    tiles: list[Staged] = []
-
-    def stage_locally() -> str | None:
-        tiles.append(staged())
-        return dedup.base_of(save)  # under dedup, rank 0 pins what the ranks may reference
-
-    claim, share = dist.collective_step(
-        world, f"saving checkpoint {save.path}", stage_locally, lambda g: _claim(g, save)
-    )
+    what = f"saving checkpoint {save.path}"
     written: list[WrittenFile] = []
     reports: list[FileReport] = []
+    claims: list[Claim] = []
+    ballot = save_ballot()
 
-    def write_locally() -> RankReport:
-        written.extend(_write(world, save, tiles[0], share, reports))
+    def write_locally() -> None:
+        if world.is_coordinator:
+            claims.append(commit.claim(save.store, save.save_id))
+        # Under dedup each rank pins what it writes and references before it does (it does
+        # not wait for rank 0), then references only a base still committed after its pin.
+        share = dedup.pin(save.dedup, save.save_id, save.path, world.rank)
+        tiles = staged()
+        # A memory budget's copies stream through the writes: such a save references nothing.
+        windowed = any(isinstance(st, WindowedTiles) for st in tiles)
+        written.extend(_write(world, save, tiles, share and not windowed, reports))
         if verdict is not None:
             verdict()
         timer.mark("write")
@@ -85,55 +108,117 @@ def finish_save(
         timings: dict[str, float] = {**timer.phases, "bytes": sum(w.nbytes for w in written)}
         if timer.stall is not None:
             timings["stall"] = timer.stall
-        return RankReport(files=tuple(reports), values=save.values, timings=timings)
+        doc = rank_report(world.rank, save.save_id, reports, save.values, timings)
+        if world.is_coordinator:
+            docs.append(doc)
+        elif _through_storage(save):
+            path = report_path(save.save_id, world.rank)
+            try:
+                save.store.write_atomic(path, encode_report(doc))
+            except CheckpointError:
+                raise
+            except Exception as e:
+                raise StorageError(
+                    f"rank {world.rank}: writing its report {path} of {save.path} failed: {type(e).__name__}: {e}"
+                ) from e
+        else:
+            blobs.append(encode_report(doc))
+        ballot["plan"] = dist.fingerprint62(save.plan.plan_id)
+        ballot["background"] = int(save.background)
+        ballot["location"] = dist.fingerprint62(save.location)
 
-    committing = False  # rank 0 reached the commit (it then cleans up a failure itself)
+    docs: list[RankReportDoc] = []
+    blobs: list[bytes] = []
+    claim_of = lambda: claims[0] if claims else Claim(save.save_id, None, False)  # noqa: E731
 
-    def commit_step(gathered: Gathered[RankReport]) -> CommitOutcome | None:
-        nonlocal committing
-        committing = True
-        return _commit(gathered, save, claim)
+    removed: list[bool] = []
+
+    def remove_own() -> BaseException | None:
+        """Nothing will commit (rank 0 publishes only after a passing vote): every rank removes
+        what it wrote. Rank 0 returns the real cause if another save won the path meanwhile
+        (its cleanup removed our files: the failures it led to are only symptoms)."""
+        if removed:
+            return None
+        removed.append(True)
+        _remove(world, save, written, claim_of())
+        return commit.superseded(save.store, claims[0], save.path) if claims else None
 
     try:
-        outcome = dist.collective_step(world, f"saving checkpoint {save.path}", write_locally, commit_step)
+        tally = dist.vote(world, what, ballot, write_locally, failed=remove_own)
     except BaseException:
-        if world.is_coordinator and claim is not None and not committing:
-            # The exchange itself failed (a rank died or hangs): nothing was published, so
-            # rank 0 removes the save's files and marker, as it would for a reported failure.
-            commit.abandon(save.store, claim, [w.path for w in written], save.path)
-            dedup.abandon(save)
-        # Other ranks keep their files: the exchange failing does not tell them whether rank 0
-        # published the manifest before it died, and removing files a committed manifest
-        # names would corrupt the checkpoint. If the save did not commit, its files are under
-        # data/<save id>/ with its owner marker, and the next commit at the path removes them.
+        remove_own()  # the vote itself failed (a rank died or hangs)
         raise
+    problem = _disagreement(tally, save.path)
+    if problem is not None:
+        remove_own()
+        if isinstance(problem, PlanMismatchError) and save.forget_plans is not None:
+            save.forget_plans()
+        if isinstance(problem, LocationMismatchError):  # name every location (the error path)
+            commit.check_locations(dist.all_gather(world, save.location, what), save.path)
+        raise problem
+    if not _through_storage(save):
+        gathered = dist.gather(world, blobs[0] if blobs else b"", what)
+        if gathered is not None:
+            blobs[:] = gathered
+    outcome: list[CommitOutcome] = []
+    decide = (lambda: _commit(world, save, claim_of(), docs, blobs, outcome)) if world.is_coordinator else None
+    total_bytes = dist.announce(world, what, decide, 1)[0]
     timer.mark("commit")
-    dedup.committed(save, reports, outcome)
+    result = outcome[0] if outcome else CommitOutcome(total_bytes, {})
+    dedup.committed(save, reports, result)
     my_bytes = sum(w.nbytes for w in written)
     if world.is_coordinator:
         logger.info(
-            "saved %s (%d bytes, %d ranks) in %.3fs", save.path, outcome.total_bytes, world.size, timer.total()["total"]
+            "saved %s (%d bytes, %d ranks) in %.3fs", save.path, total_bytes, world.size, timer.total()["total"]
         )
-    rank_timings = outcome.rank_timings if world.is_coordinator else {}
     return SaveResult(
-        save.path, save.save_id, my_bytes, outcome.total_bytes, timer.total(), save.plan_cached, rank_timings
+        save.path, save.save_id, my_bytes, total_bytes, timer.total(), save.plan_cached, result.rank_timings
     )
 
 
-def _claim(gathered: Gathered[str | None], save: PreparedSave) -> tuple[Claim, bool] | None:
-    """Rank 0: claim the path once every rank has staged (see :mod:`tessera.engine.commit`).
+def _disagreement(tally: dist.Tally, path: str) -> CheckpointError | None:
+    """Why the ranks cannot commit together, from their vote (the same on every rank), or None."""
+    if tally["miss"] or not tally.agreed["plan"]:
+        return plan_mismatch(path, retry=not tally["background"])
+    if not tally.agreed["location"]:
+        return LocationMismatchError(f"the ranks saving {path!r} do not agree on where the checkpoint is")
+    return None
 
-    Returns:
-        the claim, and whether the ranks may reference stored tiles (under dedup).
-    """
-    if not gathered.ok:
-        return None  # nobody claimed, nobody writes: nothing to clean up
-    share = dedup.pin(save, gathered.all())
+
+def _through_storage(save: PreparedSave) -> bool:
+    """Whether reports travel through storage: only where rank 0 sees every rank's files."""
+    return not (isinstance(save.store, PartialVisibility) and not save.store.all_files_visible)
+
+
+def _remove(world: World, save: PreparedSave, written: list[WrittenFile], claim: Claim) -> None:
+    """Remove this rank's files of a save that will not commit (rank 0: also the marker and pin). Never raises."""
     try:
-        return commit.claim(save.store, save.save_id), share
-    except BaseException:
-        dedup.unpin(save)
-        raise
+        if save.dedup is None:
+            own = [w.path for w in written]
+            if not world.is_coordinator:
+                own.append(report_path(save.save_id, world.rank))
+            save.store.delete(own)
+    except Exception as e:
+        logger.warning("rank %d: could not remove the files of a failed save of %s: %s", world.rank, save.path, e)
+    if world.is_coordinator:
+        commit.abandon(save.store, claim, [], save.path)
+        dedup.abandon(save)
+
+
+def _reports(world: World, save: PreparedSave, docs: list[RankReportDoc], blobs: list[bytes]) -> list[RankReportDoc]:
+    """Rank 0: every rank's report, by rank (they are durable: every rank voted after writing its own)."""
+    raw: dict[int, bytes]
+    if _through_storage(save):
+        paths = {report_path(save.save_id, r): r for r in range(1, world.size)}
+        with ThreadPoolExecutor(max(1, min(_READ_THREADS, len(paths))), thread_name_prefix="tessera-reports") as pool:
+            raw = dict(zip(paths.values(), pool.map(save.store.read_file, paths)))
+    else:
+        raw = dict(enumerate(blobs))
+    out = [docs[0]]
+    for r in range(1, world.size):
+        source = f"{save.path}/{report_path(save.save_id, r)}"
+        out.append(decode_report(raw[r], source=source, rank=r, save_id=save.save_id))
+    return out
 
 
 def _write(
@@ -167,37 +252,46 @@ def _write(
         ) from e
 
 
-def _commit(gathered: Gathered[RankReport], save: PreparedSave, claim: Claim) -> CommitOutcome | None:
-    """Rank 0: commit the manifest, or remove the save's files if some rank failed.
+def _commit(
+    world: World,
+    save: PreparedSave,
+    claim: Claim,
+    docs: list[RankReportDoc],
+    blobs: list[bytes],
+    out: list[CommitOutcome],
+) -> list[int]:
+    """Rank 0, once every rank voted its bytes durable: commit the manifest.
 
     Raises:
-        ConcurrentSaveError: another save committed since the claim (also when ranks
-            failed: it is the real cause, as the winner's cleanup removed our files).
+        ConcurrentSaveError: another save committed since the claim.
         CheckpointError: the commit failed (see :func:`tessera.engine.commit.commit_manifest`).
     """
-    if not gathered.ok:
-        files = [w.path for rep in gathered.payloads if rep is not None for w in rep.files]
-        commit.abandon(save.store, claim, files, save.path)
+    assert save.plan.metas is not None  # rank 0 holds the global tensor table
+    try:
+        reports = _reports(world, save, docs, blobs)
+        manifest = dedup.annotate(
+            save, build_manifest(world.size, save.plan.metas, reports, save.save_id, save.options)
+        )
+        if save.plan.derived:  # no rank saw the others' boxes: check every tensor is covered once
+            check_coverage(manifest)
+        dedup.check_shared(save, manifest)
+    except BaseException:
+        commit.abandon(save.store, claim, [], save.path)
         dedup.abandon(save)
         lost = commit.superseded(save.store, claim, save.path)
         if lost is not None:
-            raise lost
-        return None
-    reports = gathered.all()
-    assert save.plan.metas is not None  # rank 0 holds the global tensor table
-    try:
-        manifest = dedup.annotate(
-            save, build_manifest(len(reports), save.plan.metas, reports, save.save_id, save.options)
-        )
-        dedup.check_shared(save, manifest)
-    except BaseException:
-        commit.abandon(save.store, claim, [w.path for rep in reports for w in rep.files], save.path)
-        dedup.abandon(save)
+            raise lost from None
         raise
     try:
         commit.commit_manifest(save.store, claim, manifest, save.path)
     except (ConcurrentSaveError, CommitCheckError):
         dedup.abandon(save)  # not committed: its new shared files and pin go (a committed pin stays, see dedup)
         raise
-    timings = {r: rep.timings for r, rep in enumerate(reports)}
-    return CommitOutcome(dedup.bytes_written(save, manifest), timings, dedup.dirs_of(save, manifest))
+    if world.size > 1 and _through_storage(save):
+        try:  # the manifest holds everything they said
+            save.store.delete([report_path(save.save_id, r) for r in range(1, world.size)])
+        except Exception as e:
+            logger.debug("could not remove the rank reports of %s: %s", save.path, e)
+    timings = {r: d.timings for r, d in enumerate(reports)}
+    out.append(CommitOutcome(dedup.bytes_written(save, manifest), timings, dedup.dirs_of(save, manifest)))
+    return [out[0].total_bytes]

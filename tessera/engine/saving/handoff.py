@@ -2,19 +2,22 @@
 
 request (:class:`SaveRequest`) -> prepare step (:class:`PrepareReport` from every rank)
 -> plan (:class:`SavePlan`, the coordinator's :class:`PlanAssignment` per rank)
--> :class:`PreparedSave` -> claim -> write (:class:`RankReport` per rank)
--> commit (:class:`CommitOutcome` on every rank).
-
-A :class:`RankReport` lists :class:`FileReport` s.
+-> :class:`PreparedSave` -> claim (rank 0) -> write (each rank's files, as
+:class:`FileReport` s, in its :class:`~tessera.format.rank_report.RankReportDoc`)
+-> commit (:class:`CommitOutcome` on rank 0).
 
 All are frozen dataclasses; those crossing ranks are picklable.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
+from ...format.rank_report import RankReportDoc, ReportTiles
 from ...format.tilefile import FileLayout
 from ...options import SaveOptions
 from ...storage import Storage
@@ -90,6 +93,8 @@ class SavePlan:
     """The data files this rank writes, in order."""
     metas: tuple[TensorMeta, ...] | None
     """The global tensor table (rank 0 only; None elsewhere)."""
+    derived: bool = False
+    """Each rank planned alone (no exchange checked coverage): rank 0 checks it before committing."""
 
 
 @dataclass(frozen=True)
@@ -105,6 +110,12 @@ class PreparedSave:
     values: EncodedValues
     options: SaveOptions
     dedup: Dedup | None = None
+    location: str = ""
+    """Where this rank's storage writes (every rank must agree: checked in the save's vote)."""
+    forget_plans: Callable[[], None] | None = None
+    """Drops this process group's cached plans (the ranks' plans disagreed: all plan again)."""
+    background: bool = False
+    """An ``async_save`` (its caller may change the state: it cannot start over)."""
 
 
 @dataclass(frozen=True)
@@ -141,15 +152,32 @@ class FileReport:
         )
 
 
-@dataclass(frozen=True)
-class RankReport:
-    """What one rank tells rank 0 once its data files are written."""
-
-    files: tuple[FileReport, ...]
-    """The files this rank wrote (or, under dedup, references), with their tiles and checksums."""
-    values: EncodedValues
-    timings: dict[str, float]
-    """The rank's phase durations and byte count."""
+def rank_report(
+    rank: int, save_id: str, files: Sequence[FileReport], values: EncodedValues, timings: dict[str, float]
+) -> RankReportDoc:
+    """What rank ``rank`` reports once its files are durable, as columns (see :mod:`tessera.format.rank_report`)."""
+    names = tuple(dict.fromkeys(fqn for f in files for fqn in f.fqns))
+    name_of = {n: i for i, n in enumerate(names)}
+    nd = max((len(o) for f in files for o in f.offsets), default=0)
+    n = sum(len(f.fqns) for f in files)
+    offs = np.zeros((n, nd), dtype=np.int64)
+    lens = np.ones((n, nd), dtype=np.int64)
+    file = np.empty(n, dtype=np.int64)
+    name = np.empty(n, dtype=np.int64)
+    byte_offset = np.empty(n, dtype=np.int64)
+    chunks = np.empty(n, dtype=np.int64)
+    row = 0
+    for fi, f in enumerate(files):
+        for fqn, o, ln, bo, sums in zip(f.fqns, f.offsets, f.lengths, f.byte_offsets, f.checksums):
+            offs[row, : len(o)] = o
+            lens[row, : len(ln)] = ln
+            file[row], name[row], byte_offset[row], chunks[row] = fi, name_of[fqn], bo, len(sums)
+            row += 1
+    sums_all = np.fromiter((c for f in files for s in f.checksums for c in s), dtype=np.uint64)
+    tiles = ReportTiles(
+        tuple((f.path, f.nbytes) for f in files), names, file, name, offs, lens, byte_offset, chunks, sums_all
+    )
+    return RankReportDoc(rank, save_id, tiles, values.values, values.per_rank, timings)
 
 
 @dataclass(frozen=True)

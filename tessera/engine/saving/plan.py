@@ -55,6 +55,15 @@ class LocalPlan:
     flats: np.ndarray
     fingerprint: str
     metas_digest: str = ""
+    replicas: np.ndarray | None = None
+    """``(n, 2)`` rows ``[index, count]``: this rank's place among the holders of each box (row
+    of ``boxes``), where global facts give it; None if some box's holders are not known
+    locally (then the plan needs the other ranks' local plans)."""
+
+    @property
+    def derivable(self) -> bool:
+        """Whether this rank can compute its share of the global plan alone (see :func:`derive_rank_plan`)."""
+        return self.replicas is not None and not len(self.flats)
 
 
 @dataclass(frozen=True)
@@ -126,12 +135,52 @@ def build_local_plan(flat: FlatState, rank: int) -> LocalPlan:
         if p.flat is not None:
             flats.append((i, *p.flat))
     flat_arr = np.array(sorted(set(flats)), dtype=np.int64).reshape(-1, 3)
+    replicas = None
+    if all(p.replica is not None for p in flat.tensors):
+        replicas = np.array([p.replica for p in flat.tensors], dtype=np.int64).reshape(-1, 2)
     metas_digest = hashlib.blake2b(repr(metas).encode(), digest_size=16).hexdigest()
     h = hashlib.blake2b(digest_size=16)
     h.update(metas_digest.encode())
     h.update(boxes.tobytes())
     h.update(flat_arr.tobytes())
-    return LocalPlan(rank, tuple(metas), boxes, flat_arr, h.hexdigest(), metas_digest)
+    h.update(b"-" if replicas is None else replicas.tobytes())
+    return LocalPlan(rank, tuple(metas), boxes, flat_arr, h.hexdigest(), metas_digest, replicas)
+
+
+def derive_rank_plan(local: LocalPlan, world: int, options: PlanOptions | None = None) -> RankPlan:
+    """This rank's share of the global plan, computed from its own local plan alone.
+
+    For layouts where every rank knows who else holds each of its boxes (see
+    :attr:`LocalPlan.derivable`) and every rank has the same tensor table (the ranks check a
+    digest): a box held once is written by its holder; a replicated box is cut into slabs as
+    :func:`build_global_plan` would and holder ``i`` of ``k`` writes slab ``i`` (rotated per
+    box, so small boxes that stay whole spread over their holders), which balances the bytes
+    within every replica group with no communication. Coverage is not checked here (it needs
+    every rank's boxes): rank 0 checks it on the manifest before committing.
+    """
+    options = options or PlanOptions()
+    assert local.replicas is not None, "derive_rank_plan needs a derivable local plan"
+    metas, b = local.metas, local.boxes
+    nd = (b.shape[1] - 1) // 2
+    sizes = np.array([itemsize(dtype_from_name(m.dtype)) for m in metas], dtype=np.int64)
+    total = sum(math.prod(m.shape) * int(sizes[i]) for i, m in enumerate(metas))
+    piece_bytes = max(options.min_split_bytes, total // max(1, 4 * world))
+    nbytes = b[:, 1 + nd :].prod(axis=1) * sizes[b[:, 0]] if len(b) else np.zeros(0, dtype=np.int64)
+    rows: list[np.ndarray] = []
+    for j in np.flatnonzero(nbytes > 0):
+        index, count = (int(x) for x in local.replicas[j])
+        row = np.append(b[j], 0)
+        if count == 1:
+            rows.append(row)
+            continue
+        slabs = _split_replicated(row, nd, int(nbytes[j]), count, piece_bytes)
+        turn = int.from_bytes(
+            hashlib.blake2b(row.tobytes() + metas[row[0]].fqn.encode(), digest_size=4).digest(), "little"
+        )
+        rows.extend(slab for s, slab in enumerate(slabs) if (s + turn) % count == index)
+    table = np.array(rows, dtype=np.int64).reshape(-1, 2 + 2 * nd)
+    table = table[np.lexsort((table[:, 1] if nd else np.zeros(len(table)), table[:, 0]))] if len(table) else table
+    return _with_files(table, sizes, nd, metas, options)
 
 
 def build_global_plan(local_plans: list[LocalPlan], options: PlanOptions | None = None) -> GlobalPlan:
@@ -314,10 +363,18 @@ def _split_by_rank(
         out[:, 0] = inv[rows[:, 0]]
         out[:, 1 : 1 + lnd] = rows[:, 1 : 1 + lnd]
         out[:, 1 + lnd : 1 + 2 * lnd] = rows[:, 1 + nd : 1 + nd + lnd]
-        nb = rows[:, 1 + nd : 1 + 2 * nd].prod(axis=1) * sizes[rows[:, 0]] if len(rows) else np.zeros(0, dtype=np.int64)
-        total = int(nb.sum())
-        files = max(1, min(options.files_per_rank, total // max(1, options.min_file_bytes)))
-        # Consecutive rows fill files in turn, so each file holds about total / files bytes.
-        out[:, -1] = np.minimum(files - 1, (np.cumsum(nb) - nb) * files // max(1, total)) if len(rows) else 0
-        plans.append(RankPlan(lp.metas, out, lnd, files))
+        plans.append(_with_files(out, sizes[ids], lnd, lp.metas, options))
     return plans
+
+
+def _with_files(
+    rows: np.ndarray, sizes: np.ndarray, nd: int, metas: tuple[TensorMeta, ...], options: PlanOptions
+) -> RankPlan:
+    """A rank's plan from its rows ``[meta, offsets, lengths, -]`` (meta indices into ``metas``,
+    item sizes in ``sizes``): consecutive rows fill the rank's files in turn, so each file holds
+    about an equal share of its bytes."""
+    nb = rows[:, 1 + nd : 1 + 2 * nd].prod(axis=1) * sizes[rows[:, 0]] if len(rows) else np.zeros(0, dtype=np.int64)
+    total = int(nb.sum())
+    files = max(1, min(options.files_per_rank, total // max(1, options.min_file_bytes)))
+    rows[:, -1] = np.minimum(files - 1, (np.cumsum(nb) - nb) * files // max(1, total)) if len(rows) else 0
+    return RankPlan(metas, rows, nd, files)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -11,6 +12,7 @@ from functools import partial
 
 import torch
 
+from ...errors import PlanMismatchError
 from ...options import SaveOptions, StagingCheck, StagingMode
 from ...results import PendingSave, SaveResult
 from .. import dist, inflight
@@ -23,6 +25,7 @@ from .sources import MutationCheck, OverlappedCopy, Staged, hold_mutations, priv
 from .staging import ready_event
 from .window import Window
 
+logger = logging.getLogger(__name__)
 _STALL_PARTS = ("wait_previous", "plan", "stage", "schedule")
 
 
@@ -42,6 +45,21 @@ class _StageStep:
 
 
 def start_save(request: SaveRequest) -> PendingSave:
+    """Start a save; collective over ``request.process_group`` (see :func:`_start_save`).
+
+    A synchronous save whose ranks' plans turned out to disagree (the structure changed on some
+    ranks only) starts over once, every rank together: they all learned it from one vote.
+    """
+    try:
+        return _start_save(request)
+    except PlanMismatchError as e:
+        if not e.retry:
+            raise
+        logger.info("%s: the ranks' plans disagreed; planning the save again", request.path)
+        return _start_save(request)
+
+
+def _start_save(request: SaveRequest) -> PendingSave:
     """Start a save; collective over ``request.process_group``.
 
     Waits for this process's previous save of the group, then (every rank together) flattens
@@ -95,6 +113,9 @@ def start_save(request: SaveRequest) -> PendingSave:
             thread.start()
         else:
             _run_into(future, finish)
+            mismatch = future.exception()
+            if isinstance(mismatch, PlanMismatchError) and mismatch.retry:
+                raise mismatch
         parts = {k: timer.phases[k] for k in _STALL_PARTS if k in timer.phases}
         pending = PendingSave(future, 0.0, path=request.path, staged_event=step.event, stall_parts=parts)
         if step.event is not None:

@@ -1,0 +1,197 @@
+"""A rank's report of a save: the data files it wrote, their tiles, its plain values and timings.
+
+Each rank writes its report beside its data files once they are durable
+(``data/<save id>/reports/<rank>.json``) and rank 0 reads them all to assemble the manifest.
+Reports travel through storage, not collectives: the ranks of a steady-state save exchange a
+fixed few bytes whatever the number of tiles, and rank 0 reads only what it must write.
+
+A report is strict JSON (no pickle) with the tile columns as base64 of little-endian arrays,
+followed by a newline and the xxh3-64 of the JSON in hex: a torn or altered report is refused.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import xxhash
+
+from ..errors import ManifestError
+from .names import DATA_DIR
+
+REPORT_FORMAT = "tessera-rank-report"
+REPORT_VERSION = 1
+REPORTS_DIR = "reports"
+MAX_REPORT_BYTES = 1 << 30
+
+
+def report_dir(save_id: str) -> str:
+    """Where the reports of save ``save_id`` live, inside the checkpoint."""
+    return f"{DATA_DIR}/{save_id}/{REPORTS_DIR}"
+
+
+def report_path(save_id: str, rank: int) -> str:
+    return f"{report_dir(save_id)}/{rank}.json"
+
+
+@dataclass(frozen=True, eq=False)
+class ReportTiles:
+    """The tiles of one rank's files as columns (tile ``i`` at index ``i`` of each).
+
+    Boxes of tensors of lower rank are padded to ``ndim`` with offset 0 and length 1.
+    """
+
+    files: tuple[tuple[str, int], ...]
+    """``(path, bytes)`` of each file the rank wrote or references."""
+    names: tuple[str, ...]
+    file: np.ndarray
+    name: np.ndarray
+    offsets: np.ndarray
+    lengths: np.ndarray
+    byte_offset: np.ndarray
+    chunks: np.ndarray
+    checksums: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.file)
+
+
+@dataclass(frozen=True)
+class RankReportDoc:
+    """What a rank reports once its part of a save is durable (or why it failed)."""
+
+    rank: int
+    save_id: str
+    tiles: ReportTiles | None
+    values: dict[str, Any]
+    per_rank: dict[str, tuple[Any, str]]
+    timings: dict[str, float]
+    failure: tuple[str, str] | None = None
+    """``(exception type name, message)`` if the rank failed."""
+
+
+def _b64(arr: np.ndarray, dtype: str) -> str:
+    return base64.b64encode(np.ascontiguousarray(arr, dtype=dtype).tobytes()).decode("ascii")
+
+
+def encode_report(doc: RankReportDoc) -> bytes:
+    """The bytes of a report file."""
+    body: dict[str, Any] = {
+        "format": REPORT_FORMAT,
+        "version": REPORT_VERSION,
+        "rank": doc.rank,
+        "save_id": doc.save_id,
+        "values": doc.values,
+        "per_rank": {k: [v, policy] for k, (v, policy) in doc.per_rank.items()},
+        "timings": doc.timings,
+        "failure": list(doc.failure) if doc.failure is not None else None,
+    }
+    t = doc.tiles
+    if t is not None:
+        body["files"] = [[p, n] for p, n in t.files]
+        body["names"] = list(t.names)
+        body["tiles"] = {
+            "count": len(t),
+            "ndim": int(t.offsets.shape[1]) if t.offsets.ndim == 2 else 0,
+            "file": _b64(t.file, "<i8"),
+            "name": _b64(t.name, "<i8"),
+            "offsets": _b64(t.offsets, "<i8"),
+            "lengths": _b64(t.lengths, "<i8"),
+            "byte_offset": _b64(t.byte_offset, "<i8"),
+            "chunks": _b64(t.chunks, "<i8"),
+            "checksums": _b64(t.checksums, "<u8"),
+        }
+    data = json.dumps(body, separators=(",", ":"), allow_nan=False).encode()
+    return data + b"\n" + xxhash.xxh3_64_hexdigest(data).encode()
+
+
+def decode_report(data: bytes, *, source: str, rank: int, save_id: str) -> RankReportDoc:
+    """Parse and check a report file written by rank ``rank`` for save ``save_id``.
+
+    Raises:
+        ManifestError: naming ``source`` if the report is torn, altered, or not the one expected.
+    """
+
+    def fail(what: str) -> ManifestError:
+        return ManifestError(f"{source}: invalid report of rank {rank}: {what}")
+
+    if len(data) > MAX_REPORT_BYTES:
+        raise fail(f"{len(data)} bytes is over the {MAX_REPORT_BYTES}-byte limit")
+    body, sep, digest = data.rpartition(b"\n")
+    if not sep or xxhash.xxh3_64_hexdigest(body).encode() != digest:
+        raise fail("its checksum does not match (torn or altered)")
+    try:
+        doc = json.loads(body)
+    except ValueError as e:
+        raise fail(f"not valid JSON ({e})") from None
+    if not isinstance(doc, dict) or doc.get("format") != REPORT_FORMAT or doc.get("version") != REPORT_VERSION:
+        raise fail("not a tessera rank report of this version")
+    if doc.get("rank") != rank or doc.get("save_id") != save_id:
+        raise fail(f"it is rank {doc.get('rank')!r:.20}'s report of save {doc.get('save_id')!r:.40}")
+    failure = doc.get("failure")
+    if failure is not None:
+        if not (isinstance(failure, list) and len(failure) == 2 and all(isinstance(x, str) for x in failure)):
+            raise fail("failure must be [type name, message]")
+        return RankReportDoc(rank, save_id, None, {}, {}, {}, (failure[0], failure[1]))
+    values, per_rank, timings = doc.get("values"), doc.get("per_rank"), doc.get("timings")
+    if not isinstance(values, dict) or not isinstance(per_rank, dict) or not isinstance(timings, dict):
+        raise fail("values, per_rank and timings must be objects")
+    if not all(isinstance(v, list) and len(v) == 2 and isinstance(v[1], str) for v in per_rank.values()):
+        raise fail("per_rank entries must be [value, policy]")
+    return RankReportDoc(
+        rank,
+        save_id,
+        _tiles(doc, fail),
+        values,
+        {k: (v[0], v[1]) for k, v in per_rank.items()},
+        {str(k): float(v) for k, v in timings.items() if isinstance(v, int | float)},
+    )
+
+
+def _tiles(doc: dict[str, Any], fail: Any) -> ReportTiles:
+    files, names, raw = doc.get("files"), doc.get("names"), doc.get("tiles")
+    if not isinstance(files, list) or not all(
+        isinstance(f, list) and len(f) == 2 and isinstance(f[0], str) and type(f[1]) is int and f[1] >= 0 for f in files
+    ):
+        raise fail("files must be [[path, bytes], ...]")
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        raise fail("names must be a list of strings")
+    if not isinstance(raw, dict):
+        raise fail("tiles must be an object")
+    n, nd = raw.get("count"), raw.get("ndim")
+    if type(n) is not int or type(nd) is not int or n < 0 or not 0 <= nd <= 64:
+        raise fail("tiles.count and tiles.ndim must be small non-negative integers")
+
+    def column(key: str, count: int, dtype: str) -> np.ndarray:
+        text = raw.get(key)
+        if not isinstance(text, str) or len(text) != 4 * -(-8 * count // 3):
+            raise fail(f"tiles.{key} must be base64 of {count} 8-byte numbers")
+        try:
+            buf = base64.b64decode(text, validate=True)
+        except (binascii.Error, ValueError):
+            raise fail(f"tiles.{key} is not valid base64") from None
+        return np.frombuffer(buf, dtype=dtype).astype(np.uint64 if dtype == "<u8" else np.int64)
+
+    cols = [column(k, c, "<i8") for k, c in (("file", n), ("name", n), ("offsets", n * nd), ("lengths", n * nd))]
+    byte_offset, chunks = column("byte_offset", n, "<i8"), column("chunks", n, "<i8")
+    ints = [*cols, byte_offset, chunks]
+    if any(len(a) and ((a < 0).any() or a.max() >= 1 << 62) for a in ints):
+        raise fail("tile columns must be non-negative integers below 2**62")
+    file, name, offs, lens = cols
+    if n and (file.max() >= len(files) or name.max() >= len(names)):
+        raise fail("a tile refers to a file or name the report does not list")
+    return ReportTiles(
+        tuple((f[0], f[1]) for f in files),
+        tuple(names),
+        file,
+        name,
+        offs.reshape(n, nd),
+        lens.reshape(n, nd),
+        byte_offset,
+        chunks,
+        column("checksums", int(chunks.sum()), "<u8"),
+    )
