@@ -93,6 +93,10 @@ class DirectRoute:
                 self.retention.apply(making_room_for=step)
             except Exception as e:
                 logger.warning("retention before saving step %d under %s failed: %s", step, self.steps.root, e)
+        if self.retention_before_save:
+            # The ranks of a steady-state save do not wait for each other before writing: this
+            # one small all-reduce keeps them from filling the disk rank 0 is making room on.
+            dist.all_true(world, True, f"making room for step {step} under {self.steps.root}")
         then = lambda: self.after_commit(step, world)  # noqa: E731
         return self.run(step, url, state, store, in_background, then, t0, waited, dedup=self.shared is not None)
 
