@@ -1,10 +1,10 @@
 """Load planning: overlap the boxes a rank wants with the saved tiles, as coalesced range reads.
 
 For every box a rank wants (a :class:`ReadTarget`), the saved tiles of the same tensor that
-overlap it are found (vectorised per tensor); each overlap needs a set of the tile's
-checksum chunks. Needed chunks of one file are coalesced into :class:`ReadRequest` range
-reads of bounded size; an overlap that is a whole tile over contiguous target memory is
-read directly into the target. Pure: no I/O (the reads run in :mod:`tessera.engine.loading.read`); the
+overlap it are found (by binary search over the tiles sorted by offset, then vectorised over
+the few candidates); each overlap needs a set of the tile's checksum chunks. Needed chunks
+of one file are coalesced into :class:`ReadRequest` range reads of bounded size; an overlap
+that is a whole tile over contiguous target memory is read directly into the target. Pure: no I/O (the reads run in :mod:`tessera.engine.loading.read`); the
 save-side counterpart is :mod:`tessera.engine.saving.plan`.
 """
 
@@ -60,28 +60,71 @@ class ReadRequest:
 
 
 class _TileIndex:
-    """Per-tensor numpy arrays of tile boxes, built lazily from a manifest."""
+    """Which saved tiles of a tensor meet a box, found by binary search instead of a scan.
+
+    Per tensor, built on first use and kept for the call: the tiles ordered by their first
+    offset (a save stores them so; tiles in another order are sorted once) and the running
+    maximum of their ends in that order. The tiles that can meet a box are then one
+    contiguous run of that order, between two binary searches, so a target costs time in
+    proportion to the tiles near it, not to the tensor's tile count.
+    """
 
     def __init__(self, manifest: Manifest) -> None:
         self.manifest = manifest
-        self._covered: set[str] = set()
+        self._sorted: dict[str, tuple[np.ndarray | None, np.ndarray, np.ndarray]] = {}
 
-    def check_coverage(self, fqn: str, rank: int) -> None:
-        """Raise unless the tensor's tiles tile it exactly once (checked once per tensor)."""
-        if fqn in self._covered:
-            return
-        offs, lens = self.arrays(fqn)
-        try:
-            check_box_coverage(fqn, self.manifest.tensors[fqn].shape, offs, lens)
-        except CoverageError as e:
-            raise CorruptCheckpointError(
-                f"rank {rank}: {e}; the manifest is inconsistent (run `tessera verify`)"
-            ) from e
-        self._covered.add(fqn)
-
-    def arrays(self, fqn: str) -> tuple[np.ndarray, np.ndarray]:
+    def overlaps(self, fqn: str, box: Box) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Indices of the tiles that meet ``box`` (ascending) and their intersections' ``lo`` / ``hi`` corners."""
         table = self.manifest.tensors[fqn].table
-        return table.offsets, table.lengths
+        offs, lens = table.offsets, table.lengths
+        if not offs.shape[1] or not len(offs):  # a 0-dim tensor: its one tile is the whole of it
+            idx = np.arange(len(offs))
+            return idx, offs, offs
+        key = self._sorted.get(fqn)
+        if key is None:
+            starts = offs[:, 0]
+            order = None if bool((starts[1:] >= starts[:-1]).all()) else np.argsort(starts, kind="stable")
+            if order is not None:
+                starts = starts[order]
+            reach = np.maximum.accumulate(starts + (lens[:, 0] if order is None else lens[order, 0]))
+            key = self._sorted[fqn] = (order, starts, reach)
+        order, starts, reach = key
+        first = int(np.searchsorted(reach, box.offsets[0], side="right"))  # earlier tiles end before the box
+        stop = int(np.searchsorted(starts, box.stops[0], side="left"))  # later tiles start after it
+        idx = np.arange(first, max(first, stop)) if order is None else np.sort(order[first:stop])
+        lo = np.maximum(offs[idx], np.asarray(box.offsets, dtype=np.int64))
+        hi = np.minimum(offs[idx] + lens[idx], np.asarray(box.stops, dtype=np.int64))
+        meet = (hi > lo).all(axis=1)
+        return idx[meet], lo[meet], hi[meet]
+
+
+def _check_disjoint(fqn: str, box: Box, lo: np.ndarray, hi: np.ndarray, rank: int) -> None:
+    """Raise unless the tiles' parts ``[lo, hi)`` inside ``box`` are pairwise disjoint.
+
+    With their volumes adding up to the box's, this proves the box is covered exactly once,
+    whatever the rest of the tensor looks like (a load reads only this box).
+    """
+    if len(lo) <= 64:
+        meet = (np.maximum(lo[:, None], lo[None]) < np.minimum(hi[:, None], hi[None])).all(axis=2)
+        np.fill_diagonal(meet, False)
+        if not meet.any():
+            return
+        i, j = (int(x) for x in np.argwhere(meet)[0])
+        detail = (
+            f"tiles meeting it at {lo[i].tolist()}..{hi[i].tolist()} and {lo[j].tolist()}..{hi[j].tolist()} overlap"
+        )
+    else:
+        origin = np.asarray(box.offsets, dtype=np.int64)
+        try:
+            check_box_coverage(fqn, box.lengths, lo - origin, hi - lo)
+            return
+        except CoverageError as e:
+            detail = str(e).removeprefix(f"tensor '{fqn}': ")
+            detail = f"tiles overlap: {detail} (coordinates relative to the box)"
+    raise CorruptCheckpointError(
+        f"tensor '{fqn}': in box {box} that rank {rank} loads, the checkpoint's {detail}; "
+        "the manifest is inconsistent (run `tessera verify`)"
+    )
 
 
 _EXACT_OVERLAP_ELEMENTS = 1 << 22
@@ -217,9 +260,14 @@ def plan_reads(
 ) -> list[ReadRequest]:
     """Range reads that fill every target, grouped and coalesced per file.
 
+    Pure and local (no communication): each rank plans its own reads. The cost of a target
+    is proportional to the saved tiles near its box, not to the tensor's tile count, and only
+    the tensors that targets name are touched (a lazily decoded manifest decodes just those).
+
     Raises:
-        CorruptCheckpointError: if the saved tiles do not cover a target exactly once
-            by volume (a gap or overlap in a damaged or hostile manifest).
+        CorruptCheckpointError: if the saved tiles do not cover a target's box exactly once
+            (a gap or overlap in a damaged or hostile manifest).
+        ManifestError: if a lazily decoded manifest's table of a target's tensor is invalid.
     """
     index = _TileIndex(manifest)
     chunk = manifest.chunk_bytes
@@ -231,22 +279,19 @@ def plan_reads(
         entry = manifest.tensors[t.fqn]
         dtype = dtype_from_name(entry.dtype)
         size = itemsize(dtype)
-        offs, lens = index.arrays(t.fqn)
-        lo = np.maximum(offs, np.asarray(t.box.offsets, dtype=np.int64))
-        hi = np.minimum(offs + lens, np.asarray(t.box.stops, dtype=np.int64))
-        hits = np.flatnonzero((hi > lo).all(axis=1)) if offs.shape[1] else np.arange(len(offs))
-        covered = int((hi[hits] - lo[hits]).prod(axis=1).sum()) if offs.shape[1] else len(hits)
+        hits, lo, hi = index.overlaps(t.fqn, t.box)
+        covered = int((hi - lo).prod(axis=1).sum()) if lo.shape[1] else len(hits)
         if covered != t.box.numel:
             raise CorruptCheckpointError(
                 f"tensor '{t.fqn}': the checkpoint's tiles cover {covered} of the {t.box.numel} elements of box "
                 f"{t.box} that rank {rank} loads; the manifest is inconsistent (run `tessera verify`)"
             )
         if len(hits) > 1:
-            # Volumes prove coverage only if the tiles are disjoint: check that once per tensor.
-            index.check_coverage(t.fqn, rank)
-        for i in hits.tolist():
+            # Volumes prove coverage only if the tiles are disjoint (within the box).
+            _check_disjoint(t.fqn, t.box, lo, hi, rank)
+        for k, i in enumerate(hits.tolist()):
             tile = entry.tile(i)
-            inter = Box(tuple(lo[i].tolist()), tuple((hi[i] - lo[i]).tolist()))
+            inter = Box(tuple(lo[k].tolist()), tuple((hi[k] - lo[k]).tolist()))
             tile_box = Box(tile.offsets, tile.lengths)
             rel_target = inter.relative_to(t.box)
             view = t.data[rel_target.slices()] if t.data.dim() else t.data

@@ -1,7 +1,10 @@
 """The strict manifest decoder: ``manifest.json`` bytes (hostile until proven otherwise) to a Manifest.
 
 Size limit, strict types, dtype whitelist, file references confined to the checkpoint, tiles
-inside their tensor, and a budget on how far compressed tile tables may inflate.
+inside their tensor, and a budget on how far compressed tile tables may inflate. Tile
+tables are validated with whole-column numpy operations (no per-tile Python work), and may
+be decoded lazily, on first use of each tensor, so that a reader that needs a few tensors of
+a large manifest does not pay for all of them.
 """
 
 from __future__ import annotations
@@ -10,11 +13,14 @@ import base64
 import binascii
 import json
 import math
+import sys
+import threading
 import zlib
 from itertools import chain
 from typing import Any, NamedTuple
 
 import numpy as np
+import torch
 
 from ...errors import ManifestError
 from ..dtypes import dtype_from_name, itemsize
@@ -58,14 +64,29 @@ def _dict(x: Any, what: str) -> dict:
     return x
 
 
-def decode(data: bytes, *, source: str = MANIFEST_NAME) -> Manifest:
+def decode(data: bytes, *, source: str = MANIFEST_NAME, lazy: bool = False) -> Manifest:
     """Parse and validate ``manifest.json`` bytes.
+
+    Args:
+        data: the bytes of ``manifest.json``.
+        source: where they come from, for error messages.
+        lazy: validate the top level, every tensor's dtype and shape and every tile table's
+            declared size now, but decode and validate each tensor's tiles only when they are
+            first used (``entry.table``, ``entry.tiles``, ``entry.tile(i)``); an invalid table
+            then raises :class:`ManifestError` naming ``source`` and the tensor at that point.
+            For readers that need a few tensors of a large manifest (a loading rank).
+            :meth:`Manifest.validate_all` decodes the rest. Readers that must find every
+            problem up front (``tessera verify``) keep the default.
 
     Raises:
         ManifestError: naming ``source`` and the first problem found.
+
+    Example:
+        >>> m = decode(data, lazy=True)  # parses the JSON; decodes no tile table
+        >>> m.tensors["model.w"].table.offsets  # decodes and validates this one
     """
     try:
-        return _decode(data)
+        return _decode(data, source, lazy)
     except ManifestError as e:
         raise ManifestError(f"{source}: {e}") from None
     except RecursionError:
@@ -143,13 +164,11 @@ def _head(data: bytes) -> _Head:
     return _Head(doc, version, save_id, world_size, chunk_bytes, tuple(files))
 
 
-def _decode(data: bytes) -> Manifest:
+def _decode(data: bytes, source: str, lazy: bool) -> Manifest:
     doc, version, save_id, world_size, chunk_bytes, files = _head(data)
     tensors: dict[str, TensorEntry] = {}
     # Shared by every tensor: per-tensor copies would cost tensors x files.
-    paths = tuple(f.path for f in files)
-    file_sizes = np.array([f.nbytes for f in files], dtype=np.int64)
-    budget = _Budget(DECODE_RATIO * len(data) + DECODE_SLACK)
+    ctx = _Context(source, files, chunk_bytes, _Budget(DECODE_RATIO * len(data) + DECODE_SLACK))
     for name, raw_entry in _dict(doc.get("tensors"), "tensors").items():
         tdoc = _dict(raw_entry, f"tensor '{name}'")
         try:
@@ -157,11 +176,14 @@ def _decode(data: bytes) -> Manifest:
         except ValueError as err:
             raise _fail(f"tensor '{name}': {err}") from None
         shape = _ints(tdoc.get("shape"), f"tensor '{name}' shape")
-        size = itemsize(dt)
+        size = _itemsize(dt)
         if math.prod(shape) * size >= 1 << 62:
             raise _fail(f"tensor '{name}': shape {list(shape)} is implausibly large")
-        table = _decode_tiles(name, tdoc, shape, size, files, paths, file_sizes, chunk_bytes, budget)
-        tensors[name] = TensorEntry(tdoc["dtype"], shape, table=table)
+        encoded = _EncodedTiles(ctx, name, tdoc, shape, size)
+        if lazy:
+            tensors[name] = TensorEntry(tdoc["dtype"], shape, loader=encoded, count=encoded.count)
+        else:
+            tensors[name] = TensorEntry(tdoc["dtype"], shape, table=encoded.decode())
 
     per_rank = {}
     for name, v in _dict(doc.get("per_rank", {}), "per_rank").items():
@@ -192,6 +214,16 @@ def _decode(data: bytes) -> Manifest:
         metadata=_dict(doc.get("metadata", {}), "metadata"),
         version=version,
     )
+
+
+_ITEMSIZES: dict[torch.dtype, int] = {}
+
+
+def _itemsize(dt: torch.dtype) -> int:
+    size = _ITEMSIZES.get(dt)
+    if size is None:
+        size = _ITEMSIZES[dt] = itemsize(dt)
+    return size
 
 
 def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
@@ -238,26 +270,87 @@ class _Budget:
         self.left -= nbytes
 
 
-def _decode_tiles(
-    name: str,
-    entry: dict,
-    shape: tuple[int, ...],
-    size: int,
-    files: tuple[FileEntry, ...],
-    paths: tuple[str, ...],
-    file_sizes: np.ndarray,
-    chunk_bytes: int,
-    budget: _Budget,
-) -> TileTable:
+class _Context:
+    """What every tensor of one manifest shares while its tiles are decoded."""
+
+    __slots__ = ("budget", "chunk_bytes", "file_sizes", "files", "lock", "paths", "source")
+
+    def __init__(self, source: str, files: tuple[FileEntry, ...], chunk_bytes: int, budget: _Budget) -> None:
+        self.source = source
+        self.files = files
+        self.paths = tuple(f.path for f in files)
+        self.file_sizes = np.array([f.nbytes for f in files], dtype=np.int64)
+        self.chunk_bytes = chunk_bytes
+        self.budget = budget
+        self.lock = threading.Lock()  # one decode at a time: the budget is charged once per table
+
+
+class _EncodedTiles:
+    """A tensor's tiles as the manifest holds them, checked for size up front and decoded once.
+
+    Construction checks the form and charges the tile count to the manifest's budget, so that
+    a manifest cannot promise more than :data:`DECODE_RATIO` times its size even if its tables
+    are decoded later (:func:`decode` with ``lazy=True``). :meth:`decode` validates the columns
+    on first call and returns the same table (or raises the same error) on every later call;
+    it is safe to call from several threads.
+    """
+
+    __slots__ = ("_ctx", "_error", "_form", "_name", "_raw", "_shape", "_size", "_table", "count")
+
+    def __init__(self, ctx: _Context, name: str, entry: dict, shape: tuple[int, ...], size: int) -> None:
+        what = f"tensor '{name}'"
+        if ("tiles" in entry) == ("tile_table" in entry):
+            raise _fail(f"{what}: needs exactly one of 'tiles' and 'tile_table'")
+        self._form = "tiles" if "tiles" in entry else "tile_table"
+        raw = entry[self._form]
+        if self._form == "tiles":
+            if not isinstance(raw, list):
+                raise _fail(f"{what}: tiles must be a list")
+            self.count = len(raw)
+        else:
+            raw = _dict(raw, f"{what} tile_table")
+            self.count = _int(raw.get("count"), f"{what} tile_table count")
+            # Every tile has at least file, byte_offset and chunks entries, plus its boxes: checked
+            # against the budget before a byte is inflated.
+            ctx.budget.take(8 * self.count * (3 + 2 * len(shape)), f"{what}: tile_table.count {self.count}")
+        self._ctx, self._name, self._raw, self._shape, self._size = ctx, name, raw, shape, size
+        self._table: TileTable | None = None
+        self._error: str | None = None
+
+    def decode(self) -> TileTable:
+        """The validated table (decoded on the first call).
+
+        Raises:
+            ManifestError: naming the tensor (and, for a lazily decoded manifest, the source).
+        """
+        with self._ctx.lock:
+            if self._table is None:
+                if self._error is not None:
+                    raise ManifestError(self._error)
+                try:
+                    table = _decode_tiles(self._ctx, self._name, self._form, self._raw, self._shape, self._size)
+                except ManifestError as e:
+                    self._error, self._raw = str(e), None
+                    raise
+                self._table, self._raw = table, None  # the encoded text is not needed any more
+            return self._table
+
+    def __call__(self) -> TileTable:
+        """:meth:`decode` for a lazily decoded manifest: errors name the manifest too, as :func:`decode`'s do."""
+        try:
+            return self.decode()
+        except ManifestError as e:
+            raise ManifestError(f"{self._ctx.source}: {e}") from None
+
+
+def _decode_tiles(ctx: _Context, name: str, form: str, raw: Any, shape: tuple[int, ...], size: int) -> TileTable:
     """Parse a tensor's tiles (list or table form) and validate them column by column."""
     what = f"tensor '{name}'"
-    if ("tiles" in entry) == ("tile_table" in entry):
-        raise _fail(f"{what}: needs exactly one of 'tiles' and 'tile_table'")
     nd = len(shape)
-    if "tiles" in entry:
-        fidx, offs, lens, byte_offsets, counts, sums = _tile_lists(what, entry["tiles"], nd)
+    if form == "tiles":
+        fidx, offs, lens, byte_offsets, counts, sums = _tile_lists(what, raw, nd)
     else:
-        fidx, offs, lens, byte_offsets, counts, sums = _tile_table(what, entry["tile_table"], nd, budget)
+        fidx, offs, lens, byte_offsets, counts, sums = _tile_table(what, raw, nd, ctx.budget)
     n = len(fidx)
     if not n:  # a tensor without elements: shared empty columns, no per-tensor arrays
         z = _EMPTY.get(nd)
@@ -266,30 +359,45 @@ def _decode_tiles(
             for a in z:
                 a.flags.writeable = False
             _EMPTY[nd] = z
-        return TileTable(paths, z[0], z[1], z[1], z[0], z[0], z[0], z[2])
-    if (fidx >= len(files)).any():
+        return TileTable(ctx.paths, z[0], z[1], z[1], z[0], z[0], z[0], z[2])
+    files = ctx.files
+    if int(fidx.max()) >= len(files):
         raise _fail(f"{what}: a tile refers to file #{int(fidx.max())} but only {len(files)} files are listed")
-    if nd and (offs + lens > np.asarray(shape, dtype=np.int64)).any():
-        i = int(np.flatnonzero((offs + lens > np.asarray(shape)).any(axis=1))[0])
-        raise _fail(f"{what}: tile at {offs[i].tolist()} x {lens[i].tolist()} lies outside shape {list(shape)}")
-    if nd and n and (lens == 0).any():  # savers never store empty boxes; they would cost memory, not data
-        i = int(np.flatnonzero((lens == 0).any(axis=1))[0])
-        raise _fail(f"{what}: tile lengths {lens[i].tolist()} hold no element; a tile must not be empty")
-    nbytes = (lens.prod(axis=1) if nd else np.ones(n, dtype=np.int64)) * size
-    over = np.flatnonzero(byte_offsets + nbytes > file_sizes[fidx]) if n else np.zeros(0, dtype=np.int64)
+    if nd:
+        shape_arr = np.asarray(shape, dtype=np.int64)
+        if (np.add(offs, lens) > shape_arr).any():  # no overflow: both are below 2**62
+            i = int(np.flatnonzero((offs + lens > shape_arr).any(axis=1))[0])
+            raise _fail(f"{what}: tile at {offs[i].tolist()} x {lens[i].tolist()} lies outside shape {list(shape)}")
+        if not lens.all():  # savers never store empty boxes; they would cost memory, not data
+            i = int(np.flatnonzero((lens == 0).any(axis=1))[0])
+            raise _fail(f"{what}: tile lengths {lens[i].tolist()} hold no element; a tile must not be empty")
+        # Inside the tensor, so the product stays below prod(shape) * size < 2**62.
+        nbytes = lens[:, 0] * size
+        for d in range(1, nd):
+            nbytes *= lens[:, d]
+    else:
+        nbytes = np.full(n, size, dtype=np.int64)
+    over = np.flatnonzero(byte_offsets + nbytes > ctx.file_sizes[fidx])
     if len(over):
         i = int(over[0])
         raise _fail(
             f"{what}: tile bytes [{int(byte_offsets[i])}, {int(byte_offsets[i] + nbytes[i])}) exceed file {files[int(fidx[i])].path}"
         )
-    misaligned = np.flatnonzero(byte_offsets % size)
-    if len(misaligned):  # the reader views buffers as the dtype: tiles must be item-aligned
+    # The reader views buffers as the dtype: tiles must be item-aligned (item sizes are powers of two).
+    misaligned = np.flatnonzero(byte_offsets & (size - 1) if size & (size - 1) == 0 else byte_offsets % size)
+    if len(misaligned):
         i = int(misaligned[0])
         raise _fail(f"{what}: tile byte offset {int(byte_offsets[i])} is not a multiple of the item size {size}")
-    expected = -(-nbytes // chunk_bytes)
-    if not np.array_equal(counts, expected) or len(sums) != int(expected.sum()):
+    chunk = ctx.chunk_bytes
+    if int(nbytes.max()) <= chunk:  # the common case at scale: one checksum per tile
+        ok = int(counts.min()) == 1 == int(counts.max()) and len(sums) == n
+    else:
+        expected = -(-nbytes // chunk)
+        ok = np.array_equal(counts, expected) and len(sums) == int(expected.sum())
+    if not ok:
+        expected = -(-nbytes // chunk)
         raise _fail(f"{what}: expected {expected.tolist()[:5]} chunk checksums per tile, found {counts.tolist()[:5]}")
-    return TileTable(paths, fidx, offs, lens, byte_offsets, nbytes, counts, sums)
+    return TileTable(ctx.paths, fidx, offs, lens, byte_offsets, nbytes, counts, sums)
 
 
 _EMPTY: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
@@ -343,39 +451,80 @@ def _tile_lists(what: str, raw: Any, nd: int) -> _Columns:
     return fidx, offs, lens, byte_offsets, counts, np.frombuffer(digests, dtype=">u8").astype(np.uint64)
 
 
-def _tile_table(what: str, raw: Any, nd: int, budget: _Budget) -> _Columns:
-    """Columns of the table form: base64 little-endian arrays (see docs/format.md)."""
-    raw = _dict(raw, f"{what} tile_table")
-    n = _int(raw.get("count"), f"{what} tile_table count")
-    # Every tile has at least file, byte_offset and chunks entries, plus its boxes: checked
-    # against the budget before a byte is inflated.
-    budget.take(8 * n * (3 + 2 * nd), f"{what}: tile_table.count {n}")
+_COLUMN_TYPES = {"int8": "<i1", "int16": "<i2", "int32": "<i4", "int64": "<i8", "uint64": "<u8"}
+"""Column ``dtype`` names and their little-endian layouts (``uint64`` is for checksums only)."""
 
-    def column(key: str, count: int, dtype: str) -> np.ndarray:
-        data = raw.get(key)
-        if not isinstance(data, str) or len(data) > 4 * MAX_MANIFEST_BYTES // 3 + 4:
-            raise _fail(f"{what}: tile_table.{key} must be a base64 string")
-        if key == "checksums":
-            budget.take(8 * count, f"{what}: tile_table.chunks (sum {count})")
-        try:
-            packed = base64.b64decode(data, validate=True)
-            inflate = zlib.decompressobj()
-            # Bounded: a hostile column cannot inflate past what ``count`` allows.
-            buf = inflate.decompress(packed, 8 * count + 1) if count >= 0 else b""
-        except (binascii.Error, ValueError, zlib.error):
-            raise _fail(f"{what}: tile_table.{key} is not valid base64 of zlib data") from None
-        if len(buf) != 8 * count:
-            raise _fail(f"{what}: tile_table.{key} holds {len(buf)} bytes, expected {8 * count}")
-        arr = np.frombuffer(buf, dtype=dtype)
-        if dtype == "<i8" and len(arr) and ((arr < 0).any() or arr.max() >= 1 << 62):
-            raise _fail(f"{what}: tile_table.{key} must be non-negative integers below 2**62")
-        return arr.astype(np.uint64 if dtype == "<u8" else np.int64)
+if sys.version_info >= (3, 11):
 
-    fidx = column("file", n, "<i8")
-    offs = column("offsets", n * nd, "<i8").reshape(n, nd)
-    lens = column("lengths", n * nd, "<i8").reshape(n, nd)
-    byte_offsets = column("byte_offset", n, "<i8")
-    counts = column("chunks", n, "<i8")
+    def _b64decode(text: str) -> bytes:
+        return binascii.a2b_base64(text, strict_mode=True)
+
+else:  # pragma: no cover - Python 3.10
+
+    def _b64decode(text: str) -> bytes:
+        return base64.b64decode(text, validate=True)
+
+
+def _tile_table(what: str, raw: dict, nd: int, budget: _Budget) -> _Columns:
+    """Columns of the table form (see docs/format.md); ``count`` is charged to the budget already."""
+    n = raw["count"]
+    fidx = _column(what, raw, "file", n, n)
+    offs = _column(what, raw, "offsets", n * nd, n).reshape(n, nd)
+    lens = _column(what, raw, "lengths", n * nd, n).reshape(n, nd)
+    byte_offsets = _column(what, raw, "byte_offset", n, n)
+    counts = _column(what, raw, "chunks", n, n)
     total = int(counts.sum())
-    sums = column("checksums", total, "<u8")
+    budget.take(8 * total, f"{what}: tile_table.chunks (sum {total})")
+    sums = _column(what, raw, "checksums", total, total)
     return fidx, offs, lens, byte_offsets, counts, sums
+
+
+def _column(what: str, raw: dict, key: str, count: int, rows: int) -> np.ndarray:
+    """One column: ``count`` values in ``rows`` rows, as int64 in [0, 2**62) (uint64 for checksums).
+
+    A column is either a string (base64 of deflated little-endian 64-bit values, the first form
+    of tile tables) or ``{"dtype", "delta", "zlib", "data"}``. Inflating is bounded by what
+    ``count`` allows, so a hostile column cannot expand beyond what it declares.
+    """
+    checksums = key == "checksums"
+    value = raw.get(key)
+    if isinstance(value, str):
+        dtype, delta, deflated, text = ("<u8" if checksums else "<i8"), False, True, value
+    elif isinstance(value, dict):
+        name, delta, deflated = value.get("dtype"), value.get("delta", False), value.get("zlib", False)
+        if name not in _COLUMN_TYPES or (name == "uint64") != checksums:
+            allowed = "uint64" if checksums else "int8, int16, int32 or int64"
+            raise _fail(f"{what}: tile_table.{key}.dtype must be {allowed}, got {name!r:.40}")
+        if type(delta) is not bool or type(deflated) is not bool or (delta and checksums):
+            raise _fail(f"{what}: tile_table.{key}: delta and zlib must be true or false (checksums take no delta)")
+        data = value.get("data")
+        if not isinstance(data, str):
+            raise _fail(f"{what}: tile_table.{key}.data must be a base64 string")
+        dtype, text = _COLUMN_TYPES[name], data
+    else:
+        raise _fail(f"{what}: tile_table.{key} must be a base64 string or a column object")
+    if len(text) > 4 * MAX_MANIFEST_BYTES // 3 + 4:
+        raise _fail(f"{what}: tile_table.{key} must be a base64 string")
+    expected = count * np.dtype(dtype).itemsize
+    try:
+        buf = _b64decode(text)
+        if deflated:  # bounded: a hostile column cannot inflate past what ``count`` allows
+            buf = zlib.decompressobj().decompress(buf, expected + 1)
+    except (binascii.Error, ValueError, zlib.error):
+        raise _fail(f"{what}: tile_table.{key} is not valid base64{' of zlib data' if deflated else ''}") from None
+    if len(buf) != expected:
+        raise _fail(f"{what}: tile_table.{key} holds {len(buf)} bytes, expected {expected}")
+    arr = np.frombuffer(buf, dtype=dtype)
+    if checksums:
+        return arr.astype(np.uint64, copy=False)
+    if not count:
+        return np.zeros(0, dtype=np.int64)
+    if delta:  # each row is the difference from the row before it (per column of a 2-D array)
+        arr = np.cumsum(arr.reshape(rows, -1), axis=0, dtype=np.int64).reshape(-1)
+    else:
+        arr = arr.astype(np.int64, copy=False)
+    # One pass for both bounds: negatives are huge as unsigned. Below 2**62, sums like
+    # offsets + lengths and byte_offset + nbytes cannot wrap in int64.
+    if int(arr.view(np.uint64).max()) >= 1 << 62:
+        raise _fail(f"{what}: tile_table.{key} must be non-negative integers below 2**62")
+    return arr

@@ -5,6 +5,7 @@ See ``docs/format.md`` for the on-disk schema and the glossary of the names used
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -109,12 +110,14 @@ class TileTable:
 class TensorEntry:
     """A global tensor: dtype name, global shape and the tiles that cover it exactly once.
 
-    Built either from :class:`Tile` objects or from a :class:`TileTable`; each form is
-    derived from the other on first use, so large manifests never build per-tile objects
-    unless someone asks for ``tiles``.
+    Built from :class:`Tile` objects, from a :class:`TileTable`, or (by a lazy
+    :func:`~tessera.format.manifest.decode`) from a loader that decodes and validates the
+    table on first use. Each form is derived from the others when asked for, so large
+    manifests never build per-tile objects unless someone asks for ``tiles``, and a lazily
+    decoded one decodes only the tensors that are used.
     """
 
-    __slots__ = ("_starts", "_table", "_tiles", "dtype", "shape")
+    __slots__ = ("_count", "_loader", "_starts", "_table", "_tiles", "dtype", "shape")
 
     def __init__(
         self,
@@ -123,32 +126,52 @@ class TensorEntry:
         tiles: tuple[Tile, ...] | None = None,
         *,
         table: TileTable | None = None,
+        loader: Callable[[], TileTable] | None = None,
+        count: int | None = None,
     ) -> None:
-        if (tiles is None) == (table is None):
-            raise ValueError("TensorEntry needs exactly one of tiles and table")
+        if (tiles is not None) + (table is not None) + (loader is not None) != 1:
+            raise ValueError("TensorEntry needs exactly one of tiles, table and loader")
         self.dtype = dtype
         self.shape = tuple(shape)
         self._tiles = tuple(tiles) if tiles is not None else None
         self._table = table
+        self._loader = loader
+        self._count = count
         self._starts: np.ndarray | None = None
 
     @property
     def tiles(self) -> tuple[Tile, ...]:
         if self._tiles is None:
-            assert self._table is not None
-            self._tiles = self._table.tiles()
+            self._tiles = self.table.tiles()
         return self._tiles
 
     @property
     def table(self) -> TileTable:
-        if self._table is None:
-            assert self._tiles is not None
-            self._table = TileTable.from_tiles(self._tiles, len(self.shape))
-        return self._table
+        """The tiles as columns (decoded and validated now if the entry is lazy).
+
+        Raises:
+            ManifestError: if a lazily decoded table is invalid (naming the manifest and tensor).
+        """
+        table = self._table
+        if table is None:
+            # The loader returns one table however often (and from however many threads) it is
+            # called, so a race here only costs a lock.
+            if self._loader is not None:
+                table = self._loader()
+            else:
+                assert self._tiles is not None
+                table = TileTable.from_tiles(self._tiles, len(self.shape))
+            self._table = table
+        return table
 
     @property
     def num_tiles(self) -> int:
-        return len(self._tiles) if self._tiles is not None else len(self.table)
+        """How many tiles (for a lazy entry: the count its table declares, without decoding it)."""
+        if self._tiles is not None:
+            return len(self._tiles)
+        if self._table is None and self._count is not None:
+            return self._count
+        return len(self.table)
 
     def tile(self, i: int) -> Tile:
         """Tile ``i`` (without building the others)."""
@@ -225,6 +248,18 @@ class Manifest:
 
     def keys(self) -> set[str]:
         return set(self.tensors) | set(self.values) | set(self.per_rank)
+
+    def validate_all(self) -> None:
+        """Decode and validate every tensor's tiles now.
+
+        A manifest decoded with ``lazy=True`` validates each tensor's table on first use; this
+        makes it as checked as an eagerly decoded one. A no-op for tables already decoded.
+
+        Raises:
+            ManifestError: naming the manifest and the first invalid tensor.
+        """
+        for e in self.tensors.values():
+            e.table  # noqa: B018  (decodes and validates)
 
     @property
     def total_bytes(self) -> int:
