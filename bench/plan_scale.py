@@ -2,8 +2,11 @@
 
 Simulates, without any tensor data, what planning and the manifest cost at 10^4+ ranks:
 
-- ``plan``: first-save planning of every rank (:func:`first_save_plan`; today the coordinator's
-  ``build_global_plan`` over every rank's simulated local plan);
+- ``plan``: first-save planning as a rank of this DTensor job does it, alone
+  (:func:`first_save_plan`: ``derive_rank_plan`` from its own boxes; the ranks only vote on a
+  digest of the tensor table); ``--gathered`` adds ``gathered``, the fallback for layouts that
+  cannot be derived (flat shards, pipeline stages): rank 0's ``build_global_plan`` over every
+  rank's simulated local plan;
 - ``encode``: the manifest such a save commits, built as a real save builds it (one
   ``TileTable`` of numpy columns per tensor, one random checksum per tile, real byte offsets
   and file sizes, one file ``data/<save id>/<rank>-0.safetensors`` per rank), to bytes;
@@ -25,7 +28,7 @@ lm_head) with as many layers as ``--tensors`` needs. Layouts (``--layout``):
   many tiles as distinct non-empty boxes.
 
 Each step runs in a fresh subprocess: ``*_peak_rss_mb`` is that process's ``ru_maxrss``
-(inputs it had to build included: the simulated local plans for ``plan``, the manifest
+(inputs it had to build included: the simulated local plans for ``gathered``, the manifest
 object for ``encode``, the bytes for ``decode``), and ``*_base_rss_mb`` its RSS just before
 the timed call. Times are ``time.perf_counter`` on one thread.
 
@@ -58,7 +61,7 @@ CHUNK_BYTES = 4 << 20
 """Checksum chunk of the simulated save (tessera's default): one checksum per tile at this scale."""
 SAVE_ID = "5eed0123456789ab"
 PARTIAL_TENSORS = 10
-STEPS = ("plan", "encode", "decode", "partial")
+STEPS = ("plan", "gathered", "encode", "decode", "partial")
 
 
 @dataclass(frozen=True)
@@ -166,16 +169,59 @@ def local_plans(params: list[Param], ranks: int, layout: str) -> list:
     return [LocalPlan(r, metas, boxes[r], flats, f"fp{r}", digest) for r in range(ranks)]
 
 
-def first_save_plan(params: list[Param], ranks: int, layout: str) -> dict:
-    """First-save planning of a save by ``ranks`` ranks: the one function to swap for another planner.
+def rank_local_plan(params: list[Param], ranks: int, layout: str, rank: int):
+    """One rank's :class:`LocalPlan`, with its place among the holders of each box (what
+    ``build_local_plan`` records from DTensor placements: replicated over TP for ``rep``)."""
+    from tessera.engine.saving.plan import LocalPlan, TensorMeta
 
-    Today: every rank's local plan (simulated, not timed) merged by the coordinator's
-    ``build_global_plan`` (timed).
+    metas = tuple(TensorMeta(p.fqn, DTYPE, p.shape) for p in params)
+    nd = max(len(p.shape) for p in params)
+    boxes = np.zeros((len(params), 1 + 2 * nd), dtype=np.int64)
+    boxes[:, 1 + nd :] = 1
+    replicas = np.zeros((len(params), 2), dtype=np.int64)
+    replicas[:, 1] = 1
+    for t, p in enumerate(params):
+        offs, lens = rank_boxes(p, ranks, layout)  # (vectorised over ranks; this rank's row is used)
+        k = len(p.shape)
+        boxes[t, 0] = t
+        boxes[t, 1 : 1 + k] = offs[rank]
+        boxes[t, 1 + nd : 1 + nd + k] = lens[rank]
+        if layout == "fsdp-tp" and p.tp == "rep":
+            replicas[t] = (rank % TP, TP)
+    digest = hashlib.blake2b(repr(metas).encode(), digest_size=16).hexdigest()
+    flats = np.zeros((0, 3), dtype=np.int64)
+    return LocalPlan(rank, metas, boxes, flats, f"fp{rank}", digest, replicas)
+
+
+def first_save_plan(params: list[Param], ranks: int, layout: str) -> dict:
+    """First-save planning as each rank of a DTensor job does it: alone (no plan is exchanged).
+
+    Every rank derives its share of the plan from its own boxes and its place among their
+    holders (``derive_rank_plan``) and the ranks agree by voting on a digest of the tensor table
+    (one all-reduce of a few bytes, not simulated). Timed: deriving the plan, for a few ranks
+    (the first, a middle one, the last); ``plan_s`` is the slowest.
 
     Returns:
-        ``plan_s`` (seconds), ``plan_tiles`` (boxes written in all) and ``plan_base_rss_mb``
-        (RSS before the timed part, its inputs included).
+        ``plan_s`` (seconds, the slowest sampled rank), ``plan_tiles`` (boxes written in all,
+        from the stored geometry) and ``plan_base_rss_mb`` (RSS before the timed part).
     """
+    from tessera.engine.saving.plan import derive_rank_plan
+
+    base = _rss_mb()
+    slowest = 0.0
+    for rank in (0, ranks // 2 + 1, ranks - 1):
+        local = rank_local_plan(params, ranks, layout, rank)
+        t0 = time.perf_counter()
+        derive_rank_plan(local, ranks)
+        slowest = max(slowest, time.perf_counter() - t0)
+    tiles = sum(len(stored_tiles(p, ranks, layout)[0]) for p in params)
+    return {"plan_s": slowest, "plan_tiles": int(tiles), "plan_base_rss_mb": base}
+
+
+def gathered_plan(params: list[Param], ranks: int, layout: str) -> dict:
+    """The fallback for layouts that cannot be derived: every rank's local plan (simulated, not
+    timed) merged by the coordinator's ``build_global_plan`` (timed), as a first save of flat
+    shards or pipeline stages does."""
     from tessera.engine.saving.plan import build_global_plan
 
     plans = local_plans(params, ranks, layout)
@@ -184,9 +230,9 @@ def first_save_plan(params: list[Param], ranks: int, layout: str) -> dict:
     plan = build_global_plan(plans)
     plan_s = time.perf_counter() - t0
     return {
-        "plan_s": plan_s,
-        "plan_tiles": int(sum(len(rp.rows) for rp in plan.rank_plans)),
-        "plan_base_rss_mb": base,
+        "gathered_plan_s": plan_s,
+        "gathered_plan_tiles": int(sum(len(rp.rows) for rp in plan.rank_plans)),
+        "gathered_plan_base_rss_mb": base,
     }
 
 
@@ -270,6 +316,11 @@ def step_plan(args: argparse.Namespace) -> dict:
         times.append(out["plan_s"])
     out["plan_s"] = sorted(times)[len(times) // 2]
     return {**out, "plan_peak_rss_mb": _peak_mb()}
+
+
+def step_gathered(args: argparse.Namespace) -> dict:
+    out = gathered_plan(llama_params(args.tensors), args.ranks, args.layout)
+    return {**out, "gathered_plan_peak_rss_mb": _peak_mb()}
 
 
 def step_encode(args: argparse.Namespace) -> dict:
@@ -375,6 +426,11 @@ def main() -> None:
     ap.add_argument("--load-rank", type=int, default=None, help="the loading rank whose plan is timed")
     ap.add_argument("--repeat", type=int, default=1, help="planning runs (the median is reported)")
     ap.add_argument("--skip", action="append", default=[], choices=STEPS, help="leave a step out (repeatable)")
+    ap.add_argument(
+        "--gathered",
+        action="store_true",
+        help="also time the gathered plan of layouts that cannot be derived (GBs, minutes)",
+    )
     ap.add_argument("--step", choices=STEPS, help=argparse.SUPPRESS)
     ap.add_argument("--workdir", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -383,7 +439,7 @@ def main() -> None:
     if args.target_ranks is None:
         args.target_ranks = max(1, args.ranks * 3 // 4)
     if args.load_rank is None:
-        args.load_rank = min(1001, args.target_ranks - 1)
+        args.load_rank = min(1001, args.target_ranks // 3)
     for n in (args.ranks, args.target_ranks):
         if args.layout == "fsdp-tp" and n % TP:
             ap.error(f"--layout fsdp-tp needs rank counts divisible by {TP}, got {n}")
@@ -408,6 +464,8 @@ def main() -> None:
         for step in STEPS:
             if step in args.skip or (step in ("decode", "partial") and "encode" in args.skip):
                 continue
+            if step == "gathered" and not args.gathered:
+                continue
             results.update(_run_step(step, args))
     finally:
         shutil.rmtree(args.workdir, ignore_errors=True)
@@ -416,7 +474,15 @@ def main() -> None:
     print("| step | time | peak RSS (step process) |")
     print("|---|---|---|")
     if "plan_s" in r:
-        print(f"| first-save plan ({r['plan_tiles']:,} tiles) | {r['plan_s']:.2f} s | {r['plan_peak_rss_mb']:.0f} MB |")
+        print(
+            f"| first-save plan, one rank deriving its share ({r['plan_tiles']:,} tiles in all) "
+            f"| {r['plan_s']:.3f} s | {r['plan_peak_rss_mb']:.0f} MB |"
+        )
+    if "gathered_plan_s" in r:
+        print(
+            f"| first-save plan gathered by rank 0 (layouts that cannot be derived) "
+            f"| {r['gathered_plan_s']:.2f} s | {r['gathered_plan_peak_rss_mb']:.0f} MB |"
+        )
     if "encode_s" in r:
         print(
             f"| manifest encode ({r['tiles']:,} tiles, {r['files']:,} files, {r['manifest_mb']:.1f} MB) "

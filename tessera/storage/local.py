@@ -243,11 +243,12 @@ class FileStorage(LocalFiles):
         """Remove empty directories under ``prefix`` (left by saves killed between creating a
         directory and their first file). A writer that races with this retries (:meth:`_create`)."""
         base = self._abs(prefix)
-        for dirpath, dirnames, filenames in os.walk(base, topdown=False):
-            if dirpath != base and not dirnames and not filenames:
+        for dirpath, _, filenames in os.walk(base, topdown=False):
+            # Bottom-up, so a directory whose subdirectories were just removed is empty now.
+            if dirpath != base and not filenames:
                 try:
                     os.rmdir(dirpath)
-                except OSError:
+                except OSError:  # not empty (or raced): left alone
                     pass
 
     def location(self) -> str:

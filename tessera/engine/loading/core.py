@@ -92,7 +92,8 @@ def load(
         if previous is not None:
             raise previous
         store = storage_for(path, storage, storage_options=storage_options)
-        manifest = decode(manifest_bytes(store, path), source=f"{path}/{MANIFEST_NAME}")
+        # Lazy: each tile table is decoded (and validated) when this rank first plans reads of it.
+        manifest = decode(manifest_bytes(store, path), source=f"{path}/{MANIFEST_NAME}", lazy=True)
         store = with_shared_tiles(store, manifest, path)
         timer.mark("metadata")
         plan = _plan_load(world, manifest, state, strict=strict, cast=cast_dtypes, allow_pickle=allow_pickle, opts=opts)

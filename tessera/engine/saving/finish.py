@@ -205,13 +205,29 @@ def _remove(world: World, save: PreparedSave, written: list[WrittenFile], claim:
         dedup.abandon(save)
 
 
+def _read_report(save: PreparedSave, path: str, rank: int) -> bytes:
+    """A report every rank voted durable; gone means someone removed the save's files meanwhile."""
+    try:
+        return save.store.read_file(path)
+    except FileNotFoundError:
+        raise CommitCheckError(
+            f"not committing {save.path}: the report {path} of rank {rank} is gone although rank {rank} wrote it "
+            f"before the vote, as rank 0 sees the storage at {commit.location_of(save.store)}: another job removed "
+            "files at this path (a newer run's retention, say). The previous checkpoint is unchanged"
+        ) from None
+    except CheckpointError:
+        raise
+    except Exception as e:
+        raise StorageError(f"rank 0: reading the report {path} of rank {rank} failed: {type(e).__name__}: {e}") from e
+
+
 def _reports(world: World, save: PreparedSave, docs: list[RankReportDoc], blobs: list[bytes]) -> list[RankReportDoc]:
     """Rank 0: every rank's report, by rank (they are durable: every rank voted after writing its own)."""
     raw: dict[int, bytes]
     if _through_storage(save):
         paths = {report_path(save.save_id, r): r for r in range(1, world.size)}
         with ThreadPoolExecutor(max(1, min(_READ_THREADS, len(paths))), thread_name_prefix="tessera-reports") as pool:
-            raw = dict(zip(paths.values(), pool.map(save.store.read_file, paths)))
+            raw = dict(zip(paths.values(), pool.map(lambda p: _read_report(save, p, paths[p]), paths)))
     else:
         raw = dict(enumerate(blobs))
     out = [docs[0]]
