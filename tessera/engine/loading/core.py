@@ -96,7 +96,15 @@ def load(
         manifest = decode(manifest_bytes(store, path), source=f"{path}/{MANIFEST_NAME}", lazy=True)
         store = with_shared_tiles(store, manifest, path)
         timer.mark("metadata")
-        plan = _plan_load(world, manifest, state, strict=strict, cast=cast_dtypes, allow_pickle=allow_pickle, opts=opts)
+        try:
+            plan = _plan_load(
+                world, manifest, state, strict=strict, cast=cast_dtypes, allow_pickle=allow_pickle, opts=opts
+            )
+        except CheckpointError:
+            # An invalid tile table this rank did not need to decode is the root cause of
+            # anything else failing (a key the state lacks, say): name it first.
+            manifest.validate_all()
+            raise
         mine.append((store, manifest, plan))
         ballot["version"] = dist.fingerprint62(manifest.save_id)
         ballot["some_rank_wants_all"] = int(not plan.unexpected)
