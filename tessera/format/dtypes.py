@@ -8,6 +8,8 @@ file stays a valid safetensors file and the manifest keeps the true dtype.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 # Canonical names only (no aliases such as "float" or "long").
@@ -89,8 +91,9 @@ ALIGN = 64
 """Byte alignment of tile data in data files and in host buffers: every dtype's alignment, and a cache line."""
 
 
+@functools.cache
 def itemsize(dtype: torch.dtype) -> int:
-    """Bytes per element of ``dtype``."""
+    """Bytes per element of ``dtype`` (cached: planners ask once per tensor, thousands of times)."""
     return torch.empty((), dtype=dtype).element_size()
 
 

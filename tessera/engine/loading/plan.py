@@ -63,15 +63,16 @@ class _TileIndex:
     """Which saved tiles of a tensor meet a box, found by binary search instead of a scan.
 
     Per tensor, built on first use and kept for the call: the tiles ordered by their first
-    offset (a save stores them so; tiles in another order are sorted once) and the running
-    maximum of their ends in that order. The tiles that can meet a box are then one
-    contiguous run of that order, between two binary searches, so a target costs time in
-    proportion to the tiles near it, not to the tensor's tile count.
+    offset (a save stores them so; tiles in another order are sorted once) and the longest
+    tile along the first dimension. The tiles that can meet a box then start in
+    ``(box start - longest, box stop)``: one contiguous run of that order between two binary
+    searches, so a target costs time in proportion to the tiles near it, not to the tensor's
+    tile count (two passes over the tensor's first column, once, are all it costs besides).
     """
 
     def __init__(self, manifest: Manifest) -> None:
         self.manifest = manifest
-        self._sorted: dict[str, tuple[np.ndarray | None, np.ndarray, np.ndarray]] = {}
+        self._sorted: dict[str, tuple[np.ndarray | None, np.ndarray, int]] = {}
 
     def overlaps(self, fqn: str, box: Box) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Indices of the tiles that meet ``box`` (ascending) and their intersections' ``lo`` / ``hi`` corners."""
@@ -86,14 +87,14 @@ class _TileIndex:
             order = None if bool((starts[1:] >= starts[:-1]).all()) else np.argsort(starts, kind="stable")
             if order is not None:
                 starts = starts[order]
-            reach = np.maximum.accumulate(starts + (lens[:, 0] if order is None else lens[order, 0]))
-            key = self._sorted[fqn] = (order, starts, reach)
-        order, starts, reach = key
-        first = int(np.searchsorted(reach, box.offsets[0], side="right"))  # earlier tiles end before the box
+            key = self._sorted[fqn] = (order, starts, int(lens[:, 0].max()))
+        order, starts, longest = key
+        first = int(np.searchsorted(starts, box.offsets[0] - longest, side="right"))  # earlier tiles end before it
         stop = int(np.searchsorted(starts, box.stops[0], side="left"))  # later tiles start after it
         idx = np.arange(first, max(first, stop)) if order is None else np.sort(order[first:stop])
-        lo = np.maximum(offs[idx], np.asarray(box.offsets, dtype=np.int64))
-        hi = np.minimum(offs[idx] + lens[idx], np.asarray(box.stops, dtype=np.int64))
+        near = offs[idx]
+        lo = np.maximum(near, np.asarray(box.offsets, dtype=np.int64))
+        hi = np.minimum(near + lens[idx], np.asarray(box.stops, dtype=np.int64))
         meet = (hi > lo).all(axis=1)
         return idx[meet], lo[meet], hi[meet]
 
