@@ -91,6 +91,18 @@ def finish_save(
     ballot = save_ballot()
 
     def write_locally() -> None:
+        try:
+            write_and_report()
+        except Exception as e:
+            if _vanished(e):  # before rank 0's marker existed, another save's cleanup took our files
+                raise CommitCheckError(
+                    f"not committing {save.path}: files of this save were removed while rank {world.rank} wrote them "
+                    f"({type(e).__name__}: {e}): another save at this path committed and cleaned up (two jobs "
+                    "saving to one path), or another job deleted files there. The previous checkpoint is unchanged"
+                ) from e
+            raise
+
+    def write_and_report() -> None:
         if world.is_coordinator:
             claims.append(commit.claim(save.store, save.save_id))
         # Under dedup each rank pins what it writes and references before it does (it does
@@ -183,6 +195,18 @@ def _disagreement(tally: dist.Tally, path: str) -> CheckpointError | None:
     if not tally.agreed["location"]:
         return LocationMismatchError(f"the ranks saving {path!r} do not agree on where the checkpoint is")
     return None
+
+
+def _vanished(e: BaseException) -> bool:
+    """Whether a write failed because a file or directory of the save disappeared under it."""
+    seen: BaseException | None = e
+    for _ in range(8):
+        if seen is None:
+            return False
+        if isinstance(seen, FileNotFoundError):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
 
 
 def _through_storage(save: PreparedSave) -> bool:
