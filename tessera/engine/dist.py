@@ -485,38 +485,14 @@ def vote(
     return ballot.tally(reduced[1:])
 
 
-class Reported(Exception):
-    """Raised by a coordinator's decision when ranks reported failures outside a collective
-    (in their report files): carries their records, so every rank raises their common type."""
-
-    def __init__(self, failures: Mapping[int, RankFailure]) -> None:
-        super().__init__("; ".join(f"rank {r}: {f}" for r, f in sorted(failures.items())))
-        self.failures = dict(failures)
-
-
-def record_of(rank: int, type_name: str, message: str) -> RankFailure:
-    """A failure record read back from storage: the type is trusted only if tessera defines it."""
-    from ..errors import _known
-
-    return RankFailure(rank, type_name, message, _known(type_name) is not None)
-
-
-def announce(
-    world: World,
-    what: str,
-    decide: Callable[[], list[int]] | None,
-    width: int,
-    *,
-    own: BaseException | None = None,
-) -> list[int]:
+def announce(world: World, what: str, decide: Callable[[], list[int]] | None, width: int) -> list[int]:
     """Collective: rank 0's decision (``width`` int64 numbers) on every rank, or its failure.
 
     Rank 0 runs ``decide`` (the others pass None). On success: one broadcast of a fixed-size
-    vector. If ``decide`` raised, a second broadcast carries the failures (those of a
-    :class:`Reported`, else rank 0's own) and every rank raises one error of their common type;
-    ``own`` is this rank's own failure, if it had one (raised unchanged when it is the only one).
+    vector. If ``decide`` raised, a second broadcast carries rank 0's error record and every
+    rank raises an error of its type (rank 0 the error itself).
     """
-    mine: BaseException | None = own
+    mine: BaseException | None = None
     failures: dict[int, RankFailure] = {}
     vector = [0] * width
     if world.is_coordinator:
@@ -525,8 +501,6 @@ def announce(
             vector = list(decide())
             if len(vector) != width:
                 raise CheckpointError(f"internal error: {what} decided {len(vector)} numbers, not {width}")
-        except Reported as e:
-            failures = e.failures
         except Exception as e:
             mine, failures = e, {0: error_text(0, e)}
     t = torch.tensor([1 if failures else 0, *vector], dtype=torch.int64)
@@ -535,6 +509,6 @@ def announce(
     out = t.tolist()
     if out[0]:
         failures = broadcast(world, failures, what)
-        raise_failures(world, failures, what, own=mine if mine is not None and world.rank in failures else None)
+        raise_failures(world, failures, what, own=mine)
         raise CheckpointError(f"{what} failed")  # unreachable: failures is not empty
     return out[1:]

@@ -62,7 +62,7 @@ class ReportTiles:
 
 @dataclass(frozen=True)
 class RankReportDoc:
-    """What a rank reports once its part of a save is durable (or why it failed)."""
+    """What a rank reports once its part of a save is durable (a failure travels in the save's vote)."""
 
     rank: int
     save_id: str
@@ -70,8 +70,6 @@ class RankReportDoc:
     values: dict[str, Any]
     per_rank: dict[str, tuple[Any, str]]
     timings: dict[str, float]
-    failure: tuple[str, str] | None = None
-    """``(exception type name, message)`` if the rank failed."""
 
 
 def _b64(arr: np.ndarray, dtype: str) -> str:
@@ -88,7 +86,6 @@ def encode_report(doc: RankReportDoc) -> bytes:
         "values": doc.values,
         "per_rank": {k: [v, policy] for k, (v, policy) in doc.per_rank.items()},
         "timings": doc.timings,
-        "failure": list(doc.failure) if doc.failure is not None else None,
     }
     t = doc.tiles
     if t is not None:
@@ -132,11 +129,6 @@ def decode_report(data: bytes, *, source: str, rank: int, save_id: str) -> RankR
         raise fail("not a tessera rank report of this version")
     if doc.get("rank") != rank or doc.get("save_id") != save_id:
         raise fail(f"it is rank {doc.get('rank')!r:.20}'s report of save {doc.get('save_id')!r:.40}")
-    failure = doc.get("failure")
-    if failure is not None:
-        if not (isinstance(failure, list) and len(failure) == 2 and all(isinstance(x, str) for x in failure)):
-            raise fail("failure must be [type name, message]")
-        return RankReportDoc(rank, save_id, None, {}, {}, {}, (failure[0], failure[1]))
     values, per_rank, timings = doc.get("values"), doc.get("per_rank"), doc.get("timings")
     if not isinstance(values, dict) or not isinstance(per_rank, dict) or not isinstance(timings, dict):
         raise fail("values, per_rank and timings must be objects")
