@@ -10,11 +10,16 @@ Three measurements, one process, one GPU, medians over ``--repeat`` runs:
    bandwidth and as a fraction of the limit;
 3. **training stall**: an MLP (``--layers`` x ``--width``\u00b2 fp32 weights) trained with AdamW;
    ``--steps`` steps with one save taken before the first of them, against the same steps with
-   no save. The stall is the extra wall time of those steps. tessera saves
-   ``{"model": ModelState, "optim": OptimizerState}`` (its hooks hold ``optimizer.step()`` until
-   the copy is done); DCP saves ``get_state_dict`` with ``DefaultStager(StagingOptions(pinned,
-   async staging, non-blocking copy))`` and the loop waits on ``staging_completion`` before
-   ``optimizer.step()``, as torchtitan does.
+   no save. The stall (the training time lost) is the extra wall time of those steps, and the
+   peak extra host memory of each arm is sampled (VmRSS: pinned memory is resident). tessera
+   saves ``{"model": ModelState, "optim": OptimizerState}`` (its hooks hold ``optimizer.step()``
+   until the last byte left the device), with a full pinned buffer and with
+   ``max_staging_bytes = --budget`` x the state (a small pinned window); each tessera arm's
+   checkpoint is checked bit for bit against the state at the call, the loop stepping behind it.
+   DCP saves ``get_state_dict`` through ``FileSystemWriter(cache_staged_state_dict=True)`` (pinned
+   copy inside the call) and through ``DefaultStager(StagingOptions(pinned, async staging,
+   non-blocking copy))``, the loop waiting on ``staging_completion`` before ``optimizer.step()``,
+   as torchtitan does.
 
     python bench/bench_gpu.py --gb 2 --repeat 5 --dir /tmp/tessera-gpu
 """
@@ -26,11 +31,13 @@ import os
 import shutil
 import statistics
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 
 import torch
 import torch.distributed.checkpoint as dcp
+from bench_train_stall import tree_rss  # bench/ is on sys.path when run as a script
 
 import tessera
 
@@ -83,37 +90,112 @@ def train_steps(
     opt: torch.optim.Optimizer,
     x: torch.Tensor,
     steps: int,
-    before_step: Callable[[], None] | None = None,
 ) -> None:
     for _ in range(steps):
         model(x).square().mean().backward()
-        if before_step is not None:
-            before_step()
         opt.step()
         opt.zero_grad(set_to_none=True)
 
 
-def stall(args: argparse.Namespace, root: str) -> dict[str, float]:
+class PeakRSS:
+    """The largest VmRSS of this process (pinned host memory is resident) while in a ``with``,
+    sampled every ~5 ms by a thread; ``extra`` is that peak over the RSS at entry."""
+
+    def __enter__(self) -> PeakRSS:
+        self.start = self.peak = tree_rss(os.getpid(), [])
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.005):
+            self.peak = max(self.peak, tree_rss(os.getpid(), []))
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, tree_rss(os.getpid(), []))
+
+    @property
+    def extra(self) -> int:
+        return self.peak - self.start
+
+
+def snapshot(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """The state as tessera names it, copied to the host (for the bit-identity check)."""
+    out = {f"model.{k}": v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+    for name, p in model.named_parameters():
+        out.update({f"optim.state.{name}.{k}": v.detach().to("cpu", copy=True) for k, v in opt.state[p].items()})
+    return out
+
+
+def committed_equals(path: str, want: dict[str, torch.Tensor]) -> bool:
+    manifest = tessera.read_manifest(path)
+    got = {k: torch.empty(manifest.tensors[k].shape, dtype=want[k].dtype) for k in want}
+    tessera.load(path, got, strict=False)
+    return all(torch.equal(got[k], want[k]) for k in want)
+
+
+def stall(args: argparse.Namespace, root: str) -> dict[str, object]:
+    """Each arm: a warm-up save, then ``--repeat`` windows of ``--steps`` steps with a save before
+    the first; the stall is the median window's time over the median window without a save, and
+    the peak extra host memory is sampled from before the warm-up to the end of the arm."""
     model, opt = make_model(args.layers, args.width)
     x = torch.randn(args.batch, args.width, device="cuda")
     train_steps(model, opt, x, 3)  # optimizer state exists from here on
     state_bytes = sum(p.numel() * p.element_size() for p in model.parameters()) * 3
     base = statistics.median(sync_time(lambda: train_steps(model, opt, x, args.steps)) for _ in range(args.repeat))
+    out: dict[str, object] = {"state_gb": state_bytes / 1e9, "base": base}
+
+    def measure(name: str, start: Callable[[], Callable[[], None]], check: Callable[[], bool] | None = None) -> None:
+        """``start()`` begins a save and returns what waits for it to be durable."""
+        try:
+            with PeakRSS() as rss:
+                finish = start()
+                train_steps(model, opt, x, args.steps)  # warm-up: plans, pools
+                torch.cuda.synchronize()
+                finish()
+                times = []
+                for _ in range(args.repeat):
+                    torch.cuda.synchronize()
+                    t0 = time.perf_counter()
+                    finish = start()
+                    train_steps(model, opt, x, args.steps)
+                    torch.cuda.synchronize()
+                    times.append(time.perf_counter() - t0)
+                    finish()
+            row: dict[str, object] = {"stall": statistics.median(times) - base, "peak_extra_gb": rss.extra / 1e9}
+            if check is not None:
+                row["bit_identical"] = check()
+            out[name] = row
+        except Exception as e:
+            out[name] = f"failed: {type(e).__name__}: {e}"
 
     t_state = {"model": tessera.ModelState(model), "optim": tessera.OptimizerState(model, opt)}
-    pendings: list[tessera.PendingSave] = []
 
-    def tessera_run() -> None:
-        pendings.append(tessera.async_save(os.path.join(root, "train"), t_state))
-        train_steps(model, opt, x, args.steps)
+    def tessera_start(options: tessera.SaveOptions | None) -> Callable[[], Callable[[], None]]:
+        def start() -> Callable[[], None]:
+            return tessera.async_save(os.path.join(root, "train"), t_state, options=options).wait
 
-    tessera_run()  # warm-up: plan and pinned pool
-    torch.cuda.synchronize()
-    pendings.pop().wait()
-    t_times = []
-    for _ in range(args.repeat):
-        t_times.append(sync_time(tessera_run))
-        pendings.pop().wait()
+        return start
+
+    def tessera_check(options: tessera.SaveOptions) -> Callable[[], bool]:
+        """One more save, the loop stepping right behind it: the checkpoint is the state at the call."""
+
+        def check() -> bool:
+            want = snapshot(model, opt)
+            pending = tessera.async_save(os.path.join(root, "check"), t_state, options=options)
+            train_steps(model, opt, x, args.steps)
+            pending.wait()
+            return committed_equals(os.path.join(root, "check"), want)
+
+        return check
+
+    budget = tessera.SaveOptions(max_staging_bytes=int(args.budget * state_bytes))
+    # the budget first: the full buffer's pinned pool stays allocated for later saves
+    measure(f"tessera async_save, max_staging_bytes = {args.budget:g}x", tessera_start(budget), tessera_check(budget))
+    measure("tessera async_save (full pinned buffer)", tessera_start(None), tessera_check(tessera.SaveOptions()))
 
     from torch.distributed.checkpoint import FileSystemWriter
     from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
@@ -134,57 +216,51 @@ def stall(args: argparse.Namespace, root: str) -> dict[str, float]:
         )
         return flat
 
-    def dcp_stall(stager: object | None) -> float:
-        """DCP's stall with ``stager`` (overlapped staging: the loop waits on staging_completion
-        before optimizer.step, as torchtitan does), or, with None, its classic async save whose
-        FileSystemWriter stages into cached pinned memory inside the call."""
-        responses: list[object] = []
+    # one writer for every save: its pinned cache is kept by the writer (a new writer per save
+    # would allocate pinned memory inside every call)
+    writer = FileSystemWriter(os.path.join(root, "dcp"), cache_staged_state_dict=True)
 
-        def run() -> None:
+    def dcp_start(stager: object | None) -> Callable[[], Callable[[], None]]:
+        """DCP's classic async save (the FileSystemWriter stages into its cached pinned memory
+        inside the call), or, with a stager, the overlapped staging torchtitan uses: the loop
+        waits on ``staging_completion`` before ``optimizer.step()``."""
+
+        def start() -> Callable[[], None]:
             if stager is None:
-                writer = FileSystemWriter(os.path.join(root, "dcp"), cache_staged_state_dict=True)
                 resp = dcp.async_save(dcp_state(), storage_writer=writer, no_dist=True)
             else:
                 resp = dcp.async_save(
                     dcp_state(), checkpoint_id=os.path.join(root, "dcp"), async_stager=stager, no_dist=True
                 )
-            responses.append(resp)
             staging = getattr(resp, "staging_completion", None)
-            done = [staging is None]
+            if staging is not None:
+                real_step = opt.step
 
-            def gate() -> None:
-                if not done[0]:
+                def gated_step(*a: object, **k: object) -> object:
                     staging.result()
-                    done[0] = True
+                    opt.step = real_step  # type: ignore[method-assign]
+                    return real_step(*a, **k)
 
-            train_steps(model, opt, x, args.steps, before_step=gate)
+                opt.step = gated_step  # type: ignore[method-assign]
+            return getattr(resp, "upload_completion", resp).result
 
-        def finish() -> None:
-            resp = responses.pop()
-            getattr(resp, "upload_completion", resp).result()
+        return start
 
-        run()
-        torch.cuda.synchronize()
-        finish()
-        times = []
-        for _ in range(args.repeat):
-            times.append(sync_time(run))
-            finish()
-        return statistics.median(times) - base
-
-    out = {"state_gb": state_bytes / 1e9, "base": base, "tessera": statistics.median(t_times) - base}
-    out["DCP async_save (FileSystemWriter, cached pinned)"] = dcp_stall(None)
-    stager = DefaultStager(
-        StagingOptions(
-            use_pinned_memory=True, use_shared_memory=False, use_async_staging=True, use_non_blocking_copy=True
-        )
-    )
+    measure("DCP async_save (FileSystemWriter, cached pinned)", dcp_start(None))
+    name = "DCP async_save (DefaultStager, pinned, async)"
     try:
-        out["DCP async_save (DefaultStager, pinned, async)"] = dcp_stall(stager)
+        stager = DefaultStager(
+            StagingOptions(
+                use_pinned_memory=True, use_shared_memory=False, use_async_staging=True, use_non_blocking_copy=True
+            )
+        )
     except Exception as e:
-        out["DCP async_save (DefaultStager, pinned, async)"] = f"failed: {type(e).__name__}: {e}"
-    finally:
-        stager.close()
+        out[name] = f"failed: {type(e).__name__}: {e}"
+    else:
+        try:
+            measure(name, dcp_start(stager))
+        finally:
+            stager.close()
     return out
 
 
@@ -196,6 +272,7 @@ def main() -> None:
     ap.add_argument("--width", type=int, default=8192)
     ap.add_argument("--batch", type=int, default=8192)
     ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--budget", type=float, default=0.25, help="the budget arm's max_staging_bytes / state bytes")
     ap.add_argument("--dir", default=None, help="where saves go (default: a temporary directory)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -222,15 +299,18 @@ def main() -> None:
         shutil.rmtree(root, ignore_errors=True)
     print(
         f"\ntraining stall, {args.layers}x{args.width}^2 MLP + AdamW ({s['state_gb']:.2f} GB of state), "
-        f"{args.steps} steps of batch {args.batch}"
+        f"{args.steps} steps of batch {args.batch}; peak extra host memory sampled from the arm's first save"
     )
-    print(f"{'':<56}{'seconds':>10}")
-    print(f"{'steps without a save':<56}{s['base']:>10.3f}")
-    for name, value in s.items():
+    print(f"{'':<58}{'stall s':>9}{'peak extra GB':>15}{'  bit-identical'}")
+    print(f"{'steps without a save':<58}{s['base']:>9.3f}")
+    for name, row in s.items():
         if name in ("state_gb", "base"):
             continue
-        cell = f"{value:>10.3f}" if isinstance(value, float) else f"  {value}"
-        print(f"{'stall: ' + (name if name != 'tessera' else 'tessera async_save'):<56}{cell}")
+        if isinstance(row, dict):
+            ok = {True: "yes", False: "NO", None: ""}[row.get("bit_identical")]
+            print(f"{name:<58}{row['stall']:>9.3f}{row['peak_extra_gb']:>15.2f}  {ok}")
+        else:
+            print(f"{name:<58}  {row}")
 
 
 if __name__ == "__main__":

@@ -1,12 +1,18 @@
-"""CUDA paths: pinned staging on a side stream, loads into device tensors. Skipped without a GPU."""
+"""CUDA paths: pinned staging on a side stream, budget-bound saves through a pinned window, loads into device tensors. Skipped without a GPU."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
+from torch import nn
 
 import tessera
+from tessera.engine.saving import cache
 from tessera.engine.saving.staging import StagingBuffer
+from tessera.engine.saving.window import WindowBuffers
+from tests.test_memory_budget import _committed_equals, _snapshot
 
 pytestmark = pytest.mark.cuda
 
@@ -40,3 +46,78 @@ def test_load_cpu_checkpoint_into_cuda_and_back(tmp_path) -> None:
     target = {"w": torch.zeros(33, 17, device="cuda")}
     tessera.load(str(tmp_path / "c"), target)
     assert torch.equal(target["w"].cpu(), cpu["w"])
+
+
+class _PinCounted(WindowBuffers):
+    """The window's buffers, with the bytes held at once and whether each was pinned."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.held = self.peak = 0
+        self.pins: set[bool] = set()
+        self._count = threading.Lock()
+
+    def take(self, nbytes: int, pin: bool) -> torch.Tensor:
+        with self._count:
+            self.held += nbytes
+            self.peak = max(self.peak, self.held)
+        buf = super().take(nbytes, pin)
+        self.pins.add(buf.is_pinned())
+        return buf
+
+    def give(self, buf: torch.Tensor) -> None:
+        with self._count:
+            self.held -= buf.numel()
+        super().give(buf)
+
+
+def _train_cuda(model: nn.Module, opt: torch.optim.Optimizer, step: int) -> None:
+    g = torch.Generator(device="cuda").manual_seed(1000 + step)
+    model(torch.randn(256, 512, device="cuda", generator=g)).square().mean().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def test_budget_save_of_a_cuda_model_streams_through_pinned_buffers_and_commits_the_call(
+    tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """16 MiB of model and AdamW state on the GPU through a 1 MiB pinned window; the loop steps
+    right after the call (held by OptimizerState until the last byte left the device)."""
+    counted = _PinCounted()
+    monkeypatch.setattr(cache, "WindowBuffers", lambda: counted)
+    monkeypatch.setattr(cache, "_CACHES", {})  # a fresh cache takes the counted buffers
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(512, 512) for _ in range(6)]).cuda()
+    opt = torch.optim.AdamW(model.parameters())
+    _train_cuda(model, opt, 0)
+    state = {"model": tessera.ModelState(model), "optim": tessera.OptimizerState(model, opt)}
+    want = {k: v.cpu() for k, v in _snapshot(model, opt).items()}
+    budget = 1 << 20
+    assert sum(v.numel() * v.element_size() for v in want.values()) > 10 * budget
+    path = str(tmp_path / "c")
+    pending = tessera.async_save(path, state, options=tessera.SaveOptions(max_staging_bytes=budget))
+    for step in (1, 2):
+        _train_cuda(model, opt, step)
+    pending.wait()
+    assert counted.pins == {True}
+    assert 0 < counted.peak <= budget and counted.held == 0, (counted.peak, counted.held)
+    _committed_equals(path, want)
+    assert tessera.verify(path).ok
+
+
+def test_budget_save_copies_after_queued_work_and_before_a_mutation_after_the_gate(tmp_path) -> None:
+    """Plain CUDA tensors under a budget: a value still being computed on the training stream at
+    the call is saved as computed; a kernel queued right after ``wait_staged`` is not saved."""
+    a = torch.randn(2048, 2048, device="cuda")
+    w = torch.zeros(2048, 2048, device="cuda")
+    for _ in range(20):  # queued, not finished, when async_save is called
+        w.add_(a @ a, alpha=1e-6)
+    path = str(tmp_path / "w")
+    pending = tessera.async_save(path, {"w": w}, options=tessera.SaveOptions(max_staging_bytes=1 << 20))
+    pending.wait_staged()
+    want = w.cpu()
+    w.mul_(0)
+    pending.wait()
+    got = {"w": torch.empty(2048, 2048)}
+    tessera.load(path, got)
+    assert torch.count_nonzero(want) > 0 and torch.equal(got["w"], want)
