@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
@@ -22,6 +23,27 @@ import torch
 from ...format.dtypes import ALIGN, as_bytes
 
 logger = logging.getLogger(__name__)
+
+
+def host_bytes(nbytes: int, pin: bool) -> torch.Tensor:
+    """``nbytes`` (at least 1) of host memory as 1-D uint8, page-locked when ``pin``.
+
+    Pinned memory is a plain allocation registered with CUDA (``cudaHostRegister``, through the
+    public ``torch.cuda.cudart()``) rather than a block of torch's caching host allocator, which
+    rounds every block up to a power of two: a 3.2 GB staging buffer held 4 GiB there, and the
+    window of a 0.8 GB budget 1 GiB. It is unregistered when the tensor is collected.
+    """
+    buf = torch.empty(max(nbytes, 1), dtype=torch.uint8)
+    if not pin:
+        return buf
+    cudart = torch.cuda.cudart()
+    ptr = buf.data_ptr()
+    err = int(cudart.cudaHostRegister(ptr, buf.numel(), 0))
+    if err != 0:  # e.g. a locked-memory limit: the allocator's pinned blocks may still be had
+        logger.debug("cudaHostRegister of %d bytes failed (cudaError %d); using torch's pinned allocator", nbytes, err)
+        return torch.empty(max(nbytes, 1), dtype=torch.uint8, pin_memory=True)
+    weakref.finalize(buf, cudart.cudaHostUnregister, ptr)
+    return buf
 
 
 class StagingBuffer:
@@ -39,7 +61,7 @@ class StagingBuffer:
         buf = self._buf
         if buf is None or buf.numel() < nbytes or (pin and not buf.is_pinned()):
             self._buf = None  # free the old buffer before allocating the new one
-            buf = torch.empty(max(nbytes, 1), dtype=torch.uint8, pin_memory=pin)
+            buf = host_bytes(nbytes, pin)
             self._buf = buf
             logger.debug("allocated %d bytes of %sstaging memory", nbytes, "pinned " if pin else "")
         return buf

@@ -26,6 +26,7 @@ from ...errors import CheckpointError, StagingMutationError
 from ...format.dtypes import ALIGN
 from ...format.tilefile import FileLayout
 from .handoff import SavePlan
+from .staging import host_bytes
 from .write import FileWrite
 
 __all__ = ["Window", "WindowBuffers", "WindowedTiles", "file_write"]
@@ -44,7 +45,7 @@ class WindowBuffers:
                 buf = self._free.pop()
                 if buf.numel() == nbytes and buf.is_pinned() == pin:
                     return buf
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+        return host_bytes(nbytes, pin)
 
     def give(self, buf: torch.Tensor) -> None:
         with self._lock:
