@@ -142,6 +142,66 @@ def test_optimizer_step_and_forward_are_gated(tmp_path: Path, slow_copies) -> No
     _check_loaded(str(tmp_path), snapshots)
 
 
+def _mlp() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))  # no buffers
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def _forward_backward(model: torch.nn.Module, step: int) -> None:
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(step))
+    model(x).square().mean().backward()
+
+
+def test_forward_and_backward_run_during_the_copy_when_the_save_holds_every_parameters_step(
+    tmp_path: Path, slow_copies
+) -> None:
+    """Parameters change only in ``optimizer.step()``: with an OptimizerState over all of them
+    in the save, only the step waits; each save's checkpoint is the state at its call."""
+    model, opt = _mlp()
+    state = {"model": tessera.ModelState(model), "optim": tessera.OptimizerState(model, opt)}
+    for step in range(3):  # the hooks are installed once; every save decides afresh
+        _forward_backward(model, step)
+        opt.step()
+        opt.zero_grad()
+        want = _snapshot(model, opt)
+        pending = tessera.async_save(str(tmp_path / f"s{step}"), state)
+        _forward_backward(model, 100 + step)
+        assert not pending.staged()  # the forward and backward did not wait for the (slowed) copy
+        opt.step()  # waits
+        assert pending.staged()
+        opt.zero_grad()
+        pending.wait()
+        got_model, got_opt = _mlp()
+        tessera.load(
+            str(tmp_path / f"s{step}"),
+            {"model": tessera.ModelState(got_model), "optim": tessera.OptimizerState(got_model, got_opt)},
+        )
+        got = _snapshot(got_model, got_opt)
+        assert all(torch.equal(got[k], want[k]) for k in want) and got.keys() == want.keys()
+
+
+@pytest.mark.parametrize("case", ["buffers", "optimizer not gated", "a parameter the optimizer does not step"])
+def test_the_forward_waits_unless_the_save_holds_every_saved_tensors_step(tmp_path: Path, slow_copies, case) -> None:
+    if case == "buffers":
+        model, opt = _net()  # batch norm: the forward changes its running statistics
+        state: dict[str, object] = {"model": tessera.ModelState(model), "optim": tessera.OptimizerState(model, opt)}
+    elif case == "optimizer not gated":
+        model, opt = _mlp()
+        _forward_backward(model, 0)
+        opt.step()
+        state = {"model": tessera.ModelState(model), "optim": opt.state_dict()}  # copied in the call
+    else:
+        model, _ = _mlp()
+        opt = torch.optim.AdamW(list(model.parameters())[:2], lr=1e-2)
+        state = {"model": tessera.ModelState(model), "optim": tessera.OptimizerState(model, opt)}
+    pending = tessera.async_save(str(tmp_path / "s"), state)
+    assert not pending.staged()
+    _forward_backward(model, 1)
+    assert pending.staged()  # the forward waited for the copy
+    pending.wait()
+
+
 def test_without_the_gate_the_check_fails_the_save(tmp_path: Path, slow_copies, monkeypatch) -> None:
     # The control for the test above: with the hooks switched off, the same loop changes the
     # state after the call. The default mutation check fails the save; with the check off

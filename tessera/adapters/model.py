@@ -27,7 +27,7 @@ from .. import _torch_private
 from ..errors import MissingKeysError, StateMismatchError
 from ..format.geometry import Box
 from . import _torch_compat
-from ._gate import StagingGate
+from ._gate import StagingGate, held_by_step
 from .fsdp1 import fsdp1_entries
 from .views import ParamEntry, ParamView, ViewKind
 
@@ -142,21 +142,38 @@ class ModelState:
         self._model = model
         _as_modules(model)  # validate early
         self._handed: dict[str, object] = {}
+        self._saved: tuple[ParamEntry, ...] = ()
         self._gate = StagingGate()
+        self._forward_gate = StagingGate()
 
     def hold_mutations(self, pending: Any) -> None:
-        """Called by ``async_save``: a forward pass and ``load_state_dict`` wait until ``pending`` has staged.
+        """Called by ``async_save``: ``load_state_dict`` and, where needed, a forward pass wait until ``pending`` has staged.
 
-        A forward pass may change buffers in place (batch norm's running statistics); a
-        forward pre-hook on the model as given (outside any compiled region) holds it until
-        the saved bytes are in host memory, and so does a load-state-dict pre-hook. Parameters
-        change in ``optimizer.step()``, which :class:`~tessera.OptimizerState` gates. Other
-        in-place changes (an EMA update, a manual ``p.add_()``) are not held: call
-        ``pending.wait_staged()`` before them, or let the save's mutation check
-        (``SaveOptions.check_staging``) fail it.
+        Parameters change in ``optimizer.step()``: when every tensor this model saved is a
+        parameter whose step the same save holds (an :class:`~tessera.OptimizerState` over
+        them in the state), the forward and backward passes run while the bytes are copied
+        and only the step waits. Otherwise (persistent buffers, which a forward pass may
+        change in place, such as batch norm's running statistics; parameters no gated
+        optimizer steps) a forward pre-hook on the model as given (outside any compiled
+        region) holds the forward pass until the saved bytes are in host memory. Other
+        in-place changes (an EMA update, a manual ``p.add_()`` between the save and the
+        step) are not held: call ``pending.wait_staged()`` before them, or let the save's
+        mutation check (``SaveOptions.check_staging``) fail it.
         """
         modules = list(_as_modules(self._model))
-        self._gate.arm(pending, modules, "forward", lambda m, hook: m.register_forward_pre_hook(hook))
+        saved = self._saved
+        params_only = bool(saved) and not any(e.is_buffer for e in saved)
+        tensors = [e.tensor for e in saved]
+        answer: list[bool] = []  # one answer per save: every gate is armed before async_save returns
+
+        def steps_hold_all(p: Any) -> bool:
+            if not answer:
+                answer.append(held_by_step(p, tensors))
+            return answer[0]
+
+        unless = steps_hold_all if params_only else None
+        register = lambda m, hook: m.register_forward_pre_hook(hook)  # noqa: E731
+        self._forward_gate.arm(pending, modules, "forward", register, unless=unless)
         self._gate.arm(pending, modules, "load", lambda m, hook: m.register_load_state_dict_pre_hook(hook))
 
     def state_dict(self) -> dict[str, object]:
@@ -167,6 +184,7 @@ class ModelState:
             for v in e.views:
                 out[v.fqn] = v.wrap(e.tensor)
         self._handed = dict(out)
+        self._saved = layout.entries
         return out
 
     def load_state_dict(self, state_dict: Mapping[str, object], strict: bool = True) -> None:

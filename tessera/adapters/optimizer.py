@@ -34,7 +34,7 @@ from ..errors import StateMismatchError
 from ..format.dtypes import dtype_from_name
 from ..format.manifest import Manifest
 from ..format.values import decode_value, is_plain
-from ._gate import StagingGate
+from ._gate import StagingGate, hold_by_step
 from .model import ModelLayout, collect
 from .views import ParamEntry, ParamView
 
@@ -87,7 +87,9 @@ class OptimizerState:
 
         The step mutates the parameters and the optimizer state in place; a step pre-hook
         holds it until their bytes are in host memory (:meth:`tessera.PendingSave.wait_staged`).
+        The parameters' forward passes need not wait for them then (:class:`~tessera.ModelState`).
         """
+        hold_by_step(pending, (p for opt in self._optimizers for g in opt.param_groups for p in g["params"]))
         self._gate.arm(pending, self._optimizers, "step", lambda opt, hook: opt.register_step_pre_hook(hook))
         self._gate.arm(pending, self._optimizers, "load", lambda opt, hook: opt.register_load_state_dict_pre_hook(hook))
 
