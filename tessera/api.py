@@ -89,7 +89,8 @@ def async_save(
     implementing :class:`~tessera.stateful.GatedStateful`) are copied to host memory in the
     background (CPU: a copy thread; CUDA: a side stream into reused pinned memory, after
     the work queued on the current stream) while the calls that change them
-    (``optimizer.step()``, the forward pass, ``load_state_dict``) wait for the copy; every
+    (``optimizer.step()``, ``load_state_dict``, the forward pass where it may change a saved
+    buffer or a parameter no saved optimizer steps) wait for the copy; every
     other tensor (a raw ``model.state_dict()``) is copied before this returns, as
     ``torch.distributed.checkpoint.async_save`` does. A tensor copied in the background
     and changed before its copy some other way (``pending.wait_staged()`` says when it may

@@ -18,8 +18,9 @@ class StagingMode(str, Enum):
     ``AUTO`` (the default): tensors held by a gated Stateful (:class:`~tessera.ModelState`,
     :class:`~tessera.OptimizerState`, or your own object implementing
     :class:`~tessera.stateful.GatedStateful`) are copied in the background while training goes
-    on, and the calls that change them (``optimizer.step()``, the model's forward pass,
-    ``load_state_dict``) wait until their bytes are in host memory. Every other tensor (raw
+    on, and the calls that change them (``optimizer.step()``, ``load_state_dict``, and the
+    model's forward pass unless every saved model tensor is a parameter a saved
+    ``OptimizerState`` steps) wait until their bytes are in host memory. Every other tensor (raw
     ``model.state_dict()`` / ``optimizer.state_dict()`` tensors, a tensor in a plain dict) is
     copied before ``async_save`` returns, as ``torch.distributed.checkpoint.async_save`` does:
     nothing holds the loop back from changing those.
