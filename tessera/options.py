@@ -120,12 +120,13 @@ class SaveOptions:
     writer: WriterMode = field(default_factory=lambda: _writer_mode(_knobs.writer_mode()))
     """Who writes the data files (:class:`WriterMode`; knob ``TESSERA_WRITER``)."""
     max_staging_bytes: int | str | None = field(default_factory=_knobs.max_staging_bytes)
-    """Host-memory budget of an ``async_save`` (bytes, or a size such as ``"1GiB"``; knob
-    ``TESSERA_MAX_STAGING_BYTES``): when the
-    tensors copied in the background hold more, they stream through reused buffers of this
-    many bytes in all instead of one full host copy, and the state's mutations stay held until
-    the last byte has been copied (docs/manager.md, "Async saves in a memory budget"). None:
-    one full copy, as fast as the copy allows."""
+    """Host-memory budget of a save (bytes, or a size such as ``"1GiB"``; knob
+    ``TESSERA_MAX_STAGING_BYTES``): when the tensors a save would copy to host memory (all of
+    an ``async_save``'s; a sync save's GPU or strided ones) hold more, they stream through
+    reused buffers of this many bytes in all instead of one full host copy. Gated tensors'
+    mutations stay held until their last byte has been copied; for tensors nothing holds back
+    (a raw ``state_dict()``), the call itself returns only then (docs/manager.md, "Async saves
+    in a memory budget"). None: one full copy, as fast as the copy allows."""
 
     def __post_init__(self) -> None:
         if self.max_staging_bytes is not None:

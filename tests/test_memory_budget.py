@@ -50,9 +50,11 @@ def slow_window(monkeypatch: pytest.MonkeyPatch):
 
     def slow(self: Any, dst: torch.Tensor, src: torch.Tensor) -> None:
         if state["seconds"]:
-            returned.wait(30)
-            until = self.__dict__.setdefault("_not_before", time.monotonic() + state["seconds"])
-            time.sleep(max(0.0, until - time.monotonic()))
+            if "_not_before" not in self.__dict__:
+                # a call that waits for its copies (raw tensors under a budget) never returns first
+                returned.wait(state["seconds"])
+                self.__dict__.setdefault("_not_before", time.monotonic() + state["seconds"])
+            time.sleep(max(0.0, self._not_before - time.monotonic()))
         if state["each"]:
             time.sleep(state["each"])
         state["pieces"] += 1
@@ -156,6 +158,72 @@ def test_a_state_ten_times_the_budget_holds_only_the_budget_and_commits_the_call
     assert counted.held == 0
     _committed_equals(str(tmp_path / "c"), want)
     assert tessera.verify(str(tmp_path / "c")).ok
+
+
+def _tensors(prefix: str, tree: object) -> dict[str, torch.Tensor]:
+    """Clones of the tensors in a nested dict, by tessera's dotted names."""
+    if isinstance(tree, torch.Tensor):
+        return {prefix: tree.detach().clone()}
+    if isinstance(tree, dict):
+        out: dict[str, torch.Tensor] = {}
+        for k, v in tree.items():
+            out |= _tensors(f"{prefix}.{k}" if prefix else str(k), v)
+        return out
+    return {}
+
+
+@pytest.mark.parametrize(
+    "idiom", ["raw state_dicts (AUTO)", "StagingMode.BLOCKING", "gated and raw together", "sync save, strided tensors"]
+)
+def test_what_nothing_holds_back_streams_through_the_budget_and_the_call_waits_for_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, idiom: str
+) -> None:
+    """The DCP idiom (``async_save(path, {"model": model.state_dict(), ...})``), ``BLOCKING``, and
+    a sync save that must copy (strided tensors here, device tensors on a GPU) keep the budget
+    too: no full host copy; the call returns once the bytes have left the state, so the loop
+    may change it at once."""
+    counted = _Counted()
+    monkeypatch.setattr(cache, "WindowBuffers", lambda: counted)
+    monkeypatch.setattr(cache, "_CACHES", {})
+    model, opt = _model()
+    _train(model, opt, 0)
+    want = _snapshot(model, opt)
+    raw = {"model": model.state_dict(), "optim": opt.state_dict()}
+    gated = {"model": tessera.ModelState(model), "optim": tessera.OptimizerState(model, opt)}
+    budget = 256 << 10
+    opts = tessera.SaveOptions(max_staging_bytes=budget)
+    path = str(tmp_path / "c")
+    if idiom == "sync save, strided tensors":
+        strided = {k: v.t() if v.dim() == 2 else v for k, v in want.items()}
+        tessera.save(path, strided, options=opts)
+        want = strided
+    else:
+        if idiom == "StagingMode.BLOCKING":
+            state, opts = gated, tessera.SaveOptions(max_staging_bytes=budget, staging=tessera.StagingMode.BLOCKING)
+        elif idiom == "gated and raw together":
+            state = {"model": tessera.ModelState(model), "optim": opt.state_dict()}
+            want = {k: v for k, v in want.items() if k.startswith("model.")} | _tensors("optim", state["optim"])
+        else:
+            state = raw
+            want = _tensors("", raw)
+        pending = tessera.async_save(path, state, options=opts)
+        assert pending.staged()  # every byte left the state before the call returned
+        assert pending.stall_parts["copy"] > 0
+        with torch.no_grad():
+            for p in model.parameters():
+                p.mul_(-3)  # right after the call, not through any gate
+        for st in opt.state.values():
+            st["exp_avg"].zero_()
+        pending.wait()
+    assert 0 < counted.peak <= budget and counted.held == 0, (counted.peak, counted.held)
+    assert cache.cache_for(None).staging.nbytes == 0  # no full host copy was made
+    if idiom == "sync save, strided tensors":
+        manifest = tessera.read_manifest(path)
+        got = {k: torch.empty(manifest.tensors[k].shape, dtype=want[k].dtype) for k in want}
+        tessera.load(path, got)
+        assert all(torch.equal(got[k], want[k]) for k in want)
+    else:
+        _committed_equals(path, want)
 
 
 class _FailingFiles(FileStorage):

@@ -35,13 +35,16 @@ class _StageStep:
 
     ``staged`` gives the staged bytes (or raises what failed); ``failed`` is a blocking
     copy's error, known before returning; ``event`` is set once the state may change again
-    (None: it may change at once); ``overlapped`` is a background copy to wait for.
+    (None: it may change at once); ``overlapped`` is a background copy to wait for; with
+    ``blocks`` the call itself waits for ``event`` (tensors nothing holds back from changing,
+    streamed through a memory budget's window by the background writes).
     """
 
     staged: Callable[[], Staged]
     failed: BaseException | None = None
     event: threading.Event | None = None
     overlapped: OverlappedCopy | Window | None = None
+    blocks: bool = False
 
 
 def start_save(request: SaveRequest) -> PendingSave:
@@ -116,7 +119,10 @@ def _start_save(request: SaveRequest) -> PendingSave:
             mismatch = future.exception()
             if isinstance(mismatch, PlanMismatchError) and mismatch.retry:
                 raise mismatch
-        parts = {k: timer.phases[k] for k in _STALL_PARTS if k in timer.phases}
+        if step.blocks and step.event is not None:
+            step.event.wait()  # the writes run in the background; the state is free once copied out
+        stall_parts = _STALL_PARTS + (("copy",) if step.blocks else ())
+        parts = {k: timer.phases[k] for k in stall_parts if k in timer.phases}
         pending = PendingSave(future, 0.0, path=request.path, staged_event=step.event, stall_parts=parts)
         if step.event is not None:
             hold_mutations([obj for obj, _ in save.flat.statefuls], pending)
@@ -137,11 +143,21 @@ def _stage_step(request: SaveRequest, save: PreparedSave, ctx: SaveCache, rank: 
     A synchronous save writes straight from contiguous CPU tensors. An async save copies
     in the caller's thread every tensor that nothing holds back from changing (all of them
     with ``BLOCKING``, the ungated ones with ``AUTO``, none with ``BACKGROUND``) and the rest
-    in a copy thread that the writes follow tile by tile.
+    in a copy thread that the writes follow tile by tile. Under a memory budget smaller than
+    what would be copied, nothing is copied whole: see :func:`_windowed`.
     """
     opts = save.options
     srcs = sources(save.plan, save.flat)
     mode = opts.staging
+    budget = opts.max_staging_bytes
+    if isinstance(budget, int):
+        to_copy = sum(
+            t.numel() * t.element_size()
+            for t in srcs.tensors
+            if request.background or t.device.type != "cpu" or not t.is_contiguous()
+        )
+        if to_copy > budget:
+            return _windowed(request, save, srcs.tensors, srcs.names, srcs.gated, ctx, rank, timer, budget)
     if not request.background or mode is StagingMode.BLOCKING or (mode is StagingMode.AUTO and not any(srcs.gated)):
         return _blocking(save, srcs.tensors, ctx, rank, timer, copy=request.background)
     # Ungated tensors of an AUTO save are copied now, into private copies the copy thread reads.
@@ -158,26 +174,50 @@ def _stage_step(request: SaveRequest, save: PreparedSave, ctx: SaveCache, rank: 
         event.set()
         timer.mark("copy")
 
-    budget = opts.max_staging_bytes
-    behind = sum(t.numel() * t.element_size() for i, t in enumerate(srcs.tensors) if i not in set(now))
-    if isinstance(budget, int) and behind > budget:  # stream through the budget, no full host copy
-        window = Window(
-            save.plan,
-            srcs.tensors,
-            budget,
-            opts.io_threads,
-            ctx.window,
-            rank,
-            after,
-            copied,
-            None if reference is None else partial(reference.verify_sources, rank=rank, path=request.path),
-            crcs=opts.check_staging is StagingCheck.FULL,
-        )
-        timer.mark("schedule")
-        return _StageStep(window.start, event=event, overlapped=window)
     overlapped = OverlappedCopy(save.plan, srcs.tensors, ctx.staging, rank, after, copied, check)
     timer.mark("schedule")
     return _StageStep(overlapped.start, event=event, overlapped=overlapped)
+
+
+def _windowed(
+    request: SaveRequest,
+    save: PreparedSave,
+    srcs: list[torch.Tensor],
+    names: list[str],
+    gated: list[bool],
+    ctx: SaveCache,
+    rank: int,
+    timer: PhaseTimer,
+    budget: int,
+) -> _StageStep:
+    """Stream every tensor through the budget's reused buffers (:class:`.window.Window`): the
+    writers copy each tile piece by piece; no host copy of the state is made.
+
+    Gated tensors are held by their gates until their last piece is copied. Tensors nothing
+    holds back (a raw ``state_dict()`` under ``AUTO``; every tensor with ``BLOCKING``) make
+    the call itself wait until then, so the state may change once it returns: the budget is
+    kept whatever the caller passes. A synchronous save writes through the window before
+    returning anyway.
+    """
+    opts = save.options
+    background = request.background
+    mode = opts.staging
+    blocks = background and (mode is StagingMode.BLOCKING or (mode is StagingMode.AUTO and not all(gated)))
+    check = None
+    if background and opts.check_staging is not StagingCheck.OFF:
+        reference = MutationCheck(srcs, names, opts.check_staging, skip=set())
+        check = partial(reference.verify_sources, rank=rank, path=request.path)
+    event = threading.Event()
+
+    def copied() -> None:
+        event.set()
+        timer.mark("copy")
+
+    after = ready_event(srcs)  # the copies run on a side stream, after the caller's queued work
+    crcs = check is not None and opts.check_staging is StagingCheck.FULL
+    window = Window(save.plan, srcs, budget, opts.io_threads, ctx.window, rank, after, copied, check, crcs=crcs)
+    timer.mark("schedule")
+    return _StageStep(window.start, event=event, overlapped=window, blocks=blocks)
 
 
 def _blocking(
