@@ -273,6 +273,33 @@ def test_a_write_failing_half_way_fails_the_save_opens_the_gate_and_keeps_the_pr
     assert not left, left  # the failed save removed what it wrote
 
 
+def test_a_write_failing_half_way_under_a_budget_returns_the_call_that_waits_for_raw_tensors(tmp_path: Path) -> None:
+    """The call waiting for a raw state dict's bytes must not hang when a write fails."""
+    path = str(tmp_path / "c")
+    model, opt = _model()
+    _train(model, opt, 0)
+    tessera.save(path, {"model": model.state_dict()})
+    before = {f"model.{k}": v.clone() for k, v in model.state_dict().items()}
+    _train(model, opt, 1)
+    opts = tessera.SaveOptions(max_staging_bytes=BUDGET)
+    result: list[object] = []
+
+    def call() -> None:
+        result.append(
+            tessera.async_save(path, {"model": model.state_dict()}, options=opts, storage=_FailingFiles(path))
+        )
+
+    caller = threading.Thread(target=call, daemon=True)
+    caller.start()
+    caller.join(30)
+    assert result, "async_save never returned after its write failed"
+    pending = result[0]
+    assert isinstance(pending, tessera.PendingSave)
+    with pytest.raises(tessera.errors.StorageError, match="No space left"):
+        pending.wait()
+    _committed_equals(path, before)
+
+
 def test_the_gate_holds_until_the_last_byte_left_the_state(tmp_path: Path, slow_window: dict[str, float]) -> None:
     """``wait_staged`` returns only once every piece was copied; a step right after it is not saved."""
     slow_window["each"] = 0.001
