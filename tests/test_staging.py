@@ -447,10 +447,7 @@ def _dist_wrapped_forward_during_copy(rank: int, world: int, root: str, layout: 
 @pytest.mark.parametrize("layout", ["ddp", "fsdp1", "fsdp1_orig", "fsdp2"])
 def test_two_ranks_wrapped_models_train_during_the_copy_and_commit_the_call(tmp_path: Path, layout: str) -> None:
     out = run_distributed(_dist_wrapped_forward_during_copy, 2, str(tmp_path), layout)
-    # FSDP1 with use_orig_params saves flat parameters while the optimizer steps the original
-    # ones: not provably covered, so its forward waits (the conservative side)
-    during = layout != "fsdp1_orig"
-    assert out == [(during, True)] * 2, out  # the checkpoint is the state at the call
+    assert out == [(True, True)] * 2, out  # the forward ran during the copy; the checkpoint is the call
 
 
 def _dist_optimizer_loop(rank: int, world: int, root: str) -> bool:

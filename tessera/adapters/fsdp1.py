@@ -49,3 +49,13 @@ def fsdp1_entries(model: nn.Module) -> tuple[list[ParamEntry], dict[int, ParamEn
                 orig_entries[id(piece.orig_param)] = ParamEntry(piece.orig_param, (orig_view,))
         flat_entries.append(ParamEntry(unit.flat_param, tuple(views)))
     return flat_entries, orig_entries
+
+
+def stepped_in_place_of(model: nn.Module) -> dict[int, list[object]]:
+    """For each flat parameter of a ``use_orig_params=True`` unit (by ``id``), the original
+    parameters an optimizer steps instead of it: its memory changes exactly when theirs does."""
+    return {
+        id(unit.flat_param): [p.orig_param for p in unit.pieces]
+        for unit in _torch_compat.fsdp1_units(model)
+        if unit.pieces and all(p.orig_param is not None for p in unit.pieces)
+    }

@@ -28,7 +28,7 @@ from ..errors import MissingKeysError, StateMismatchError
 from ..format.geometry import Box
 from . import _torch_compat
 from ._gate import StagingGate, held_by_step
-from .fsdp1 import fsdp1_entries
+from .fsdp1 import fsdp1_entries, stepped_in_place_of
 from .views import ParamEntry, ParamView, ViewKind
 
 logger = logging.getLogger(__name__)
@@ -163,7 +163,10 @@ class ModelState:
         modules = list(_as_modules(self._model))
         saved = self._saved
         params_only = bool(saved) and not any(e.is_buffer for e in saved)
-        tensors = [e.tensor for e in saved]
+        instead: dict[int, list[object]] = {}
+        for m in modules:
+            instead.update(stepped_in_place_of(m))
+        tensors = [t for e in saved for t in instead.get(id(e.tensor), [e.tensor])]
         answer: list[bool] = []  # one answer per save: every gate is armed before async_save returns
 
         def steps_hold_all(p: Any) -> bool:
