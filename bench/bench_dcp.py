@@ -17,6 +17,8 @@ the operation) during loads and async saves.
 from __future__ import annotations
 
 import argparse
+import fcntl
+import mmap
 import os
 import shutil
 import statistics
@@ -128,11 +130,20 @@ def timed(fn: Callable[[], object]) -> float:
     return time.perf_counter() - t0
 
 
-def _write_part(path: str, data: memoryview) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+def _write_part(path: str, data: memoryview, direct: bool = False) -> None:
+    """Write ``data`` to a new file and fsync it; with ``direct``, through ``O_DIRECT`` (``data``
+    page-aligned; a last partial block is written with the flag cleared)."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | (os.O_DIRECT if direct else 0)
+    fd = os.open(path, flags, 0o644)
     try:
-        for i in range(0, len(data), WRITE_BYTES):
-            view = data[i : i + WRITE_BYTES]
+        whole = len(data) // 4096 * 4096 if direct else len(data)
+        for i in range(0, whole, WRITE_BYTES):
+            view = data[i : min(i + WRITE_BYTES, whole)]
+            while len(view):
+                view = view[os.write(fd, view) :]
+        if whole < len(data):
+            fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_DIRECT)
+            view = data[whole:]
             while len(view):
                 view = view[os.write(fd, view) :]
         os.fsync(fd)
@@ -140,15 +151,15 @@ def _write_part(path: str, data: memoryview) -> None:
         os.close(fd)
 
 
-def write_durably(paths: list[str], data: memoryview) -> None:
+def write_durably(paths: list[str], data: memoryview, direct: bool = False) -> None:
     """Write ``data`` split over ``paths`` (one thread each), fsync every file and the directory."""
-    step = -(-len(data) // len(paths))
+    step = -(-len(data) // len(paths) // 4096) * 4096  # page multiples: each part stays aligned
     parts = [data[i * step : (i + 1) * step] for i in range(len(paths))]
     if len(paths) == 1:
-        _write_part(paths[0], parts[0])
+        _write_part(paths[0], parts[0], direct)
     else:
         with ThreadPoolExecutor(len(paths)) as pool:
-            list(pool.map(_write_part, paths, parts))
+            list(pool.map(_write_part, paths, parts, [direct] * len(paths)))
     fd = os.open(os.path.dirname(paths[0]), os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -177,6 +188,10 @@ def measure_limits(args: argparse.Namespace, rank_bytes: int, add: Callable[[str
     rank = dist.get_rank()
     data = torch.randn(rank_bytes // 4).view(torch.uint8)
     view = memoryview(data.numpy())
+    aligned = mmap.mmap(-1, len(view))  # page-aligned, for O_DIRECT writes
+    aligned[:] = view
+    aligned_view = memoryview(aligned)
+    direct_ok = hasattr(os, "O_DIRECT")
     out = torch.zeros_like(data)
     out_view = memoryview(out.numpy())
     ldir = os.path.join(args.dir, f"limits-{rank}")
@@ -184,12 +199,14 @@ def measure_limits(args: argparse.Namespace, rank_bytes: int, add: Callable[[str
     for trial in range(args.repeat):
         best = float("inf")
         for nfiles in sorted({1, args.limit_files}):
-            paths = [os.path.join(ldir, f"{trial}-{nfiles}-{k}") for k in range(nfiles)]
-            secs = timed(lambda p=paths: write_durably(p, view))
-            add(f"limit_write_{nfiles}", secs)
-            best = min(best, secs)
+            for direct in (False, True) if direct_ok else (False,):
+                paths = [os.path.join(ldir, f"{trial}-{nfiles}-{int(direct)}-{k}") for k in range(nfiles)]
+                src = aligned_view if direct else view
+                secs = timed(lambda p=paths, d=direct, v=src: write_durably(p, v, d))
+                add(f"limit_write_{nfiles}{'_direct' if direct else ''}", secs)
+                best = min(best, secs)
         add("limit_write", best)
-        one = os.path.join(ldir, f"{trial}-1-0")
+        one = os.path.join(ldir, f"{trial}-1-0-0")
         dist.barrier()
         evict(ldir)
         add("limit_read_cold", timed(lambda p=one: read_into(p, out_view)))
@@ -197,6 +214,8 @@ def measure_limits(args: argparse.Namespace, rank_bytes: int, add: Callable[[str
         for name in os.listdir(ldir):
             os.unlink(os.path.join(ldir, name))
     shutil.rmtree(ldir, ignore_errors=True)
+    aligned_view.release()
+    aligned.close()
 
 
 def bytecheckpoint_model(mesh, total_bytes: int) -> torch.nn.Module | None:
@@ -490,7 +509,9 @@ def report_limits(ranks: list[dict[str, list]], args: argparse.Namespace) -> Non
     print("\nAgainst this machine's limits (same bytes, same run; the slowest rank, medians):")
     print(
         f"durable write limit {fmt(write)} (1 file: {fmt(med('limit_write_1'))}, {args.limit_files} files: "
-        f"{fmt(med(f'limit_write_{args.limit_files}'))}), cold read limit {fmt(read)}, memcpy {fmt(memcpy)}\n"
+        f"{fmt(med(f'limit_write_{args.limit_files}'))}; O_DIRECT, 1 file: {fmt(med('limit_write_1_direct'))}, "
+        f"{args.limit_files} files: {fmt(med(f'limit_write_{args.limit_files}_direct'))}), "
+        f"cold read limit {fmt(read)}, memcpy {fmt(memcpy)}\n"
     )
     print("| figure | tessera | DCP | ByteCheckpoint | tessera against | target | DCP against | BCP against |")
     print("|---|---|---|---|---|---|---|---|")

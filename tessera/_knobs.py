@@ -47,6 +47,12 @@ def chunk_bytes() -> int:
     return max(4096, _int("TESSERA_CHUNK_BYTES", 4 << 20))
 
 
+def direct_io() -> bool:
+    """Whether durable local writes of data files bypass the page cache (``O_DIRECT``, where the
+    filesystem supports it; ``TESSERA_DIRECT_IO=0`` turns it off; default on)."""
+    return os.environ.get("TESSERA_DIRECT_IO", "1") not in ("0", "false", "no")
+
+
 def verify_checksums() -> bool:
     """Whether loads verify checksums (``TESSERA_VERIFY=0`` turns it off; default on)."""
     return os.environ.get("TESSERA_VERIFY", "1") not in ("0", "false", "no")

@@ -2,7 +2,8 @@
 
 Data files are created exclusively (``O_EXCL``: an existing file is never reopened, let
 alone truncated), written with large sequential ``os.write`` calls and fsync'ed; a failed
-write removes its partial file. :meth:`FileStorage.sync_dirs` then makes their directory
+write removes its partial file. Durable data-file writes bypass the page cache (``O_DIRECT``
+through a small aligned buffer, where the filesystem allows it; see :func:`_write_direct`). :meth:`FileStorage.sync_dirs` then makes their directory
 entries durable. The manifest is committed by writing a temporary file, fsync,
 ``os.replace`` and an fsync of the directory, so a crash leaves either the old or the new
 manifest. :meth:`FileStorage.replace_if` does the same under an exclusive ``flock`` of the
@@ -13,11 +14,13 @@ directory and only if the manifest is still the version the save started from: t
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import mmap
 import os
 from collections.abc import Iterable
 
+from .. import _knobs
 from ..errors import ConcurrentSaveError, StorageError
 from ..format.names import check_relpath
 from ._local_files import LOCK_NAME as LOCK_NAME
@@ -68,11 +71,11 @@ class FileStorage(LocalFiles):
             raise StorageError(f"cannot create {full}: {e}") from e
         ok = False
         try:
-            for chunk in chunks:
-                view = memoryview(chunk).cast("B")
-                while len(view):
-                    n = os.write(fd, view)
-                    view = view[n:]
+            if self.durable and _knobs.direct_io() and _set_direct(fd, True):
+                _write_direct(fd, chunks)
+            else:
+                for chunk in chunks:
+                    _write_all(fd, memoryview(chunk).cast("B"))
             if self.durable:
                 os.fsync(fd)
             ok = True
@@ -367,3 +370,91 @@ class FileStorage(LocalFiles):
                 except OSError:
                     break
                 d = os.path.dirname(d)
+
+
+_BLOCK = 4096
+"""What ``O_DIRECT`` writes are aligned to: memory address, length and file offset."""
+
+_BOUNCE_BYTES = 1 << 20
+"""The aligned buffer a direct write goes through (per file being written)."""
+
+
+def _write_all(fd: int, view: memoryview) -> None:
+    while len(view):
+        view = view[os.write(fd, view) :]
+
+
+def _set_direct(fd: int, on: bool) -> bool:
+    """Turn ``O_DIRECT`` on or off for ``fd``; False where the filesystem refuses it (tmpfs, some
+    network filesystems) or the platform has no such flag."""
+    flag = getattr(os, "O_DIRECT", 0)
+    if not flag:
+        return False
+    try:
+        flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+        fcntl.fcntl(fd, fcntl.F_SETFL, (flags | flag) if on else (flags & ~flag))
+    except OSError:
+        return False
+    return True
+
+
+def _write_direct(fd: int, chunks: Iterable[Buffer]) -> None:
+    """Write ``chunks`` to ``fd`` (opened with ``O_DIRECT``) through a 1 MiB page-aligned buffer.
+
+    Buffered writes of checkpoint-sized files cost the kernel a copy into the page cache and the
+    writeback after it: on the 2-core VM of docs/benchmarks.md, 0.15-1.5 s of system CPU and
+    0.4-1.8 s per 512 MB fsync'ed, against 0.1 s of CPU and 0.4 s through ``O_DIRECT``; the
+    CPU is what a training loop beside a background save loses. Each chunk is copied into the
+    buffer before the next is asked for (the window of a memory budget reuses its buffers), full
+    buffers are written directly, and the last, partial block is written with ``O_DIRECT``
+    turned off. A filesystem that accepts the flag but refuses a direct write (``EINVAL``) gets
+    the rest buffered.
+    """
+    bounce = mmap.mmap(-1, _BOUNCE_BYTES)  # anonymous memory: page-aligned
+    buf = memoryview(bounce)
+    direct = True
+    fill = 0
+
+    def flush(n: int) -> None:
+        nonlocal direct
+        if direct:
+            try:
+                written = os.write(fd, buf[:n])
+            except OSError as e:
+                if e.errno != 22:  # EINVAL: this file cannot take direct writes after all
+                    raise
+                direct = False
+                _set_direct(fd, False)
+                written = 0
+            if written % _BLOCK:  # a short write off the block grid: finish it buffered
+                direct = False
+                _set_direct(fd, False)
+            _write_all(fd, buf[written:n])
+        else:
+            _write_all(fd, buf[:n])
+
+    try:
+        for chunk in chunks:
+            view = memoryview(chunk).cast("B")
+            while len(view):
+                n = min(len(view), _BOUNCE_BYTES - fill)
+                buf[fill : fill + n] = view[:n]
+                fill += n
+                view = view[n:]
+                if fill == _BOUNCE_BYTES:
+                    flush(fill)
+                    fill = 0
+        whole = fill // _BLOCK * _BLOCK
+        if whole:
+            flush(whole)
+        if fill > whole:
+            if direct:
+                direct = False
+                _set_direct(fd, False)
+            _write_all(fd, buf[whole:fill])
+    finally:
+        try:
+            buf.release()
+            bounce.close()
+        except BufferError:  # a view is still referenced (an error's traceback): freed with it
+            pass
