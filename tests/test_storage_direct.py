@@ -65,14 +65,6 @@ def test_non_durable_writes_stay_buffered(tmp_path: Path, monkeypatch: pytest.Mo
     assert seen == [] and (tmp_path / "f.bin").read_bytes() == b"x" * 10_000
 
 
-def test_reused_chunks_stay_buffered(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from tessera.storage.base import ReusedChunks
-
-    seen = _direct_calls(monkeypatch)
-    FileStorage(str(tmp_path), durable=True).write_file("f.bin", ReusedChunks([b"z" * 10_000, b"q"]))
-    assert seen == [] and (tmp_path / "f.bin").read_bytes() == b"z" * 10_000 + b"q"
-
-
 def test_the_knob_turns_direct_writes_off(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     seen = _direct_calls(monkeypatch)
     monkeypatch.setenv("TESSERA_DIRECT_IO", "0")
@@ -111,34 +103,3 @@ def test_tmpfs_writes_are_correct_whether_or_not_it_takes_direct_io(monkeypatch:
         data = os.urandom((1 << 20) + 4097)
         FileStorage(d, durable=True).write_file("f.bin", _chunks(data, [4096, 99]))
         assert Path(d, "f.bin").read_bytes() == data
-
-
-def test_a_budget_windows_pieces_stay_buffered_and_a_full_copy_goes_direct(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The window's buffers are reused as soon as the page cache took them (the training loop
-    waits on it); a save from a full host copy writes its data files straight to the disk."""
-    import torch
-
-    import tessera
-    from tessera.storage.base import ReusedChunks
-
-    writes: dict[str, bool] = {}  # data file -> written through the window
-    real = local.FileStorage.write_file
-
-    def spy(self: FileStorage, path: str, chunks) -> None:  # type: ignore[no-untyped-def]
-        if "/reports/" not in path and path.endswith(".safetensors"):
-            writes[path] = isinstance(chunks, ReusedChunks)
-        return real(self, path, chunks)
-
-    monkeypatch.setattr(local.FileStorage, "write_file", spy)
-    state = {f"w{i}": torch.randn(64, 1024) for i in range(4)}  # 1 MiB
-    budget = tessera.SaveOptions(max_staging_bytes=64 << 10)
-    tessera.async_save(str(tmp_path / "budget"), state, options=budget).wait()
-    assert writes and all(writes.values()), writes
-    writes.clear()
-    tessera.async_save(str(tmp_path / "full"), state).wait()
-    assert writes and not any(writes.values()), writes
-    out = {k: torch.empty(64, 1024) for k in state}
-    tessera.load(str(tmp_path / "budget"), out)
-    assert all(torch.equal(out[k], state[k]) for k in state)

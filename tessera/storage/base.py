@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import re
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from typing import Protocol, runtime_checkable
 
 from .capabilities import ConditionalPublish, ListsSizes, SyncsDirs
@@ -83,21 +83,6 @@ def is_temp_name(name: str, of: str | None = None) -> bool:
     if of is not None:
         return name.startswith(of + TEMP_MARK)
     return TEMP_RE.search(name) is not None
-
-
-class ReusedChunks(Iterable[Buffer]):
-    """Chunks in buffers the writer reuses as soon as each is taken (a memory budget's window).
-
-    The save, and the training loop its gate holds, waits for every hand-off, so a backend
-    should take each chunk as fast as it can: a local file writes them through the page cache
-    (the ``fsync`` at the end still makes the file durable) rather than straight to the disk.
-    """
-
-    def __init__(self, chunks: Iterable[Buffer]) -> None:
-        self._chunks = chunks
-
-    def __iter__(self) -> Iterator[Buffer]:
-        return iter(self._chunks)
 
 
 @runtime_checkable

@@ -3,9 +3,7 @@
 Data files are created exclusively (``O_EXCL``: an existing file is never reopened, let
 alone truncated), written with large sequential ``os.write`` calls and fsync'ed; a failed
 write removes its partial file. Durable data-file writes bypass the page cache (``O_DIRECT``
-through a small aligned buffer, where the filesystem allows it; see :func:`_write_direct`),
-except the pieces of a memory budget's window (:class:`~tessera.storage.base.ReusedChunks`),
-which the page cache takes fastest while the training loop waits. :meth:`FileStorage.sync_dirs` then makes their directory
+through a small aligned buffer, where the filesystem allows it; see :func:`_write_direct`). :meth:`FileStorage.sync_dirs` then makes their directory
 entries durable. The manifest is committed by writing a temporary file, fsync,
 ``os.replace`` and an fsync of the directory, so a crash leaves either the old or the new
 manifest. :meth:`FileStorage.replace_if` does the same under an exclusive ``flock`` of the
@@ -28,7 +26,7 @@ from ..format.names import check_relpath
 from ._local_files import LOCK_NAME as LOCK_NAME
 from ._local_files import LocalFiles, typed_errors
 from ._local_files import local_root as local_root
-from .base import Buffer, ReusedChunks, is_temp_name, temp_name
+from .base import Buffer, is_temp_name, temp_name
 
 logger = logging.getLogger(__name__)
 
@@ -73,8 +71,7 @@ class FileStorage(LocalFiles):
             raise StorageError(f"cannot create {full}: {e}") from e
         ok = False
         try:
-            direct = self.durable and not isinstance(chunks, ReusedChunks) and _knobs.direct_io()
-            if direct and _set_direct(fd, True):
+            if self.durable and _knobs.direct_io() and _set_direct(fd, True):
                 _write_direct(fd, chunks)
             else:
                 for chunk in chunks:

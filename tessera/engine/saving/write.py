@@ -18,7 +18,7 @@ import xxhash
 from ...errors import StorageError
 from ...format.geometry import Box
 from ...format.tilefile import FileLayout
-from ...storage.base import ReusedChunks, Storage
+from ...storage.base import Storage
 from ...storage.capabilities import SyncsDirs
 
 logger = logging.getLogger(__name__)
@@ -142,7 +142,7 @@ def _write_one(
                     progress(len(c))
             tiles.append(WrittenTile(slot.fqn, slot.box, slot.byte_offset, slot.nbytes, tuple(sums)))
 
-    storage.write_file(path, chunks() if pieces is None else ReusedChunks(streamed()))
+    storage.write_file(path, chunks() if pieces is None else streamed())
     if progress is not None:
         progress(0)
     if len(tiles) != len(layout.slots):
