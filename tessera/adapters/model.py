@@ -14,6 +14,7 @@ FSDP1 (each original parameter's range of the flat shard, see :mod:`.fsdp1`).
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -161,20 +162,14 @@ class ModelState:
         mutation check (``SaveOptions.check_staging``) fail it.
         """
         modules = list(_as_modules(self._model))
-        saved = self._saved
-        params_only = bool(saved) and not any(e.is_buffer for e in saved)
-        instead: dict[int, list[object]] = {}
-        for m in modules:
-            instead.update(stepped_in_place_of(m))
-        tensors = [t for e in saved for t in instead.get(id(e.tensor), [e.tensor])]
-        answer: list[bool] = []  # one answer per save: every gate is armed before async_save returns
-
-        def steps_hold_all(p: Any) -> bool:
-            if not answer:
-                answer.append(held_by_step(p, tensors))
-            return answer[0]
-
-        unless = steps_hold_all if params_only else None
+        unless = None
+        if self._saved and not any(e.is_buffer for e in self._saved):
+            instead: dict[int, list[object]] = {}  # FSDP1 flat parameters stepped as their originals
+            for m in modules:
+                instead.update(stepped_in_place_of(m))
+            tensors = [t for e in self._saved for t in instead.get(id(e.tensor), [e.tensor])]
+            # asked at the first forward (every gate of the save is armed by then), once per save
+            unless = functools.cache(lambda p: held_by_step(p, tensors))
         register = lambda m, hook: m.register_forward_pre_hook(hook)  # noqa: E731
         self._forward_gate.arm(pending, modules, "forward", register, unless=unless)
         self._gate.arm(pending, modules, "load", lambda m, hook: m.register_load_state_dict_pre_hook(hook))

@@ -14,6 +14,7 @@ directory and only if the manifest is still the version the save started from: t
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import logging
 import mmap
@@ -415,23 +416,24 @@ def _write_direct(fd: int, chunks: Iterable[Buffer]) -> None:
     direct = True
     fill = 0
 
-    def flush(n: int) -> None:
+    def buffered() -> None:
         nonlocal direct
+        if direct:
+            direct = False
+            _set_direct(fd, False)
+
+    def flush(n: int) -> None:
+        written = 0
         if direct:
             try:
                 written = os.write(fd, buf[:n])
             except OSError as e:
-                if e.errno != 22:  # EINVAL: this file cannot take direct writes after all
+                if e.errno != errno.EINVAL:  # EINVAL: this file cannot take direct writes after all
                     raise
-                direct = False
-                _set_direct(fd, False)
-                written = 0
+                buffered()
             if written % _BLOCK:  # a short write off the block grid: finish it buffered
-                direct = False
-                _set_direct(fd, False)
-            _write_all(fd, buf[written:n])
-        else:
-            _write_all(fd, buf[:n])
+                buffered()
+        _write_all(fd, buf[written:n])
 
     try:
         for chunk in chunks:
@@ -448,9 +450,7 @@ def _write_direct(fd: int, chunks: Iterable[Buffer]) -> None:
         if whole:
             flush(whole)
         if fill > whole:
-            if direct:
-                direct = False
-                _set_direct(fd, False)
+            buffered()
             _write_all(fd, buf[whole:fill])
     finally:
         try:

@@ -46,6 +46,12 @@ def host_bytes(nbytes: int, pin: bool) -> torch.Tensor:
     return buf
 
 
+def is_copied(src: torch.Tensor, copy: bool) -> bool:
+    """Whether staging copies ``src`` (``copy``: always); else contiguous CPU tensors are
+    written from in place."""
+    return copy or src.device.type != "cpu" or not src.is_contiguous()
+
+
 class StagingBuffer:
     """Host memory reused across saves; grows, never shrinks (until :meth:`release`)."""
 
@@ -95,10 +101,10 @@ class StagingBuffer:
         todo = []
         for i in order if order is not None else range(len(sources)):
             src = sources[i]
-            if not copy and src.device.type == "cpu" and src.is_contiguous():
-                out[i] = as_bytes(src)
-            else:
+            if is_copied(src, copy):
                 todo.append(i)
+            else:
+                out[i] = as_bytes(src)
         todo_set = set(todo)
         stream = None
         if todo:

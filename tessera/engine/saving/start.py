@@ -22,7 +22,7 @@ from .finish import finish_save
 from .handoff import PreparedSave, SaveRequest
 from .prepare import prepare
 from .sources import MutationCheck, OverlappedCopy, Staged, hold_mutations, private_copies, sources, stage
-from .staging import ready_event
+from .staging import is_copied, ready_event
 from .window import Window
 
 logger = logging.getLogger(__name__)
@@ -151,11 +151,7 @@ def _stage_step(request: SaveRequest, save: PreparedSave, ctx: SaveCache, rank: 
     mode = opts.staging
     budget = opts.max_staging_bytes
     if isinstance(budget, int):
-        to_copy = sum(
-            t.numel() * t.element_size()
-            for t in srcs.tensors
-            if request.background or t.device.type != "cpu" or not t.is_contiguous()
-        )
+        to_copy = sum(t.numel() * t.element_size() for t in srcs.tensors if is_copied(t, request.background))
         if to_copy > budget:
             return _windowed(request, save, srcs.tensors, srcs.names, srcs.gated, ctx, rank, timer, budget)
     if not request.background or mode is StagingMode.BLOCKING or (mode is StagingMode.AUTO and not any(srcs.gated)):
@@ -164,16 +160,11 @@ def _stage_step(request: SaveRequest, save: PreparedSave, ctx: SaveCache, rank: 
     now = [i for i, g in enumerate(srcs.gated) if not g] if mode is StagingMode.AUTO else []
     private_copies(srcs.tensors, now)
     after = ready_event(srcs.tensors)
-    check, reference = None, None
+    check = None
     if opts.check_staging is not StagingCheck.OFF:
         reference = MutationCheck(srcs.tensors, srcs.names, opts.check_staging, skip=set(now))
         check = partial(reference.verify, rank=rank, path=request.path)
-    event = threading.Event()
-
-    def copied() -> None:
-        event.set()
-        timer.mark("copy")
-
+    event, copied = _copied_event(timer)
     overlapped = OverlappedCopy(save.plan, srcs.tensors, ctx.staging, rank, after, copied, check)
     timer.mark("schedule")
     return _StageStep(overlapped.start, event=event, overlapped=overlapped)
@@ -207,17 +198,24 @@ def _windowed(
     if background and opts.check_staging is not StagingCheck.OFF:
         reference = MutationCheck(srcs, names, opts.check_staging, skip=set())
         check = partial(reference.verify_sources, rank=rank, path=request.path)
+    event, copied = _copied_event(timer)
+    after = ready_event(srcs)  # the copies run on a side stream, after the caller's queued work
+    crcs = check is not None and opts.check_staging is StagingCheck.FULL
+    window = Window(save.plan, srcs, budget, opts.io_threads, ctx.window, rank, after, copied, check, crcs=crcs)
+    timer.mark("schedule")
+    return _StageStep(window.start, event=event, overlapped=window, blocks=blocks)
+
+
+def _copied_event(timer: PhaseTimer) -> tuple[threading.Event, Callable[[], None]]:
+    """The event a background copy sets once the state may change, and the callback that sets
+    it (and marks the ``copy`` phase)."""
     event = threading.Event()
 
     def copied() -> None:
         event.set()
         timer.mark("copy")
 
-    after = ready_event(srcs)  # the copies run on a side stream, after the caller's queued work
-    crcs = check is not None and opts.check_staging is StagingCheck.FULL
-    window = Window(save.plan, srcs, budget, opts.io_threads, ctx.window, rank, after, copied, check, crcs=crcs)
-    timer.mark("schedule")
-    return _StageStep(window.start, event=event, overlapped=window, blocks=blocks)
+    return event, copied
 
 
 def _blocking(
