@@ -25,7 +25,7 @@ from tessera.engine.loading.plan import ReadTarget, plan_reads
 from tessera.errors import CorruptCheckpointError, ManifestError
 from tessera.format.geometry import Box
 from tessera.format.manifest import FileEntry, Manifest, TensorEntry, Tile, TileTable, decode, encode
-from tessera.format.manifest import decoder as decoder_module
+from tessera.format.manifest import tiles as tiles_module
 
 CHUNK = 4096
 
@@ -250,13 +250,13 @@ def test_a_hostile_table_is_reported_when_its_tensor_is_used_and_by_the_eager_fo
 
 def test_a_lazy_decode_decodes_only_the_tensors_used(monkeypatch: pytest.MonkeyPatch) -> None:
     decoded: list[str] = []
-    real = decoder_module._decode_tiles
+    real = tiles_module._decode_tiles
 
     def counting(ctx, name, *args):
         decoded.append(name)
         return real(ctx, name, *args)
 
-    monkeypatch.setattr(decoder_module, "_decode_tiles", counting)
+    monkeypatch.setattr(tiles_module, "_decode_tiles", counting)
     m0 = _big_manifest()
     data = encode(m0)
     m = decode(data, lazy=True)

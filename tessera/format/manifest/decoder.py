@@ -9,17 +9,10 @@ a large manifest does not pay for all of them.
 
 from __future__ import annotations
 
-import base64
-import binascii
 import json
 import math
-import sys
-import threading
-import zlib
-from itertools import chain
 from typing import Any, NamedTuple
 
-import numpy as np
 import torch
 
 from ...errors import ManifestError
@@ -37,31 +30,14 @@ from .schema import (
     Manifest,
     PerRankEntry,
     TensorEntry,
-    TileTable,
 )
-
-
-def _fail(what: str) -> ManifestError:
-    return ManifestError(f"invalid manifest: {what}")
-
-
-def _int(x: Any, what: str, lo: int = 0) -> int:
-    # The upper bound keeps the int64 arithmetic of _decode_tiles free of overflow.
-    if type(x) is not int or not lo <= x < 1 << 62:
-        raise _fail(f"{what} must be an integer in [{lo}, 2**62), got {x!r:.80}")
-    return x
+from .tiles import Budget, Context, EncodedTiles, as_dict, as_int, fail
 
 
 def _ints(x: Any, what: str) -> tuple[int, ...]:
     if not isinstance(x, list):
-        raise _fail(f"{what} must be a list of integers")
-    return tuple(_int(v, what) for v in x)
-
-
-def _dict(x: Any, what: str) -> dict:
-    if not isinstance(x, dict):
-        raise _fail(f"{what} must be an object")
-    return x
+        raise fail(f"{what} must be a list of integers")
+    return tuple(as_int(v, what) for v in x)
 
 
 def decode(data: bytes, *, source: str = MANIFEST_NAME, lazy: bool = False) -> Manifest:
@@ -123,42 +99,42 @@ class _Head(NamedTuple):
 def _head(data: bytes) -> _Head:
     """The top level of a manifest: everything but tensors, values and the informational fields."""
     if len(data) > MAX_MANIFEST_BYTES:
-        raise _fail(f"size {len(data)} bytes is over the {MAX_MANIFEST_BYTES}-byte limit")
+        raise fail(f"size {len(data)} bytes is over the {MAX_MANIFEST_BYTES}-byte limit")
     try:
         doc = json.loads(data, object_pairs_hook=_unique_keys)
     except ManifestError:
         raise
     except (ValueError, UnicodeDecodeError) as e:
-        raise _fail(f"not valid JSON ({e}); the file is truncated or not a tessera manifest") from None
-    doc = _dict(doc, "the top level")
+        raise fail(f"not valid JSON ({e}); the file is truncated or not a tessera manifest") from None
+    doc = as_dict(doc, "the top level")
     if doc.get("format") != FORMAT:
-        raise _fail(f"format is {doc.get('format')!r:.40}, expected {FORMAT!r}")
-    version = _int(doc.get("version"), "version", 1)
+        raise fail(f"format is {doc.get('format')!r:.40}, expected {FORMAT!r}")
+    version = as_int(doc.get("version"), "version", 1)
     if version > VERSION:
-        raise _fail(f"format version {version} is newer than this tessera reads ({VERSION}); upgrade tessera")
+        raise fail(f"format version {version} is newer than this tessera reads ({VERSION}); upgrade tessera")
     save_id = doc.get("save_id")
     if not isinstance(save_id, str):
-        raise _fail("save_id must be a string")
-    world_size = _int(doc.get("world_size"), "world_size", 1)
-    checksum = _dict(doc.get("checksum"), "checksum")
+        raise fail("save_id must be a string")
+    world_size = as_int(doc.get("world_size"), "world_size", 1)
+    checksum = as_dict(doc.get("checksum"), "checksum")
     if checksum.get("algorithm") != CHECKSUM_ALGORITHM:
-        raise _fail(f"unknown checksum algorithm {checksum.get('algorithm')!r:.40}")
-    chunk_bytes = _int(checksum.get("chunk_bytes"), "checksum.chunk_bytes", 1)
+        raise fail(f"unknown checksum algorithm {checksum.get('algorithm')!r:.40}")
+    chunk_bytes = as_int(checksum.get("chunk_bytes"), "checksum.chunk_bytes", 1)
 
     raw_files = doc.get("files")
     if not isinstance(raw_files, list):
-        raise _fail("files must be a list")
+        raise fail("files must be a list")
     files = []
     seen_paths: set[str] = set()
     for i, raw_file in enumerate(raw_files):
-        f = _dict(raw_file, f"files[{i}]")
+        f = as_dict(raw_file, f"files[{i}]")
         entry = FileEntry(
             check_relpath(f.get("path")),  # type: ignore[arg-type]  # check_relpath refuses non-strings
-            _int(f.get("rank"), "file rank"),
-            _int(f.get("bytes"), "file bytes"),
+            as_int(f.get("rank"), "file rank"),
+            as_int(f.get("bytes"), "file bytes"),
         )
         if entry.path in seen_paths:
-            raise _fail(f"files[{i}]: file {entry.path!r} is listed twice")
+            raise fail(f"files[{i}]: file {entry.path!r} is listed twice")
         seen_paths.add(entry.path)
         files.append(entry)
     return _Head(doc, version, save_id, world_size, chunk_bytes, tuple(files))
@@ -168,39 +144,39 @@ def _decode(data: bytes, source: str, lazy: bool) -> Manifest:
     doc, version, save_id, world_size, chunk_bytes, files = _head(data)
     tensors: dict[str, TensorEntry] = {}
     # Shared by every tensor: per-tensor copies would cost tensors x files.
-    ctx = _Context(source, files, chunk_bytes, _Budget(DECODE_RATIO * len(data) + DECODE_SLACK))
-    for name, raw_entry in _dict(doc.get("tensors"), "tensors").items():
-        tdoc = _dict(raw_entry, f"tensor '{name}'")
+    ctx = Context(source, files, chunk_bytes, Budget(DECODE_RATIO * len(data) + DECODE_SLACK))
+    for name, raw_entry in as_dict(doc.get("tensors"), "tensors").items():
+        tdoc = as_dict(raw_entry, f"tensor '{name}'")
         try:
             dt = dtype_from_name(tdoc.get("dtype"))  # type: ignore[arg-type]  # it refuses non-strings
         except ValueError as err:
-            raise _fail(f"tensor '{name}': {err}") from None
+            raise fail(f"tensor '{name}': {err}") from None
         shape = _ints(tdoc.get("shape"), f"tensor '{name}' shape")
         size = _itemsize(dt)
         if math.prod(shape) * size >= 1 << 62:
-            raise _fail(f"tensor '{name}': shape {list(shape)} is implausibly large")
-        encoded = _EncodedTiles(ctx, name, tdoc, shape, size)
+            raise fail(f"tensor '{name}': shape {list(shape)} is implausibly large")
+        encoded = EncodedTiles(ctx, name, tdoc, shape, size)
         if lazy:
             tensors[name] = TensorEntry(tdoc["dtype"], shape, loader=encoded, count=encoded.count)
         else:
             tensors[name] = TensorEntry(tdoc["dtype"], shape, table=encoded.decode())
 
     per_rank = {}
-    for name, v in _dict(doc.get("per_rank", {}), "per_rank").items():
-        v = _dict(v, f"per_rank '{name}'")
+    for name, v in as_dict(doc.get("per_rank", {}), "per_rank").items():
+        v = as_dict(v, f"per_rank '{name}'")
         vals = v.get("values")
         if (
             v.get("on_resize") not in ("error", "keep", "modulo")
             or not isinstance(vals, list)
             or len(vals) != world_size
         ):
-            raise _fail(f"per_rank '{name}' must have on_resize and one value per saving rank")
+            raise fail(f"per_rank '{name}' must have on_resize and one value per saving rank")
         per_rank[name] = PerRankEntry(v["on_resize"], tuple(vals))
 
-    values = _dict(doc.get("values", {}), "values")
+    values = as_dict(doc.get("values", {}), "values")
     for name in (set(tensors) & set(values)) | ((set(tensors) | set(values)) & set(per_rank)):
         where = [s for s, d in (("tensors", tensors), ("values", values), ("per_rank", per_rank)) if name in d]
-        raise _fail(f"name {name!r:.200} appears in both {where[0]} and {where[1]}; names must be unique")
+        raise fail(f"name {name!r:.200} appears in both {where[0]} and {where[1]}; names must be unique")
     return Manifest(
         save_id=save_id,
         world_size=world_size,
@@ -209,9 +185,9 @@ def _decode(data: bytes, source: str, lazy: bool) -> Manifest:
         values=values,
         per_rank=per_rank,
         files=tuple(files),
-        layout=_dict(doc.get("layout", {}), "layout"),
-        timings=_dict(doc.get("timings", {}), "timings"),
-        metadata=_dict(doc.get("metadata", {}), "metadata"),
+        layout=as_dict(doc.get("layout", {}), "layout"),
+        timings=as_dict(doc.get("timings", {}), "timings"),
+        metadata=as_dict(doc.get("metadata", {}), "metadata"),
         version=version,
     )
 
@@ -232,299 +208,5 @@ def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     if len(out) != len(pairs):
         seen: set[str] = set()
         dup = next(k for k, _ in pairs if k in seen or seen.add(k))  # type: ignore[func-returns-value]
-        raise _fail(f"key {dup!r:.200} appears twice in one JSON object")
+        raise fail(f"key {dup!r:.200} appears twice in one JSON object")
     return out
-
-
-def _int_array(values: Any, what: str, ndim: int) -> np.ndarray:
-    """A strict int64 array from JSON lists (no floats, strings, bools or ragged rows)."""
-    try:
-        arr = np.array(values)
-    except (ValueError, TypeError, OverflowError):
-        raise _fail(f"{what} must be integers of equal length") from None
-    if arr.ndim != ndim:  # before the empty shortcut: [[]] is not a list of integers
-        raise _fail(f"{what} must be non-negative integers")
-    if arr.size == 0:
-        return np.zeros(arr.shape, dtype=np.int64)
-    if arr.dtype.kind not in "iu":
-        raise _fail(f"{what} must be non-negative integers")
-    # Below 2**62, sums like offsets + lengths and byte_offset + nbytes cannot wrap in int64.
-    if (arr < 0).any() or arr.max() >= 1 << 62:
-        raise _fail(f"{what} must be non-negative integers below 2**62")
-    return arr.astype(np.int64)
-
-
-class _Budget:
-    """Bytes that tile-table columns may still inflate to (see :data:`DECODE_RATIO`)."""
-
-    def __init__(self, total: int) -> None:
-        self.total = total
-        self.left = total
-
-    def take(self, nbytes: int, what: str) -> None:
-        if nbytes < 0 or nbytes > self.left:
-            raise _fail(
-                f"{what} declares {nbytes} bytes of tile data, more than a manifest of this size can hold "
-                f"(at most {self.total} bytes in all); the count is inconsistent with the file"
-            )
-        self.left -= nbytes
-
-
-class _Context:
-    """What every tensor of one manifest shares while its tiles are decoded."""
-
-    __slots__ = ("budget", "chunk_bytes", "file_sizes", "files", "lock", "paths", "source")
-
-    def __init__(self, source: str, files: tuple[FileEntry, ...], chunk_bytes: int, budget: _Budget) -> None:
-        self.source = source
-        self.files = files
-        self.paths = tuple(f.path for f in files)
-        self.file_sizes = np.array([f.nbytes for f in files], dtype=np.int64)
-        self.chunk_bytes = chunk_bytes
-        self.budget = budget
-        self.lock = threading.Lock()  # one decode at a time: the budget is charged once per table
-
-
-class _EncodedTiles:
-    """A tensor's tiles as the manifest holds them, checked for size up front and decoded once.
-
-    Construction checks the form and charges the tile count to the manifest's budget, so that
-    a manifest cannot promise more than :data:`DECODE_RATIO` times its size even if its tables
-    are decoded later (:func:`decode` with ``lazy=True``). :meth:`decode` validates the columns
-    on first call and returns the same table (or raises the same error) on every later call;
-    it is safe to call from several threads.
-    """
-
-    __slots__ = ("_ctx", "_error", "_form", "_name", "_raw", "_shape", "_size", "_table", "count")
-
-    def __init__(self, ctx: _Context, name: str, entry: dict, shape: tuple[int, ...], size: int) -> None:
-        what = f"tensor '{name}'"
-        if ("tiles" in entry) == ("tile_table" in entry):
-            raise _fail(f"{what}: needs exactly one of 'tiles' and 'tile_table'")
-        self._form = "tiles" if "tiles" in entry else "tile_table"
-        raw = entry[self._form]
-        if self._form == "tiles":
-            if not isinstance(raw, list):
-                raise _fail(f"{what}: tiles must be a list")
-            self.count = len(raw)
-        else:
-            raw = _dict(raw, f"{what} tile_table")
-            self.count = _int(raw.get("count"), f"{what} tile_table count")
-            # Every tile has at least file, byte_offset and chunks entries, plus its boxes: checked
-            # against the budget before a byte is inflated.
-            ctx.budget.take(8 * self.count * (3 + 2 * len(shape)), f"{what}: tile_table.count {self.count}")
-        self._ctx, self._name, self._raw, self._shape, self._size = ctx, name, raw, shape, size
-        self._table: TileTable | None = None
-        self._error: str | None = None
-
-    def decode(self) -> TileTable:
-        """The validated table (decoded on the first call).
-
-        Raises:
-            ManifestError: naming the tensor (and, for a lazily decoded manifest, the source).
-        """
-        with self._ctx.lock:
-            if self._table is None:
-                if self._error is not None:
-                    raise ManifestError(self._error)
-                try:
-                    table = _decode_tiles(self._ctx, self._name, self._form, self._raw, self._shape, self._size)
-                except ManifestError as e:
-                    self._error, self._raw = str(e), None
-                    raise
-                self._table, self._raw = table, None  # the encoded text is not needed any more
-            return self._table
-
-    def __call__(self) -> TileTable:
-        """:meth:`decode` for a lazily decoded manifest: errors name the manifest too, as :func:`decode`'s do."""
-        try:
-            return self.decode()
-        except ManifestError as e:
-            raise ManifestError(f"{self._ctx.source}: {e}") from None
-
-
-def _decode_tiles(ctx: _Context, name: str, form: str, raw: Any, shape: tuple[int, ...], size: int) -> TileTable:
-    """Parse a tensor's tiles (list or table form) and validate them column by column."""
-    what = f"tensor '{name}'"
-    nd = len(shape)
-    if form == "tiles":
-        fidx, offs, lens, byte_offsets, counts, sums = _tile_lists(what, raw, nd)
-    else:
-        fidx, offs, lens, byte_offsets, counts, sums = _tile_table(what, raw, nd, ctx.budget)
-    n = len(fidx)
-    if not n:  # a tensor without elements: shared empty columns, no per-tensor arrays
-        z = _EMPTY.get(nd)
-        if z is None:
-            z = (np.zeros(0, dtype=np.int64), np.zeros((0, nd), dtype=np.int64), np.zeros(0, dtype=np.uint64))
-            for a in z:
-                a.flags.writeable = False
-            _EMPTY[nd] = z
-        return TileTable(ctx.paths, z[0], z[1], z[1], z[0], z[0], z[0], z[2])
-    files = ctx.files
-    if int(fidx.max()) >= len(files):
-        raise _fail(f"{what}: a tile refers to file #{int(fidx.max())} but only {len(files)} files are listed")
-    if nd:
-        shape_arr = np.asarray(shape, dtype=np.int64)
-        if (np.add(offs, lens) > shape_arr).any():  # no overflow: both are below 2**62
-            i = int(np.flatnonzero((offs + lens > shape_arr).any(axis=1))[0])
-            raise _fail(f"{what}: tile at {offs[i].tolist()} x {lens[i].tolist()} lies outside shape {list(shape)}")
-        if not lens.all():  # savers never store empty boxes; they would cost memory, not data
-            i = int(np.flatnonzero((lens == 0).any(axis=1))[0])
-            raise _fail(f"{what}: tile lengths {lens[i].tolist()} hold no element; a tile must not be empty")
-        # Inside the tensor, so the product stays below prod(shape) * size < 2**62.
-        nbytes = lens[:, 0] * size
-        for d in range(1, nd):
-            nbytes *= lens[:, d]
-    else:
-        nbytes = np.full(n, size, dtype=np.int64)
-    over = np.flatnonzero(byte_offsets + nbytes > ctx.file_sizes[fidx])
-    if len(over):
-        i = int(over[0])
-        raise _fail(
-            f"{what}: tile bytes [{int(byte_offsets[i])}, {int(byte_offsets[i] + nbytes[i])}) exceed file {files[int(fidx[i])].path}"
-        )
-    # The reader views buffers as the dtype: tiles must be item-aligned (item sizes are powers of two).
-    misaligned = np.flatnonzero(byte_offsets & (size - 1) if size & (size - 1) == 0 else byte_offsets % size)
-    if len(misaligned):
-        i = int(misaligned[0])
-        raise _fail(f"{what}: tile byte offset {int(byte_offsets[i])} is not a multiple of the item size {size}")
-    chunk = ctx.chunk_bytes
-    if int(nbytes.max()) <= chunk:  # the common case at scale: one checksum per tile
-        ok = int(counts.min()) == 1 == int(counts.max()) and len(sums) == n
-    else:
-        expected = -(-nbytes // chunk)
-        ok = np.array_equal(counts, expected) and len(sums) == int(expected.sum())
-    if not ok:
-        expected = -(-nbytes // chunk)
-        raise _fail(f"{what}: expected {expected.tolist()[:5]} chunk checksums per tile, found {counts.tolist()[:5]}")
-    return TileTable(ctx.paths, fidx, offs, lens, byte_offsets, nbytes, counts, sums)
-
-
-_EMPTY: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
-"""Shared read-only columns of tile tables without tiles, per ndim."""
-
-_Columns = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]
-
-
-def _tile_lists(what: str, raw: Any, nd: int) -> _Columns:
-    """Columns of the list form: ``[[file, offsets, lengths, byte_offset, [hex, ...]], ...]``."""
-    if not isinstance(raw, list):
-        raise _fail(f"{what}: tiles must be a list")
-    n = len(raw)
-    if not raw:
-        z = np.zeros(0, dtype=np.int64)
-        return (
-            z,
-            np.zeros((0, nd), dtype=np.int64),
-            np.zeros((0, nd), dtype=np.int64),
-            z,
-            z,
-            np.zeros(0, dtype=np.uint64),
-        )
-    try:
-        ok = set(map(len, raw)) == {5} and all(isinstance(t, list) for t in raw)
-    except TypeError:
-        ok = False
-    if not ok:
-        raise _fail(f"{what}: a tile must be [file, offsets, lengths, byte_offset, checksums]")
-    fcol, ocol, lcol, bcol, scol = zip(*raw)
-    fidx = _int_array(fcol, f"{what} tile file indices", 1)
-    if nd:
-        offs = _int_array(ocol, f"{what} tile offsets", 2)
-        lens = _int_array(lcol, f"{what} tile lengths", 2)
-        if offs.shape != (n, nd) or lens.shape != (n, nd):
-            raise _fail(f"{what}: tile rank does not match its shape")
-    else:
-        if any(o != [] for o in ocol) or any(x != [] for x in lcol):
-            raise _fail(f"{what}: tile rank does not match shape []")
-        offs = lens = np.zeros((n, 0), dtype=np.int64)
-    byte_offsets = _int_array(bcol, f"{what} tile byte offsets", 1)
-    try:
-        counts = np.fromiter(map(len, scol), dtype=np.int64, count=n)
-        joined = "".join(chain.from_iterable(scol))
-        digests = bytes.fromhex(joined)
-    except (TypeError, ValueError):
-        raise _fail(f"{what}: checksums must be lists of 16 hex digits") from None
-    total = int(counts.sum())
-    if len(joined) != 16 * total or len(digests) != 8 * total:
-        raise _fail(f"{what}: checksums must be lists of 16 hex digits")
-    return fidx, offs, lens, byte_offsets, counts, np.frombuffer(digests, dtype=">u8").astype(np.uint64)
-
-
-_COLUMN_TYPES = {"int8": "<i1", "int16": "<i2", "int32": "<i4", "int64": "<i8", "uint64": "<u8"}
-"""Column ``dtype`` names and their little-endian layouts (``uint64`` is for checksums only)."""
-
-if sys.version_info >= (3, 11):
-
-    def _b64decode(text: str) -> bytes:
-        return binascii.a2b_base64(text, strict_mode=True)
-
-else:  # pragma: no cover - Python 3.10
-
-    def _b64decode(text: str) -> bytes:
-        return base64.b64decode(text, validate=True)
-
-
-def _tile_table(what: str, raw: dict, nd: int, budget: _Budget) -> _Columns:
-    """Columns of the table form (see docs/format.md); ``count`` is charged to the budget already."""
-    n = raw["count"]
-    fidx = _column(what, raw, "file", n, n)
-    offs = _column(what, raw, "offsets", n * nd, n).reshape(n, nd)
-    lens = _column(what, raw, "lengths", n * nd, n).reshape(n, nd)
-    byte_offsets = _column(what, raw, "byte_offset", n, n)
-    counts = _column(what, raw, "chunks", n, n)
-    total = int(counts.sum())
-    budget.take(8 * total, f"{what}: tile_table.chunks (sum {total})")
-    sums = _column(what, raw, "checksums", total, total)
-    return fidx, offs, lens, byte_offsets, counts, sums
-
-
-def _column(what: str, raw: dict, key: str, count: int, rows: int) -> np.ndarray:
-    """One column: ``count`` values in ``rows`` rows, as int64 in [0, 2**62) (uint64 for checksums).
-
-    A column is either a string (base64 of deflated little-endian 64-bit values, the first form
-    of tile tables) or ``{"dtype", "delta", "zlib", "data"}``. Inflating is bounded by what
-    ``count`` allows, so a hostile column cannot expand beyond what it declares.
-    """
-    checksums = key == "checksums"
-    value = raw.get(key)
-    if isinstance(value, str):
-        dtype, delta, deflated, text = ("<u8" if checksums else "<i8"), False, True, value
-    elif isinstance(value, dict):
-        name, delta, deflated = value.get("dtype"), value.get("delta", False), value.get("zlib", False)
-        if name not in _COLUMN_TYPES or (name == "uint64") != checksums:
-            allowed = "uint64" if checksums else "int8, int16, int32 or int64"
-            raise _fail(f"{what}: tile_table.{key}.dtype must be {allowed}, got {name!r:.40}")
-        if type(delta) is not bool or type(deflated) is not bool or (delta and checksums):
-            raise _fail(f"{what}: tile_table.{key}: delta and zlib must be true or false (checksums take no delta)")
-        data = value.get("data")
-        if not isinstance(data, str):
-            raise _fail(f"{what}: tile_table.{key}.data must be a base64 string")
-        dtype, text = _COLUMN_TYPES[name], data
-    else:
-        raise _fail(f"{what}: tile_table.{key} must be a base64 string or a column object")
-    if len(text) > 4 * MAX_MANIFEST_BYTES // 3 + 4:
-        raise _fail(f"{what}: tile_table.{key} must be a base64 string")
-    expected = count * np.dtype(dtype).itemsize
-    try:
-        buf = _b64decode(text)
-        if deflated:  # bounded: a hostile column cannot inflate past what ``count`` allows
-            buf = zlib.decompressobj().decompress(buf, expected + 1)
-    except (binascii.Error, ValueError, zlib.error):
-        raise _fail(f"{what}: tile_table.{key} is not valid base64{' of zlib data' if deflated else ''}") from None
-    if len(buf) != expected:
-        raise _fail(f"{what}: tile_table.{key} holds {len(buf)} bytes, expected {expected}")
-    arr = np.frombuffer(buf, dtype=dtype)
-    if checksums:
-        return arr.astype(np.uint64, copy=False)
-    if not count:
-        return np.zeros(0, dtype=np.int64)
-    if delta:  # each row is the difference from the row before it (per column of a 2-D array)
-        arr = np.cumsum(arr.reshape(rows, -1), axis=0, dtype=np.int64).reshape(-1)
-    else:
-        arr = arr.astype(np.int64, copy=False)
-    # One pass for both bounds: negatives are huge as unsigned. Below 2**62, sums like
-    # offsets + lengths and byte_offset + nbytes cannot wrap in int64.
-    if int(arr.view(np.uint64).max()) >= 1 << 62:
-        raise _fail(f"{what}: tile_table.{key} must be non-negative integers below 2**62")
-    return arr
