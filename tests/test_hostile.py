@@ -12,6 +12,7 @@ import contextlib
 import copy
 import json
 import os
+import re
 import shutil
 import signal
 import tracemalloc
@@ -380,6 +381,41 @@ def test_file_references_outside_the_checkpoint_are_refused(valid: tuple[str, di
     _write_manifest(ckpt, raw)
     target = _blank()
     with pytest.raises(tessera.errors.ManifestError):
+        tessera.load(ckpt, target, options=NO_TIMINGS)
+    assert torch.equal(target["w"], torch.zeros(8, 4))
+    (p,) = verify(ckpt).problems
+    assert p.kind == ProblemKind.MANIFEST
+
+
+def _aliases(path: str) -> list[str]:
+    """Spellings of ``path`` (a data file reference) that normalise back to it, or to a shared reference."""
+    head, save_id, name = path.split("/")
+    return [
+        f"{head}/./{save_id}/{name}",
+        f"{head}//{save_id}/{name}",
+        f"{head}/{save_id}/../{save_id}/{name}",
+        f"{head}/{save_id}/{name}/",
+        f"./{path}",
+        f"@tiles/../{path}",
+        f"@tiles/{save_id}/../../{path}",
+        f"@tiles/./{save_id}/{name}",
+        f"@tiles//{save_id}/{name}",
+        "@tiles/0-0.safetensors",
+        "@tiles/",
+    ]
+
+
+@pytest.mark.parametrize("k", range(11))
+def test_non_canonical_file_references_are_refused_at_decode(valid: tuple[str, dict], ckpt: str, k: int) -> None:
+    doc = copy.deepcopy(valid[1])
+    ref = _aliases(doc["files"][0]["path"])[k]
+    doc["files"][0]["path"] = ref
+    raw = json.dumps(doc).encode()
+    with pytest.raises(tessera.errors.CorruptCheckpointError, match=r"files\[0\].*" + re.escape(repr(ref))):
+        decode(raw, lazy=True)
+    _write_manifest(ckpt, raw)
+    target = _blank()
+    with pytest.raises(tessera.errors.ManifestError, match=re.escape(repr(ref))):
         tessera.load(ckpt, target, options=NO_TIMINGS)
     assert torch.equal(target["w"], torch.zeros(8, 4))
     (p,) = verify(ckpt).problems

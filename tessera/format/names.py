@@ -4,7 +4,7 @@ references in a manifest, tensor-name prefixes.
 Step directories are ``step-`` and the step number zero-padded to 8 digits, shared by the durable
 layout (:mod:`tessera.manager`) and the node-local tier (:mod:`tessera.manager.local_tier`); names
 not in exactly this form are not steps. A file reference in a manifest must stay inside the
-checkpoint (:func:`check_relpath`).
+checkpoint and be spelled canonically (:func:`check_reference`).
 """
 
 from __future__ import annotations
@@ -75,6 +75,37 @@ def check_relpath(path: str) -> str:
     if norm.startswith("/") or norm == ".." or norm.startswith("../") or norm == "." or ":" in norm.split("/")[0]:
         raise ManifestError(f"file reference {path!r} points outside the checkpoint directory; refusing it")
     return norm
+
+
+def check_reference(path: object) -> str:
+    """``path`` if it is a canonical file reference of a manifest, else :class:`ManifestError`.
+
+    A manifest names each data file once, in one spelling: relative, ``/``-separated, with no
+    empty, ``.`` or ``..`` component (so nothing is normalised: ``a/../b`` is refused, not read
+    as ``b``), no backslash, NUL or URL scheme. A shared reference is ``@tiles/<save id>/<file>``
+    (:data:`SHARED_REF`), the same rules applying to the rest of it.
+
+    Raises:
+        ManifestError: naming the reference and why it is refused.
+
+    Example:
+        >>> check_reference("@tiles/0a1b/0-0.safetensors")
+        '@tiles/0a1b/0-0.safetensors'
+    """
+    if not isinstance(path, str) or not path or "\x00" in path or "\\" in path:
+        raise ManifestError(f"invalid file reference {path!r:.200} in checkpoint")
+    parts = path.split("/")
+    norm = posixpath.normpath(path)
+    if path.startswith("/") or ":" in parts[0] or norm == ".." or norm.startswith("../"):
+        raise ManifestError(f"file reference {path!r:.200} points outside the checkpoint directory; refusing it")
+    if any(p in ("", ".", "..") for p in parts):
+        raise ManifestError(
+            f"file reference {path!r:.200} is not canonical (an empty, '.' or '..' component); "
+            "a manifest names each file in one plain relative spelling; refusing it"
+        )
+    if parts[0] == SHARED_REF.rstrip("/") and len(parts) < 3:
+        raise ManifestError(f"shared file reference {path!r:.200} must be {SHARED_REF}<save id>/<file>; refusing it")
+    return path
 
 
 def is_shared_ref(path: str) -> bool:

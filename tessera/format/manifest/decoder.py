@@ -17,7 +17,7 @@ import torch
 
 from ...errors import ManifestError
 from ..dtypes import dtype_from_name, itemsize
-from ..names import check_relpath
+from ..names import check_reference
 from .schema import (
     CHECKSUM_ALGORITHM,
     DECODE_RATIO,
@@ -128,8 +128,12 @@ def _head(data: bytes) -> _Head:
     seen_paths: set[str] = set()
     for i, raw_file in enumerate(raw_files):
         f = as_dict(raw_file, f"files[{i}]")
+        try:
+            path = check_reference(f.get("path"))
+        except ManifestError as e:
+            raise fail(f"files[{i}]: {e}") from None
         entry = FileEntry(
-            check_relpath(f.get("path")),  # type: ignore[arg-type]  # check_relpath refuses non-strings
+            path,
             as_int(f.get("rank"), "file rank"),
             as_int(f.get("bytes"), "file bytes"),
         )
