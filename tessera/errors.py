@@ -123,6 +123,13 @@ class StagingMutationError(CheckpointError, RuntimeError):
     """
 
 
+class ReplicaMismatchError(CheckpointError, ValueError):
+    """The copies of a replicated tensor (a plain tensor several ranks hold) differ between ranks at a save.
+
+    Nothing was committed. Make the copies equal, or save rank-local values with ``tessera.per_rank``.
+    """
+
+
 class LocationMismatchError(CheckpointError, ValueError):
     """The ranks of one save named different checkpoint locations (paths or storage)."""
 

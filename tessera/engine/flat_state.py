@@ -59,6 +59,9 @@ class TensorPiece:
     """``(index, count)`` of this rank among the ranks holding the same box, where that follows
     from global facts (DTensor placements, a plain tensor every rank holds, a per-rank tensor);
     None where it does not (then a first save exchanges plans)."""
+    replicated_copy: bool = False
+    """A plain tensor: this rank's whole copy of a tensor that every rank holding it must hold
+    alike (the save compares the copies: :mod:`tessera.engine.saving.replicas`)."""
 
 
 @dataclass
@@ -280,7 +283,13 @@ class _Flattener:
         # A plain tensor is taken as replicated on every rank (DDP); if some ranks lack it, their
         # tensor tables differ and the save exchanges plans instead.
         whole = TensorPiece(
-            fqn, tuple(t.shape), t.dtype, Box.whole(t.shape), data, replica=(self.rank, self.world_size)
+            fqn,
+            tuple(t.shape),
+            t.dtype,
+            Box.whole(t.shape),
+            data,
+            replica=(self.rank, self.world_size),
+            replicated_copy=True,
         )
         self.add(whole)
 

@@ -70,6 +70,9 @@ class RankReportDoc:
     values: dict[str, Any]
     per_rank: dict[str, tuple[Any, str]]
     timings: dict[str, float]
+    replicas: tuple[tuple[str, ...], np.ndarray] | None = None
+    """Names and uint64 digests of the rank's copies of plain (replicated) tensors, which rank 0
+    compares across ranks (:mod:`tessera.engine.saving.replicas`); None when it holds none."""
 
 
 def _b64(arr: np.ndarray, dtype: str) -> str:
@@ -87,6 +90,9 @@ def encode_report(doc: RankReportDoc) -> bytes:
         "per_rank": {k: [v, policy] for k, (v, policy) in doc.per_rank.items()},
         "timings": doc.timings,
     }
+    if doc.replicas is not None:
+        names, digests = doc.replicas
+        body["replicas"] = {"names": list(names), "digests": _b64(digests, "<u8")}
     t = doc.tiles
     if t is not None:
         body["files"] = [[p, n] for p, n in t.files]
@@ -141,7 +147,24 @@ def decode_report(data: bytes, *, source: str, rank: int, save_id: str) -> RankR
         values,
         {k: (v[0], v[1]) for k, v in per_rank.items()},
         {str(k): float(v) for k, v in timings.items() if isinstance(v, int | float)},
+        _replicas(doc.get("replicas"), fail),
     )
+
+
+def _replicas(raw: Any, fail: Any) -> tuple[tuple[str, ...], np.ndarray] | None:
+    if raw is None:
+        return None
+    names = raw.get("names") if isinstance(raw, dict) else None
+    text = raw.get("digests") if isinstance(raw, dict) else None
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names) or not isinstance(text, str):
+        raise fail("replicas must be {names: [...], digests: base64}")
+    try:
+        buf = base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError):
+        raise fail("replicas.digests is not valid base64") from None
+    if len(buf) != 8 * len(names):
+        raise fail(f"replicas.digests holds {len(buf)} bytes for {len(names)} names")
+    return tuple(names), np.frombuffer(buf, dtype="<u8").astype(np.uint64)
 
 
 def _tiles(doc: dict[str, Any], fail: Any) -> ReportTiles:

@@ -49,6 +49,7 @@ from . import dedup
 from .assemble import build_manifest, check_coverage
 from .handoff import CommitOutcome, FileReport, PreparedSave, rank_report
 from .prepare import plan_mismatch, save_ballot
+from .replicas import check_replicas
 from .sources import Staged
 from .window import WindowedTiles, file_write
 from .write import WriteRequest, WrittenFile, write_tiles
@@ -120,7 +121,7 @@ def finish_save(
         timings: dict[str, float] = {**timer.phases, "bytes": sum(w.nbytes for w in written)}
         if timer.stall is not None:
             timings["stall"] = timer.stall
-        doc = rank_report(world.rank, save.save_id, reports, save.values, timings)
+        doc = rank_report(world.rank, save.save_id, reports, save.values, timings, save.replicas)
         if world.is_coordinator:
             docs.append(doc)
         elif _through_storage(save):
@@ -309,6 +310,7 @@ def _commit(
     assert save.plan.metas is not None  # rank 0 holds the global tensor table
     try:
         reports = _reports(world, save, docs, blobs)
+        check_replicas(save.path, [d.replicas for d in reports])
         manifest = dedup.annotate(
             save, build_manifest(world.size, save.plan.metas, reports, save.save_id, save.options)
         )

@@ -23,6 +23,7 @@ from ...options import SaveOptions
 from ...storage import Storage
 from ..flat_state import FlatState
 from .plan import RankPlan, TensorMeta
+from .replicas import ReplicaDigests
 from .tile_index import Dedup
 from .write import WrittenFile
 
@@ -116,6 +117,8 @@ class PreparedSave:
     """Drops this process group's cached plans (the ranks' plans disagreed: all plan again)."""
     background: bool = False
     """An ``async_save`` (its caller may change the state: it cannot start over)."""
+    replicas: ReplicaDigests | None = None
+    """This rank's digests of its copies of plain tensors, taken at the call (:mod:`.replicas`)."""
 
 
 @dataclass(frozen=True)
@@ -153,7 +156,12 @@ class FileReport:
 
 
 def rank_report(
-    rank: int, save_id: str, files: Sequence[FileReport], values: EncodedValues, timings: dict[str, float]
+    rank: int,
+    save_id: str,
+    files: Sequence[FileReport],
+    values: EncodedValues,
+    timings: dict[str, float],
+    replicas: ReplicaDigests | None = None,
 ) -> RankReportDoc:
     """What rank ``rank`` reports once its files are durable, as columns (see :mod:`tessera.format.rank_report`)."""
     names = tuple(dict.fromkeys(fqn for f in files for fqn in f.fqns))
@@ -177,7 +185,8 @@ def rank_report(
     tiles = ReportTiles(
         tuple((f.path, f.nbytes) for f in files), names, file, name, offs, lens, byte_offset, chunks, sums_all
     )
-    return RankReportDoc(rank, save_id, tiles, values.values, values.per_rank, timings)
+    copies = None if replicas is None else (replicas.names, replicas.resolve())
+    return RankReportDoc(rank, save_id, tiles, values.values, values.per_rank, timings, copies)
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,7 @@ from ..flat_state import FlatState, flatten
 from .cache import SaveCache
 from .handoff import EncodedValues, PlanAssignment, PreparedSave, SavePlan, SaveRequest
 from .plan import LocalPlan, RankPlan, TensorMeta, build_global_plan, build_local_plan, derive_rank_plan
+from .replicas import ReplicaDigests, digest_replicas
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +38,7 @@ class _Local:
     local_plan: LocalPlan
     values: EncodedValues
     cached: SavePlan | None
+    replicas: ReplicaDigests | None
 
 
 def save_ballot() -> dist.Ballot:
@@ -88,6 +90,8 @@ def prepare(
         mine.cached = ctx.plans.get(mine.local_plan.fingerprint)
         # Plain values are snapshotted now: the caller may change them once we return.
         mine.values = _encode_values(mine.flat, request.allow_pickle)
+        # Copies of replicated tensors, digested at the call (rank 0 compares them before committing).
+        mine.replicas = digest_replicas(mine.flat, world.size)
     except Exception as e:
         own = e
     if own is None and ctx.nonce is not None:
@@ -164,6 +168,7 @@ def _prepared(
         location=commit.location_of(mine.store),
         forget_plans=ctx.forget,
         background=request.background,
+        replicas=mine.replicas,
     )
 
 
