@@ -96,10 +96,70 @@ def _wide_state(k: int, rank: int, world: int) -> dict[str, Any]:
     return {"w": tessera.ShardedTensor(local, (world * n,), (rank * n,)), "k": k}
 
 
-def fill_a_small_directory(rank: int, world: int, root: str, local_dir: str, last: int) -> dict[str, Any]:
+def limit_directory(directory: str, nbytes: int) -> None:
+    """Make ``directory`` (in this process) a filesystem of ``nbytes``, for where no tmpfs can be
+    mounted: writes and allocations that would take its files past ``nbytes`` fail with ENOSPC,
+    and ``shutil.disk_usage`` reports what is left."""
+    import errno
+    import shutil
+
+    real_write, real_allocate, real_usage = os.write, os.posix_fallocate, shutil.disk_usage
+    top = os.path.realpath(directory)
+
+    def inside(path: str) -> bool:
+        return path == top or path.startswith(top + "/")
+
+    def used() -> int:
+        total = 0
+        for d, _, names in os.walk(top):
+            for name in names:
+                try:
+                    total += os.lstat(os.path.join(d, name)).st_size
+                except OSError:
+                    pass  # deleted meanwhile
+        return total
+
+    def target(fd: int) -> str:
+        try:
+            return os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            return ""
+
+    def full() -> OSError:
+        return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    def write(fd: int, data: Any) -> int:
+        if inside(target(fd)) and used() + memoryview(data).nbytes > nbytes:
+            raise full()
+        return real_write(fd, data)
+
+    def allocate(fd: int, offset: int, length: int) -> None:
+        if inside(target(fd)) and used() + max(0, offset + length - os.fstat(fd).st_size) > nbytes:
+            raise full()
+        real_allocate(fd, offset, length)
+
+    def disk_usage(path: Any) -> Any:
+        real = real_usage(path)
+        if not inside(os.path.realpath(path)):
+            return real
+        taken = used()
+        return type(real)(nbytes, taken, nbytes - taken)
+
+    os.write, os.posix_fallocate, shutil.disk_usage = write, allocate, disk_usage  # type: ignore[assignment]
+
+
+def fill_a_small_directory(
+    rank: int, world: int, root: str, local_dir: str, last: int, limit: int | None
+) -> dict[str, Any]:
     """Save steps 1..``last`` (``local_keep_last=2``, every 5th durable) into node directories
-    with room for about two steps; then load the newest and compare it with the last save."""
+    with room for about two steps (a tmpfs, or ``limit`` bytes: :func:`limit_directory`); then
+    load the newest and compare it with the last save."""
     import torch
+
+    if limit is not None:
+        directory = local_dir.replace("{node}", str(rank))
+        os.makedirs(directory, exist_ok=True)
+        limit_directory(directory, limit)
 
     mgr = CheckpointManager(root, keep_last=2, local_dir=local_dir, local_replicas=1, durable_every=5)
     errors: dict[int, str] = {}

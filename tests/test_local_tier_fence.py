@@ -170,30 +170,34 @@ MiB = 1 << 20
 
 @pytest.fixture
 def small_node_dirs(tmp_path: os.PathLike):  # type: ignore[no-untyped-def]
-    """``shm/node-0`` and ``shm/node-1``, each a 20 MiB tmpfs: room for two steps of
-    ``fill_a_small_directory`` (4 MiB per rank, plus the other node's replica), not three."""
+    """``shm/node-0`` and ``shm/node-1`` with room for two steps of ``fill_a_small_directory``
+    (4 MiB per rank, plus the other node's replica), not three: each a 20 MiB tmpfs where
+    mounting is allowed (root), else a directory its rank limits to 20 MiB (``limit_directory``).
+    Yields the ``local_dir`` template and the limit the ranks set (None on tmpfs)."""
     mounts = [os.path.join(tmp_path, "shm", f"node-{n}") for n in (0, 1)]
     mounted = []
+    use_tmpfs = os.environ.get("TESSERA_TEST_NO_TMPFS") != "1"  # to exercise the fallback
     try:
         for m in mounts:
             os.makedirs(m)
             cmd = ["mount", "-t", "tmpfs", "-o", f"size={20 * MiB}", "tmpfs", m]
-            if subprocess.run(cmd, capture_output=True).returncode != 0:
-                pytest.skip("needs a tmpfs mount (root): a small filesystem to fill")
-            mounted.append(m)
-        yield os.path.join(tmp_path, "shm", "node-{node}")
+            if use_tmpfs and subprocess.run(cmd, capture_output=True).returncode == 0:
+                mounted.append(m)
+        template = os.path.join(tmp_path, "shm", "node-{node}")
+        yield template, (None if len(mounted) == len(mounts) else 20 * MiB)
     finally:
         for m in mounted:
             subprocess.run(["umount", "-l", m], check=False)
 
 
 def test_a_node_directory_with_room_for_local_keep_last_steps_keeps_saving(
-    tmp_path: os.PathLike, small_node_dirs: str
+    tmp_path: os.PathLike, small_node_dirs: tuple[str, int | None]
 ) -> None:
     """2 steps fill each node directory; 10 more save (locally, replicated, every 5th durable):
     before each, the older local step goes to make room, the newest committed one stays."""
     root = os.path.join(tmp_path, "durable")
-    got = _run(2, fill_a_small_directory, root, small_node_dirs, 12)
+    local_dir, limit = small_node_dirs
+    got = _run(2, fill_a_small_directory, root, local_dir, 12, limit)
     for rank, g in enumerate(got):
         assert g["errors"] == {}, (rank, g["errors"])
         assert g["committed"] == [11, 12], (rank, g["committed"])

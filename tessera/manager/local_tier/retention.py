@@ -38,14 +38,12 @@ class LocalRetention:
         self._deleter: threading.Thread | None = None
         self._warned_room = False
 
-    def apply(
-        self, directory: str, root_id: str | None, timeline: Timeline | None, newest: int, also: list[int]
-    ) -> list[int]:
+    def apply(self, directory: str, root_id: str | None, timeline: Timeline | None, newest: int) -> list[int]:
         """Delete the run's committed steps beyond the newest ``keep_last`` (never ``newest``,
-        the step just committed), uncommitted leftovers older than ``newest``, the steps in
-        ``also``, and stale or abandoned steps (:meth:`stale`); returns the steps deleted."""
+        the step just committed), uncommitted leftovers older than ``newest``, and stale or
+        abandoned steps (:meth:`stale`); returns the steps deleted."""
         committed: list[int] = []
-        doomed: list[int] = list(also)
+        doomed: list[int] = []
         for step, step_dir in local_steps(directory):
             owner = owner_of(read_marker(step_dir), self.root, root_id, timeline)
             if owner == "ours":

@@ -278,7 +278,7 @@ class LocalTier:
 
     def apply_retention(self, world: dist.World, newest: int) -> list[int]:
         """Node leaders: :meth:`LocalRetention.apply` on this node. Not collective."""
-        return self.retention.apply(self.node_directory(world), self.root_id, self.timeline, newest, [])
+        return self.retention.apply(self.node_directory(world), self.root_id, self.timeline, newest)
 
     def remove_stale(self, world: dist.World) -> list[tuple[int, str, int]]:
         """Node leaders: delete this node's steps that are never to be loaded (another root id,
