@@ -73,7 +73,10 @@ class LocalRetention:
         """Before ``step`` is saved into a node directory that cannot hold one more step: delete
         (synchronously) uncommitted leftovers, then the oldest of the run's committed steps, until
         the free space reaches the size of the newest committed step, which stays whatever
-        happens; returns the steps deleted (none if there is room)."""
+        happens; returns the steps deleted (none if there is room).
+
+        Costs a listing of the node directory, its markers, and one ``lstat`` per file of the
+        newest step (measured: 0.4 ms for 2 steps of 16 files on tmpfs), so it runs at every save."""
         entries = []
         for s, d in local_steps(directory):
             if s != step:
