@@ -89,7 +89,7 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 
 def host_digest(t: torch.Tensor) -> int:
     """xxh3-64 of a host tensor's bytes, top bit clear."""
-    return xxhash.xxh3_64_intdigest(_bytes(t).numpy()) & _LOW63
+    return xxhash.xxh3_64_intdigest(_bytes(t).numpy().data) & _LOW63
 
 
 def device_digest(t: torch.Tensor) -> torch.Tensor:
