@@ -123,8 +123,7 @@ def _tensor_and_value(text: str, doc: dict) -> str:
 
 def _file_twice(text: str, doc: dict) -> str:
     f = dict(doc["files"][0])
-    f["path"] = "data/./" + f["path"][len("data/") :]  # the same file, spelled differently
-    doc["files"].append(f)
+    doc["files"].append(f)  # (spelled differently, "data/./...", it is refused as not canonical: test_hostile.py)
     return json.dumps(doc)
 
 

@@ -18,6 +18,7 @@ from tessera.manager.identity import ROOT_ID_NAME
 from tessera.manager.local_tier import NodeInventory, StepHolding, choose_step, node_index, place
 from tessera.manager.local_tier.fetches import choose_fetches, choose_manifest_fetches
 from tessera.manager.local_tier.inventory import MARKER_NAME
+from tessera.manager.local_tier.timeline import TIMELINE_NAME
 from tessera.manager.local_tier.transfer import Transfer
 from tessera.tools.verification import verify
 from tests.crash_worker import check_state, empty_state, run_ranks, start_ranks
@@ -152,17 +153,18 @@ def _ok(outcomes: list) -> list[dict]:
 
 
 def _without_durable(root: str, fn, *args, **kwargs):  # type: ignore[no-untyped-def]
-    """Run a restart with the durable root's steps moved away (its identity stays: without it
-    no local step is the run's): any durable read of a step would find nothing."""
+    """Run a restart with the durable root's steps moved away (its identity and timeline stay:
+    without them no local step is the run's): any durable read of a step would find nothing."""
     hidden = root + ".hidden"
     os.makedirs(hidden)
-    names = [n for n in os.listdir(root) if n != ROOT_ID_NAME]
+    identity = [ROOT_ID_NAME, TIMELINE_NAME]
+    names = [n for n in os.listdir(root) if n not in identity]
     for name in names:
         os.rename(os.path.join(root, name), os.path.join(hidden, name))
     try:
         return fn(*args, **kwargs)
     finally:
-        assert os.listdir(root) == [ROOT_ID_NAME], "the load wrote into the durable root"
+        assert sorted(os.listdir(root)) == identity, "the load wrote into the durable root"
         for name in names:
             os.rename(os.path.join(hidden, name), os.path.join(root, name))
         os.rmdir(hidden)

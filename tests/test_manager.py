@@ -451,8 +451,8 @@ def test_a_tier_root_is_the_local_tier_in_host_memory(tmp_path: Path, monkeypatc
                     mgr.save(step, _state(step))
                 mgr.wait()
                 assert mgr.steps() == [2] and mgr.pointer_step() == 2
-        # The durable store holds the committed step, the pointer and the root's identity...
-        assert sorted(os.listdir(durable)) == [".tessera-root-id", "latest", "step-00000002"]
+        # The durable store holds the committed step, the pointer and the root's identity and timeline...
+        assert sorted(os.listdir(durable)) == [".tessera-root-id", ".tessera-timeline", "latest", "step-00000002"]
         assert os.path.exists(os.path.join(durable, "step-00000002", "manifest.json"))
         # ...host memory holds the same step, committed locally; retention removed step 1 from both.
         assert sorted(os.listdir(memory)) == ["step-00000002"]

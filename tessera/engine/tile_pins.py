@@ -26,9 +26,16 @@ from dataclasses import dataclass
 from ..format.names import PINS_DIR
 from ..storage import Storage
 
-__all__ = ["Pin", "read_pins", "remove_pin", "write_pin"]
+__all__ = ["PIN_LEASE_S", "Pin", "read_pins", "remove_pin", "write_pin"]
 
 logger = logging.getLogger(__name__)
+
+PIN_LEASE_S = 6 * 3600.0
+"""How long a pin of a save that never claimed its path protects (its rank 0 died before the
+claim; else the claim is still to come): six hours both since the pin was made (the pinning
+host's clock) and since the collector first saw it (its own monotonic clock), so that no clock,
+however wrong, shortens it. A pin of a save that claimed its path needs no clock: it protects
+while the save's owner marker exists, or if the save committed."""
 
 
 @dataclass(frozen=True)
@@ -39,13 +46,18 @@ class Pin:
         save_id: the save (its own new tiles go under ``<save_id>/``).
         checkpoint: where the save commits (its step directory).
         dirs: directories (save ids) of tiles it may reference.
-        created: when it was pinned (seconds since the epoch, the pinning host's clock).
+        created: when it was pinned (seconds since the epoch, the pinning host's clock: for
+            information and for the lease of a pin whose save never claimed its path; no rule
+            compares it with another host's clock to decide what is protected).
+        rank: the rank that wrote it. Rank 0 pins only after it claimed the save's path (its
+            owner marker exists): a save with rank 0's pin and no marker is over.
     """
 
     save_id: str
     checkpoint: str
     dirs: frozenset[str]
     created: float
+    rank: int = 0
 
     @property
     def protects(self) -> frozenset[str]:
@@ -57,8 +69,8 @@ def _pin_path(save_id: str, rank: int) -> str:
 
 
 def write_pin(tiles: Storage, save_id: str, checkpoint: str, dirs: frozenset[str], rank: int = 0) -> Pin:
-    """A rank, before it writes or references a tile: pin the save's directories."""
-    pin = Pin(save_id, checkpoint, dirs, time.time())
+    """A rank, before it writes or references a tile: pin the save's directories (rank 0 after its claim)."""
+    pin = Pin(save_id, checkpoint, dirs, time.time(), rank)
     doc = {"save_id": save_id, "checkpoint": checkpoint, "dirs": sorted(dirs), "created": pin.created}
     tiles.write_atomic(_pin_path(save_id, rank), json.dumps(doc).encode())
     return pin
@@ -79,14 +91,11 @@ def read_pins(tiles: Storage) -> list[Pin]:
     (it is returned with ``dirs`` = {"*"}): collection must not guess what it protected."""
     pins = []
     for path in tiles.list(PINS_DIR):
-        save_id = path.rsplit("/", 1)[-1].split(".r", 1)[0]
+        save_id, _, rank = path.rsplit("/", 1)[-1].partition(".r")
         try:
             doc = json.loads(tiles.read_file(path))
-            pins.append(
-                Pin(
-                    str(doc["save_id"]), str(doc["checkpoint"]), frozenset(map(str, doc["dirs"])), float(doc["created"])
-                )
-            )
+            dirs = frozenset(map(str, doc["dirs"]))
+            pins.append(Pin(str(doc["save_id"]), str(doc["checkpoint"]), dirs, float(doc["created"]), int(rank or 0)))
         except FileNotFoundError:
             continue  # removed since the listing: the save is over
         except Exception as e:

@@ -23,7 +23,7 @@ import time
 
 from ..engine.loading.manifest import read_manifest, read_manifest_bytes
 from ..engine.saving.tile_index import Dedup, TileIndex, shared_dir
-from ..engine.tile_pins import Pin, read_pins, remove_pin
+from ..engine.tile_pins import PIN_LEASE_S, Pin, read_pins, remove_pin
 from ..errors import CheckpointNotFoundError
 from ..format.manifest import MANIFEST_NAME, decode_files
 from ..format.names import OWNER_MARKER_DIR, PINS_DIR, SHARED_TILES_DIR, is_shared_ref
@@ -31,15 +31,9 @@ from ..storage import Storage
 from ..storage.capabilities import RemovesEmptyDirs, Versioned
 from .steps import StepDirectory, close_store, join_root
 
-__all__ = ["PIN_GRACE_S", "PIN_LEASE_S", "SharedTiles"]
+__all__ = ["PIN_LEASE_S", "SharedTiles"]
 
 logger = logging.getLogger(__name__)
-
-PIN_LEASE_S = 6 * 3600.0
-"""A pin older than this protects nothing: no save runs for six hours (a killed save's pin
-would otherwise keep its directories forever)."""
-PIN_GRACE_S = 120.0
-"""A pin younger than this always protects (its save may not have claimed its path yet)."""
 
 
 class SharedTiles:
@@ -57,6 +51,7 @@ class SharedTiles:
         self._started = False  # whether the index was looked for (after a restart: in `latest`)
         self._lock = threading.Lock()
         self._seen: dict[str, tuple[str, tuple[str, frozenset[str]]]] = {}  # url -> (version, refs)
+        self._first_seen: dict[tuple[str, int], float] = {}  # (save id, rank) of a pin -> time.monotonic()
 
     # -- Saves --------------------------------------------------------------------------------
 
@@ -158,8 +153,12 @@ class SharedTiles:
             referenced |= refs[1]
         protected = set(referenced)
         over: list[str] = []  # pins that protect nothing any more
-        for pin in read_pins(self.store):
-            if committed.get(pin.checkpoint) == pin.save_id or not self._protects(pin):
+        pins = read_pins(self.store)
+        claimed = {p.save_id for p in pins if p.rank == 0}  # rank 0 pins only after its claim
+        now = time.monotonic()
+        self._first_seen = {(p.save_id, p.rank): self._first_seen.get((p.save_id, p.rank), now) for p in pins}
+        for pin in pins:
+            if committed.get(pin.checkpoint) == pin.save_id or not self._protects(pin, pin.save_id in claimed):
                 over.append(pin.save_id)
             else:
                 protected |= pin.protects
@@ -177,13 +176,19 @@ class SharedTiles:
             logger.info("removed %d shared tile directories under %s", len(doomed), self.url)
         return doomed
 
-    def _protects(self, pin: Pin) -> bool:
-        """Whether a pin still protects its directories: its save may still commit, or did."""
-        age = time.time() - pin.created
-        if age < PIN_GRACE_S:
-            return True
-        if age > PIN_LEASE_S or not pin.checkpoint:
-            return not pin.checkpoint  # an unreadable pin ("*") always protects
+    def _protects(self, pin: Pin, claimed: bool) -> bool:
+        """Whether a pin still protects its directories: its save may still commit, or did.
+
+        Decided on what storage shows, not on clocks: a save whose rank 0 has not pinned has not
+        claimed its path yet (rank 0 pins after its claim), and may still do so however long that
+        takes (rank 0 busy with retention, say): its pins protect for :data:`PIN_LEASE_S`. A save
+        that claimed may commit while its owner marker exists, and did if its manifest says so.
+        """
+        if not pin.checkpoint:
+            return True  # an unreadable pin ("*") always protects
+        if not claimed:
+            seen = time.monotonic() - self._first_seen.get((pin.save_id, pin.rank), time.monotonic())
+            return min(seen, time.time() - pin.created) < PIN_LEASE_S
         store = self.steps.factory(pin.checkpoint)
         try:
             if store.exists(f"{OWNER_MARKER_DIR}/{pin.save_id}"):

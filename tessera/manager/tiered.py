@@ -17,6 +17,8 @@ from ..results import PendingSave, SaveResult
 from . import identity
 from .direct import DirectRoute
 from .local_tier import LocalTier
+from .local_tier.timeline import read_timeline
+from .resume import StepLoadResult
 from .steps import StepDirectory, close_store
 
 logger = logging.getLogger(__name__)
@@ -38,6 +40,20 @@ class TieredRoute:
     def __init__(self, tier: LocalTier, direct: DirectRoute) -> None:
         self.tier = tier
         self.direct = direct
+        self._in_epoch = False  # whether this manager's saves continue an epoch it opened
+        self._last_saved: int | None = None  # the last step saved in it
+        self._resumed_from: int | None = None  # the step a load gave since the last save
+
+    def after_load(self, loaded: StepLoadResult) -> StepLoadResult:
+        """After a load (not collective): the next save opens a new timeline epoch that goes on
+        from the step loaded, so the steps newer than it become unreachable everywhere.
+
+        Returns:
+            ``loaded``, as it is.
+        """
+        self._in_epoch = False
+        self._resumed_from = loaded.step
+        return loaded
 
     @property
     def steps(self) -> StepDirectory:
@@ -46,10 +62,11 @@ class TieredRoute:
 
     def steps_here(self) -> list[int]:
         """The run's local steps this node holds completely (not collective)."""
-        root_id = self.tier.root_id
-        if root_id is None:
+        root_id, timeline = self.tier.root_id, self.tier.timeline
+        if root_id is None or timeline is None:
             root_id = identity.read_root_id(self.steps.store)
-        return self.tier.steps_here(root_id)
+            timeline = read_timeline(self.steps.store)
+        return self.tier.steps_here(root_id, timeline)
 
     def save(
         self,
@@ -79,6 +96,13 @@ class TieredRoute:
         """
         tier = self.tier
         identity.establish(tier, self.steps, world, create=True)  # once: the id each local commit records
+        if not self._in_epoch or self._last_saved is None or step <= self._last_saved:
+            # A new epoch: this manager's first save, the first after a load, or a step that is
+            # not newer than the last one. Within an epoch steps only increase (timeline.py).
+            base = step - 1 if self._resumed_from is None else min(self._resumed_from, step - 1)
+            identity.begin_epoch(tier, self.steps, world, base)
+            self._in_epoch, self._resumed_from = True, None
+        self._last_saved = step
         local = tier.step_store(step, world)
         tier.before_save(step, world)
         then = functools.partial(self._finish, step, durable, world)
@@ -88,8 +112,6 @@ class TieredRoute:
         """After the local save of ``step``: replicas and the local commit, then the durable copy."""
         tier = self.tier
         data = tier.commit(step, world)
-        if durable or tier.last_fenced:
-            self._fence_durable(step, world, rolled_back=tier.last_fenced)
         if not durable:
             return
         store = self.steps.open_step(step)
@@ -117,35 +139,3 @@ class TieredRoute:
         if removed:
             logger.info("removed local steps %s of %s from %s", removed, root, tier.node_directory(world))
         return removed
-
-    def _fence_durable(self, step: int, world: dist.World, *, rolled_back: bool) -> None:
-        """Rank 0, once ``step`` is committed locally: if the job rolled back (newer local steps
-        were fenced, or ``latest`` names a newer step), delete the durable steps newer than ``step``
-        (manifest first) and point ``latest`` at the newest one left, so that no later load prefers
-        the abandoned steps. Failures are logged: ``step`` is committed whatever happens here."""
-        if not world.is_coordinator:
-            return
-        steps = self.steps
-        try:
-            pointer = steps.pointer()
-            if not rolled_back and (pointer is None or pointer <= step):
-                return  # the usual case: one small read, no listing
-            found = steps.scan()
-            newer = sorted(s for s in found if s > step)
-            for s in newer:
-                steps.delete(s)
-            if pointer is not None and pointer > step:
-                left = max((s for s, committed in found.items() if committed and s <= step), default=None)
-                if left is None:
-                    steps.remove_pointer()
-                else:
-                    steps.point_at(left)
-            if newer:
-                logger.warning(
-                    "step %d is saved after a rollback: the newer steps %s under %s are deleted",
-                    step,
-                    newer,
-                    steps.root,
-                )
-        except Exception as e:
-            logger.warning("step %d: removing the steps newer than it under %s failed: %s", step, steps.root, e)

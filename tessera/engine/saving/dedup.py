@@ -25,12 +25,12 @@ import torch
 
 from ...errors import CommitCheckError
 from ...format.dtypes import dtype_from_name, dtype_name, itemsize
-from ...format.manifest import Manifest
+from ...format.manifest import FileEntry, Manifest
 from ...format.names import SHARED_REF, is_shared_ref
 from ...format.tilefile import FileLayout, TileSlot, layout_file
 from ...storage import Storage
 from ...storage.capabilities import ListsSizes
-from ..tile_pins import remove_pin, write_pin
+from ..tile_pins import PIN_LEASE_S, read_pins, remove_pin, write_pin
 from .handoff import CommitOutcome, FileReport, PreparedSave
 from .tile_index import Dedup, StoredTile, TileIndex, TileKey, shared_dir
 from .window import file_write
@@ -218,11 +218,40 @@ def check_shared(save: PreparedSave, manifest: Manifest) -> None:
         if found.get(p) != f.nbytes
     ]
     if problems:
+        missing = {p: f for p, f in shared.items() if p not in found}
         raise CommitCheckError(
             f"not committing {save.path}: {len(problems)} shared tile file(s) under {d.tiles.url} are not as the "
             f"manifest would reference them: {'; '.join(problems[:5])}{' ...' if len(problems) > 5 else ''}. "
-            "Was the shared tile directory changed by hand or by a job that ignores pins? The previous checkpoint is unchanged"
+            + why_missing(d.tiles, save.save_id, missing)
+            + " The previous checkpoint is unchanged"
         )
+
+
+def why_missing(tiles: Storage, save_id: str, missing: Mapping[str, FileEntry]) -> str:
+    """Why shared files that save ``save_id`` references are missing, from the pins ``tiles`` still shows."""
+    own = SHARED_REF + save_id + "/"
+    writers = sorted({f.rank for p, f in missing.items() if p.startswith(own)})
+    try:
+        pinned = {p.rank for p in read_pins(tiles) if p.save_id == save_id}
+    except Exception as e:
+        return f"(Its pins could not be read to tell why: {e}.)"
+    unpinned = [r for r in writers if r not in pinned]
+    if unpinned:
+        return (
+            f"The pins of rank(s) {unpinned} of this save are gone too: a collection of the shared tile directory "
+            "(a CheckpointManager's retention on this root, of this job or another) removed this save's new tiles "
+            "and pins, judging the save over; a collection removes the pins of a save that has not claimed its path "
+            f"only past their lease ({PIN_LEASE_S / 3600:g} h), so another process removed them, or the pins were deleted."
+        )
+    if writers:
+        return (
+            f"The pins of the ranks that wrote them ({writers}) are in place, so no collection removed them: the "
+            "files were deleted by hand or by a job that ignores pins."
+        )
+    return (
+        "They belong to the step this save builds on, which was still committed when this save pinned it: they "
+        "were deleted by hand or by a job that ignores pins."
+    )
 
 
 def bytes_written(save: PreparedSave, manifest: Manifest) -> int:

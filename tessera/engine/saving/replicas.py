@@ -7,7 +7,9 @@ copy of every plain tensor it holds, in the caller's thread at the call (the sta
 as the copy sees it), and puts the digests in its rank report (:mod:`tessera.format.rank_report`);
 rank 0 compares them while it assembles the manifest and, on a difference, fails the save on every
 rank with :class:`~tessera.errors.ReplicaMismatchError` naming each tensor and which ranks hold
-which copy. No collective carries more than before: the reports travel through storage.
+which copy. No collective carries more than before: the reports travel through storage. The
+digests are taken at every save, whether its plan was cached, derived or gathered: they describe
+the values, which change from save to save, not the layout.
 
 Digests are of the bytes, so ``NaN`` payloads and ``-0.0`` against ``0.0`` count as different, and
 equal copies (``NaN`` included) always agree. A copy in host memory is digested with xxh3-64 (about
@@ -89,7 +91,7 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 
 def host_digest(t: torch.Tensor) -> int:
     """xxh3-64 of a host tensor's bytes, top bit clear."""
-    return xxhash.xxh3_64_intdigest(_bytes(t).numpy()) & _LOW63
+    return xxhash.xxh3_64_intdigest(_bytes(t).numpy().data) & _LOW63
 
 
 def device_digest(t: torch.Tensor) -> torch.Tensor:

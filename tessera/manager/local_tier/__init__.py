@@ -5,7 +5,8 @@ and recovery from whatever the surviving nodes hold. See ``docs/resilience.md``.
 Modules: :mod:`.placement` (node indices, the replica ring), :mod:`.inventory` (what a node
 holds, whose steps they are, the choice of step), :mod:`.transfer` (files between ranks),
 :mod:`.fetches` (which files move on recovery), :mod:`.recovery` (recovery, with bad copies
-replaced), :mod:`.retention` (deleting a node's steps), :mod:`.tier` (save, commit).
+replaced), :mod:`.retention` (deleting a node's steps), :mod:`.timeline` (which steps are still
+on the job's timeline after rollbacks and resumes), :mod:`.tier` (save, commit).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from .inventory import NodeInventory, StepHolding, choose_step
 from .placement import Placement, node_dir, node_index, place
 from .retention import LocalRetention, remove_root_steps
 from .tier import LocalTier, Recovery
+from .timeline import Timeline
 
 __all__ = [
     "LocalRetention",
@@ -22,6 +24,7 @@ __all__ = [
     "Placement",
     "Recovery",
     "StepHolding",
+    "Timeline",
     "choose_step",
     "node_dir",
     "node_index",

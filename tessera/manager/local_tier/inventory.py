@@ -15,6 +15,7 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 from ...format.names import parse_step_dirname
+from .timeline import Timeline
 
 logger = logging.getLogger(__name__)
 
@@ -33,6 +34,7 @@ class StepHolding:
             right size. The names themselves are not sent: every node learns them from the
             manifest, so a summary stays one node's size, whatever the job's.
         manifest_bytes: the size of the step's ``manifest.json`` on the node.
+        epoch: the timeline epoch the step was saved in (its marker's; see :mod:`.timeline`).
     """
 
     step: int
@@ -40,6 +42,7 @@ class StepHolding:
     n_files: int
     held: frozenset[int]
     manifest_bytes: int = 0
+    epoch: int = 0
 
 
 @dataclass(frozen=True)
@@ -75,24 +78,46 @@ def read_marker(step_dir: str) -> dict | None:
     return doc if isinstance(doc, dict) else None
 
 
-def marker_bytes(root: str, root_id: str, step: int, save_id: str, files: Sequence[tuple[str, int]]) -> bytes:
+def marker_bytes(
+    root: str, root_id: str, step: int, save_id: str, files: Sequence[tuple[str, int]], *, epoch: int
+) -> bytes:
     """The content of a step's commit marker: the run's identity (``root`` and its ``root_id``),
-    the step, its save and its files."""
-    doc = {"root": root, "root_id": root_id, "step": step, "save_id": save_id, "files": [[p, n] for p, n in files]}
+    the timeline epoch the step was saved in, the step, its save and its files."""
+    doc = {
+        "root": root,
+        "root_id": root_id,
+        "epoch": epoch,
+        "step": step,
+        "save_id": save_id,
+        "files": [[p, n] for p, n in files],
+    }
     return json.dumps(doc, separators=(",", ":")).encode()
 
 
-def owner_of(doc: dict | None, root: str, root_id: str | None) -> str:
-    """Whose step a commit marker says it is: ``"ours"`` (this root and this root id),
-    ``"stale"`` (this root string but another root id, or none: a deleted root's or another
-    run's), ``"foreign"`` (another root: a run sharing the directory) or ``"none"`` (no marker)."""
+def marker_epoch(doc: dict) -> int:
+    """The timeline epoch a commit marker records (0 for markers written before epochs existed;
+    -1, never admitted, for a malformed one)."""
+    value = doc.get("epoch", 0)
+    return value if type(value) is int and value >= 0 else -1
+
+
+def owner_of(doc: dict | None, root: str, root_id: str | None, timeline: Timeline | None = None) -> str:
+    """Whose step a commit marker says it is: ``"ours"`` (this root and this root id, and, if
+    ``timeline`` is given, on it), ``"abandoned"`` (ours, but of a timeline the job left:
+    :meth:`Timeline.admits` refuses it), ``"stale"`` (this root string but another root id, or
+    none: a deleted root's or another run's), ``"foreign"`` (another root: a run sharing the
+    directory) or ``"none"`` (no marker)."""
     if doc is None:
         return "none"
     if doc.get("root") != root:
         return "foreign"
-    if root_id is not None and doc.get("root_id") == root_id:
-        return "ours"
-    return "stale"
+    if root_id is None or doc.get("root_id") != root_id:
+        return "stale"
+    if timeline is not None:
+        step = doc.get("step")
+        if type(step) is not int or not timeline.admits(step, epoch=marker_epoch(doc)):
+            return "abandoned"
+    return "ours"
 
 
 def local_steps(directory: str) -> list[tuple[int, str]]:
@@ -105,19 +130,23 @@ def local_steps(directory: str) -> list[tuple[int, str]]:
     return sorted(out)
 
 
-def scan_node(directory: str, node: int, root: str, root_id: str | None) -> NodeInventory:
+def scan_node(
+    directory: str, node: int, root: str, root_id: str | None, timeline: Timeline | None = None
+) -> NodeInventory:
     """The committed local steps under a node's directory that belong to the run: those whose
-    marker names ``root`` and ``root_id`` (the identity written into the durable root).
+    marker names ``root`` and ``root_id`` (the identity written into the durable root) and
+    an epoch ``timeline`` admits (if given).
 
     Steps of another root, or of this root string under another root id (a deleted and
-    recreated root, a previous run's leftovers in ``/dev/shm``), are ignored; with
-    ``root_id=None`` (the durable root has no identity: it was deleted or never saved to)
-    no step is the run's. A file counts as held when it exists with the listed size.
+    recreated root, a previous run's leftovers in ``/dev/shm``), or of an abandoned timeline
+    (a node that missed a rollback or a resume) are ignored; with ``root_id=None`` (the
+    durable root has no identity: it was deleted or never saved to) no step is the run's.
+    A file counts as held when it exists with the listed size.
     """
     out = []
     for step, step_dir in local_steps(directory):
         doc = read_marker(step_dir)
-        if owner_of(doc, root, root_id) != "ours" or doc is None or doc.get("step") != step:
+        if owner_of(doc, root, root_id, timeline) != "ours" or doc is None or doc.get("step") != step:
             continue
         try:
             files = tuple((str(p), int(n)) for p, n in doc["files"])
@@ -136,7 +165,7 @@ def scan_node(directory: str, node: int, root: str, root_id: str | None) -> Node
                     held.add(i)
             except OSError:
                 pass
-        out.append(StepHolding(step, save_id, len(files), frozenset(held), manifest_bytes))
+        out.append(StepHolding(step, save_id, len(files), frozenset(held), manifest_bytes, marker_epoch(doc)))
     out.sort(key=lambda h: (h.step, h.save_id), reverse=True)
     return NodeInventory(node, tuple(out))
 
@@ -203,6 +232,7 @@ def without(
                 h.n_files,
                 frozenset(i for i in h.held if (inv.node, h.step, h.save_id, i) not in bad),
                 h.manifest_bytes,
+                h.epoch,
             )
             for h in inv.steps
         )

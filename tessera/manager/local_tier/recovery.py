@@ -35,6 +35,7 @@ from .files import as_storage_error, remove_quietly
 from .inventory import MARKER_NAME, NodeInventory, choose_step, marker_bytes
 from .needs import needed_files
 from .placement import Placement
+from .timeline import Timeline
 from .transfer import run_transfers
 
 
@@ -45,6 +46,7 @@ class TierView(Protocol):
     local_dir: str
     root: str
     root_id: str | None
+    timeline: Timeline | None
 
     def placement(self, world: dist.World) -> Placement: ...
     def inventory(self, world: dist.World) -> list[NodeInventory | None]: ...
@@ -174,7 +176,10 @@ class RecoveryAttempt:
         transfers = choose_fetches(inventories, placement, step, save_id, files, needs)
         received += run_transfers(world, transfers, store.root, what)
         if self.leader and (self.node not in holdings or len(holdings[self.node].held) < len(files)):
-            store.write_atomic(MARKER_NAME, marker_bytes(self.tier.root, self.tier.root_id or "", step, save_id, files))
+            # The step keeps the epoch it was saved in (every holder's marker records the same one).
+            epoch = min(h.epoch for h in holdings.values())
+            marker = marker_bytes(self.tier.root, self.tier.root_id or "", step, save_id, files, epoch=epoch)
+            store.write_atomic(MARKER_NAME, marker)
         self.moved += len(first) + len(transfers)
         logger.info(
             "rank %d: recovering step %d from the local tier (%d files fetched job-wide, %d bytes by this rank)",

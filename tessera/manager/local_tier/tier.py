@@ -35,6 +35,7 @@ from .inventory import MARKER_NAME, NodeInventory, marker_bytes, scan_node
 from .placement import Placement, node_dir, node_index, place
 from .recovery import Recovery, RecoveryAttempt
 from .retention import LocalRetention, remove_root_steps
+from .timeline import Timeline
 from .transfer import Transfer, run_transfers
 
 logger = logging.getLogger(__name__)
@@ -96,10 +97,11 @@ class LocalTier:
         """The identity of the durable root (written into it when it is created, see
         :mod:`tessera.manager.identity`); each commit marker records it, and only steps whose
         marker carries it are the run's. None until the manager has read it."""
+        self.timeline: Timeline | None = None
+        """The run's timeline (:mod:`.timeline`), read with :attr:`root_id`: each commit marker
+        records its current epoch, and only steps it admits are loaded or kept."""
         self.last_report = ""
         """What the last :meth:`recover` found, for an error when it loaded nothing."""
-        self.last_fenced = False
-        """Whether the last :meth:`commit` un-committed newer local steps on some node (a rollback)."""
 
     # --------------------------------------------------------------------------------
     # Names and layout
@@ -129,14 +131,14 @@ class LocalTier:
         """This node's directory of ``step``."""
         return NodeStorage(os.path.join(self.node_directory(world), step_dirname(step)), self.step_label(step))
 
-    def steps_here(self, root_id: str | None) -> list[int]:
-        """The run's local steps (their marker names ``root_id``) this node holds completely,
-        oldest first. Not collective; the node is the placement's if known, else torchrun's
-        environment's (:func:`~tessera.manager.local_tier.placement.node_index`)."""
+    def steps_here(self, root_id: str | None, timeline: Timeline) -> list[int]:
+        """The run's local steps (their marker names ``root_id``, ``timeline`` admits them) this
+        node holds completely, oldest first. Not collective; the node is the placement's if
+        known, else torchrun's environment's (:func:`~tessera.manager.local_tier.placement.node_index`)."""
         if root_id is None:
             return []
         node = self._own_node if self._own_node is not None else node_index(_global_rank_now())
-        inv = scan_node(node_dir(self.local_dir, node), node, self.root, root_id)
+        inv = scan_node(node_dir(self.local_dir, node), node, self.root, root_id, timeline)
         return sorted(h.step for h in inv.steps if len(h.held) == h.n_files)
 
     def _is_leader(self, world: dist.World) -> bool:
@@ -147,10 +149,14 @@ class LocalTier:
     # Save
 
     def before_save(self, step: int, world: dist.World) -> None:
-        """Un-commit ``step`` on this node before it is saved again (node leaders; local)."""
+        """Node leaders (local): un-commit ``step`` on this node before it is saved again, and
+        if the node's directory has no room for one more step, delete older local steps first
+        (:meth:`LocalRetention.make_room`: never the newest committed one)."""
         self.wait_deletions()
         if self._is_leader(world):
-            remove_quietly(os.path.join(self.node_directory(world), step_dirname(step), MARKER_NAME))
+            directory = self.node_directory(world)
+            remove_quietly(os.path.join(directory, step_dirname(step), MARKER_NAME))
+            self.retention.make_room(directory, self.root_id, self.timeline, step)
 
     def commit(self, step: int, world: dist.World) -> bytes:
         """Collective, after :func:`tessera.save` committed ``step`` into rank 0's node directory:
@@ -195,22 +201,18 @@ class LocalTier:
         transfers = [Transfer(f.rank, t, f.path, f.nbytes) for f in m.files for t in placement.targets[f.rank]]
         run_transfers(world, transfers, store.root, f"step {step}: replicating")
 
-        def commit_locally() -> list[int]:
-            if not leader:
-                return []
-            # Steps newer than this one are of a timeline the job left (a rollback): they stop
-            # being committed before this one is, so no recovery can prefer them to it.
-            fenced = self.fence_newer(world, step)
-            files = [(f.path, f.nbytes) for f in m.files]
-            store.write_atomic(MARKER_NAME, marker_bytes(self.root, self._id(), step, m.save_id, files))
-            return fenced
+        def commit_locally() -> None:
+            # Steps newer than this one, or of an older save of it, belong to a timeline the job
+            # left: the fork that opened this epoch refused them everywhere (see identity.begin_epoch).
+            if leader:
+                files = [(f.path, f.nbytes) for f in m.files]
+                marker = marker_bytes(self.root, self._id(), step, m.save_id, files, epoch=self._epoch())
+                store.write_atomic(MARKER_NAME, marker)
 
-        fenced_anywhere = dist.collective_step(world, f"step {step}: committing the local step", commit_locally)
-        fenced = fenced_anywhere[world.rank]
-        self.last_fenced = any(fenced_anywhere)
+        dist.collective_step(world, f"step {step}: committing the local step", commit_locally)
         if leader:
             try:
-                self.apply_retention(world, step, also=fenced)
+                self.apply_retention(world, step)
             except Exception as e:
                 logger.warning("local retention in %s after step %d failed: %s", store.root, step, e)
         return data
@@ -269,20 +271,22 @@ class LocalTier:
             raise CheckpointError(f"internal error: the local tier at {self.local_dir} has no root id")
         return self.root_id
 
-    def fence_newer(self, world: dist.World, step: int) -> list[int]:
-        """Node leaders: :meth:`LocalRetention.fence_newer` on this node. Not collective."""
-        return self.retention.fence_newer(self.node_directory(world), self.root_id, step)
+    def _epoch(self) -> int:
+        if self.timeline is None:
+            raise CheckpointError(f"internal error: the local tier at {self.local_dir} has no timeline")
+        return self.timeline.epoch
 
-    def apply_retention(self, world: dist.World, newest: int, also: list[int] | None = None) -> list[int]:
+    def apply_retention(self, world: dist.World, newest: int) -> list[int]:
         """Node leaders: :meth:`LocalRetention.apply` on this node. Not collective."""
-        return self.retention.apply(self.node_directory(world), self.root_id, newest, also or [])
+        return self.retention.apply(self.node_directory(world), self.root_id, self.timeline, newest)
 
-    def remove_stale(self, world: dist.World) -> list[int]:
-        """Node leaders: delete this node's stale steps (:meth:`LocalRetention.stale`) and wait
-        until they are gone; returns them. Not collective."""
+    def remove_stale(self, world: dist.World) -> list[tuple[int, str, int]]:
+        """Node leaders: delete this node's steps that are never to be loaded (another root id,
+        or an abandoned timeline: :meth:`LocalRetention.stale`) and wait until they are gone;
+        returns them as ``(step, kind, epoch)``. Not collective."""
         directory = self.node_directory(world)
-        stale = self.retention.stale(directory, self.root_id)
-        self.retention.delete(directory, stale)
+        stale = self.retention.stale(directory, self.root_id, self.timeline)
+        self.retention.delete(directory, [s for s, _, _ in stale])
         self.retention.wait()
         return stale
 
@@ -302,7 +306,11 @@ class LocalTier:
         """Collective: every rank's node inventory (node leaders report, others send None)."""
         placement = self.placement(world)
         node = placement.node_of[world.rank]
-        mine = scan_node(self.node_directory(world), node, self.root, self.root_id) if self._is_leader(world) else None
+        mine = (
+            scan_node(self.node_directory(world), node, self.root, self.root_id, self.timeline)
+            if self._is_leader(world)
+            else None
+        )
         return dist.all_gather(world, mine, "gathering the local tier's inventory")
 
     def recover(
