@@ -366,7 +366,7 @@ class CheckpointManager:
         kwargs.update(process_group=self.process_group, allow_pickle=self.allow_pickle)
         if step is not None:
             step = check_step(step)
-        return self._loader.load(state, step, world, kwargs)
+        return self._direct.loaded(self._loader.load(state, step, world, kwargs))  # dedup builds on it
 
     def remove_local_steps(self) -> list[int]:
         """Delete this root's steps, committed or not, from the local tier on every node; collective.
