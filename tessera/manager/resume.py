@@ -136,7 +136,9 @@ class StepLoader:
         if self.tier is not None:
             local = "\n" + (self.tier.last_report or f"the local tier at {self.local_dir} was not used")
         raise CheckpointNotFoundError(
-            f"no loadable checkpoint under {root}" + (f":{detail}" if detail else f": {_what_is_at(root)}") + local
+            f"no loadable checkpoint under {root}"
+            + (f":{detail}" if detail else f" (no steps): {_what_is_at(root)}")
+            + local
         )
 
     def _recover(
