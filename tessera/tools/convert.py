@@ -335,7 +335,7 @@ def convert_steps(
         out = os.path.join(dst, step_dirname(step))
         try:
             fmt = cv.Format(src_format) if src_format else cv.detect_format(path)
-        except ValueError:
+        except (ValueError, FileNotFoundError):
             notify(f"step {step}: left out: {path} holds no checkpoint it can read (a save that never finished?)")
             skipped.append(f"{os.path.basename(path)} (no checkpoint)")
             continue

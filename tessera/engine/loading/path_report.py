@@ -267,7 +267,8 @@ def _file_kind(path: str) -> PathReport:
 
 
 def _root_of(listing: _Listing) -> tuple[tuple[int, ...], tuple[int, ...], int | None]:
-    committed, incomplete = [], []
+    committed: list[int] = []
+    incomplete: list[int] = []
     for name in listing.top:
         step = parse_step_dirname(name)
         if step is None or not listing.is_dir(name):
@@ -312,7 +313,9 @@ def examine_path(
     steps, incomplete, pointer = _root_of(listing)
     if steps or incomplete:
         return PathReport(path, PathKind.MANAGER_ROOT, steps=steps, incomplete=incomplete, pointer=pointer)
-    stray = sorted((n for n in names if stray_step(n) is not None and listing.is_dir(n)), key=stray_step)
+    stray = sorted(
+        (n for n in names if stray_step(n) is not None and listing.is_dir(n)), key=lambda n: stray_step(n) or 0
+    )
     if stray:
         inside = listing.inside(stray[-1])
         fmt = _foreign_format(inside, lambda n: listing.read(f"{stray[-1]}/{n}"))
