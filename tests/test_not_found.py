@@ -11,9 +11,12 @@ show where the checkpoint keeps those keys.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import shutil
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -204,6 +207,20 @@ def test_dedup_builds_on_the_step_the_manager_loaded(tmp_path: Path) -> None:
     manager.close()
 
 
+@contextlib.contextmanager
+def caplog_warnings() -> Iterator[list[str]]:
+    """The messages tessera logs at WARNING inside the block."""
+    records: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: records.append(record.getMessage())  # type: ignore[method-assign]
+    log = logging.getLogger("tessera")
+    log.addHandler(handler)
+    try:
+        yield records
+    finally:
+        log.removeHandler(handler)
+
+
 def test_missing_keys_show_the_prefix_that_explains_them(tmp_path: Path) -> None:
     model = torch.nn.Linear(3, 2)
     path = str(tmp_path / "ck")
@@ -212,6 +229,9 @@ def test_missing_keys_show_the_prefix_that_explains_them(tmp_path: Path) -> None
         tessera.load(path, {"model": torch.nn.Linear(3, 2).state_dict()})
     message = str(info.value)
     assert "under 'app.' ('app.model.bias')" in message and "tessera rename CKPT --map app.=" in message
+    with caplog_warnings() as records:
+        tessera.load(path, {"model": torch.nn.Linear(3, 2).state_dict()}, strict=False)
+    assert any("under 'app.'" in r for r in records)  # the strict=False warning says the same
     target = {"app": {"model": torch.nn.Linear(3, 2).state_dict()}}
     tessera.load(path, target)  # nested under it, as suggested
     assert torch.equal(target["app"]["model"]["weight"], model.weight.detach())

@@ -29,11 +29,14 @@ def _in_scope(key: str, scope: list[str] | None) -> bool:
     return scope is None or any(key == s or key.startswith(s + ".") for s in scope)
 
 
-def warn_skipped(world: World, path: str, missing: list[str], unexpected: list[str]) -> None:
+def warn_skipped(
+    world: World, path: str, missing: list[str], unexpected: list[str], spare: list[str] | None = None
+) -> None:
     """``strict=False``: say what the load leaves out, so that it never skips state silently.
 
     Missing keys differ by rank (each rank says its own); unexpected keys are the same on
-    every rank (rank 0 says them).
+    every rank (rank 0 says them). ``spare`` (the checkpoint's keys the state does not ask
+    for, under any top-level key) adds where the missing keys may be, as the strict error does.
     """
     unexpected = unexpected if world.is_coordinator else []
     if not missing and not unexpected:
@@ -45,6 +48,8 @@ def warn_skipped(world: World, path: str, missing: list[str], unexpected: list[s
         )
     if unexpected:
         parts.append(f"{len(unexpected)} key(s) of the checkpoint are not in the state: {preview(unexpected)}")
+    if missing and spare:
+        parts[-1] += counterpart_hint(missing, spare)
     logger.warning(
         "rank %d: loading %s with strict=False skipped %s (LoadResult.missing_keys / unexpected_keys list them)",
         world.rank,
