@@ -80,8 +80,9 @@ def test_a_missing_path(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
     assert message == f"no committed checkpoint at {path}: nothing is there"
     assert _same(message, _cli(capsys, "inspect", str(path)))
     assert _same(message, _manager(path))  # a manager root that does not exist (yet)
-    for argv in (["verify", str(path)], ["convert", str(path), str(tmp_path / "out")], ["diff", str(path), str(path)]):
+    for argv in (["verify", str(path)], ["diff", str(path), str(path)]):
         assert _same(message, _cli(capsys, *argv)), argv
+    assert _same(message, _cli(capsys, "convert", str(path), str(tmp_path / "out"), code=EXIT_USAGE))
     assert _same(message, _cli(capsys, "rename", str(path), "--map", "a=b"))
     assert not path.exists() and not (tmp_path / "out").exists()  # nothing created on the way
 

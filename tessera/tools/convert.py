@@ -235,7 +235,7 @@ def convert_checkpoint(
         )
     try:
         src_fmt = cv.Format(src_format) if src_format else cv.detect_format(src)
-    except ValueError as e:
+    except (ValueError, FileNotFoundError) as e:  # FileNotFoundError: the diagnosis tessera.load gives
         raise UsageError(str(e)) from e
     dst_fmt = cv.Format(dst_format) if dst_format else cv.Format.TESSERA
     if src_fmt == dst_fmt and src_fmt != cv.Format.TESSERA:
