@@ -67,9 +67,9 @@ def verify(path: str, *, storage: Storage | None = None, threads: int | None = N
             path, None, (Problem(ProblemKind.MANIFEST, str(e), file=MANIFEST_NAME),), seconds=time.monotonic() - t0
         )
     except FileNotFoundError:
-        msg = (
-            f"{path}: no {MANIFEST_NAME}; this is not a committed checkpoint (never saved, or the save did not finish)"
-        )
+        from ..engine.loading.manifest import not_found
+
+        msg = str(not_found(path, store))  # what tessera.load says for the same path
         return VerifyReport(
             path, None, (Problem(ProblemKind.MANIFEST, msg, file=MANIFEST_NAME),), seconds=time.monotonic() - t0
         )

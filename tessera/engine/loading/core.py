@@ -127,7 +127,9 @@ def load(
         )
     plan = replace(plan, unexpected=unexpected)
     if not strict:
-        warn_skipped(world, path, plan.missing, plan.unexpected)
+        wanted = plan.flat.keys() if plan.missing else set()
+        spare = [k for k in manifest.keys() if k not in wanted] if plan.missing else None
+        warn_skipped(world, path, plan.missing, plan.unexpected, spare)
     targets, broadcasts = plan.targets, list[Broadcast]()
     if opts.broadcast_replicated:
         targets, broadcasts = split_replicated(world, plan.targets)

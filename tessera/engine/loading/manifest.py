@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from ...errors import CheckpointError, CheckpointNotFoundError, ManifestError, StorageError
 from ...format.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest, decode
 from ...storage import Storage, storage_for
+from .path_report import examine_path
+
+logger = logging.getLogger(__name__)
 
 
 def read_manifest(
@@ -38,9 +42,19 @@ def read_manifest_bytes(store: Storage, path: str) -> bytes:
     try:
         return read_bytes(store, f"{path}/{MANIFEST_NAME}")  # the size limit is checked before reading
     except FileNotFoundError:
-        raise CheckpointNotFoundError(
+        raise not_found(path, store) from None
+
+
+def not_found(path: str, store: Storage | None = None) -> CheckpointNotFoundError:
+    """The error for a path with no committed checkpoint, saying what is there instead (:mod:`.path_report`)."""
+    try:
+        message = examine_path(path, storage=None if "://" not in path else store).message()
+    except Exception as e:  # the diagnosis is a courtesy: never let it hide the error itself
+        logger.debug("examining %s failed: %s", path, e)
+        message = (
             f"no committed checkpoint at {path}: {MANIFEST_NAME} is missing (never saved, or the save did not finish)"
-        ) from None
+        )
+    return CheckpointNotFoundError(message)
 
 
 def manifest_bytes(store: Storage, path: str) -> bytes:
