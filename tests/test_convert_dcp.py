@@ -204,8 +204,60 @@ def test_a_dcp_scheduler_loads_into_the_scheduler(tmp_path, layout: str) -> None
     assert fresh_sched.state_dict() == sched.state_dict()
     assert fresh_opt.param_groups[0]["lr"] == opt.param_groups[0]["lr"]
     assert torch.equal(fresh.weight, model.weight)
-    # The manifest holds what tessera.save of the same objects holds.
+    # The manifest holds what tessera.save of the same objects holds, but for the optimizer's
+    # ``has_state`` flag: torch's layout has none, and OptimizerState infers it from the states.
     tessera.save(str(tmp_path / "native"), {**target, "sched": sched})
-    assert set(tessera.read_manifest(str(tmp_path / "ck")).keys()) == set(
-        tessera.read_manifest(str(tmp_path / "native")).keys()
-    )
+    native = {k for k in tessera.read_manifest(str(tmp_path / "native")).keys() if not k.endswith("optim.has_state")}
+    assert set(tessera.read_manifest(str(tmp_path / "ck")).keys()) == native
+
+
+class _TutorialAppState:
+    """The DCP tutorial's ``AppState``, as users have it (``get_state_dict`` / ``set_state_dict``)."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        self.model, self.optimizer = model, optimizer
+
+    def state_dict(self) -> dict:
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        return {"model": model_sd, "optim": optim_sd}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        set_state_dict(
+            self.model, self.optimizer, model_state_dict=state_dict["model"], optim_state_dict=state_dict["optim"]
+        )
+
+
+def test_the_tutorial_appstate_class_loads_a_converted_checkpoint_strictly(tmp_path) -> None:
+    """The tutorial's own ``AppState`` object, unchanged, resumes a converted DCP checkpoint with
+    ``strict=True`` (before, the importer's ``has_state`` flag was an unexpected key)."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = _scheduler(opt)
+    for _ in range(4):
+        model(torch.randn(2, 4)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        sched.step()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(
+            {"app": _TutorialAppState(model, opt), "sched": sched}, checkpoint_id=str(tmp_path / "dcp"), no_dist=True
+        )
+    assert main(["convert", str(tmp_path / "dcp"), str(tmp_path / "ck")]) == 0
+
+    fresh = torch.nn.Linear(4, 3)
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+    fresh_sched = _scheduler(fresh_opt)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        result = tessera.load(str(tmp_path / "ck"), {"app": _TutorialAppState(fresh, fresh_opt), "sched": fresh_sched})
+    assert result.missing_keys == [] and result.unexpected_keys == []
+    assert torch.equal(fresh.weight, model.weight) and fresh_sched.state_dict() == sched.state_dict()
+    for p, q in zip(fresh.parameters(), model.parameters()):
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(fresh_opt.state[p][key], opt.state[q][key]), key

@@ -284,7 +284,6 @@ def import_dcp(
             grouped = regroup_values(
                 planner.loaded, metadata.planner_data, set(metadata.state_dict_metadata) - set(byte_keys)
             )
-            grouped.update(_has_state_flags(grouped, set(metadata.state_dict_metadata)))
             for k, v in grouped.items():
                 try:
                     w.add_value(pre + k, v, allow_pickle=allow_pickle)
@@ -294,24 +293,6 @@ def import_dcp(
         counts = (w.tensors_declared, w.values_added, w.tensor_bytes, w.files_written)
     logger.info("imported %d tensors from DCP %s into %s", counts[0], src, path)
     return ConvertResult(src, path, *counts, time.monotonic() - t0, tuple(skipped))
-
-
-def _has_state_flags(values: dict[str, Any], keys: set[str]) -> dict[str, bool]:
-    """``<p>has_state = True`` for each optimizer state dict that torch's ``get_state_dict`` wrote.
-
-    ``get_state_dict(model, optimizer)`` keys optimizer state by parameter FQN, as
-    :class:`tessera.OptimizerState` does; the one entry tessera adds is ``has_state`` (whether
-    the optimizer had stepped). A DCP state dict with ``<p>param_groups`` and ``<p>state.*``
-    entries is of an optimizer that had, so the flag is written and the checkpoint loads into
-    ``OptimizerState`` strictly.
-    """
-    out = {}
-    for k in values:
-        if k == "param_groups" or k.endswith(".param_groups"):
-            pre = k[: -len("param_groups")]
-            if pre + "has_state" not in values and any(n.startswith(pre + "state.") for n in keys):
-                out[pre + "has_state"] = True
-    return out
 
 
 def regroup_values(values: dict[str, Any], paths: object, tensors: set[str]) -> dict[str, Any]:
