@@ -177,7 +177,8 @@ class ModelState:
             tensors = [t for e in self._saved for t in instead.get(id(e.tensor), [e.tensor])]
             # asked at the first forward (every gate of the save is armed by then), once per save
             unless = functools.cache(lambda p: held_by_step(p, tensors))
-        register = lambda m, hook: m.register_forward_pre_hook(hook)  # noqa: E731
+        # first among the forward pre-hooks: a hook of the user's that writes weights runs after the wait
+        register = lambda m, hook: m.register_forward_pre_hook(hook, prepend=True)  # noqa: E731
         self._forward_gate.arm(pending, modules, "forward", register, unless=unless)
         self._gate.arm(pending, modules, "load", lambda m, hook: m.register_load_state_dict_pre_hook(hook))
 
