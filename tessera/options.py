@@ -20,7 +20,8 @@ class StagingMode(str, Enum):
     :class:`~tessera.stateful.GatedStateful`) are copied in the background while training goes
     on, and the calls that change them (``optimizer.step()``, ``load_state_dict``, and the
     model's forward pass unless every saved model tensor is a parameter a saved
-    ``OptimizerState`` steps) wait until their bytes are in host memory. Every other tensor (raw
+    ``OptimizerState`` steps and the forward writes none) wait until their bytes are in host
+    memory. Every other tensor (raw
     ``model.state_dict()`` / ``optimizer.state_dict()`` tensors, a tensor in a plain dict) is
     copied before ``async_save`` returns, as ``torch.distributed.checkpoint.async_save`` does:
     nothing holds the loop back from changing those.

@@ -382,3 +382,20 @@ def test_two_ranks_hold_the_writes_or_fail_on_every_rank(tmp_path: Path) -> None
 @pytest.mark.slow
 def test_two_ranks_twenty_trials_of_the_main_writes(tmp_path: Path) -> None:
     _two_ranks(tmp_path, MAIN, TRIALS)
+
+
+# --------------------------------------------------------------------------------------
+# What cannot be seen is said once, in the same words, where users look
+
+
+def test_the_readme_and_the_guarantees_state_the_same_limits() -> None:
+    repo = Path(__file__).resolve().parent.parent
+
+    def words(name: str) -> str:
+        return " ".join((repo / name).read_text().split())
+
+    readme, guarantees = words("README.md"), words("docs/guarantees.md")
+    start = readme.index("A change the gate cannot hold fails the save loudly")
+    sentence = readme[start : readme.index(" while the call itself runs", start) + len(" while the call itself runs")]
+    assert "What the default check cannot see: on a GPU" in sentence  # the limits, not only the promise
+    assert sentence in guarantees and sentence in words("docs/manager.md")
