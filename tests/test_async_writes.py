@@ -19,6 +19,8 @@ write lands before the copy and nothing holds must be refused every time the cop
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import os
 import threading
 import time
@@ -33,6 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import tessera
+from tessera.engine.saving import fingerprint
 from tessera.engine.saving import staging as stage
 from tessera.engine.saving import window as win
 from tests.dist_utils import run_distributed
@@ -221,6 +224,12 @@ def _detach_row(lp: Loop) -> None:
     _weight(lp).detach()[3].mul_(2.0)
 
 
+def _same_bytes(lp: Loop) -> None:
+    with torch.no_grad():
+        row = _weight(lp)[3]
+        row.copy_(row.clone())  # an in-place op (the version counter moves) that changes no byte
+
+
 def _kernel_still_running(lp: Loop) -> None:
     """An in-place CPU kernel as the copy sees it: its bytes change at once, its version counter
     moves only when it returns, and it returns only after the copy and its check have ended."""
@@ -264,6 +273,7 @@ CASES: dict[str, Case] = {
     "numpy-view": Case("mlp", _numpy_view, "refuse"),
     "detach-row": Case("mlp", _detach_row, "refuse"),
     "kernel-still-running": Case("mlp", _kernel_still_running, "refuse"),
+    "same-bytes-write": Case("mlp", _same_bytes, "commit"),
     "data-row-after-the-copy": Case("mlp", _after_the_copy, "commit"),
 }
 
@@ -307,6 +317,7 @@ def _run(name: str, root: Path, delay: _Delay, budget: bool, trials: int = TRIAL
         delay.seconds = DELAY_S if trial % 2 else 0.0
         delayed.append(bool(delay.seconds))
         outcomes.append(_trial(name, str(root / f"t{trial}"), budget=budget, seed=trial))
+    print(f"{name} budget={budget}: {dict(collections.Counter(outcomes))}")  # the tally, with -s
     _check(name, outcomes, delayed)
 
 
@@ -350,6 +361,40 @@ def test_the_forward_overlaps_the_copy_unless_it_writes_parameters(tmp_path: Pat
 
 
 # --------------------------------------------------------------------------------------
+# The fingerprint itself: strided sources, chunk and piece boundaries, the threaded path
+
+
+@pytest.mark.parametrize("threaded", [False, True], ids=["inline", "threads"])
+def test_the_fingerprint_matches_the_writer_on_strided_sources_and_sees_one_element(
+    tmp_path: Path, delay: _Delay, monkeypatch: pytest.MonkeyPatch, threaded: bool
+) -> None:
+    monkeypatch.setattr(fingerprint, "_PIECE_BYTES", 10_000)  # pieces that cut chunks anywhere
+    monkeypatch.setattr(fingerprint, "_BATCH_BYTES", 8192)
+    if threaded:
+        monkeypatch.setattr(fingerprint, "_PARALLEL_BYTES", 1)
+    base = torch.randn(300, 257)
+    state = {"t": base.t(), "cols": base[:, 3:200], "whole": torch.randn(5000), "empty": torch.empty(0, 3)}
+    opts = tessera.SaveOptions(staging=tessera.StagingMode.BACKGROUND, chunk_bytes=4096)
+    for budget in (None, BUDGET):
+        want = {k: v.clone() for k, v in state.items()}
+        path = str(tmp_path / f"ok-{budget}")
+        tessera.async_save(path, state, options=dataclasses.replace(opts, max_staging_bytes=budget)).wait()
+        got = {k: torch.empty(v.shape) for k, v in want.items()}
+        tessera.load(path, got)
+        assert all(torch.equal(got[k], want[k]) for k in want)
+        delay.seconds = DELAY_S
+        pending = tessera.async_save(
+            str(tmp_path / f"bad-{budget}"), state, options=dataclasses.replace(opts, max_staging_bytes=budget)
+        )
+        base.numpy()[150, 100] += 1.0  # one element of two strided views, through NumPy
+        with pytest.raises(
+            tessera.StagingMutationError, match=r"tensor '(t|cols)' was modified.*also changed: '(t|cols)'"
+        ):
+            pending.wait()
+        delay.seconds = 0.0
+
+
+# --------------------------------------------------------------------------------------
 # Two gloo ranks (DDP): the same outcome on every rank, the typed error everywhere
 
 
@@ -372,6 +417,7 @@ def _two_ranks(root: Path, names: list[str], trials: int) -> None:
     per_rank = run_distributed(_dist_trials, 2, str(root), names, trials)
     assert per_rank[0] == per_rank[1], per_rank  # the same outcome on every rank
     for key, outcomes in per_rank[0].items():
+        print(f"2 ranks, {key}: {dict(collections.Counter(outcomes))}")  # the tally, with -s
         _check(key.removesuffix(" budget"), outcomes, [t % 2 == 1 for t in range(len(outcomes))])
 
 

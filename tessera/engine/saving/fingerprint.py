@@ -184,7 +184,7 @@ def mutation_error(names: Sequence[str], how: str, rank: int, path: str) -> Stag
     more = ""
     if len(names) > 1:
         listed = ", ".join(f"'{n}'" for n in names[1:6]) + (", ..." if len(names) > 6 else "")
-        more = f" ({len(names) - 1} more tensors changed too: {listed})"
+        more = f" (also changed: {listed})"
     return StagingMutationError(
         f"rank {rank}: tensor '{names[0]}' was modified after async_save({path!r}) returned and "
         f"before its bytes were copied to host memory: {how}{more}. The checkpoint would mix two moments "
