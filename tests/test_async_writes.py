@@ -394,6 +394,15 @@ def test_the_fingerprint_matches_the_writer_on_strided_sources_and_sees_one_elem
         delay.seconds = 0.0
 
 
+def test_checksums_from_a_writer_process_are_compared_too(
+    tmp_path: Path, delay: _Delay, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TESSERA_WRITER", "process")
+    assert tessera.SaveOptions().writer is tessera.options.WriterMode.PROCESS
+    for name in ("data-row", "embedding-max-norm-forward"):
+        _run(name, tmp_path / name, delay, budget=False, trials=4)
+
+
 # --------------------------------------------------------------------------------------
 # Two gloo ranks (DDP): the same outcome on every rank, the typed error everywhere
 
