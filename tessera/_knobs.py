@@ -69,12 +69,12 @@ def max_staging_bytes() -> str | None:
 
 
 def check_staging() -> str:
-    """How background copies are checked (``TESSERA_CHECK_STAGING``: ``sampled`` (default), ``full``, ``off``).
+    """How background copies are checked (``TESSERA_CHECK_STAGING``: ``full`` (default), ``sampled``, ``off``).
 
     ``1``/``true`` mean ``full`` and ``0``/``false`` mean ``off``, as before the levels existed.
     """
     raw = os.environ.get("TESSERA_CHECK_STAGING", "").strip().lower()
-    aliases = {"": "sampled", "1": "full", "true": "full", "yes": "full", "0": "off", "false": "off", "no": "off"}
+    aliases = {"": "full", "1": "full", "true": "full", "yes": "full", "0": "off", "false": "off", "no": "off"}
     return aliases.get(raw, raw)
 
 
