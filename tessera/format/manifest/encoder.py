@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from .schema import CHECKSUM_ALGORITHM, FORMAT, TABLE_MIN_TILES, Manifest, TileTable
+from .schema import CHECKSUM_ALGORITHM, FORMAT, TABLE_MIN_TILES, VERSION, Manifest, TileTable
 
 _SEPARATORS = (",", ":")
 _WIDTHS = ((np.int8, "int8"), (np.int16, "int16"), (np.int32, "int32"), (np.int64, "int64"))
@@ -34,7 +34,7 @@ def encode(m: Manifest) -> bytes:
     remaps: dict[int, tuple[tuple[str, ...], np.ndarray | None]] = {}
     head = {
         "format": FORMAT,
-        "version": m.version,
+        "version": VERSION,  # the inline form, whichever form ``m`` was read from
         "save_id": m.save_id,
         "world_size": m.world_size,
         "checksum": {"algorithm": CHECKSUM_ALGORITHM, "chunk_bytes": m.chunk_bytes},

@@ -13,6 +13,12 @@ import numpy as np
 
 FORMAT = "tessera"
 VERSION = 1
+"""The inline form: every tile's details in ``manifest.json``."""
+SECTIONED_VERSION = 2
+"""The sectioned form: ``manifest.json`` is an index, the tiles' details are in sections
+(:mod:`tessera.format.manifest.sections`); readers of version 1 refuse it."""
+SECTIONS_NAME = "manifest.sections"
+"""File name (under ``data/<save id>/``) of a version 2 manifest's sections."""
 MANIFEST_NAME = "manifest.json"
 CHECKSUM_ALGORITHM = "xxh3_64"
 MAX_MANIFEST_BYTES = 1 << 30
