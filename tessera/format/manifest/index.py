@@ -62,6 +62,10 @@ class _Geometry:
         self._raw: dict | None = raw
         self._cols: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
         self._lock = threading.Lock()
+        self.longest: int | None = None
+        """The longest tile along the first dimension if the tiles are sorted by their first offset, else -1."""
+        self.ascending: bool | None = None
+        """Whether the section column never decreases (each saving rank's tiles of one tensor together)."""
 
     def columns(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         with self._lock:
@@ -120,18 +124,32 @@ class Index:
             raise ManifestError(f"{where}: invalid manifest: nested too deeply") from None
 
     def rows_for(self, name: str, boxes: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> np.ndarray:
-        """Rows of ``name``'s tiles that meet any of ``boxes`` (``(offsets, lengths)``), ascending."""
+        """Rows of ``name``'s tiles that meet any of ``boxes`` (``(offsets, lengths)``), ascending.
+
+        Tiles sorted by their first offset (as saves store them) are searched by bisection:
+        the cost is in proportion to the tiles near a box, not to the tensor's tiles.
+        """
         offs, lens, _ = self._columns(name)
-        if not len(offs):
-            return np.zeros(0, dtype=np.int64)
-        hit = np.zeros(len(offs), dtype=bool)
-        if not offs.shape[1]:
-            hit[:] = True
+        n = len(offs)
+        if not n or not offs.shape[1]:
+            return np.arange(n)
+        g = self.geometry[name]
+        if g.longest is None:
+            starts = offs[:, 0]
+            g.longest = int(lens[:, 0].max()) if bool((starts[1:] >= starts[:-1]).all()) else -1
+        found = []
         for o, ln in boxes:
             lo = np.asarray(o, dtype=np.int64)
             hi = lo + np.asarray(ln, dtype=np.int64)
-            hit |= ((offs < hi) & (offs + lens > lo)).all(axis=1)
-        return np.flatnonzero(hit)
+            if g.longest >= 0:  # earlier tiles end before the box, later ones start after it
+                a = int(np.searchsorted(offs[:, 0], lo[0] - g.longest, side="right"))
+                b = int(np.searchsorted(offs[:, 0], hi[0], side="left"))
+                near = np.arange(a, max(a, b))
+            else:
+                near = np.arange(n)
+            meet = ((offs[near] < hi) & (offs[near] + lens[near] > lo)).all(axis=1)
+            found.append(near[meet])
+        return np.unique(np.concatenate(found)) if len(found) > 1 else found[0]
 
     def sections_of(self, rows: Mapping[str, np.ndarray]) -> list[int]:
         """The sections that hold the given tiles (``tensor name -> rows``), ascending."""
@@ -177,19 +195,28 @@ class Index:
         tensors: dict[str, TensorEntry] = {}
         total = 0
         for ti, (name, (dtype, shape)) in enumerate(self.tensors.items()):
+            if rows is not None and name not in rows:
+                continue
             offs, lens, sec = self._columns(name)
-            want = np.arange(len(sec)) if rows is None else rows.get(name, np.zeros(0, dtype=np.int64))
+            want = np.arange(len(sec)) if rows is None else rows[name]
             total += len(sec)
             s = sec[want]
             what = f"tensor '{name}'"
             if len(s) and not present[s].all():
                 raise ManifestError(f"{self.source}: {what}: section {int(s[~present[s]][0])} was not read")
             # Tile i of a tensor is its k-th tile in section s: that section's k-th row of this tensor.
-            order = np.argsort(sec, kind="stable")
-            rank_in = np.empty(len(sec), dtype=np.int64)
-            rank_in[order] = np.arange(len(sec)) - np.searchsorted(sec[order], sec[order])
+            g = self.geometry[name]
+            if g.ascending is None:
+                g.ascending = bool((sec[1:] >= sec[:-1]).all())
+            if g.ascending:  # bisection over the wanted rows only
+                rank_in = want - np.searchsorted(sec, s, side="left")
+            else:
+                order = np.argsort(sec, kind="stable")
+                every = np.empty(len(sec), dtype=np.int64)
+                every[order] = np.arange(len(sec)) - np.searchsorted(sec[order], sec[order])
+                rank_in = every[want]
             k = s * ntensors + ti
-            pos = np.searchsorted(key, k) + rank_in[want]
+            pos = np.searchsorted(key, k) + rank_in
             ok = pos < len(key)
             ok[ok] = key[pos[ok]] == k[ok]
             if not ok.all():
@@ -200,7 +227,10 @@ class Index:
                 )
             if len(s):  # and no more than the index says, in each section read
                 us = np.unique(s)
-                expected = np.bincount(sec, minlength=self.section_count)[us]
+                if g.ascending:
+                    expected = np.searchsorted(sec, us, side="right") - np.searchsorted(sec, us, side="left")
+                else:
+                    expected = np.bincount(sec, minlength=self.section_count)[us]
                 held = np.searchsorted(key, us * ntensors + ti, side="right") - np.searchsorted(key, us * ntensors + ti)
                 if not np.array_equal(held, expected):
                     bad = int(us[np.flatnonzero(held != expected)[0]])
