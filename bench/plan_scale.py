@@ -514,9 +514,13 @@ def main() -> None:
     if "v2_rank_plan_s" in r:
         mib = 1 << 20
         print()
-        print(f"| one loading rank ({args.ranks} -> {args.target_ranks}, rank {r['load_rank']}) | bytes read | requests | time to a load plan (20 ms/request, 1 GB/s) |")
+        print(
+            f"| one loading rank ({args.ranks} -> {args.target_ranks}, rank {r['load_rank']}) | bytes read | requests | time to a load plan (20 ms/request, 1 GB/s) |"
+        )
         print("|---|---|---|---|")
-        print(f"| version 1 (manifest.json whole) | {r['v1_rank_bytes'] / mib:.1f} MiB | {r['v1_rank_requests']} | {r['v1_rank_plan_s']:.2f} s |")
+        print(
+            f"| version 1 (manifest.json whole) | {r['v1_rank_bytes'] / mib:.1f} MiB | {r['v1_rank_requests']} | {r['v1_rank_plan_s']:.2f} s |"
+        )
         print(
             f"| version 2 (index {r['v2_index_mb']:.2f} MB + {r['v2_rank_sections_read']} sections) | {r['v2_rank_bytes'] / mib:.2f} MiB "
             f"| {r['v2_rank_requests']} | {r['v2_rank_plan_s']:.2f} s (slowest of {SAMPLED_RANKS} sampled: {r['v2_sampled_rank_plan_s_max']:.2f} s) |"

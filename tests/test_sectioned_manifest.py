@@ -65,15 +65,23 @@ def _save(rank: int, world: int, root: str) -> None:
     os.environ.update(SECTIONED)
     for layout in LAYOUTS:
         tessera.save(os.path.join(root, layout), _state(layout, rank, world, zero=False))
-    stage = {"stage0": {"w": truth((10, 3), torch.float32)}} if rank == 0 else {"stage1": {"w": truth((8, 2), torch.float32, 1)}}
+    stage = (
+        {"stage0": {"w": truth((10, 3), torch.float32)}}
+        if rank == 0
+        else {"stage1": {"w": truth((8, 2), torch.float32, 1)}}
+    )
     tessera.save(os.path.join(root, "stages"), stage)
+
+
+def _bytes(path: str) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()
 
 
 def _what_was_read(store: CountingStorage, path: str) -> tuple[set[int], set[int], int]:
     """(saving ranks of the sections read, saving ranks of the data files read, section bytes read)."""
-    index = decode_index(open(os.path.join(path, MANIFEST_NAME), "rb").read())
-    with open(os.path.join(path, index.sections_path), "rb") as f:
-        blob = f.read()
+    index = decode_index(_bytes(os.path.join(path, MANIFEST_NAME)))
+    blob = _bytes(os.path.join(path, index.sections_path))
     section_ranks, data_ranks, nbytes = set(), set(), 0
     for p, offset, n in store.reads:
         if p.endswith(SECTIONS_NAME):
@@ -113,10 +121,10 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> str:
 @pytest.mark.parametrize("world", [2, 3])
 def test_resharded_loads_read_only_their_sections(saved: str, world: int) -> None:
     for layout in [*LAYOUTS, "stages"]:
-        assert json.loads(open(os.path.join(saved, layout, MANIFEST_NAME), "rb").read())["version"] == 2
+        assert json.loads(_bytes(os.path.join(saved, layout, MANIFEST_NAME)))["version"] == 2
     results = run_distributed(_load, world, saved)
     for layout in ["dt_shard0", "flat", "sharded_uneven"]:  # sharded over 4 saving ranks, loaded by fewer
-        index = decode_index(open(os.path.join(saved, layout, MANIFEST_NAME), "rb").read())
+        index = decode_index(_bytes(os.path.join(saved, layout, MANIFEST_NAME)))
         full = index.sections_bytes
         read = [n for rank in results for lay, _, n in rank if lay == layout]
         assert max(read) < full, f"{layout}: some rank read every section ({read} of {full} bytes)"
@@ -147,13 +155,14 @@ def test_a_damaged_section_names_the_section_and_the_rank(saved: str, tmp_path) 
 
     path = str(tmp_path / "ck")
     shutil.copytree(os.path.join(saved, "dt_shard0"), path)
-    index = decode_index(open(os.path.join(path, MANIFEST_NAME), "rb").read())
+    index = decode_index(_bytes(os.path.join(path, MANIFEST_NAME)))
     sections = os.path.join(path, index.sections_path)
-    blob = bytearray(open(sections, "rb").read())
+    blob = bytearray(_bytes(sections))
     s = 3  # the last saving rank's: read by the last loading rank only
     at = int(index.offset[s]) + int(index.length[s]) - 10
     blob[at] = ord("0") if blob[at] != ord("0") else ord("1")
-    open(sections, "wb").write(bytes(blob))
+    with open(sections, "wb") as f:
+        f.write(bytes(blob))
     outcomes = run_ranks(_load_damaged, 2, path, timeout=120)
     for o in outcomes:
         assert o.status == "error", o
@@ -166,11 +175,11 @@ def test_a_damaged_section_names_the_section_and_the_rank(saved: str, tmp_path) 
 def test_small_saves_stay_version_1_and_version_2_is_refused_by_the_inline_decoder(tmp_path, monkeypatch) -> None:
     state = {"w": truth((6, 4), torch.float32), "step": 3}
     tessera.save(str(tmp_path / "v1"), state)
-    data = open(tmp_path / "v1" / MANIFEST_NAME, "rb").read()
+    data = _bytes(tmp_path / "v1" / MANIFEST_NAME)
     assert json.loads(data)["version"] == 1
     monkeypatch.setenv("TESSERA_SECTIONED_MANIFEST_TILES", "0")
     tessera.save(str(tmp_path / "v2"), state)
-    index = open(tmp_path / "v2" / MANIFEST_NAME, "rb").read()
+    index = _bytes(tmp_path / "v2" / MANIFEST_NAME)
     assert json.loads(index)["version"] == 2
     with pytest.raises(ManifestError, match="format version 2: an index whose tiles are in sections"):
         decode(index)
@@ -222,7 +231,7 @@ def test_manager_resume_and_dedup_base_read_sectioned_steps(tmp_path, monkeypatc
             mgr.save(step, {"frozen": frozen, "moving": torch.full((4,), float(step))})
     steps = sorted(d for d in os.listdir(root) if d.startswith("step-"))
     for d in steps:
-        assert json.loads(open(os.path.join(root, d, MANIFEST_NAME), "rb").read())["version"] == 2
+        assert json.loads(_bytes(os.path.join(root, d, MANIFEST_NAME)))["version"] == 2
     second = tessera.read_manifest(os.path.join(root, steps[1]))
     first = tessera.read_manifest(os.path.join(root, steps[0]))
     # Step 2 references the frozen tensor's tiles step 1 stored: its base was read from sections.
@@ -233,3 +242,67 @@ def test_manager_resume_and_dedup_base_read_sectioned_steps(tmp_path, monkeypatc
         assert torch.equal(state["frozen"], frozen) and torch.equal(state["moving"], torch.full((4,), 2.0))
         mgr.save(3, {"frozen": frozen, "moving": torch.full((4,), 3.0)})  # collects with sectioned steps
     assert tessera.verify(os.path.join(root, steps[1])).ok
+
+
+def _small_manifest(paths: tuple[str, ...] = ("data/s/0-0.safetensors", "data/s/1-0.safetensors")):
+    import numpy as np
+
+    from tessera.format.manifest import FileEntry, Manifest, TensorEntry, TileTable
+
+    offs = np.array([[0, 0], [4, 0]], dtype=np.int64)
+    lens = np.array([[4, 3], [4, 3]], dtype=np.int64)
+    table = TileTable(
+        paths,
+        np.array([0, 1]),
+        offs,
+        lens,
+        np.array([64, 64]),
+        np.array([48, 48]),
+        np.array([1, 1]),
+        np.array([7, 9], dtype=np.uint64),
+    )
+    files = (FileEntry(paths[0], 0, 112), FileEntry(paths[1], 1, 112))
+    return Manifest("s", 2, 4096, {"w": TensorEntry("float32", (8, 3), table=table)}, files=files)
+
+
+def _patched(index, s: int, data: bytes):
+    """``index`` with section ``s``'s length and checksum those of ``data`` (a forged, consistent index)."""
+    import xxhash
+
+    index.length, index.checksums = index.length.copy(), index.checksums.copy()
+    index.length[s] = len(data)
+    index.checksums[s] = xxhash.xxh3_64_intdigest(data)
+    return index
+
+
+def test_sections_are_hostile_input_like_the_manifest() -> None:
+    m = _small_manifest()
+    idx, secs = encode_sectioned(m)
+    index = decode_index(idx)
+    first = secs[: int(index.length[0])]
+    # A file reference that leaves the checkpoint.
+    bad = first.replace(b'"data/s/0-0.safetensors"', b'"../../etc/0-0.safetensor"')
+    with pytest.raises(ManifestError, match="section 0 of"):
+        _patched(decode_index(idx), 0, bad).decode_section(0, bad)
+    # A section that holds another number of a tensor's tiles than the index says.
+    doc = json.loads(first)
+    doc["tiles"]["count"] = 0
+    for k in ("tensor", "file", "byte_offset", "chunks"):
+        doc["tiles"][k] = {"dtype": "int8", "data": ""}
+    doc["tiles"]["checksums"] = {"dtype": "uint64", "data": ""}
+    empty = json.dumps(doc).encode()
+    forged = _patched(decode_index(idx), 0, empty)
+    sec0 = forged.decode_section(0, empty)
+    sec1 = forged.decode_section(1, secs[int(index.offset[1]) :])
+    with pytest.raises(ManifestError, match="section 0 of .* fewer of its tiles"):
+        forged.assemble({0: sec0, 1: sec1})
+    # An index that declares more tiles than its sections file could describe.
+    doc = json.loads(idx)
+    doc["tensors"]["w"]["tile_index"]["count"] = 10**6
+    with pytest.raises(ManifestError, match="tile_index.count 1000000"):
+        decode_index(json.dumps(doc).encode())
+    # A section's range outside the sections file.
+    doc = json.loads(idx)
+    doc["sections"]["bytes"] = 10
+    with pytest.raises(ManifestError, match="outside"):
+        decode_index(json.dumps(doc).encode())

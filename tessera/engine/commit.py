@@ -38,8 +38,8 @@ from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from ..errors import CheckpointError, CommitCheckError, ConcurrentSaveError, LocationMismatchError, StorageError
 from .. import _knobs
+from ..errors import CheckpointError, CommitCheckError, ConcurrentSaveError, LocationMismatchError, StorageError
 from ..format.manifest import MANIFEST_NAME, FileEntry, Manifest, encode, encode_sectioned, sections_path
 from ..format.names import DATA_DIR, LOAD_TIMINGS_DIR, OWNER_MARKER_DIR, is_shared_ref
 from ..storage.base import Storage

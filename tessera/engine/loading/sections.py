@@ -17,14 +17,13 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from ...errors import CheckpointError, ManifestError, StorageError
-from ...format.manifest import MAX_MANIFEST_BYTES, Index, Manifest, Section, TileTable
+from ...format.manifest import Index, Manifest, Section, TileTable
+from ...format.manifest.schema import MAX_SECTIONS_BYTES
 from ...storage import Storage
 from .plan import ReadTarget
 
 logger = logging.getLogger(__name__)
 
-MAX_SECTIONS_BYTES = 4 * MAX_MANIFEST_BYTES
-"""The largest sections file a whole-manifest read accepts (checked with a stat before reading)."""
 READ_THREADS = 16
 """Range reads of sections in flight at once, per rank."""
 COALESCE_BYTES = 4 << 20
@@ -71,7 +70,9 @@ def read_sections(
             ) from e
         data = bytes(buf)
         return [
-            index.decode_section(s, data[int(index.offset[s]) - start : int(index.offset[s] + index.length[s]) - start], rank=rank)
+            index.decode_section(
+                s, data[int(index.offset[s]) - start : int(index.offset[s] + index.length[s]) - start], rank=rank
+            )
             for s in run
         ]
 
@@ -148,4 +149,3 @@ class SectionedLoad:
 
 
 Narrow = Callable[[Sequence[ReadTarget]], Manifest]
-

@@ -119,9 +119,7 @@ def head_fields(data: bytes, expected: int) -> tuple[dict, int, str, int, int]:
         raise fail(f"format is {doc.get('format')!r:.40}, expected {FORMAT!r}")
     version = as_int(doc.get("version"), "version", 1)
     if version > SECTIONED_VERSION:
-        raise fail(
-            f"format version {version} is newer than this tessera reads ({SECTIONED_VERSION}); upgrade tessera"
-        )
+        raise fail(f"format version {version} is newer than this tessera reads ({SECTIONED_VERSION}); upgrade tessera")
     if version != expected:
         raise fail(
             f"format version {version}: "

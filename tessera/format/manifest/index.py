@@ -28,6 +28,8 @@ from .schema import (
     DECODE_SLACK,
     MANIFEST_NAME,
     MAX_MANIFEST_BYTES,
+    MAX_SECTIONS_BYTES,
+    MIN_SECTION_BYTES_PER_TILE,
     SECTIONED_VERSION,
     FileEntry,
     Manifest,
@@ -54,11 +56,11 @@ class Section:
 class _Geometry:
     """A tensor's index columns (offsets, lengths, section), decoded and checked on first use."""
 
-    def __init__(self, name: str, position: int, raw: dict, ndim: int, sections: int, budget: Budget) -> None:
+    def __init__(self, name: str, position: int, raw: dict, ndim: int, sections: int, tiles: Budget) -> None:
         self.name, self.position, self.ndim, self.sections = name, position, ndim, sections
         raw = as_dict(raw, f"tensor '{name}' tile_index")
         self.count = as_int(raw.get("count"), f"tensor '{name}' tile_index count")
-        budget.take(8 * self.count * (1 + 2 * ndim), f"tensor '{name}': tile_index.count {self.count}")
+        tiles.take(self.count, f"tensor '{name}': tile_index.count {self.count}")
         self._raw: dict | None = raw
         self._cols: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
         self._lock = threading.Lock()
@@ -109,7 +111,9 @@ class Index:
         Raises:
             ManifestError: naming the section, the sections file and the rank.
         """
-        where = f"{self.source}: section {number} of {self.sections_path}" + (f" (read by rank {rank})" if rank is not None else "")
+        where = f"{self.source}: section {number} of {self.sections_path}" + (
+            f" (read by rank {rank})" if rank is not None else ""
+        )
         if len(data) != int(self.length[number]) or xxhash.xxh3_64_intdigest(data) != int(self.checksums[number]):
             raise ManifestError(
                 f"{where}: checksum mismatch ({len(data)} bytes, xxh3 {xxhash.xxh3_64_hexdigest(data)}, expected "
@@ -240,7 +244,11 @@ class Index:
                     )
             counts = chunks[pos]
             first = np.concatenate([[0], np.cumsum(counts)])[:-1].astype(np.int64)
-            gather = np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(first, counts) + np.repeat(sum_starts[pos], counts)
+            gather = (
+                np.arange(int(counts.sum()), dtype=np.int64)
+                - np.repeat(first, counts)
+                + np.repeat(sum_starts[pos], counts)
+            )
             cols = (fidx[pos], offs[want], lens[want], bo[pos], counts, sums[gather])
             try:
                 table = check_columns(ctx, name, shape, self._sizes[name], cols)
@@ -248,7 +256,9 @@ class Index:
                 raise ManifestError(f"{self.source}: {e}") from None
             tensors[name] = TensorEntry(dtype, shape, table=table)
         if rows is None and total != len(key):
-            raise ManifestError(f"{self.source}: invalid manifest: the sections hold {len(key)} tiles, the index {total}")
+            raise ManifestError(
+                f"{self.source}: invalid manifest: the sections hold {len(key)} tiles, the index {total}"
+            )
         return self._manifest(tensors, tuple(files))
 
     def shell(self, tables: Callable[[str], TileTable]) -> Manifest:
@@ -285,14 +295,17 @@ def _decode_index(data: bytes, source: str) -> Index:
     path = check_relpath(raw.get("path"))  # type: ignore[arg-type]  # check_relpath refuses non-strings
     nbytes = as_int(raw.get("bytes"), "sections.bytes")
     count = as_int(raw.get("count"), "sections.count")
+    if nbytes > MAX_SECTIONS_BYTES:
+        raise fail(f"sections.bytes {nbytes} is over the {MAX_SECTIONS_BYTES}-byte limit")
     budget = Budget(DECODE_RATIO * len(data) + DECODE_SLACK)
     budget.take(24 * count, f"sections.count {count}")
+    # The geometry deflates far better than the checksums that bound version 1 tables: its
+    # tiles are bounded by what the sections file the index names can describe instead.
+    tiles = Budget(nbytes // MIN_SECTION_BYTES_PER_TILE)
     offset = column("the index", raw, "offset", count, count, "sections")
     length = column("the index", raw, "length", count, count, "sections")
     sums = column("the index", raw, "checksums", count, count, "sections")
-    if count and (
-        (length < 1).any() or (length > MAX_MANIFEST_BYTES).any() or (offset + length > nbytes).any()
-    ):
+    if count and ((length < 1).any() or (length > MAX_MANIFEST_BYTES).any() or (offset + length > nbytes).any()):
         raise fail(f"sections: a section's range lies outside {path} ({nbytes} bytes) or is empty or too large")
     tensors: dict[str, tuple[str, tuple[int, ...]]] = {}
     sizes: dict[str, int] = {}
@@ -301,7 +314,7 @@ def _decode_index(data: bytes, source: str) -> Index:
         tdoc = as_dict(raw_entry, f"tensor '{name}'")
         dtype, shape, size = tensor_header(name, tdoc)
         tensors[name], sizes[name] = (dtype, shape), size
-        geometry[name] = _Geometry(name, i, tdoc.get("tile_index"), len(shape), count, budget)
+        geometry[name] = _Geometry(name, i, tdoc.get("tile_index"), len(shape), count, tiles)
     index = Index(source, head, doc, tensors, sizes, (path, nbytes, offset, length, sums))
     index.geometry = geometry
     index._manifest({}, ())  # values, per_rank and names: checked now, not on first use

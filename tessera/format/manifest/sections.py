@@ -22,7 +22,7 @@ import numpy as np
 import xxhash
 
 from ..names import DATA_DIR
-from .encoder import _int_column, _remap, _dumps
+from .encoder import _dumps, _int_column, _remap
 from .schema import CHECKSUM_ALGORITHM, FORMAT, SECTIONED_VERSION, SECTIONS_NAME, Manifest
 
 
@@ -146,7 +146,11 @@ def _sections(
             sec_sums = sums[starts[rows]]
         else:
             first = np.concatenate([[0], np.cumsum(counts)])[:-1].astype(np.int64)
-            idx = np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(first, counts) + np.repeat(starts[rows], counts)
+            idx = (
+                np.arange(int(counts.sum()), dtype=np.int64)
+                - np.repeat(first, counts)
+                + np.repeat(starts[rows], counts)
+            )
             sec_sums = sums[idx]
         parts = [
             b'{"section":%d,"rank":%d,"files":' % (s, int(section_ranks[s])),
@@ -160,6 +164,10 @@ def _sections(
         _int_column(parts, bo[rows])
         parts.append(b',"chunks":')
         _int_column(parts, counts)
-        parts += [b',"checksums":{"dtype":"uint64","data":"', base64.b64encode(sec_sums.astype("<u8").tobytes()), b'"}}}']
+        parts += [
+            b',"checksums":{"dtype":"uint64","data":"',
+            base64.b64encode(sec_sums.astype("<u8").tobytes()),
+            b'"}}}',
+        ]
         out.append(b"".join(parts))
     return out
