@@ -9,7 +9,10 @@ Every step a save takes against storage, in order (docs/guarantees.md says why i
 2. **Write** (every rank): data files only under ``data/<save id>/``, names no committed
    manifest refers to; each fsync'ed, then its directory; a failed write removes its files.
 3. **Check** (rank 0, :func:`check_files`): every file the ranks reported exists where the
-   manifest will point, with the reported size: one listing of ``data/<save id>/``.
+   manifest will point, with the reported size: one listing of ``data/<save id>/``. A large
+   manifest (:func:`sectioned`, format version 2) first writes its sections file there
+   (``data/<save id>/manifest.sections``), checked with the data files: the index published
+   in 4 points into it.
 4. **Publish** (rank 0, :func:`publish`): ``manifest.json`` replaces the version read in 1,
    and only that version (``replace_if``: a ``flock``-guarded rename on filesystems, a
    conditional PUT on S3). If another save committed meanwhile, this one fails with

@@ -115,6 +115,23 @@ def _int_column(parts: list[bytes], arr: np.ndarray) -> None:
     Stored as the difference from the previous row unless that needs more bytes per value:
     sorted offsets, byte offsets and file indices step by small, repeating amounts.
     """
+    name, delta, data = _int_column_parts(arr)
+    parts += [
+        b'{"dtype":"%s",' % name.encode(),
+        b'"delta":true,' if delta else b"",
+        b'"zlib":true,"data":"',
+        data,
+        b'"}',
+    ]
+
+
+def column_doc(arr: np.ndarray) -> dict[str, Any]:
+    """:func:`_int_column` as a JSON-ready object (for documents built with ``json.dumps``)."""
+    name, delta, data = _int_column_parts(arr)
+    return {"dtype": name, "delta": delta, "zlib": True, "data": data.decode("ascii")}
+
+
+def _int_column_parts(arr: np.ndarray) -> tuple[str, bool, bytes]:
     arr = np.asarray(arr, dtype=np.int64)
     if arr.ndim == 1:
         arr = arr[:, None]
@@ -130,13 +147,7 @@ def _int_column(parts: list[bytes], arr: np.ndarray) -> None:
             delta, values, width = True, diff, diff_width
     dtype, name = _WIDTHS[width]
     raw = np.ascontiguousarray(values, dtype=np.dtype(dtype).newbyteorder("<")).tobytes()
-    parts += [
-        b'{"dtype":"%s",' % name.encode(),
-        b'"delta":true,' if delta else b"",
-        b'"zlib":true,"data":"',
-        base64.b64encode(zlib.compress(raw, 1)),
-        b'"}',
-    ]
+    return name, delta, base64.b64encode(zlib.compress(raw, 1))
 
 
 def _width(a: np.ndarray) -> int:

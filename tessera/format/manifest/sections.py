@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import base64
 import json
+import zlib
 from typing import Any
 
 import numpy as np
 import xxhash
 
 from ..names import DATA_DIR
-from .encoder import _dumps, _int_column, _remap
+from .encoder import _WIDTHS, _dumps, _int_column, _remap, _width
 from .schema import CHECKSUM_ALGORITHM, FORMAT, SECTIONED_VERSION, SECTIONS_NAME, Manifest
 
 
@@ -134,40 +135,67 @@ def _sections(
     starts = np.concatenate([[0], np.cumsum(chunks)]).astype(np.int64)
     order = np.argsort(sec, kind="stable")  # within a section: tensor order, then tile order
     bounds = np.searchsorted(sec[order], np.arange(len(section_ranks) + 1))
+    counts = chunks[order]
+    # Every tile's checksums, in section order (one per tile, the common case: no gather).
+    if len(counts) and int(counts.max()) == 1 == int(counts.min()):
+        sorted_sums = sums[starts[order]]
+    else:
+        first = np.concatenate([[0], np.cumsum(counts)])[:-1].astype(np.int64)
+        idx = np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(first, counts) + np.repeat(starts[order], counts)
+        sorted_sums = sums[idx]
+    sum_bounds = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)[bounds]
+    sum_bytes = sorted_sums.astype("<u8").tobytes()
+    # Each integer column coded once for all sections (one width, delta-coded within each
+    # section), then cut: per section only slicing, deflating and base64 remain.
+    columns = [_column_for_sections(c[order], bounds) for c in (tensor, local, bo, chunks)]
     files_of: list[list[list[Any]]] = [[] for _ in section_ranks]
     for f, s in zip(m.files, file_section.tolist()):
         files_of[s].append([f.path, f.rank, f.nbytes])
     out = []
+    b = bounds.tolist()
+    sb = sum_bounds.tolist()
     for s in range(len(section_ranks)):
-        rows = order[bounds[s] : bounds[s + 1]]
-        k = len(rows)
-        counts = chunks[rows]
-        if k and int(counts.max()) == 1 == int(counts.min()):  # one checksum per tile: the common case
-            sec_sums = sums[starts[rows]]
-        else:
-            first = np.concatenate([[0], np.cumsum(counts)])[:-1].astype(np.int64)
-            idx = (
-                np.arange(int(counts.sum()), dtype=np.int64)
-                - np.repeat(first, counts)
-                + np.repeat(starts[rows], counts)
-            )
-            sec_sums = sums[idx]
         parts = [
             b'{"section":%d,"rank":%d,"files":' % (s, int(section_ranks[s])),
             json.dumps(files_of[s], separators=(",", ":")).encode(),
-            b',"tiles":{"count":%d,"tensor":' % k,
+            b',"tiles":{"count":%d' % (b[s + 1] - b[s]),
         ]
-        _int_column(parts, tensor[rows])
-        parts.append(b',"file":')
-        _int_column(parts, local[rows])
-        parts.append(b',"byte_offset":')
-        _int_column(parts, bo[rows])
-        parts.append(b',"chunks":')
-        _int_column(parts, counts)
+        for key, (head, data, size) in zip((b"tensor", b"file", b"byte_offset", b"chunks"), columns):
+            parts += [
+                b',"',
+                key,
+                b'":',
+                head,
+                base64.b64encode(zlib.compress(data[b[s] * size : b[s + 1] * size], 1)),
+                b'"}',
+            ]
         parts += [
             b',"checksums":{"dtype":"uint64","data":"',
-            base64.b64encode(sec_sums.astype("<u8").tobytes()),
+            base64.b64encode(sum_bytes[sb[s] * 8 : sb[s + 1] * 8]),
             b'"}}}',
         ]
         out.append(b"".join(parts))
     return out
+
+
+def _column_for_sections(values: np.ndarray, bounds: np.ndarray) -> tuple[bytes, bytes, int]:
+    """``(column object head, little-endian bytes, item size)`` of a non-negative column cut into
+    sections at ``bounds``: delta-coded within each section where that is no wider."""
+    width = _width(values)
+    delta = False
+    if len(values) > 1 and width > 0:
+        diff = np.empty_like(values)
+        diff[0] = values[0]
+        np.subtract(values[1:], values[:-1], out=diff[1:])
+        firsts = bounds[:-1][bounds[:-1] < len(values)]
+        diff[firsts] = values[firsts]  # each section's first row as is
+        diff_width = _width(diff)
+        if diff_width <= width:
+            delta, values, width = True, diff, diff_width
+    dtype, name = _WIDTHS[width]
+    head = b'{"dtype":"%s",%s"zlib":true,"data":"' % (name.encode(), b'"delta":true,' if delta else b"")
+    return (
+        head,
+        np.ascontiguousarray(values, dtype=np.dtype(dtype).newbyteorder("<")).tobytes(),
+        np.dtype(dtype).itemsize,
+    )
