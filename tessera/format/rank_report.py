@@ -12,7 +12,9 @@ followed by a newline and the xxh3-64 of the JSON in hex: a torn or altered repo
 from __future__ import annotations
 
 import base64
+import binascii
 import json
+import zlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -92,7 +94,10 @@ def encode_report(doc: RankReportDoc) -> bytes:
     t = doc.tiles
     if t is not None:
         body["files"] = [[p, n] for p, n in t.files]
-        body["names"] = list(t.names)
+        # Deflated: a rank's tensor names repeat prefixes, and ranks of one job often report the
+        # very same list, which rank 0 then parses once (:func:`_names`).
+        packed = zlib.compress(json.dumps(list(t.names), separators=(",", ":")).encode(), 1)
+        body["names"] = {"zlib": base64.b64encode(packed).decode("ascii")}
         # The columns of a manifest's tile table (rank 0 reads one report per rank: their size
         # is what the commit waits for).
         body["tiles"] = {
@@ -148,14 +153,37 @@ def decode_report(data: bytes, *, source: str, rank: int, save_id: str) -> RankR
     )
 
 
+_NAMES: dict[str, tuple[str, ...]] = {}
+"""Name lists already decoded, by their packed text (the ranks of one save mostly share a few)."""
+
+
+def _names(raw: Any, fail: Any) -> tuple[str, ...]:
+    text = raw.get("zlib") if isinstance(raw, dict) else None
+    if not isinstance(text, str):
+        raise fail('names must be {"zlib": base64 of a deflated JSON list of strings}')
+    hit = _NAMES.get(text)
+    if hit is not None:
+        return hit
+    try:
+        inflated = zlib.decompressobj().decompress(base64.b64decode(text, validate=True), MAX_REPORT_BYTES)
+        names = json.loads(inflated)
+    except (binascii.Error, ValueError, zlib.error):
+        raise fail("names are not valid base64 of a deflated JSON list") from None
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        raise fail("names must be a list of strings")
+    if len(_NAMES) >= 256:
+        _NAMES.clear()
+    out = _NAMES[text] = tuple(names)
+    return out
+
+
 def _tiles(doc: dict[str, Any], fail: Any) -> ReportTiles:
-    files, names, raw = doc.get("files"), doc.get("names"), doc.get("tiles")
+    files, raw = doc.get("files"), doc.get("tiles")
+    names = _names(doc.get("names"), fail)
     if not isinstance(files, list) or not all(
         isinstance(f, list) and len(f) == 2 and isinstance(f[0], str) and type(f[1]) is int and f[1] >= 0 for f in files
     ):
         raise fail("files must be [[path, bytes], ...]")
-    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
-        raise fail("names must be a list of strings")
     if not isinstance(raw, dict):
         raise fail("tiles must be an object")
     n, nd = raw.get("count"), raw.get("ndim")
@@ -175,7 +203,7 @@ def _tiles(doc: dict[str, Any], fail: Any) -> ReportTiles:
         raise fail("a tile refers to a file or name the report does not list")
     return ReportTiles(
         tuple((f[0], f[1]) for f in files),
-        tuple(names),
+        names,
         file,
         name,
         offs.reshape(n, nd),
