@@ -125,12 +125,6 @@ def _int_column(parts: list[bytes], arr: np.ndarray) -> None:
     ]
 
 
-def column_doc(arr: np.ndarray) -> dict[str, Any]:
-    """:func:`_int_column` as a JSON-ready object (for documents built with ``json.dumps``)."""
-    name, delta, data = _int_column_parts(arr)
-    return {"dtype": name, "delta": delta, "zlib": True, "data": data.decode("ascii")}
-
-
 def _int_column_parts(arr: np.ndarray) -> tuple[str, bool, bytes]:
     arr = np.asarray(arr, dtype=np.int64)
     if arr.ndim == 1:

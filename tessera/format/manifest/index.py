@@ -12,10 +12,12 @@ use unchanged. No I/O here: the caller reads the bytes (:mod:`tessera.engine.loa
 
 from __future__ import annotations
 
+import functools
 import json
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import xxhash
@@ -56,7 +58,7 @@ class Section:
 class _Geometry:
     """A tensor's index columns (offsets, lengths, section), decoded and checked on first use."""
 
-    def __init__(self, name: str, position: int, raw: dict, ndim: int, sections: int, tiles: Budget) -> None:
+    def __init__(self, name: str, position: int, raw: Any, ndim: int, sections: int, tiles: Budget) -> None:
         self.name, self.position, self.ndim, self.sections = name, position, ndim, sections
         raw = as_dict(raw, f"tensor '{name}' tile_index")
         self.count = as_int(raw.get("count"), f"tensor '{name}' tile_index count")
@@ -178,17 +180,19 @@ class Index:
         files: list[FileEntry] = []
         base = np.zeros(self.section_count + 1, dtype=np.int64)
         seen: set[str] = set()
-        for s in numbers:
-            base[s] = len(files)
-            for f in sections[s].files:
+        for number in numbers:
+            base[number] = len(files)
+            for f in sections[number].files:
                 if f.path in seen:
                     raise ManifestError(f"{self.source}: invalid manifest: file {f.path!r} is listed twice")
                 seen.add(f.path)
                 files.append(f)
-        secs = [sections[s] for s in numbers]
+        secs = [sections[number] for number in numbers]
         ntensors = max(1, len(self.tensors))
-        key = np.concatenate([s * ntensors + c.tensor for s, c in zip(numbers, secs)] or [np.zeros(0, np.int64)])
-        fidx = np.concatenate([base[s] + c.file for s, c in zip(numbers, secs)] or [np.zeros(0, np.int64)])
+        key = np.concatenate(
+            [number * ntensors + c.tensor for number, c in zip(numbers, secs)] or [np.zeros(0, np.int64)]
+        )
+        fidx = np.concatenate([base[number] + c.file for number, c in zip(numbers, secs)] or [np.zeros(0, np.int64)])
         bo = np.concatenate([c.byte_offset for c in secs] or [np.zeros(0, np.int64)])
         chunks = np.concatenate([c.chunks for c in secs] or [np.zeros(0, np.int64)])
         sums = np.concatenate([c.checksums for c in secs] or [np.zeros(0, np.uint64)])
@@ -264,7 +268,7 @@ class Index:
     def shell(self, tables: Callable[[str], TileTable]) -> Manifest:
         """The manifest with each tensor's tiles from ``tables(name)`` on first use (files: none listed)."""
         tensors = {
-            name: TensorEntry(dtype, shape, loader=(lambda n=name: tables(n)), count=self.geometry[name].count)
+            name: TensorEntry(dtype, shape, loader=functools.partial(tables, name), count=self.geometry[name].count)
             for name, (dtype, shape) in self.tensors.items()
         }
         return self._manifest(tensors, ())
