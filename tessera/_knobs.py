@@ -94,3 +94,10 @@ def writer_timeout_s() -> float:
     fails (``TESSERA_WRITER_TIMEOUT_S``; default half of ``TESSERA_TIMEOUT_S``, so that the
     stuck rank's error reaches the other ranks before their own exchange times out)."""
     return _float("TESSERA_WRITER_TIMEOUT_S", collective_timeout_s() / 2)
+
+
+def sectioned_manifest_tiles() -> int:
+    """Tiles from which a save's manifest is written in sections, format version 2, so that each
+    loading rank reads only its part (``TESSERA_SECTIONED_MANIFEST_TILES``, default 262144; 0:
+    always). Smaller manifests stay version 1, read whole."""
+    return max(0, _int("TESSERA_SECTIONED_MANIFEST_TILES", 1 << 18))

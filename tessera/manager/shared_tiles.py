@@ -22,11 +22,11 @@ import logging
 import threading
 import time
 
-from ..engine.loading.manifest import read_manifest, read_manifest_bytes
+from ..engine.loading.manifest import read_manifest, read_manifest_files
 from ..engine.saving.tile_index import Dedup, TileIndex, shared_dir
 from ..engine.tile_pins import PIN_LEASE_S, Pin, read_pins, remove_pin
 from ..errors import CheckpointNotFoundError
-from ..format.manifest import MANIFEST_NAME, decode_files
+from ..format.manifest import MANIFEST_NAME
 from ..format.names import OWNER_MARKER_DIR, PINS_DIR, SHARED_TILES_DIR, is_shared_ref
 from ..storage import Storage
 from ..storage.capabilities import RemovesEmptyDirs, Versioned
@@ -124,7 +124,7 @@ class SharedTiles:
             return hit[1]
         store = self.steps.factory(url)
         try:
-            save_id, files = decode_files(read_manifest_bytes(store, url), source=f"{url}/{MANIFEST_NAME}")
+            save_id, files = read_manifest_files(store, url)
         except CheckpointNotFoundError:
             return None
         finally:

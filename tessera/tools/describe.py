@@ -19,7 +19,7 @@ import numpy as np
 
 from ..engine.loading.path_report import PathKind, PathReport, examine_path
 from ..engine.saving.tile_index import shared_dir
-from ..format.manifest import MANIFEST_NAME, Manifest, decode_files
+from ..format.manifest import MANIFEST_NAME, Manifest
 from ..format.names import is_shared_ref, parse_step_dirname
 from ..format.safetensors_header import read_file_header, tensor_entries
 from ..storage import storage_for
@@ -291,7 +291,7 @@ def sharing(m: Manifest, path: str) -> dict[str, Any] | None:
 
 def _steps_by_save_id(path: str) -> dict[str, int]:
     """The steps beside ``path`` (a manager root's), by the id of the save that committed them."""
-    from ..engine.loading.manifest import read_manifest_bytes
+    from ..engine.loading.manifest import read_manifest_files
 
     parent = path.rstrip("/").rpartition("/")[0] or "."
     found: dict[str, int] = {}
@@ -305,7 +305,7 @@ def _steps_by_save_id(path: str) -> dict[str, int]:
             continue
         try:
             url = f"{parent}/{name}"  # only the save id: the file list, not every tensor, is decoded
-            found[decode_files(read_manifest_bytes(storage_for(url), url))[0]] = step
+            found[read_manifest_files(storage_for(url), url)[0]] = step
         except Exception:
             continue
     return found

@@ -56,7 +56,8 @@ from .write import WriteRequest, WrittenFile, write_tiles
 from .writer_process import write_tiles_in_process
 
 logger = logging.getLogger(__name__)
-_READ_THREADS = 16
+_READ_THREADS = 128
+"""Reports read at once by rank 0 at the commit: 16,384 ranks at 20 ms per request take 2.6 s."""
 
 
 def finish_save(
