@@ -61,7 +61,8 @@ CHUNK_BYTES = 4 << 20
 """Checksum chunk of the simulated save (tessera's default): one checksum per tile at this scale."""
 SAVE_ID = "5eed0123456789ab"
 PARTIAL_TENSORS = 10
-STEPS = ("plan", "gathered", "encode", "decode", "partial")
+SAMPLED_RANKS = 8
+STEPS = ("plan", "gathered", "encode", "decode", "partial", "sections", "commit")
 
 
 @dataclass(frozen=True)
@@ -404,6 +405,18 @@ def step_partial(args: argparse.Namespace) -> dict:
     }
 
 
+def step_sections(args: argparse.Namespace) -> dict:
+    from sectioned_scale import step_sections as step
+
+    return step(args)
+
+
+def step_commit(args: argparse.Namespace) -> dict:
+    from sectioned_scale import step_commit as step
+
+    return step(args)
+
+
 def _run_step(step: str, args: argparse.Namespace) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--step", step, "--workdir", args.workdir]
     for flag in ("ranks", "tensors", "layout", "target_ranks", "load_rank", "repeat"):
@@ -488,6 +501,7 @@ def main() -> None:
             f"| manifest encode ({r['tiles']:,} tiles, {r['files']:,} files, {r['manifest_mb']:.1f} MB) "
             f"| {r['encode_s']:.2f} s | {r['encode_peak_rss_mb']:.0f} MB |"
         )
+    if "decode_s" in r:
         print(f"| full decode + validation | {r['decode_s']:.2f} s | {r['decode_peak_rss_mb']:.0f} MB |")
         print(
             f"| partial decode ({PARTIAL_TENSORS} tensors) | {r['partial_decode_s']:.2f} s | {r['partial_peak_rss_mb']:.0f} MB |"
@@ -497,6 +511,32 @@ def main() -> None:
             f"{r['load_plan_reads']} reads) | {r['load_plan_s']:.3f} s | {r['load_plan_peak_rss_mb']:.0f} MB |"
         )
         print(f"| the same plan from the manifest bytes (lazy decode) | {r['load_plan_from_bytes_s']:.2f} s | |")
+    if "v2_rank_plan_s" in r:
+        mib = 1 << 20
+        print()
+        print(
+            f"| one loading rank ({args.ranks} -> {args.target_ranks}, rank {r['load_rank']}) | bytes read | requests | time to a load plan (20 ms/request, 1 GB/s) |"
+        )
+        print("|---|---|---|---|")
+        print(
+            f"| version 1 (manifest.json whole) | {r['v1_rank_bytes'] / mib:.1f} MiB | {r['v1_rank_requests']} | {r['v1_rank_plan_s']:.2f} s |"
+        )
+        print(
+            f"| version 2 (index {r['v2_index_mb']:.2f} MB + {r['v2_rank_sections_read']} sections) | {r['v2_rank_bytes'] / mib:.2f} MiB "
+            f"| {r['v2_rank_requests']} | {r['v2_rank_plan_modelled_s']:.2f} s modelled ({r['v2_rank_plan_cpu_s']:.2f} s CPU; wall {r['v2_rank_plan_s']:.2f} s, "
+            f"slowest of {SAMPLED_RANKS} sampled {r['v2_sampled_rank_plan_s_max']:.2f} s) |"
+        )
+        print(
+            f"| all ranks together, version 1 / 2 | {r['v1_rank_bytes'] * args.target_ranks / 1e9:.1f} GB / "
+            f"{r['v2_all_ranks_bytes_est'] / 1e9:.1f} GB (sections file {r['v2_sections_mb']:.1f} MB) | | |"
+        )
+    if "commit_s" in r:
+        print(
+            f"| commit on rank 0: {args.ranks - 1} reports ({r['commit_report_mb']:.0f} MB), {r['commit_read_threads']} reads in flight "
+            f"| {r['commit_bytes_read_mb']:.0f} MB | {r['commit_requests']} | {r['commit_modelled_s']:.2f} s modelled ({r['commit_cpu_s']:.2f} s CPU; "
+            f"wall {r['commit_s']:.2f} s: reports {r['commit_reports_s']:.2f} s, assemble {r['commit_assemble_s']:.2f} s, "
+            f"encode + write {r['commit_encode_write_s']:.2f} s) |"
+        )
     print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in r.items()}))
 
 

@@ -4,10 +4,13 @@
     python examples/from_dcp_after.py --ckpt DIR --steps 10 --nproc 2  # FSDP2 on 2 gloo ranks
     torchrun --nproc-per-node 2 examples/from_dcp_after.py --ckpt DIR
 
-Every ``--save-every`` steps it saves ``DIR/step-N`` with ``tessera.async_save``; started
-again with the same ``--ckpt`` it resumes from the newest step there, under any world size.
-A step written by ``examples/from_dcp_before.py`` (DCP) resumes here once converted:
-``tessera convert OLD/step-N DIR/step-N``. ``diff`` the two files to see the migration.
+Every ``--save-every`` steps it saves a step under ``DIR`` with a ``tessera.CheckpointManager``
+(asynchronously); started again with the same ``--ckpt`` it resumes from the newest committed
+step there, under any world size: a step whose save was killed is skipped, with a warning.
+The state keeps the DCP tutorial's layout (``app.model.*``, ``app.optim.*``, ``sched.*``,
+``step``), so the steps ``examples/from_dcp_before.py`` wrote with DCP resume here once the
+folder is converted: ``tessera convert OLD DIR`` (``OLD/step-6`` becomes
+``DIR/step-00000006``). ``diff`` the two files to see the migration.
 """
 
 from __future__ import annotations
@@ -25,6 +28,14 @@ from torch.distributed.fsdp import fully_shard
 import tessera
 
 DIM, BATCH = 16, 12  # BATCH divides by 1, 2, 3 and 4: the same global batch at any world size
+WARMUP, TOTAL = 3, 20  # the scheduler's warmup steps and cosine length
+
+
+def make_scheduler(opt: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
+    """Linear warmup, then cosine decay."""
+    warmup = torch.optim.lr_scheduler.LinearLR(opt, start_factor=0.1, total_iters=WARMUP)
+    cosine = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=TOTAL - WARMUP)
+    return torch.optim.lr_scheduler.SequentialLR(opt, [warmup, cosine], milestones=[WARMUP])
 
 
 def make_model() -> nn.Module:
@@ -47,48 +58,44 @@ def batch(step: int, rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor]
     return x[rank * per : (rank + 1) * per], y[rank * per : (rank + 1) * per]
 
 
-def latest_step(root: str) -> int | None:
-    steps = [int(n.split("-")[1]) for n in os.listdir(root) if n.startswith("step-")] if os.path.isdir(root) else []
-    return max(steps, default=None)
-
-
 def main(args: argparse.Namespace) -> None:
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     model = make_model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = make_scheduler(opt)
     # tessera coordinates over its own gloo group: no checkpoint process group to create.
     # ModelState / OptimizerState key everything by parameter name, like get_state_dict, and
     # hold opt.step() and the forward pass while a background copy still reads the tensors.
-    state = {"model": tessera.ModelState(model), "optim": tessera.OptimizerState(model, opt), "step": 0}
+    # Under "app" as the tutorial's AppState put them; the scheduler is a Stateful itself.
+    app = {"model": tessera.ModelState(model), "optim": tessera.OptimizerState(model, opt)}
+    state = {"app": app, "sched": sched, "step": 0}
 
-    # --- checkpointing: resume ----------------------------------------------------------------
-    last = latest_step(args.ckpt)
-    if last is not None:
-        tessera.load(f"{args.ckpt}/step-{last}", state)  # in place, strict, any world size
-    start = state["step"]
-    # ------------------------------------------------------------------------------------------
+    with tessera.CheckpointManager(args.ckpt, async_save=True) as manager:
+        # --- checkpointing: resume ------------------------------------------------------------
+        if manager.latest_step() is not None:
+            manager.load(state)  # the newest committed step; in place, strict, any world size
+        start = state["step"]
+        # --------------------------------------------------------------------------------------
 
-    pending = None
-    for step in range(start + 1, args.steps + 1):
-        x, y = batch(step, rank, world)
-        loss = nn.functional.mse_loss(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        mean = loss.detach().clone()
-        if world > 1:
-            dist.all_reduce(mean)  # the loss of the global batch, comparable at any world size
-            mean /= world
-        if rank == 0:
-            print(f"step {step} loss {mean.item():.7f}", flush=True)
+        for step in range(start + 1, args.steps + 1):
+            x, y = batch(step, rank, world)
+            loss = nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            sched.step()
+            mean = loss.detach().clone()
+            if world > 1:
+                dist.all_reduce(mean)  # the loss of the global batch, comparable at any world size
+                mean /= world
+            if rank == 0:
+                print(f"step {step} loss {mean.item():.7f}", flush=True)
 
-        # --- checkpointing: save --------------------------------------------------------------
-        if step % args.save_every == 0:
-            state["step"] = step
-            # Waits for the previous save itself (one in flight per process), then returns.
-            pending = tessera.async_save(f"{args.ckpt}/step-{step}", state)
-    if pending is not None:
-        pending.wait()  # committed
+            # --- checkpointing: save ----------------------------------------------------------
+            if step % args.save_every == 0:
+                state["step"] = step
+                manager.save(step, state)  # waits for the previous save itself, then returns
+    # leaving the block waits for the last save: committed
     # ------------------------------------------------------------------------------------------
 
 
@@ -104,7 +111,7 @@ def run(rank: int, world: int, init: str, args: argparse.Namespace) -> None:
 
 if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--ckpt", required=True, help="checkpoint root: step-N directories go here")
+    p.add_argument("--ckpt", required=True, help="checkpoint root: a CheckpointManager's steps go here")
     p.add_argument("--steps", type=int, default=10, help="train until this step")
     p.add_argument("--save-every", type=int, default=5)
     p.add_argument("--nproc", type=int, default=1, help="processes to spawn when not under torchrun")

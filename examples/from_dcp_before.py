@@ -4,10 +4,13 @@
     python examples/from_dcp_before.py --ckpt DIR --steps 10 --nproc 2  # FSDP2 on 2 gloo ranks
     torchrun --nproc-per-node 2 examples/from_dcp_before.py --ckpt DIR
 
-Every ``--save-every`` steps it saves ``DIR/step-N`` with ``dcp.async_save``; started again
-with the same ``--ckpt`` it resumes from the newest step there (same world size: DCP reshards
-DTensors, but this script keeps it simple). ``examples/from_dcp_after.py`` is the same
-script on tessera; ``diff`` the two files to see the migration.
+It checkpoints the way the DCP tutorial does: the model and AdamW behind the tutorial's
+``AppState`` (``get_state_dict`` / ``set_state_dict``), beside a warmup-cosine LR scheduler's
+``state_dict()`` and the step. Every ``--save-every`` steps it saves ``DIR/step-N`` with
+``dcp.async_save``; started again with the same ``--ckpt`` it resumes from the newest step
+there (same world size: DCP reshards DTensors, but this script keeps it simple).
+``examples/from_dcp_after.py`` is the same script on tessera; ``diff`` the two files to see
+the migration.
 """
 
 from __future__ import annotations
@@ -22,9 +25,35 @@ import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.fsdp import fully_shard
 
 DIM, BATCH = 16, 12  # BATCH divides by 1, 2, 3 and 4: the same global batch at any world size
+WARMUP, TOTAL = 3, 20  # the scheduler's warmup steps and cosine length
+
+
+class AppState(Stateful):
+    """The DCP tutorial's wrapper: DCP calls ``state_dict()`` when saving, ``load_state_dict()`` when loading."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        self.model = model
+        self.optimizer = optimizer
+
+    def state_dict(self) -> dict:
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        return {"model": model_sd, "optim": optim_sd}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        set_state_dict(
+            self.model, self.optimizer, model_state_dict=state_dict["model"], optim_state_dict=state_dict["optim"]
+        )
+
+
+def make_scheduler(opt: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
+    """Linear warmup, then cosine decay."""
+    warmup = torch.optim.lr_scheduler.LinearLR(opt, start_factor=0.1, total_iters=WARMUP)
+    cosine = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=TOTAL - WARMUP)
+    return torch.optim.lr_scheduler.SequentialLR(opt, [warmup, cosine], milestones=[WARMUP])
 
 
 def make_model() -> nn.Module:
@@ -56,6 +85,7 @@ def main(args: argparse.Namespace) -> None:
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     model = make_model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = make_scheduler(opt)
     # DCP's async_save runs its collectives from a background thread: give it its own gloo group.
     ckpt_group = dist.new_group(backend="gloo") if dist.is_initialized() else None
 
@@ -63,10 +93,9 @@ def main(args: argparse.Namespace) -> None:
     start = 0
     last = latest_step(args.ckpt)
     if last is not None:
-        model_sd, optim_sd = get_state_dict(model, opt)
-        state = {"model": model_sd, "optim": optim_sd, "step": 0}
+        state = {"app": AppState(model, opt), "sched": sched.state_dict(), "step": 0}
         dcp.load(state, checkpoint_id=f"{args.ckpt}/step-{last}", process_group=ckpt_group)
-        set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        sched.load_state_dict(state["sched"])
         start = state["step"]
     # ------------------------------------------------------------------------------------------
 
@@ -77,6 +106,7 @@ def main(args: argparse.Namespace) -> None:
         loss.backward()
         opt.step()
         opt.zero_grad()
+        sched.step()
         mean = loss.detach().clone()
         if world > 1:
             dist.all_reduce(mean)  # the loss of the global batch, comparable at any world size
@@ -88,8 +118,7 @@ def main(args: argparse.Namespace) -> None:
         if step % args.save_every == 0:
             if pending is not None:
                 pending.result()  # one save in flight at a time
-            model_sd, optim_sd = get_state_dict(model, opt)
-            state = {"model": model_sd, "optim": optim_sd, "step": step}
+            state = {"app": AppState(model, opt), "sched": sched.state_dict(), "step": step}
             pending = dcp.async_save(state, checkpoint_id=f"{args.ckpt}/step-{step}", process_group=ckpt_group)
     if pending is not None:
         pending.result()

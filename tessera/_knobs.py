@@ -69,12 +69,12 @@ def max_staging_bytes() -> str | None:
 
 
 def check_staging() -> str:
-    """How background copies are checked (``TESSERA_CHECK_STAGING``: ``sampled`` (default), ``full``, ``off``).
+    """How background copies are checked (``TESSERA_CHECK_STAGING``: ``full`` (default), ``sampled``, ``off``).
 
     ``1``/``true`` mean ``full`` and ``0``/``false`` mean ``off``, as before the levels existed.
     """
     raw = os.environ.get("TESSERA_CHECK_STAGING", "").strip().lower()
-    aliases = {"": "sampled", "1": "full", "true": "full", "yes": "full", "0": "off", "false": "off", "no": "off"}
+    aliases = {"": "full", "1": "full", "true": "full", "yes": "full", "0": "off", "false": "off", "no": "off"}
     return aliases.get(raw, raw)
 
 
@@ -94,3 +94,10 @@ def writer_timeout_s() -> float:
     fails (``TESSERA_WRITER_TIMEOUT_S``; default half of ``TESSERA_TIMEOUT_S``, so that the
     stuck rank's error reaches the other ranks before their own exchange times out)."""
     return _float("TESSERA_WRITER_TIMEOUT_S", collective_timeout_s() / 2)
+
+
+def sectioned_manifest_tiles() -> int:
+    """Tiles from which a save's manifest is written in sections, format version 2, so that each
+    loading rank reads only its part (``TESSERA_SECTIONED_MANIFEST_TILES``, default 262144; 0:
+    always). Smaller manifests stay version 1, read whole."""
+    return max(0, _int("TESSERA_SECTIONED_MANIFEST_TILES", 1 << 18))

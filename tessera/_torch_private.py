@@ -133,6 +133,29 @@ def version_counter(t: torch.Tensor) -> int:
     return int(t._version)
 
 
+def forward_hooks(module: torch.nn.Module | None) -> list[object]:
+    """The forward pre-hooks and forward hooks of ``module`` (None: the global ones, which run
+    for every module), as registered.
+
+    torch has no public way to list a module's hooks (``Module._forward_pre_hooks`` and
+    ``_forward_hooks``, ``torch.nn.modules.module._global_forward_pre_hooks`` and
+    ``_global_forward_hooks`` are where ``register_*_hook`` puts them). ``ModelState`` reads
+    them to find code of the user's that runs with the forward pass and may write the saved
+    parameters (a hook that clamps weights), so that it holds the forward while a save copies.
+    Missing attributes (another torch) read as no hooks.
+    """
+    if module is None:
+        from torch.nn.modules import module as torch_module
+
+        holders = [
+            getattr(torch_module, "_global_forward_pre_hooks", {}),
+            getattr(torch_module, "_global_forward_hooks", {}),
+        ]
+    else:
+        holders = [getattr(module, "_forward_pre_hooks", {}), getattr(module, "_forward_hooks", {})]
+    return [hook for holder in holders for hook in list(holder.values())]
+
+
 def dcp_metadata_private_classes() -> list[tuple[object, str]]:
     """The private classes DCP pickles into ``.metadata``, as ``(class, "module.Name")``.
 

@@ -90,13 +90,13 @@ def async_save(
     background (CPU: a copy thread; CUDA: a side stream into reused pinned memory, after
     the work queued on the current stream) while the calls that change them
     (``optimizer.step()``, ``load_state_dict``, the forward pass where it may change a saved
-    buffer or a parameter no saved optimizer steps) wait for the copy; every
+    buffer, a parameter no saved optimizer steps, or writes parameters itself) wait for the copy; every
     other tensor (a raw ``model.state_dict()``) is copied before this returns, as
     ``torch.distributed.checkpoint.async_save`` does. A tensor copied in the background
     and changed before its copy some other way (``pending.wait_staged()`` says when it may
     change) fails the save on every rank with
     :class:`~tessera.errors.StagingMutationError` instead of committing a mix (the check of
-    ``SaveOptions.check_staging``, on by default). ``pending.stall_s`` is the whole time
+    ``SaveOptions.check_staging``, on by default; what it cannot see is listed there). ``pending.stall_s`` is the whole time
     this call blocked, including the wait for the previous save (at most one is in flight
     per process); ``pending.stall_parts`` splits it. Call ``.wait()`` before relying on the
     checkpoint; an error in the background is raised there, and by the next save if nobody

@@ -20,7 +20,8 @@ class StagingMode(str, Enum):
     :class:`~tessera.stateful.GatedStateful`) are copied in the background while training goes
     on, and the calls that change them (``optimizer.step()``, ``load_state_dict``, and the
     model's forward pass unless every saved model tensor is a parameter a saved
-    ``OptimizerState`` steps) wait until their bytes are in host memory. Every other tensor (raw
+    ``OptimizerState`` steps and the forward writes none) wait until their bytes are in host
+    memory. Every other tensor (raw
     ``model.state_dict()`` / ``optimizer.state_dict()`` tensors, a tensor in a plain dict) is
     copied before ``async_save`` returns, as ``torch.distributed.checkpoint.async_save`` does:
     nothing holds the loop back from changing those.
@@ -41,19 +42,23 @@ class StagingCheck(str, Enum):
 
     The check compares what a tensor was at the ``async_save`` call with what was copied;
     a difference fails the save on every rank with
-    :class:`~tessera.errors.StagingMutationError` naming the tensor, instead of committing a
-    checkpoint that mixes two moments.
+    :class:`~tessera.errors.StagingMutationError` naming the tensor and the rank, instead of
+    committing a checkpoint that mixes two moments.
 
-    ``SAMPLED`` (the default): every tensor's autograd version counter (bumped by any
-    in-place op on the tensor, a view or a ``detach()`` of it: ``p.add_()`` under
-    ``no_grad``, ``copy_``, ``load_state_dict``, foreach and fused optimizers), plus, for CPU
-    tensors, a few sampled elements compared byte for byte (dense writes through aliases
-    that have their own counter, such as ``p.data.mul_()``). Costs microseconds per tensor
-    at the call. It cannot see a write through an alias with its own version counter
-    (``.data``, a numpy view, raw storage) to CUDA memory, nor such a write on CPU that
-    leaves the sampled elements alone (``p.data[3] = 0``).
-    ``FULL``: adds a CRC32 of every CPU byte taken at the call (one extra read of the
-    state, blocking: for debugging).
+    ``FULL`` (the default): for CPU tensors, a fingerprint taken in the call (the xxh3-64 of
+    every chunk of their bytes, hashed by several threads for large states), compared with
+    the checksums the writer computes from the copy it writes: any byte changed after the
+    call and before its copy fails the save, whatever wrote it (``.data``, ``detach()``, a
+    NumPy view, an in-place kernel still running when the copy ended), with no timing
+    assumption. Costs one hash pass over the CPU bytes in the call (about 10 GB/s per
+    thread). For device tensors, every tensor's autograd version counter (bumped by any
+    in-place op on the tensor, a view or a ``detach()`` of it, at the op's launch): it
+    cannot see a write through an alias with a version counter of its own (``.data``, a
+    DLPack view) by a kernel launched after the call.
+    ``SAMPLED``: version counters for every tensor, plus, for CPU tensors, a few sampled
+    elements compared byte for byte. Costs microseconds per tensor at the call. It cannot
+    see an alias write on CPU that leaves the sampled elements alone (``p.data[3] = 0``),
+    nor an in-place CPU kernel still running when the copy ends.
     ``OFF``: no check.
     """
 
@@ -115,7 +120,7 @@ class SaveOptions:
     knob ``TESSERA_STAGING``). ``tessera.save`` always stages before it writes."""
     check_staging: StagingCheck = field(default_factory=lambda: _staging_check(_knobs.check_staging()))
     """How tensors copied in the background are checked for changes made before their copy
-    (:class:`StagingCheck`, default ``SAMPLED``; knob ``TESSERA_CHECK_STAGING``). ``True``
+    (:class:`StagingCheck`, default ``FULL``; knob ``TESSERA_CHECK_STAGING``). ``True``
     means ``FULL`` and ``False`` means ``OFF``."""
     writer: WriterMode = field(default_factory=lambda: _writer_mode(_knobs.writer_mode()))
     """Who writes the data files (:class:`WriterMode`; knob ``TESSERA_WRITER``)."""

@@ -64,7 +64,8 @@ class PendingSave:
     Tensors copied in the background (those of gated Statefuls, or all of them with
     ``StagingMode.BACKGROUND``) must not change before ``wait_staged()`` returns:
     ``tessera.OptimizerState`` and ``tessera.ModelState`` hold ``optimizer.step()``,
-    ``load_state_dict`` and (where the model has buffers) the forward pass until then, and the manager's next save or load
+    ``load_state_dict`` and (where the model has buffers or writes parameters in it) the forward pass until then,
+    and the manager's next save or load
     waits too; a change made some other way fails the save with ``StagingMutationError``
     (the default check of ``SaveOptions.check_staging``).
     """

@@ -356,4 +356,4 @@ def test_module_entry_point_and_exit_codes(ckpts, tmp_path) -> None:
     missing = subprocess.run(
         [py, "-m", "tessera.cli", "verify", str(tmp_path / "none")], capture_output=True, text=True
     )
-    assert missing.returncode == 1 and "manifest.json" in missing.stdout
+    assert missing.returncode == 1 and "no committed checkpoint" in missing.stdout

@@ -379,7 +379,8 @@ def test_the_full_check_catches_a_write_the_sampled_check_cannot_see_under_a_bud
     tmp_path: Path, slow_window: dict[str, Any]
 ) -> None:
     """A ``.data`` write (no version counter move) to an element the samples miss, before its piece
-    is copied: ``StagingCheck.FULL`` compares the CRC32 of every piece as it was copied."""
+    is copied: ``StagingCheck.FULL`` (the default) compares the fingerprint taken in the call with
+    the checksums of every piece as it was written."""
     slow_window["seconds"] = consistency.DELAY_S
     t = torch.arange(64 * 1024, dtype=torch.float32)
     opts = tessera.SaveOptions(
@@ -389,5 +390,5 @@ def test_the_full_check_catches_a_write_the_sampled_check_cannot_see_under_a_bud
     )
     pending = tessera.async_save(str(tmp_path / "c"), {"t": t}, options=opts)
     t.data[12345] = -1.0  # neither the first, the middle nor the last element
-    with pytest.raises(tessera.StagingMutationError, match="CRC32"):
+    with pytest.raises(tessera.StagingMutationError, match="fingerprint"):
         pending.wait()

@@ -135,3 +135,18 @@ def test_the_digests_travel_in_the_rank_report() -> None:
     back = decode_report(encode_report(doc), source="r", rank=1, save_id="s")
     assert back.replicas is not None and back.replicas[0] == ("a", "b")
     assert np.array_equal(back.replicas[1], digests)
+
+
+def test_a_large_host_copy_digests_alike_in_pieces_with_or_without_threads() -> None:
+    """Past 16 MiB a host copy is digested in fixed pieces (hashed by threads at the call): the
+    digest must not depend on the thread count, and one changed element anywhere must change it."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    t = torch.randn(5 << 20)  # 20 MiB: two pieces and a part
+    with ThreadPoolExecutor(3) as pool:
+        threaded = host_digest(t, pool)
+    assert threaded == host_digest(t)
+    for at in (0, (4 << 20) + 1, t.numel() - 1):
+        u = t.clone()
+        u[at] = u[at].item() + 1.0
+        assert host_digest(u) != threaded, at

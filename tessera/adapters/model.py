@@ -28,6 +28,7 @@ from .. import _torch_private
 from ..errors import MissingKeysError, StateMismatchError
 from ..format.geometry import Box
 from . import _torch_compat
+from ._forward_writes import forward_writes
 from ._gate import StagingGate, held_by_step
 from .fsdp1 import fsdp1_entries, stepped_in_place_of
 from .views import ParamEntry, ParamView, ViewKind
@@ -152,25 +153,32 @@ class ModelState:
 
         Parameters change in ``optimizer.step()``: when every tensor this model saved is a
         parameter whose step the same save holds (an :class:`~tessera.OptimizerState` over
-        them in the state), the forward and backward passes run while the bytes are copied
-        and only the step waits. Otherwise (persistent buffers, which a forward pass may
-        change in place, such as batch norm's running statistics; parameters no gated
-        optimizer steps) a forward pre-hook on the model as given (outside any compiled
-        region) holds the forward pass until the saved bytes are in host memory. Other
-        in-place changes (an EMA update, a manual ``p.add_()`` between the save and the
-        step) are not held: call ``pending.wait_staged()`` before them, or let the save's
-        mutation check (``SaveOptions.check_staging``) fail it.
+        them in the state) and nothing in the forward writes parameters, the forward and
+        backward passes run while the bytes are copied and only the step waits. Otherwise a
+        forward pre-hook on the model as given (outside any compiled region) holds the forward
+        pass until the saved bytes are in host memory: for persistent buffers (a forward may
+        change them in place, as batch norm's running statistics), parameters no gated
+        optimizer steps, and forward passes known to write parameters (an ``nn.Embedding`` or
+        ``nn.EmbeddingBag`` with ``max_norm``, forward hooks of yours: see
+        :mod:`._forward_writes`). Other in-place changes (an EMA update, a manual ``p.add_()``
+        between the save and the step, a write in your module's own ``forward``) are not held:
+        call ``pending.wait_staged()`` before them, or let the save's mutation check
+        (``SaveOptions.check_staging``) fail it.
         """
         modules = list(_as_modules(self._model))
         unless = None
-        if self._saved and not any(e.is_buffer for e in self._saved):
+        writes = forward_writes(modules)
+        if writes:
+            logger.debug("ModelState holds the forward while a save copies: %s", "; ".join(writes[:5]))
+        elif self._saved and not any(e.is_buffer for e in self._saved):
             instead: dict[int, list[object]] = {}  # FSDP1 flat parameters stepped as their originals
             for m in modules:
                 instead.update(stepped_in_place_of(m))
             tensors = [t for e in self._saved for t in instead.get(id(e.tensor), [e.tensor])]
             # asked at the first forward (every gate of the save is armed by then), once per save
             unless = functools.cache(lambda p: held_by_step(p, tensors))
-        register = lambda m, hook: m.register_forward_pre_hook(hook)  # noqa: E731
+        # first among the forward pre-hooks: a hook of the user's that writes weights runs after the wait
+        register = lambda m, hook: m.register_forward_pre_hook(hook, prepend=True)  # noqa: E731
         self._forward_gate.arm(pending, modules, "forward", register, unless=unless)
         self._gate.arm(pending, modules, "load", lambda m, hook: m.register_load_state_dict_pre_hook(hook))
 

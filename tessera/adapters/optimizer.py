@@ -79,6 +79,8 @@ class OptimizerState:
         self._pending: dict[int, tuple[torch.optim.Optimizer, torch.Tensor, State]] = {}
         self._prepared = False
         self._load_fresh = False
+        self._flagged = True
+        """Whether the checkpoint being loaded records ``has_state`` (one written by DCP does not)."""
         self._targets: dict[tuple[str, Any], _Target] = {}
         self._gate = StagingGate()
 
@@ -136,6 +138,8 @@ class OptimizerState:
             # without `has_state` (strict=False) then installs the states it holds instead of
             # being taken for one of a fresh optimizer.
             has_state = not self._load_fresh
+            if not self._flagged:  # torch's own layout (DCP, get_state_dict): the states say it
+                return {"state": out, "param_groups": groups}
         return {"state": out, "param_groups": groups, "has_state": has_state}
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
@@ -217,6 +221,9 @@ class OptimizerState:
             split = _split_key(key, base, fqns)
             if split is not None:
                 saved.setdefault(split[0], {})[split[1]] = ("value", None)
+        # Saved in torch's own layout (``get_state_dict``, DCP): states but no flag. Such a
+        # checkpoint is of an optimizer that had stepped, and is loaded without asking for the flag.
+        self._flagged = has_key in manifest.values or not saved
         if (
             not saved
             and not self._load_fresh

@@ -21,47 +21,40 @@ def _not_a_checkpoint(args: argparse.Namespace, out: Console, verb: str) -> int 
     """For a path that is not one tessera checkpoint, say what it is; None for a checkpoint.
 
     A manager root lists its steps (``verify`` verifies them); a Hugging Face directory is
-    described. A missing path returns None, so the command reports it as before.
+    described; anything else gets the diagnosis ``tessera.load`` raises for it
+    (:func:`~tessera.tools.describe.examine_path`). A missing path returns None: reading it
+    raises the same diagnosis.
     """
-    from ..tools.describe import PathKind, classify_path
+    from ..tools.describe import PathKind, examine_path
 
-    kind = classify_path(args.path)
-    if kind in (PathKind.CHECKPOINT, PathKind.MISSING):
+    report = examine_path(args.path)
+    if report.kind in (PathKind.CHECKPOINT, PathKind.MISSING, PathKind.UNKNOWN):
         return None
-    if kind == PathKind.MANAGER_ROOT:
+    if report.kind == PathKind.MANAGER_ROOT:
         return _manager_root(args, out, verify=verb == "verify")
-    if kind == PathKind.HF:
+    if report.kind == PathKind.HF:
         return _hf_directory(args, out, verb)
-    if kind == PathKind.INCOMPLETE:
-        out.print(f"{args.path}: a tessera checkpoint whose save never committed (data/ but no manifest.json); "
-                  "it is never loaded and the next save to this path replaces it")  # fmt: skip
-        return EXIT_PROBLEMS
-    if kind == PathKind.OTHER_FORMAT:
-        from ..convert import detect_format
-
-        fmt = detect_format(args.path).value
-        out.print(
-            f"{args.path}: a {fmt} checkpoint, not a tessera one; import it with: tessera convert {args.path} OUT"
-        )
-        return EXIT_PROBLEMS
-    return None
+    out.print(report.message())
+    return EXIT_PROBLEMS
 
 
 def _manager_root(args: argparse.Namespace, out: Console, *, verify: bool) -> int:
     """A manager root: list its steps (``inspect``) or verify every committed one (``verify``)."""
     from rich.table import Table
 
-    from ..tools.describe import list_steps
+    from ..tools.describe import examine_path, list_steps
     from ..tools.steps import verify_steps
 
     if not verify:
         steps = list_steps(args.path)
+        root = examine_path(args.path)
+        stale = root.pointer is not None and root.pointer not in root.steps
         if args.json:
-            print(to_json({"path": args.path, "kind": "manager_root",
+            print(to_json({"path": args.path, "kind": "manager_root", "latest": root.pointer, "stale_latest": stale,
                            "steps": [dataclasses.asdict(s) for s in steps]}))  # fmt: skip
             return EXIT_OK
         committed = [s for s in steps if s.committed]
-        out.print(f"{args.path}: a checkpoint manager root with {len(committed)} committed step(s)")
+        out.print(root.summary)
         table = Table(title="steps", title_justify="left")
         for col in ("step", "state", "path"):
             table.add_column(col, overflow="fold", justify="right" if col == "step" else "left")

@@ -31,6 +31,7 @@ from __future__ import annotations
 import os
 from enum import Enum
 
+from ..errors import CheckpointNotFoundError
 from ..format.dtypes import parse_dtype
 from ..format.names import parse_step_dirname
 from ..options import parse_size
@@ -60,6 +61,8 @@ def detect_format(path: str) -> Format:
     """Guess the format of the checkpoint at ``path`` from the files it holds.
 
     Raises:
+        CheckpointNotFoundError: if nothing is there, only an unfinished save, or a folder of
+            step directories (the message says which, as ``tessera.load`` does).
         ValueError: if nothing recognisable is there.
 
     Example:
@@ -93,6 +96,11 @@ def detect_format(path: str) -> Format:
             return Format.DEEPSPEED
         if "latest_checkpointed_iteration.txt" in names or any(n.startswith("mp_rank_") for n in names):
             return Format.MEGATRON
+    from ..engine.loading.path_report import PathKind, examine_path
+
+    report = examine_path(path)
+    if report.kind in (PathKind.MISSING, PathKind.INCOMPLETE, PathKind.STRAY_STEPS):
+        raise CheckpointNotFoundError(report.message())  # what tessera.load says for the same path
     raise ValueError(
         f"cannot tell the format of {path} (no manifest.json, .metadata, *.safetensors or ZeRO files); pass --from"
     )

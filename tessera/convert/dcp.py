@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import io
 import logging
+import os
 import pickle
 import time
 import warnings
@@ -140,8 +141,10 @@ def export_dcp(
         warnings.filterwarnings("ignore", message=".*Detected an existing checkpoint.*")
         dcp.save(state, storage_writer=writer, planner=planner, no_dist=True)
     logger.info("exported %d tensors (%d bytes) from %s to DCP %s", len(names), total, path, out_dir)
+    # DCP flattens a dict value into one entry (and file) per key: count what it wrote.
+    files = sum(1 for n in os.listdir(out_dir) if n.endswith(".distcp") or n == ".metadata")
     return ConvertResult(
-        path, out_dir, len(names), len(kept_values), total, len(state) + 1, time.monotonic() - t0,
+        path, out_dir, len(names), len(kept_values), total, files, time.monotonic() - t0,
         src.left_out(skipped, prefix),
     )  # fmt: skip
 
@@ -281,7 +284,6 @@ def import_dcp(
             grouped = regroup_values(
                 planner.loaded, metadata.planner_data, set(metadata.state_dict_metadata) - set(byte_keys)
             )
-            grouped.update(_has_state_flags(grouped, set(metadata.state_dict_metadata)))
             for k, v in grouped.items():
                 try:
                     w.add_value(pre + k, v, allow_pickle=allow_pickle)
@@ -293,30 +295,18 @@ def import_dcp(
     return ConvertResult(src, path, *counts, time.monotonic() - t0, tuple(skipped))
 
 
-def _has_state_flags(values: dict[str, Any], keys: set[str]) -> dict[str, bool]:
-    """``<p>has_state = True`` for each optimizer state dict that torch's ``get_state_dict`` wrote.
-
-    ``get_state_dict(model, optimizer)`` keys optimizer state by parameter FQN, as
-    :class:`tessera.OptimizerState` does; the one entry tessera adds is ``has_state`` (whether
-    the optimizer had stepped). A DCP state dict with ``<p>param_groups`` and ``<p>state.*``
-    entries is of an optimizer that had, so the flag is written and the checkpoint loads into
-    ``OptimizerState`` strictly.
-    """
-    out = {}
-    for k in values:
-        if k == "param_groups" or k.endswith(".param_groups"):
-            pre = k[: -len("param_groups")]
-            if pre + "has_state" not in values and any(n.startswith(pre + "state.") for n in keys):
-                out[pre + "has_state"] = True
-    return out
-
-
 def regroup_values(values: dict[str, Any], paths: object, tensors: set[str]) -> dict[str, Any]:
     """Nest DCP's flattened non-tensor entries back into the values ``tessera.save`` would store.
 
-    ``dcp.save`` flattens ``{"cfg": {"lr": 0.1}}`` into an entry ``cfg.lr`` and records its
-    path ``("cfg", "lr")`` in the metadata's ``planner_data``; tessera stores a container
-    holding no tensor as one value (``cfg``). Entries whose path is unknown stay as they are.
+    ``dcp.save`` flattens ``{"sched": scheduler.state_dict()}`` into entries ``sched.last_epoch``,
+    ``sched._schedulers.0.T_max``, ... and records their paths in the metadata's
+    ``planner_data``. DCP calls ``state_dict()`` on a Stateful before saving, so a scheduler
+    saved as ``scheduler`` and as ``scheduler.state_dict()`` cannot be told apart: both are stored
+    as tessera stores a Stateful (``{"sched": scheduler}``), one entry per key of the top-level
+    dict (``sched.last_epoch``, ``sched._schedulers``), below that a container holding no tensor
+    as one value. Such a checkpoint loads into the Stateful and into a plain dict alike
+    (``tessera.load`` matches a dict of plain values entry by entry when it was stored so).
+    Entries whose path is unknown stay as they are.
     """
     if not isinstance(paths, dict):
         return dict(values)
@@ -332,8 +322,10 @@ def regroup_values(values: dict[str, Any], paths: object, tensors: set[str]) -> 
         if not isinstance(path, tuple) or not path:
             out[fqn] = v
             continue
-        # The value's key is the shortest prefix of its path whose subtree holds no tensor.
-        cut = next(i for i in range(1, len(path) + 1) if path[:i] not in tensor_prefixes)
+        # The value's key is the shortest prefix of its path whose subtree holds no tensor, and
+        # at least a key of a top-level dict (a Stateful's state dict is stored key by key).
+        first = 2 if len(path) > 1 and isinstance(path[1], str) else 1
+        cut = next(i for i in range(first, len(path) + 1) if path[:i] not in tensor_prefixes)
         key = ".".join(str(p) for p in path[:cut])
         if cut == len(path):
             out[key] = v

@@ -136,6 +136,7 @@ def rename_tensors(
     store = storage_for(path, storage)
     if dry_run:
         return resolve_renames(sorted(read_manifest(path, storage=store).keys()), rules)
+    read_manifest(path, storage=store)  # nothing committed there: say so before claiming (creating) the path
     # Claimed before the manifest is read, so the publish fails if a save commits in between.
     claim = commit.claim(store, uuid.uuid4().hex[:16])
     try:

@@ -9,7 +9,10 @@ Every step a save takes against storage, in order (docs/guarantees.md says why i
 2. **Write** (every rank): data files only under ``data/<save id>/``, names no committed
    manifest refers to; each fsync'ed, then its directory; a failed write removes its files.
 3. **Check** (rank 0, :func:`check_files`): every file the ranks reported exists where the
-   manifest will point, with the reported size: one listing of ``data/<save id>/``.
+   manifest will point, with the reported size: one listing of ``data/<save id>/``. A large
+   manifest (:func:`sectioned`, format version 2) first writes its sections file there
+   (``data/<save id>/manifest.sections``), checked with the data files: the index published
+   in 4 points into it.
 4. **Publish** (rank 0, :func:`publish`): ``manifest.json`` replaces the version read in 1,
    and only that version (``replace_if``: a ``flock``-guarded rename on filesystems, a
    conditional PUT on S3). If another save committed meanwhile, this one fails with
@@ -38,8 +41,9 @@ from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+from .. import _knobs
 from ..errors import CheckpointError, CommitCheckError, ConcurrentSaveError, LocationMismatchError, StorageError
-from ..format.manifest import MANIFEST_NAME, FileEntry, Manifest, encode
+from ..format.manifest import MANIFEST_NAME, FileEntry, Manifest, encode, encode_sectioned, sections_path
 from ..format.names import DATA_DIR, LOAD_TIMINGS_DIR, OWNER_MARKER_DIR, is_shared_ref
 from ..storage.base import Storage
 from ..storage.capabilities import (
@@ -277,9 +281,9 @@ def commit_manifest(store: Storage, claim: Claim, manifest: Manifest, path: str)
         lost = superseded(store, claim, path)
         if lost is not None:
             raise lost
-        check_files(store, claim, manifest.files, path)
+        data, files_to_check = _encoded(store, claim, manifest)
+        check_files(store, claim, files_to_check, path)
         live_before = live_saves(store)
-        data = encode(manifest)
         published = True  # from here on, a failure may have committed after all
         publish(store, claim, data, path)
     except Exception as e:
@@ -291,6 +295,32 @@ def commit_manifest(store: Storage, claim: Claim, manifest: Manifest, path: str)
             raise
         raise StorageError(f"committing the manifest of {path} failed: {type(e).__name__}: {e}") from e
     clean_up(store, claim, live_before, path)
+
+
+def sectioned(store: Storage, manifest: Manifest) -> bool:
+    """Whether ``manifest`` is committed in sections (format version 2): when it has at least
+    ``TESSERA_SECTIONED_MANIFEST_TILES`` tiles, and only where every rank sees the checkpoint's
+    files (a node directory of the local tier keeps version 1: its peers copy ``manifest.json``)."""
+    if isinstance(store, PartialVisibility) and not store.all_files_visible:
+        return False
+    tiles = sum(e.num_tiles for e in manifest.tensors.values())
+    return bool(manifest.files) and tiles >= _knobs.sectioned_manifest_tiles()
+
+
+def _encoded(store: Storage, claim: Claim, manifest: Manifest) -> tuple[bytes, list[FileEntry]]:
+    """The bytes of ``manifest.json`` and the files to check before publishing them.
+
+    A sectioned manifest's sections file is written (durably, under ``data/<save id>/``) first,
+    and checked with the data files: the index names it, so it must be there before the index is.
+    """
+    if not sectioned(store, manifest):
+        return encode(manifest), list(manifest.files)
+    index, sections = encode_sectioned(manifest)
+    path = sections_path(manifest.save_id)
+    if not path.startswith(claim.data_prefix + "/"):
+        raise ValueError(f"sections file {path} outside {claim.data_prefix}/ of the save")
+    store.write_file(path, [sections])
+    return index, [*manifest.files, FileEntry(path, 0, len(sections))]
 
 
 def commit_single(store: Storage, claim: Claim, manifest: Manifest, path: str) -> None:

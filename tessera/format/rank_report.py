@@ -14,6 +14,7 @@ from __future__ import annotations
 import base64
 import binascii
 import json
+import zlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,7 +25,8 @@ from ..errors import ManifestError
 from .names import DATA_DIR
 
 REPORT_FORMAT = "tessera-rank-report"
-REPORT_VERSION = 1
+REPORT_VERSION = 2
+"""2: integer tile columns and the names deflated (a tenth of the bytes rank 0 reads)."""
 REPORTS_DIR = "reports"
 MAX_REPORT_BYTES = 1 << 30
 
@@ -79,6 +81,13 @@ def _b64(arr: np.ndarray, dtype: str) -> str:
     return base64.b64encode(np.ascontiguousarray(arr, dtype=dtype).tobytes()).decode("ascii")
 
 
+def _deflated(arr: np.ndarray) -> str:
+    """An integer column: base64 of the deflated little-endian int64 values (small, repeating
+    values: a tenth of the raw size)."""
+    raw = np.ascontiguousarray(arr, dtype="<i8").tobytes()
+    return base64.b64encode(zlib.compress(raw, 1)).decode("ascii")
+
+
 def encode_report(doc: RankReportDoc) -> bytes:
     """The bytes of a report file."""
     body: dict[str, Any] = {
@@ -96,16 +105,21 @@ def encode_report(doc: RankReportDoc) -> bytes:
     t = doc.tiles
     if t is not None:
         body["files"] = [[p, n] for p, n in t.files]
-        body["names"] = list(t.names)
+        # Deflated: a rank's tensor names repeat prefixes, and ranks of one job often report the
+        # very same list, which rank 0 then parses once (:func:`_names`).
+        packed = zlib.compress(json.dumps(list(t.names), separators=(",", ":")).encode(), 1)
+        body["names"] = {"zlib": base64.b64encode(packed).decode("ascii")}
+        # The columns of a manifest's tile table (rank 0 reads one report per rank: their size
+        # is what the commit waits for).
         body["tiles"] = {
             "count": len(t),
             "ndim": int(t.offsets.shape[1]) if t.offsets.ndim == 2 else 0,
-            "file": _b64(t.file, "<i8"),
-            "name": _b64(t.name, "<i8"),
-            "offsets": _b64(t.offsets, "<i8"),
-            "lengths": _b64(t.lengths, "<i8"),
-            "byte_offset": _b64(t.byte_offset, "<i8"),
-            "chunks": _b64(t.chunks, "<i8"),
+            "file": _deflated(t.file),
+            "name": _deflated(t.name),
+            "offsets": _deflated(t.offsets),
+            "lengths": _deflated(t.lengths),
+            "byte_offset": _deflated(t.byte_offset),
+            "chunks": _deflated(t.chunks),
             "checksums": _b64(t.checksums, "<u8"),
         }
     data = json.dumps(body, separators=(",", ":"), allow_nan=False).encode()
@@ -167,32 +181,59 @@ def _replicas(raw: Any, fail: Any) -> tuple[tuple[str, ...], np.ndarray] | None:
     return tuple(names), np.frombuffer(buf, dtype="<u8").astype(np.uint64)
 
 
+_NAMES: dict[str, tuple[str, ...]] = {}
+"""Name lists already decoded, by their packed text (the ranks of one save mostly share a few)."""
+
+
+def _names(raw: Any, fail: Any) -> tuple[str, ...]:
+    text = raw.get("zlib") if isinstance(raw, dict) else None
+    if not isinstance(text, str):
+        raise fail('names must be {"zlib": base64 of a deflated JSON list of strings}')
+    hit = _NAMES.get(text)
+    if hit is not None:
+        return hit
+    try:
+        inflated = zlib.decompressobj().decompress(base64.b64decode(text, validate=True), MAX_REPORT_BYTES)
+        names = json.loads(inflated)
+    except (binascii.Error, ValueError, zlib.error):
+        raise fail("names are not valid base64 of a deflated JSON list") from None
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        raise fail("names must be a list of strings")
+    if len(_NAMES) >= 256:
+        _NAMES.clear()
+    out = _NAMES[text] = tuple(names)
+    return out
+
+
 def _tiles(doc: dict[str, Any], fail: Any) -> ReportTiles:
-    files, names, raw = doc.get("files"), doc.get("names"), doc.get("tiles")
+    files, raw = doc.get("files"), doc.get("tiles")
+    names = _names(doc.get("names"), fail)
     if not isinstance(files, list) or not all(
         isinstance(f, list) and len(f) == 2 and isinstance(f[0], str) and type(f[1]) is int and f[1] >= 0 for f in files
     ):
         raise fail("files must be [[path, bytes], ...]")
-    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
-        raise fail("names must be a list of strings")
     if not isinstance(raw, dict):
         raise fail("tiles must be an object")
     n, nd = raw.get("count"), raw.get("ndim")
     if type(n) is not int or type(nd) is not int or n < 0 or not 0 <= nd <= 64:
         raise fail("tiles.count and tiles.ndim must be small non-negative integers")
 
-    def column(key: str, count: int, dtype: str) -> np.ndarray:
+    def column(key: str, count: int, deflated: bool = True) -> np.ndarray:
         text = raw.get(key)
-        if not isinstance(text, str) or len(text) != 4 * -(-8 * count // 3):
-            raise fail(f"tiles.{key} must be base64 of {count} 8-byte numbers")
+        if not isinstance(text, str) or len(text) > 4 * MAX_REPORT_BYTES // 3 + 4:
+            raise fail(f"tiles.{key} must be a base64 string")
         try:
             buf = base64.b64decode(text, validate=True)
-        except (binascii.Error, ValueError):
-            raise fail(f"tiles.{key} is not valid base64") from None
-        return np.frombuffer(buf, dtype=dtype).astype(np.uint64 if dtype == "<u8" else np.int64)
+            if deflated:  # bounded: a column cannot inflate past what ``count`` declares
+                buf = zlib.decompressobj().decompress(buf, 8 * count + 1)
+        except (binascii.Error, ValueError, zlib.error):
+            raise fail(f"tiles.{key} is not valid base64{' of zlib data' if deflated else ''}") from None
+        if len(buf) != 8 * count:
+            raise fail(f"tiles.{key} holds {len(buf)} bytes, expected {8 * count}")
+        return np.frombuffer(buf, dtype="<i8" if deflated else "<u8").astype(np.int64 if deflated else np.uint64)
 
-    cols = [column(k, c, "<i8") for k, c in (("file", n), ("name", n), ("offsets", n * nd), ("lengths", n * nd))]
-    byte_offset, chunks = column("byte_offset", n, "<i8"), column("chunks", n, "<i8")
+    cols = [column(k, c) for k, c in (("file", n), ("name", n), ("offsets", n * nd), ("lengths", n * nd))]
+    byte_offset, chunks = column("byte_offset", n), column("chunks", n)
     ints = [*cols, byte_offset, chunks]
     if any(len(a) and ((a < 0).any() or a.max() >= 1 << 62) for a in ints):
         raise fail("tile columns must be non-negative integers below 2**62")
@@ -201,12 +242,12 @@ def _tiles(doc: dict[str, Any], fail: Any) -> ReportTiles:
         raise fail("a tile refers to a file or name the report does not list")
     return ReportTiles(
         tuple((f[0], f[1]) for f in files),
-        tuple(names),
+        names,
         file,
         name,
         offs.reshape(n, nd),
         lens.reshape(n, nd),
         byte_offset,
         chunks,
-        column("checksums", int(chunks.sum()), "<u8"),
+        column("checksums", int(chunks.sum()), deflated=False),
     )

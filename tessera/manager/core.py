@@ -364,8 +364,9 @@ class CheckpointManager:
         world = dist.world_for(self.process_group)
         kwargs = {"strict": strict, "cast_dtypes": cast_dtypes, "options": self.load_options}
         kwargs.update(process_group=self.process_group, allow_pickle=self.allow_pickle)
-        loaded = self._loader.load(state, None if step is None else check_step(step), world, kwargs)
-        return loaded if self._tiered is None else self._tiered.after_load(loaded)  # a save goes on from it
+        step = None if step is None else check_step(step)
+        loaded = self._direct.loaded(self._loader.load(state, step, world, kwargs))  # dedup builds on it
+        return loaded if self._tiered is None else self._tiered.after_load(loaded)  # so does the timeline
 
     def remove_local_steps(self) -> list[int]:
         """Delete this root's steps, committed or not, from the local tier on every node; collective.

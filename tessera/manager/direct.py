@@ -21,9 +21,10 @@ from ..options import SaveOptions
 from ..results import PendingSave, SaveResult
 from ..storage import Storage
 from .background import BackgroundSaves
+from .resume import StepLoadResult
 from .retention import Retention
 from .shared_tiles import SharedTiles
-from .steps import LATEST_NAME, StepDirectory, close_store
+from .steps import LATEST_NAME, StepDirectory, close_store, is_first_rank
 
 __all__ = ["DirectRoute"]
 
@@ -68,6 +69,14 @@ class DirectRoute:
         self.save_options = save_options
         self.retention_before_save = retention_before_save
         self.shared = shared
+        if is_first_rank(process_group):
+            steps.check_at_start()  # a stale `latest`, step directories named otherwise: said once
+
+    def loaded(self, result: StepLoadResult) -> StepLoadResult:
+        """The manager loaded ``result.step``: the next dedup save builds on it. Returns ``result``."""
+        if self.shared is not None:
+            self.shared.build_on(result.step)
+        return result
 
     def save(
         self, step: int, state: object, in_background: bool, world: dist.World, t0: float, waited: float

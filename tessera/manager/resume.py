@@ -14,6 +14,7 @@ from typing import Any
 
 from .. import api
 from ..engine import dist
+from ..engine.loading.path_report import examine_path
 from ..errors import CheckpointError, CheckpointNotFoundError, StorageError
 from ..results import LoadResult
 from . import identity
@@ -135,7 +136,9 @@ class StepLoader:
         if self.tier is not None:
             local = "\n" + (self.tier.last_report or f"the local tier at {self.local_dir} was not used")
         raise CheckpointNotFoundError(
-            f"no loadable checkpoint under {root}" + (f":{detail}" if detail else " (no steps)") + local
+            f"no loadable checkpoint under {root}"
+            + (f":{detail}" if detail else f" (no steps): {_what_is_at(root)}")
+            + local
         )
 
     def _recover(
@@ -180,6 +183,15 @@ class StepLoader:
             warnings.warn(message, RuntimeWarning, stacklevel=_STACKLEVEL + 1)  # via _load_newest
         else:
             logger.debug("%s", message)
+
+
+def _what_is_at(root: str) -> str:
+    """The diagnosis of a root without steps (:mod:`tessera.engine.loading.path_report`), as every load gives it."""
+    try:
+        return examine_path(root).message()
+    except Exception as e:  # a courtesy: never hide the error itself
+        logger.debug("examining %s failed: %s", root, e)
+        return "no steps"
 
 
 def is_skippable(e: BaseException) -> bool:

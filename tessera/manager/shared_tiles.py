@@ -6,7 +6,8 @@ and references the tiles that did not change since the step it builds on (see
 
 - :meth:`for_save`: the :class:`~tessera.engine.saving.tile_index.Dedup` a save needs; its
   index is the rank's own tiles of the manager's last committed save, or, after a restart,
-  those of the step ``latest`` names (every rank reads that manifest; no communication);
+  those of the step the manager loaded or else the newest committed step (every rank lists the
+  root and reads that manifest; no communication);
 - :meth:`collect` (rank 0, after retention): remove the directories that no committed step
   references and no save in flight has pinned, and the pins whose saves are over.
 
@@ -21,11 +22,11 @@ import logging
 import threading
 import time
 
-from ..engine.loading.manifest import read_manifest, read_manifest_bytes
+from ..engine.loading.manifest import read_manifest, read_manifest_files
 from ..engine.saving.tile_index import Dedup, TileIndex, shared_dir
 from ..engine.tile_pins import PIN_LEASE_S, Pin, read_pins, remove_pin
 from ..errors import CheckpointNotFoundError
-from ..format.manifest import MANIFEST_NAME, decode_files
+from ..format.manifest import MANIFEST_NAME
 from ..format.names import OWNER_MARKER_DIR, PINS_DIR, SHARED_TILES_DIR, is_shared_ref
 from ..storage import Storage
 from ..storage.capabilities import RemovesEmptyDirs, Versioned
@@ -48,7 +49,8 @@ class SharedTiles:
         self.url = join_root(steps.root, SHARED_TILES_DIR)
         self.store: Storage = steps.factory(self.url)
         self._index: TileIndex | None = None
-        self._started = False  # whether the index was looked for (after a restart: in `latest`)
+        self._started = False  # whether the index was looked for (after a restart: the newest committed step)
+        self._base: int | None = None  # the step the manager loaded, if it did
         self._lock = threading.Lock()
         self._seen: dict[str, tuple[str, tuple[str, frozenset[str]]]] = {}  # url -> (version, refs)
         self._first_seen: dict[tuple[str, int], float] = {}  # (save id, rank) of a pin -> time.monotonic()
@@ -74,8 +76,18 @@ class SharedTiles:
         with self._lock:
             self._index = index
 
+    def build_on(self, step: int) -> None:
+        """The manager loaded ``step``: the next save references its tiles (every rank loaded it)."""
+        with self._lock:
+            self._base = step
+            self._started = False
+
     def _index_of_latest(self) -> TileIndex | None:
-        step = self.steps.pointer()
+        """The tiles of the step the manager loaded, else of the newest committed step (not of
+        ``latest``, which may name a step deleted since, or lag behind after a crash)."""
+        step = self._base
+        if step is None:
+            step = max((s for s, c in self.steps.scan().items() if c), default=None)
         if step is None:
             return None
         url = self.steps.url(step)
@@ -112,7 +124,7 @@ class SharedTiles:
             return hit[1]
         store = self.steps.factory(url)
         try:
-            save_id, files = decode_files(read_manifest_bytes(store, url), source=f"{url}/{MANIFEST_NAME}")
+            save_id, files = read_manifest_files(store, url)
         except CheckpointNotFoundError:
             return None
         finally:

@@ -8,8 +8,10 @@ any rank may list, while only rank 0 moves ``latest`` or deletes steps.
 from __future__ import annotations
 
 import logging
+import warnings
 from collections.abc import Callable
 
+from ..engine.loading.path_report import stray_step, stray_steps_note
 from ..format.manifest import MANIFEST_NAME
 from ..format.names import OWNER_MARKER_DIR, parse_step_dirname, step_dirname
 from ..storage import Storage
@@ -20,6 +22,7 @@ __all__ = [
     "StepDirectory",
     "check_step",
     "close_store",
+    "is_first_rank",
     "join_root",
     "parse_step_dirname",
     "step_dirname",
@@ -44,6 +47,16 @@ def check_step(step: int) -> int:
     if type(step) is not int or step < 0:
         raise ValueError(f"a checkpoint step must be an integer >= 0, got {step!r}")
     return step
+
+
+def is_first_rank(process_group: object = None) -> bool:
+    """Whether this process is rank 0 of ``process_group`` (the whole job by default; True
+    without ``torch.distributed``). Local: creates no group, unlike ``dist.world_for``."""
+    import torch.distributed as torch_dist
+
+    if not (torch_dist.is_available() and torch_dist.is_initialized()):
+        return True
+    return torch_dist.get_rank(process_group) == 0  # type: ignore[arg-type]
 
 
 def close_store(store: object) -> None:
@@ -89,6 +102,49 @@ class StepDirectory:
                 continue
             found[step] = found.get(step, False) or rest == MANIFEST_NAME
         return found
+
+    def check_at_start(self) -> None:
+        """Rank 0, when the manager starts: repair a stale ``latest``, and warn once about step
+        directories the manager ignores. Not collective; failures are logged, never raised.
+
+        ``latest`` naming a step that is not committed (its directory deleted by hand: ``rm -rf``
+        of the newest steps is allowed) is pointed at the newest committed step, or removed when
+        there is none, with a warning. Directories named like steps in another form (``step-6``,
+        as DCP scripts name them) are never loaded: the warning names the form the manager reads.
+        """
+        try:
+            found: dict[int, bool] = {}
+            stray: set[str] = set()
+            for rel in self.store.list(""):
+                head, _, rest = rel.partition("/")
+                step = parse_step_dirname(head)
+                if step is not None and rest:
+                    found[step] = found.get(step, False) or rest == MANIFEST_NAME
+                elif rest and stray_step(head) is not None:
+                    stray.add(head)
+            if stray:
+                warnings.warn(
+                    f"{self.root} holds {stray_steps_note(sorted(stray))}; the manager ignores them "
+                    f"(a folder of DCP steps converts into a manager root with: tessera convert FOLDER {self.root})",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+            pointer = self.pointer()
+            committed = sorted(s for s, c in found.items() if c)
+            if pointer is None or pointer in committed:
+                return
+            if committed:
+                self.point_at(committed[-1])
+            else:
+                self.remove_pointer()
+            now = f"now names step {committed[-1]}, the newest committed one" if committed else "was removed"
+            warnings.warn(
+                f"{self.root}/{LATEST_NAME} named step {pointer}, which is not committed there (deleted?); it {now}",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        except Exception as e:
+            logger.warning("checking the steps under %s at start failed: %s", self.root, e)
 
     def pointer(self) -> int | None:
         """The step the ``latest`` pointer names (None if absent or unreadable)."""

@@ -226,9 +226,16 @@ def convert_checkpoint(
     from ..options import parse_size
 
     base = options or ConvertOptions()
+    steps = _stray_steps(src)
+    if steps:
+        if dst_format not in (None, cv.Format.TESSERA.value):
+            raise UsageError(f"{src} is a folder of steps: it converts into a tessera manager root (no --to)")
+        return convert_steps(
+            src, dst, steps, src_format=src_format, dtype=dtype, force=force, options=base, notify=notify
+        )
     try:
         src_fmt = cv.Format(src_format) if src_format else cv.detect_format(src)
-    except ValueError as e:
+    except (ValueError, FileNotFoundError) as e:  # FileNotFoundError: the diagnosis tessera.load gives
         raise UsageError(str(e)) from e
     dst_fmt = cv.Format(dst_format) if dst_format else cv.Format.TESSERA
     if src_fmt == dst_fmt and src_fmt != cv.Format.TESSERA:
@@ -268,3 +275,80 @@ def convert_checkpoint(
         prefix = hf_export_prefix(src, opts.prefix, notify) if dst_fmt == cv.Format.HF else opts.prefix
         return dst_fmt, export_checkpoint(dst_fmt, src, dst, opts, prefix=prefix)
     return dst_fmt, import_checkpoint(src_fmt, src, dst, opts, dtype=cast, prefix=opts.prefix)
+
+
+def _stray_steps(src: str) -> dict[int, str]:
+    """``{step: directory}`` of a folder of step directories the manager does not recognise
+    (``step-6``: DCP's and most scripts' naming); empty for anything else."""
+    from .describe import PathKind, examine_path
+
+    if "://" in src or not os.path.isdir(src):
+        return {}
+    report = examine_path(src)
+    if report.kind != PathKind.STRAY_STEPS:
+        return {}
+    from ..engine.loading.path_report import stray_step
+
+    return {stray_step(n) or 0: os.path.join(src, n) for n in report.stray}
+
+
+def convert_steps(
+    src: str,
+    dst: str,
+    steps: dict[int, str],
+    *,
+    src_format: str | None = None,
+    dtype: str | None = None,
+    force: bool = False,
+    options: ConvertOptions | None = None,
+    notify: Notify = _quiet,
+) -> tuple[Format, ConvertResult]:
+    """Convert a folder of step directories (``step-6``, ``step-12``: DCP's naming) into a
+    :class:`~tessera.CheckpointManager` root at ``dst``, the step numbers kept
+    (``step-00000006``), ``latest`` naming the newest; what ``tessera convert FOLDER OUT`` does.
+
+    A step directory that cannot be read (a save killed before DCP wrote ``.metadata``) is
+    left out with a line through ``notify``; the others are converted.
+
+    Returns:
+        ``(tessera, the totals)``.
+
+    Raises:
+        UsageError: if ``dst`` is not empty (without ``force``), or no step could be read.
+
+    Example:
+        >>> convert_checkpoint("/dcp-run", "/tessera-run")  # doctest: +SKIP
+    """
+    import time
+
+    from .. import convert as cv
+    from ..convert import ConvertResult
+    from ..format.names import step_dirname
+    from ..manager.steps import StepDirectory
+    from ..storage import storage_for
+
+    t0 = time.monotonic()
+    prepare_output(dst, cv.Format.TESSERA, force=force)
+    done: list[tuple[int, ConvertResult]] = []
+    skipped: list[str] = []
+    for step, path in sorted(steps.items()):
+        out = os.path.join(dst, step_dirname(step))
+        try:
+            fmt = cv.Format(src_format) if src_format else cv.detect_format(path)
+        except (ValueError, FileNotFoundError):
+            notify(f"step {step}: left out: {path} holds no checkpoint it can read (a save that never finished?)")
+            skipped.append(f"{os.path.basename(path)} (no checkpoint)")
+            continue
+        _, result = convert_checkpoint(path, out, src_format=fmt.value, dtype=dtype, force=force, options=options)
+        notify(f"step {step}: read {fmt.value} {path}, wrote {out}")
+        done.append((step, result))
+        skipped += [f"step {step}: {x}" for x in result.skipped]
+    if not done:
+        raise UsageError(f"{src}: none of its step directories holds a checkpoint it can read")
+    StepDirectory(dst, storage_for).point_at(done[-1][0])
+    notify(f"{dst}: a checkpoint manager root with steps {', '.join(str(s) for s, _ in done)}; latest: {done[-1][0]}")
+    total = ConvertResult(
+        src, dst, sum(r.tensors for _, r in done), sum(r.values for _, r in done), sum(r.bytes for _, r in done),
+        sum(r.files for _, r in done), time.monotonic() - t0, tuple(skipped),
+    )  # fmt: skip
+    return cv.Format.TESSERA, total

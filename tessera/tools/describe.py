@@ -13,13 +13,13 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass, field
-from enum import Enum
 from typing import Any
 
 import numpy as np
 
+from ..engine.loading.path_report import PathKind, PathReport, examine_path
 from ..engine.saving.tile_index import shared_dir
-from ..format.manifest import MANIFEST_NAME, Manifest, decode_files
+from ..format.manifest import MANIFEST_NAME, Manifest
 from ..format.names import is_shared_ref, parse_step_dirname
 from ..format.safetensors_header import read_file_header, tensor_entries
 from ..storage import storage_for
@@ -27,36 +27,18 @@ from ..storage import storage_for
 __all__ = [
     "HFDirectory",
     "PathKind",
+    "PathReport",
     "StepInfo",
     "classify_path",
     "describe_hf",
     "detect_model_prefix",
+    "examine_path",
     "inspect_data",
     "list_steps",
 ]
 
-_HF_INDEX = "model.safetensors.index.json"
 _OPTIM_GROUPS = frozenset({"optim", "optimizer", "optimizers", "opt", "optim_state", "optimizer_state"})
 _OPTIM_LEAVES = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer", "square_avg", "acc_delta", "sum")
-
-
-class PathKind(str, Enum):
-    """What :func:`classify_path` found."""
-
-    CHECKPOINT = "checkpoint"
-    """A committed tessera checkpoint (``manifest.json``)."""
-    INCOMPLETE = "incomplete"
-    """A tessera checkpoint directory whose save never committed (``data/`` but no manifest)."""
-    MANAGER_ROOT = "manager_root"
-    """A :class:`~tessera.CheckpointManager` root: ``step-NNNNNNNN/`` directories."""
-    HF = "hf"
-    """A Hugging Face safetensors directory (or a single ``.safetensors`` file)."""
-    OTHER_FORMAT = "other_format"
-    """A checkpoint of another framework (DCP, DeepSpeed, Megatron, ``torch.save``)."""
-    MISSING = "missing"
-    """Nothing there."""
-    UNKNOWN = "unknown"
-    """Something else."""
 
 
 @dataclass(frozen=True)
@@ -99,59 +81,15 @@ class HFDirectory:
     model_type: str | None = None
 
 
-def _is_local(path: str) -> bool:
-    return "://" not in path
-
-
 def classify_path(path: str, storage_options: dict[str, Any] | None = None) -> PathKind:
-    """What is at ``path``; only lists and reads small files.
+    """What is at ``path``; only lists and reads small files (see :func:`examine_path`, whose
+    message every "not found" of tessera gives).
 
     Example:
         >>> classify_path("/ckpt/run1")
         <PathKind.MANAGER_ROOT: 'manager_root'>
     """
-    if not _is_local(path):
-        from ..storage import storage_for
-
-        store = storage_for(
-            path.removeprefix("tier::") if path.startswith("tier::") else path, storage_options=storage_options
-        )
-        names = store.list("")
-        if MANIFEST_NAME in names:
-            return PathKind.CHECKPOINT
-        if _step_dirs(n.partition("/")[0] for n in names):
-            return PathKind.MANAGER_ROOT
-        if any(n.startswith("data/") for n in names):
-            return PathKind.INCOMPLETE
-        return PathKind.MISSING if not names else PathKind.UNKNOWN
-    if os.path.isfile(os.path.join(path, MANIFEST_NAME)):
-        return PathKind.CHECKPOINT
-    if os.path.isfile(path):
-        if path.endswith(".safetensors"):
-            return PathKind.HF
-        return PathKind.OTHER_FORMAT if path.endswith((".pt", ".pth", ".bin")) else PathKind.UNKNOWN
-    if not os.path.isdir(path):
-        return PathKind.MISSING
-    names = os.listdir(path)
-    if _step_dirs(n for n in names if os.path.isdir(os.path.join(path, n))):
-        return PathKind.MANAGER_ROOT
-    if _HF_INDEX in names or any(n.endswith(".safetensors") for n in names):
-        return PathKind.HF
-    if os.path.isdir(os.path.join(path, "data")):
-        return PathKind.INCOMPLETE
-    from ..convert import detect_format
-
-    try:
-        detect_format(path)
-    except ValueError:
-        return PathKind.UNKNOWN
-    return PathKind.OTHER_FORMAT
-
-
-def _step_dirs(names: Any) -> list[int]:
-    from ..manager import parse_step_dirname
-
-    return sorted(s for s in (parse_step_dirname(n) for n in names) if s is not None)
+    return examine_path(path, storage_options=storage_options).kind
 
 
 def list_steps(root: str, storage_options: dict[str, Any] | None = None) -> list[StepInfo]:
@@ -353,7 +291,7 @@ def sharing(m: Manifest, path: str) -> dict[str, Any] | None:
 
 def _steps_by_save_id(path: str) -> dict[str, int]:
     """The steps beside ``path`` (a manager root's), by the id of the save that committed them."""
-    from ..engine.loading.manifest import read_manifest_bytes
+    from ..engine.loading.manifest import read_manifest_files
 
     parent = path.rstrip("/").rpartition("/")[0] or "."
     found: dict[str, int] = {}
@@ -367,7 +305,7 @@ def _steps_by_save_id(path: str) -> dict[str, int]:
             continue
         try:
             url = f"{parent}/{name}"  # only the save id: the file list, not every tensor, is decoded
-            found[decode_files(read_manifest_bytes(storage_for(url), url))[0]] = step
+            found[read_manifest_files(storage_for(url), url)[0]] = step
         except Exception:
             continue
     return found

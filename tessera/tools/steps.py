@@ -56,33 +56,29 @@ def _committed(root: str) -> tuple[list[StepInfo], list[StepInfo]]:
 
 
 def _pick(given: str, root: str, step: str) -> ResolvedPath:
-    """The step ``step`` (a number or ``latest``) under the manager root ``root``."""
-    from ..errors import CheckpointNotFoundError
-    from .describe import PathKind, classify_path
+    """The step ``step`` (a number or ``latest``) under the manager root ``root``.
 
-    kind = classify_path(root)
-    if kind != PathKind.MANAGER_ROOT:
-        what = "nothing is there" if kind == PathKind.MISSING else f"it is not one (found: {kind.value})"
-        raise UsageError(f"{given}: ROOT@STEP needs a checkpoint manager root (step-NNNNNNNN/ directories); {what}")
+    Anything else is the diagnosis ``tessera.load`` gives for the same path
+    (:func:`~tessera.tools.describe.examine_path`).
+    """
+    from ..errors import CheckpointNotFoundError
+    from ..format.names import step_dirname
+    from .describe import PathKind, examine_path
+
+    report = examine_path(root)
+    if report.kind != PathKind.MANAGER_ROOT:
+        raise UsageError(f"{given}: ROOT@STEP needs a checkpoint manager root; {report.message()}")
     steps, committed = _committed(root)
     if not committed:
-        raise CheckpointNotFoundError(
-            f"{root}: a checkpoint manager root with no committed step "
-            f"({len(steps)} incomplete step director{'y' if len(steps) == 1 else 'ies'}); nothing to read"
-        )
-    listing = ", ".join(str(s.step) for s in committed)
+        raise CheckpointNotFoundError(report.message())
     if step == "latest":
         chosen = committed[-1]
         return ResolvedPath(given, chosen.path, root, chosen.step, latest=True)
     number = int(step)
-    found = next((s for s in steps if s.step == number), None)
+    found = next((s for s in steps if s.step == number and s.committed), None)
     if found is None:
-        raise UsageError(f"{given}: no step {number} under {root}; its committed steps: {listing}")
-    if not found.committed:
-        raise UsageError(
-            f"{given}: step {number} under {root} never committed (no manifest.json; never loaded); "
-            f"its committed steps: {listing}"
-        )
+        path = root + step_dirname(number) if root.endswith("/") else f"{root}/{step_dirname(number)}"
+        raise UsageError(f"{given}: {examine_path(path).message()}")
     return ResolvedPath(given, found.path, root, number)
 
 

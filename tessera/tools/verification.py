@@ -18,10 +18,10 @@ import numpy as np
 
 from .. import _knobs
 from ..engine.file_checks import check_file, tiles_by_file, unreferenced_files
-from ..engine.loading.manifest import read_bytes
+from ..engine.loading.manifest import decode_read, read_bytes
 from ..errors import CheckpointError, CoverageError, ManifestError, PickleNotAllowedError
 from ..format.geometry import Box, check_box_coverage
-from ..format.manifest import MANIFEST_NAME, Manifest, decode
+from ..format.manifest import MANIFEST_NAME, Manifest
 from ..format.values import decode_value
 from ..results import Problem, ProblemKind, VerifyReport
 from ..storage import Storage, storage_for
@@ -67,9 +67,9 @@ def verify(path: str, *, storage: Storage | None = None, threads: int | None = N
             path, None, (Problem(ProblemKind.MANIFEST, str(e), file=MANIFEST_NAME),), seconds=time.monotonic() - t0
         )
     except FileNotFoundError:
-        msg = (
-            f"{path}: no {MANIFEST_NAME}; this is not a committed checkpoint (never saved, or the save did not finish)"
-        )
+        from ..engine.loading.manifest import not_found
+
+        msg = str(not_found(path, store))  # what tessera.load says for the same path
         return VerifyReport(
             path, None, (Problem(ProblemKind.MANIFEST, msg, file=MANIFEST_NAME),), seconds=time.monotonic() - t0
         )
@@ -79,7 +79,7 @@ def verify(path: str, *, storage: Storage | None = None, threads: int | None = N
             path, None, (Problem(ProblemKind.READ, msg, file=MANIFEST_NAME),), seconds=time.monotonic() - t0
         )
     try:
-        manifest = decode(data, source=f"{path}/{MANIFEST_NAME}")
+        manifest = decode_read(store, path, data)  # a sectioned manifest: its index and every section
     except ManifestError as e:
         return VerifyReport(
             path, None, (Problem(ProblemKind.MANIFEST, str(e), file=MANIFEST_NAME),), seconds=time.monotonic() - t0

@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from ...errors import CheckpointError, MissingKeysError
-from ...format.manifest import MANIFEST_NAME, Manifest, decode
+from ...format.manifest import Manifest
 from ...format.names import LOAD_TIMINGS_DIR
 from ...options import LoadOptions
 from ...results import LoadResult
@@ -31,8 +31,9 @@ from ..flat_state import FlatState, flatten, restore_values
 from ..inflight import wait_pending
 from ..timing import PhaseTimer
 from .broadcast import Broadcast, run_broadcasts, split_replicated
-from .manifest import manifest_bytes
+from .manifest import open_manifest
 from .read import Reader, ReadRequest, ReadTarget, check_targets, plan_reads
+from .sections import Narrow
 from .validate import lookup_value, preview, validate, warn_skipped
 
 logger = logging.getLogger(__name__)
@@ -92,19 +93,28 @@ def load(
         if previous is not None:
             raise previous
         store = storage_for(path, storage, storage_options=storage_options)
-        # Lazy: each tile table is decoded (and validated) when this rank first plans reads of it.
-        manifest = decode(manifest_bytes(store, path), source=f"{path}/{MANIFEST_NAME}", lazy=True)
-        store = with_shared_tiles(store, manifest, path)
+        # Lazy: each tile table is decoded (and validated) when this rank first plans reads of it;
+        # of a sectioned manifest (version 2) only the sections its targets meet are read.
+        manifest, part = open_manifest(store, path, world.rank)
         timer.mark("metadata")
         try:
-            plan = _plan_load(
-                world, manifest, state, strict=strict, cast=cast_dtypes, allow_pickle=allow_pickle, opts=opts
+            plan, manifest = _plan_load(
+                world,
+                manifest,
+                state,
+                strict=strict,
+                cast=cast_dtypes,
+                allow_pickle=allow_pickle,
+                opts=opts,
+                narrow=part.narrow if part is not None else None,
             )
         except CheckpointError:
             # An invalid tile table this rank did not need to decode is the root cause of
             # anything else failing (a key the state lacks, say): name it first.
-            manifest.validate_all()
+            if part is None:
+                manifest.validate_all()
             raise
+        store = with_shared_tiles(store, manifest, path)
         mine.append((store, manifest, plan))
         ballot["version"] = dist.fingerprint62(manifest.save_id)
         ballot["some_rank_wants_all"] = int(not plan.unexpected)
@@ -127,7 +137,9 @@ def load(
         )
     plan = replace(plan, unexpected=unexpected)
     if not strict:
-        warn_skipped(world, path, plan.missing, plan.unexpected)
+        wanted = plan.flat.keys() if plan.missing else set()
+        spare = [k for k in manifest.keys() if k not in wanted] if plan.missing else None
+        warn_skipped(world, path, plan.missing, plan.unexpected, spare)
     targets, broadcasts = plan.targets, list[Broadcast]()
     if opts.broadcast_replicated:
         targets, broadcasts = split_replicated(world, plan.targets)
@@ -198,11 +210,13 @@ def _plan_load(
     cast: bool,
     allow_pickle: bool,
     opts: LoadOptions,
-) -> LoadPlan:
+    narrow: Narrow | None = None,
+) -> tuple[LoadPlan, Manifest]:
     """This rank's part of the load: validate the target against the manifest and plan the reads.
 
     ``unexpected`` holds the checkpoint keys *this* rank does not want; the caller keeps those
-    no rank wants.
+    no rank wants. ``narrow`` (a sectioned manifest) reads the tiles the targets meet; the
+    manifest returned is the one the reads are planned with.
 
     Raises:
         StateMismatchError, MissingKeysError, CoverageError, ...: this rank's problem.
@@ -210,13 +224,15 @@ def _plan_load(
     flat = flatten(state, rank=world.rank, world_size=world.size, for_load=True, manifest=manifest)
     targets, missing, unexpected = validate(manifest, flat, world, state, strict=strict, cast=cast)
     check_targets(targets, world.rank)  # aliasing: before any rank writes a byte
+    if narrow is not None:
+        manifest = narrow(targets)
     # Plan every read now: a gap or overlap in the saved tiles (coverage) is then found,
     # and agreed on by every rank, before any rank writes into its targets.
     requests = plan_reads(manifest, targets, max_read_bytes=opts.max_read_bytes, rank=world.rank)
     # Decode plain values now, before any tensor is touched: a refused pickle or a
     # malformed value then leaves the caller's state exactly as it was.
     decoded = {k: lookup_value(manifest, k, world, allow_pickle) for k in [*flat.values, *flat.per_rank_values]}
-    return LoadPlan(flat, targets, requests, decoded, sorted(missing), sorted(unexpected))
+    return LoadPlan(flat, targets, requests, decoded, sorted(missing), sorted(unexpected)), manifest
 
 
 def _record_load_timings(

@@ -1,12 +1,32 @@
-"""The manifest of a load: read once, size-checked before reading, decoded strictly."""
+"""The manifest of a load: read once, size-checked before reading, decoded strictly.
+
+Every reader goes through here: :func:`load_manifest` gives the whole manifest whichever
+format version is committed (version 2: the index and every section), :func:`open_manifest`
+what a loading rank needs to read only its part.
+"""
 
 from __future__ import annotations
 
+import json
+import logging
 from typing import Any
 
 from ...errors import CheckpointError, CheckpointNotFoundError, ManifestError, StorageError
-from ...format.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest, decode
+from ...format.manifest import (
+    MANIFEST_NAME,
+    MAX_MANIFEST_BYTES,
+    SECTIONED_VERSION,
+    FileEntry,
+    Manifest,
+    decode,
+    decode_files,
+    decode_index,
+)
 from ...storage import Storage, storage_for
+from .path_report import examine_path
+from .sections import SectionedLoad, read_all_sections
+
+logger = logging.getLogger(__name__)
 
 
 def read_manifest(
@@ -31,16 +51,98 @@ def read_manifest(
         ManifestError: if the manifest is invalid.
     """
     store = storage_for(path, storage, storage_options=storage_options)
-    return decode(read_manifest_bytes(store, path), source=f"{path}/{MANIFEST_NAME}")
+    return load_manifest(store, path)
+
+
+def load_manifest(store: Storage, path: str, *, lazy: bool = False) -> Manifest:
+    """The whole manifest committed in ``store`` (at ``path``, for messages), of either format version.
+
+    Version 1 is ``manifest.json`` decoded; version 2 is its index and every section (the whole
+    sections file, one read, each section verified). ``lazy`` decodes version 1 tile tables on
+    first use (version 2 is decoded whole).
+
+    Raises:
+        CheckpointNotFoundError: if nothing is committed there.
+        ManifestError: if the manifest (or a section) is invalid.
+    """
+    return decode_read(store, path, read_manifest_bytes(store, path), lazy=lazy)
+
+
+def decode_read(store: Storage, path: str, data: bytes, *, lazy: bool = False) -> Manifest:
+    """:func:`load_manifest` of the ``manifest.json`` bytes ``data`` already read from ``store``."""
+    source = f"{path}/{MANIFEST_NAME}"
+    if not is_index(data):
+        return decode(data, source=source, lazy=lazy)
+    index = decode_index(data, source=source)
+    return index.assemble(read_all_sections(store, index))
+
+
+def read_manifest_files(store: Storage, path: str) -> tuple[str, tuple[FileEntry, ...]]:
+    """The save id and data files of the manifest committed in ``store``, validated.
+
+    Version 1 decodes no tensor (:func:`~tessera.format.manifest.decode_files`); version 2
+    reads its sections (they list the files).
+
+    Raises:
+        CheckpointNotFoundError, ManifestError: as :func:`load_manifest`.
+    """
+    data = read_manifest_bytes(store, path)
+    if not is_index(data):
+        return decode_files(data, source=f"{path}/{MANIFEST_NAME}")
+    m = decode_read(store, path, data)
+    return m.save_id, m.files
+
+
+def open_manifest(store: Storage, path: str, rank: int) -> tuple[Manifest, SectionedLoad | None]:
+    """What a loading rank reads first: a version 1 manifest (decoded lazily) and None, or a
+    version 2 index's manifest (dtypes and shapes; tiles read when asked) and the
+    :class:`SectionedLoad` whose ``narrow`` reads only the sections the rank's targets meet.
+
+    Raises:
+        CheckpointNotFoundError, ManifestError, StorageError: as :func:`manifest_bytes`.
+    """
+    data = manifest_bytes(store, path)
+    source = f"{path}/{MANIFEST_NAME}"
+    if not is_index(data):
+        return decode(data, source=source, lazy=True), None
+    part = SectionedLoad(store, decode_index(data, source=source), rank)
+    return part.manifest, part
+
+
+_INDEX_PREFIX = b'{"format":"tessera","version":%d,' % SECTIONED_VERSION
+
+
+def is_index(data: bytes) -> bool:
+    """Whether ``manifest.json`` bytes are a version 2 index (the head tessera writes first; any
+    other order is parsed to find out)."""
+    if data.startswith(_INDEX_PREFIX):
+        return True
+    if data.startswith(b'{"format":"tessera","version":'):
+        return False
+    try:
+        doc = json.loads(data)
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        return False  # the decoder says what is wrong with it
+    return isinstance(doc, dict) and doc.get("version") == SECTIONED_VERSION
 
 
 def read_manifest_bytes(store: Storage, path: str) -> bytes:
     try:
         return read_bytes(store, f"{path}/{MANIFEST_NAME}")  # the size limit is checked before reading
     except FileNotFoundError:
-        raise CheckpointNotFoundError(
+        raise not_found(path, store) from None
+
+
+def not_found(path: str, store: Storage | None = None) -> CheckpointNotFoundError:
+    """The error for a path with no committed checkpoint, saying what is there instead (:mod:`.path_report`)."""
+    try:
+        message = examine_path(path, storage=None if "://" not in path else store).message()
+    except Exception as e:  # the diagnosis is a courtesy: never let it hide the error itself
+        logger.debug("examining %s failed: %s", path, e)
+        message = (
             f"no committed checkpoint at {path}: {MANIFEST_NAME} is missing (never saved, or the save did not finish)"
-        ) from None
+        )
+    return CheckpointNotFoundError(message)
 
 
 def manifest_bytes(store: Storage, path: str) -> bytes:

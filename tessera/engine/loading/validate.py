@@ -29,11 +29,14 @@ def _in_scope(key: str, scope: list[str] | None) -> bool:
     return scope is None or any(key == s or key.startswith(s + ".") for s in scope)
 
 
-def warn_skipped(world: World, path: str, missing: list[str], unexpected: list[str]) -> None:
+def warn_skipped(
+    world: World, path: str, missing: list[str], unexpected: list[str], spare: list[str] | None = None
+) -> None:
     """``strict=False``: say what the load leaves out, so that it never skips state silently.
 
     Missing keys differ by rank (each rank says its own); unexpected keys are the same on
-    every rank (rank 0 says them).
+    every rank (rank 0 says them). ``spare`` (the checkpoint's keys the state does not ask
+    for, under any top-level key) adds where the missing keys may be, as the strict error does.
     """
     unexpected = unexpected if world.is_coordinator else []
     if not missing and not unexpected:
@@ -45,6 +48,8 @@ def warn_skipped(world: World, path: str, missing: list[str], unexpected: list[s
         )
     if unexpected:
         parts.append(f"{len(unexpected)} key(s) of the checkpoint are not in the state: {preview(unexpected)}")
+    if missing and spare:
+        parts[-1] += counterpart_hint(missing, spare)
     logger.warning(
         "rank %d: loading %s with strict=False skipped %s (LoadResult.missing_keys / unexpected_keys list them)",
         world.rank,
@@ -135,6 +140,7 @@ def validate(
         raise MissingKeysError(
             f"rank {world.rank}: keys do not match (strict=True): missing from the checkpoint: {preview(sorted(missing))}"
             + _structure_hint(manifest, flat, missing)
+            + counterpart_hint(sorted(missing), [k for k in manifest.keys() if k not in wanted])
         )
     return targets, sorted(missing), unexpected
 
@@ -153,6 +159,61 @@ def _structure_hint(manifest: Manifest, flat: FlatState, missing: set[str]) -> s
                 "was saved (a dict holding those names; for an optimizer, tessera.OptimizerState(model, optimizer))"
             )
     return ""
+
+
+def counterpart_hint(missing: list[str], spare: list[str]) -> str:
+    """Where the checkpoint keeps what the state misses: a prefix that explains them, or the nearest names.
+
+    ``spare`` holds the checkpoint's keys the state does not ask for (under any top-level key).
+    A prefix explains the missing keys when the checkpoint holds them under it (DCP's tutorial
+    layout ``{"app": AppState}``: ``app.model.w`` for ``model.w``) or without it; otherwise
+    the nearest spare names are shown, one per missing key (a rename that went astray).
+    """
+    if not missing or not spare:
+        return ""
+    spare_set = set(spare)
+    extra: dict[str, int] = {}  # the checkpoint has PREFIX + missing key
+    short: dict[str, int] = {}  # the checkpoint has the missing key without PREFIX
+    by_leaf: dict[str, list[str]] = {}
+    for k in spare:
+        for i in range(len(k)):
+            if k[i] == "." and i + 1 < len(k):
+                by_leaf.setdefault(k[i + 1 :], []).append(k[: i + 1])
+    for m in missing:
+        for prefix in set(by_leaf.get(m, ())):
+            extra[prefix] = extra.get(prefix, 0) + 1
+        for i in range(len(m)):
+            if m[i] == "." and m[i + 1 :] in spare_set:
+                short[m[: i + 1]] = short.get(m[: i + 1], 0) + 1
+    half = (len(missing) + 1) // 2
+    best = max(extra.items(), key=lambda kv: (kv[1], -len(kv[0])), default=None)
+    if best is not None and best[1] >= half:
+        p, n = best
+        return (
+            f". The checkpoint holds {n} of the {len(missing)} missing keys under '{p}' ('{p}{missing[0]}'): "
+            f"nest the state under it ({{'{p[:-1]}': ...}}), or rename the checkpoint's keys once with "
+            f"`tessera rename CKPT --map {p}=`"
+        )
+    best = max(short.items(), key=lambda kv: (kv[1], len(kv[0])), default=None)
+    if best is not None and best[1] >= half:
+        p, n = best
+        return (
+            f". The checkpoint holds {n} of the {len(missing)} missing keys without the prefix '{p}' "
+            f"('{missing[0][len(p) :]}' for '{missing[0]}'): pass the state's '{p[:-1]}' entries at its top level, or "
+            f"rename the checkpoint's keys once with `tessera rename CKPT --regex '^={p}'`"
+        )
+    import difflib
+
+    pairs = []
+    for m in missing[:5]:
+        leaf = m.rsplit(".", 1)[-1]
+        pool = spare if len(spare) <= 5000 else [k for k in spare if k.rsplit(".", 1)[-1] == leaf][:5000]
+        near = difflib.get_close_matches(m, pool, n=1, cutoff=0.6)
+        if near:
+            pairs.append(f"'{near[0]}' (for '{m}')")
+    if not pairs:
+        return f". The checkpoint holds {len(spare)} key(s) the state does not ask for: {preview(sorted(spare), 5)}"
+    return f". Nearest keys the checkpoint holds and the state does not ask for: {', '.join(pairs)}"
 
 
 def preview(keys: list[str], n: int = 10) -> str:

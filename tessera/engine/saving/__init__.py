@@ -7,6 +7,8 @@ One module per step, each handing the next a frozen dataclass (:mod:`.handoff`):
 - :mod:`.cache`: per process group, the cached plans and the reused staging buffer;
 - :mod:`.prepare`: the prepare step (flatten, save id, location) and the plan step;
 - :mod:`.sources`: the stage step (the tensors to write, copied to host memory);
+- :mod:`.fingerprint`: what the CPU tiles an async save copies later held at its call, checked
+  against the checksums of what was written;
 - :mod:`.finish`: the claim, write and commit steps (rank 0 commits following
   :mod:`tessera.engine.commit`: it claims the path before any rank writes, checks every reported
   file, publishes the manifest only over the version it claimed, then removes files of

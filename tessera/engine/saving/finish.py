@@ -56,7 +56,8 @@ from .write import WriteRequest, WrittenFile, write_tiles
 from .writer_process import write_tiles_in_process
 
 logger = logging.getLogger(__name__)
-_READ_THREADS = 16
+_READ_THREADS = 128
+"""Reports read at once by rank 0 at the commit: 16,384 ranks at 20 ms per request take 2.6 s."""
 
 
 def finish_save(
@@ -65,7 +66,7 @@ def finish_save(
     staged: Callable[[], Staged],
     timer: PhaseTimer,
     returned: threading.Event | None = None,
-    verdict: Callable[[], None] | None = None,
+    verdict: Callable[[list[FileReport]], None] | None = None,
 ) -> SaveResult:
     """Collective: claim, write, vote, commit. Runs in the save's background thread (or inline).
 
@@ -77,7 +78,8 @@ def finish_save(
         returned: set once ``async_save`` returned (its stall is in ``timer.stall`` then);
             None for a synchronous save.
         verdict: for a copy in the background, waits for it to end and raises what it found
-            (a source changed under it): checked after the writes, before the vote.
+            (a source changed under it, a CPU tile written with other bytes than the call's,
+            given the reports of what was written): checked after the writes, before the vote.
 
     Returns:
         this rank's :class:`SaveResult`.
@@ -114,7 +116,7 @@ def finish_save(
         windowed = any(isinstance(st, WindowedTiles) for st in tiles)
         written.extend(_write(world, save, tiles, share and not windowed, reports))
         if verdict is not None:
-            verdict()
+            verdict(reports)
         timer.mark("write")
         if returned is not None:
             returned.wait()  # the caller's stall is known once async_save has returned

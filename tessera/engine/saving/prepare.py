@@ -91,7 +91,7 @@ def prepare(
         # Plain values are snapshotted now: the caller may change them once we return.
         mine.values = _encode_values(mine.flat, request.allow_pickle)
         # Copies of replicated tensors, digested at the call (rank 0 compares them before committing).
-        mine.replicas = digest_replicas(mine.flat, world.size)
+        mine.replicas = digest_replicas(mine.flat, world.size, opts.io_threads)
     except Exception as e:
         own = e
     if own is None and ctx.nonce is not None:

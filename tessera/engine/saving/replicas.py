@@ -24,6 +24,7 @@ within each kind. Not checked: DTensors (``Replicate`` placements are replicated
 from __future__ import annotations
 
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -36,6 +37,10 @@ from ..flat_state import FlatState
 _DEVICE = np.uint64(1 << 63)
 """The top bit of a digest computed on an accelerator (the other kind has it clear)."""
 _LOW63 = (1 << 63) - 1
+_PIECE_BYTES = 16 << 20
+"""Host copies larger than this are digested piece by piece (see :func:`host_digest`)."""
+_PARALLEL_BYTES = 32 << 20
+"""Below this many host bytes in all, digesting in the caller's thread beats starting threads."""
 _CHUNK_WORDS = 1 << 24
 """Words digested per step on a device: bounds the temporaries (64 MiB of int32)."""
 _K = 0x2545F491  # odd: position weights 2*(i*K mod 2**31)+1 are odd, so one changed word always shows
@@ -60,25 +65,32 @@ class ReplicaDigests:
         return out
 
 
-def digest_replicas(flat: FlatState, world_size: int) -> ReplicaDigests | None:
+def digest_replicas(flat: FlatState, world_size: int, threads: int = 1) -> ReplicaDigests | None:
     """The digests of this rank's plain tensors (copies of replicated tensors); None in a single process.
 
     Runs in the caller's thread: device digests are queued on the current stream, behind the
-    caller's work, so they see the state at the call.
+    caller's work, so they see the state at the call. Host copies of :data:`_PARALLEL_BYTES` or
+    more in all are digested by ``threads`` threads (xxh3 releases the GIL).
     """
     pieces = [p for p in flat.tensors if p.replicated_copy]
     if world_size < 2 or not pieces:
         return None
-    host: list[int | None] = []
+    host: list[int | None] = [None] * len(pieces)
+    on_host = [i for i, p in enumerate(pieces) if p.data.device.type == "cpu"]
     on_device: dict[torch.device, tuple[list[int], list[torch.Tensor]]] = {}
     for i, p in enumerate(pieces):
-        if p.data.device.type == "cpu":
-            host.append(host_digest(p.data))
-        else:
-            host.append(None)
+        if p.data.device.type != "cpu":
             index, digests = on_device.setdefault(p.data.device, ([], []))
             index.append(i)
             digests.append(device_digest(p.data))
+    total = sum(pieces[i].data.numel() * pieces[i].data.element_size() for i in on_host)
+    if threads > 1 and total >= _PARALLEL_BYTES and len(on_host) > 0:
+        with ThreadPoolExecutor(threads, thread_name_prefix="tessera-replicas") as pool:
+            for i, d in zip(on_host, pool.map(lambda i: host_digest(pieces[i].data, pool), on_host)):
+                host[i] = d
+    else:
+        for i in on_host:
+            host[i] = host_digest(pieces[i].data)
     device = {d: (index, torch.stack(ds)) for d, (index, ds) in on_device.items()}
     return ReplicaDigests(tuple(p.fqn for p in pieces), host, device)
 
@@ -89,9 +101,20 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8, device=t.device)
 
 
-def host_digest(t: torch.Tensor) -> int:
-    """xxh3-64 of a host tensor's bytes, top bit clear."""
-    return xxhash.xxh3_64_intdigest(_bytes(t).numpy().data) & _LOW63
+def host_digest(t: torch.Tensor, pool: ThreadPoolExecutor | None = None) -> int:
+    """The digest of a host tensor's bytes, top bit clear: xxh3-64 of them, or, past
+    :data:`_PIECE_BYTES`, xxh3-64 of the xxh3-64s of its fixed-size pieces (hashed in ``pool`` when
+    given), so that equal copies digest alike however many threads each rank uses."""
+    data = _bytes(t).numpy().data
+    if len(data) <= _PIECE_BYTES:
+        return xxhash.xxh3_64_intdigest(data) & _LOW63
+    views = [data[j : j + _PIECE_BYTES] for j in range(0, len(data), _PIECE_BYTES)]
+    sums = (
+        list(pool.map(xxhash.xxh3_64_intdigest, views))
+        if pool is not None
+        else [xxhash.xxh3_64_intdigest(v) for v in views]
+    )
+    return xxhash.xxh3_64_intdigest(np.array(sums, dtype="<u8").tobytes()) & _LOW63
 
 
 def device_digest(t: torch.Tensor) -> torch.Tensor:

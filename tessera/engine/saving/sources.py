@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import ctypes
 import threading
-import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -16,12 +15,11 @@ import torch
 
 from ..._torch_private import version_counter
 from ...errors import CheckpointError, StagingMutationError
-from ...format.dtypes import as_bytes
 from ...format.geometry import Box
-from ...options import StagingCheck
 from ...results import PendingSave
 from ...stateful import GatedStateful
 from ..flat_state import FlatState, TensorPiece
+from .fingerprint import TileKey, mutation_error
 from .handoff import SavePlan
 from .staging import StagedTiles, StagingBuffer
 
@@ -48,6 +46,8 @@ class Sources:
     tensors: list[torch.Tensor]
     names: list[str]
     gated: list[bool]
+    keys: list[TileKey]
+    """Each tile as the writer reports it (name, box offsets, box lengths)."""
 
 
 def sources(plan: SavePlan, flat: FlatState) -> Sources:
@@ -57,7 +57,8 @@ def sources(plan: SavePlan, flat: FlatState) -> Sources:
         pieces.setdefault(p.fqn, []).append(p)
     slots = [s for lay in plan.layouts for s in lay.slots]
     found = [_source(pieces, s.fqn, s.box) for s in slots]
-    return Sources([t for t, _ in found], [s.fqn for s in slots], [g for _, g in found])
+    keys = [(s.fqn, s.box.offsets, s.box.lengths) for s in slots]
+    return Sources([t for t, _ in found], [s.fqn for s in slots], [g for _, g in found], keys)
 
 
 def stage(
@@ -206,31 +207,27 @@ def _read(t: torch.Tensor, offsets: Sequence[int], itemsize: int) -> bytes:
 
 
 class MutationCheck:
-    """What each source copied in the background was at the ``async_save`` call.
+    """What each source copied in the background was at the ``async_save`` call (the cheap part).
 
-    Taken in the caller's thread before it returns; :meth:`verify` compares it with the
-    sources and their staged copies once the copy is over, before the gate opens, and
-    raises if something changed a source first (see :class:`~tessera.options.StagingCheck`).
+    Taken in the caller's thread before it returns: each source's autograd version counter
+    and, for CPU tensors, a few sampled elements (``StagingCheck.SAMPLED``; with the default
+    ``FULL``, CPU tensors are fingerprinted instead, see :mod:`.fingerprint`, and only device
+    tensors are checked here). :meth:`verify` compares them with the sources and their staged
+    copies once the copy is over, before the gate opens, and raises if something changed a
+    source first (see :class:`~tessera.options.StagingCheck`).
 
     Args:
         srcs: the sources, in slot order.
         names: their FQNs (for the error).
-        level: ``SAMPLED`` or ``FULL``.
-        skip: indices of sources nobody else can change (private copies made at the call).
+        skip: indices of sources checked otherwise: private copies made at the call (nobody
+            else can change them), fingerprinted CPU tensors.
     """
 
-    def __init__(self, srcs: list[torch.Tensor], names: list[str], level: StagingCheck, skip: set[int]) -> None:
+    def __init__(self, srcs: list[torch.Tensor], names: list[str], skip: set[int]) -> None:
         self._names = names
         self._checked = [i for i in range(len(srcs)) if i not in skip]
         self._versions = {i: version_counter(srcs[i]) for i in self._checked}
         self._samples = {i: _sample(srcs[i]) for i in self._checked}
-        self._crcs: dict[int, int] = {}
-        if level is StagingCheck.FULL:
-            self._crcs = {
-                i: zlib.crc32(as_bytes(srcs[i].contiguous()).numpy().data)
-                for i in self._checked
-                if srcs[i].device.type == "cpu"
-            }
 
     def verify(self, srcs: Sequence[torch.Tensor], staged: Sequence[torch.Tensor], rank: int, path: str) -> None:
         """Raise if a source changed between the call and its copy.
@@ -242,37 +239,19 @@ class MutationCheck:
         Raises:
             StagingMutationError: naming the first tensor found changed, the rank and the path.
         """
-        self._check(
-            srcs,
-            lambda i, sample: _read(staged[i], sample.staged_offsets, sample.itemsize),
-            lambda i: zlib.crc32(staged[i].numpy().data),
-            rank,
-            path,
-        )
+        self._check(srcs, lambda i, sample: _read(staged[i], sample.staged_offsets, sample.itemsize), rank, path)
 
-    def verify_sources(self, srcs: Sequence[torch.Tensor], crcs: dict[int, int] | None, rank: int, path: str) -> None:
+    def verify_sources(self, srcs: Sequence[torch.Tensor], rank: int, path: str) -> None:
         """:meth:`verify` for copies made piece by piece (a memory budget): the sampled elements
-        are read from the sources themselves, and ``FULL`` compares the CRC32 of each copy as it
-        was made (``crcs``, by source index).
+        are read from the sources themselves.
 
         Raises:
             StagingMutationError: naming the first tensor found changed, the rank and the path.
         """
-        self._check(
-            srcs,
-            lambda i, sample: _read(srcs[i], sample.src_offsets, sample.itemsize),
-            lambda i: None if crcs is None else crcs.get(i),
-            rank,
-            path,
-        )
+        self._check(srcs, lambda i, sample: _read(srcs[i], sample.src_offsets, sample.itemsize), rank, path)
 
     def _check(
-        self,
-        srcs: Sequence[torch.Tensor],
-        sampled: Callable[[int, _Sample], bytes],
-        crc: Callable[[int], int | None],
-        rank: int,
-        path: str,
+        self, srcs: Sequence[torch.Tensor], sampled: Callable[[int, _Sample], bytes], rank: int, path: str
     ) -> None:
         for i in self._checked:
             how = None
@@ -280,20 +259,8 @@ class MutationCheck:
                 how = "an in-place operation changed it (its version counter moved)"
             elif (sample := self._samples[i]) is not None and sampled(i, sample) != sample.expected:
                 how = "its bytes changed through an alias (e.g. .data)"
-            if how is None and i in self._crcs and (got := crc(i)) is not None and got != self._crcs[i]:
-                how = "its bytes changed (CRC32)"
             if how is not None:
-                raise self._changed(i, how, rank, path)
-
-    def _changed(self, i: int, how: str, rank: int, path: str) -> StagingMutationError:
-        return StagingMutationError(
-            f"rank {rank}: tensor '{self._names[i]}' was modified after async_save({path!r}) returned and "
-            f"before its bytes were copied to host memory: {how}. The checkpoint would mix two moments "
-            f"of training, so the save is abandoned on every rank. Change saved tensors only after "
-            f"pending.wait_staged(), through calls a gated Stateful holds (optimizer.step() with "
-            f"tessera.OptimizerState, a forward with tessera.ModelState, or your own with "
-            f"tessera.StagingGate), or save with SaveOptions(staging=StagingMode.AUTO or BLOCKING)"
-        )
+                raise mutation_error([self._names[i]], how, rank, path)
 
 
 def private_copies(srcs: list[torch.Tensor], which: Sequence[int]) -> None:

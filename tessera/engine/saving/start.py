@@ -18,10 +18,11 @@ from ...results import PendingSave, SaveResult
 from .. import dist, inflight
 from ..timing import PhaseTimer
 from .cache import SaveCache, cache_for
+from .fingerprint import CallFingerprint
 from .finish import finish_save
-from .handoff import PreparedSave, SaveRequest
+from .handoff import FileReport, PreparedSave, SaveRequest
 from .prepare import prepare
-from .sources import MutationCheck, OverlappedCopy, Staged, hold_mutations, private_copies, sources, stage
+from .sources import MutationCheck, OverlappedCopy, Sources, Staged, hold_mutations, private_copies, sources, stage
 from .staging import is_copied, ready_event
 from .window import Window
 
@@ -37,7 +38,8 @@ class _StageStep:
     copy's error, known before returning; ``event`` is set once the state may change again
     (None: it may change at once); ``overlapped`` is a background copy to wait for; with
     ``blocks`` the call itself waits for ``event`` (tensors nothing holds back from changing,
-    streamed through a memory budget's window by the background writes).
+    streamed through a memory budget's window by the background writes); ``fingerprint`` is
+    what the CPU tiles copied after the call held at the call.
     """
 
     staged: Callable[[], Staged]
@@ -45,6 +47,15 @@ class _StageStep:
     event: threading.Event | None = None
     overlapped: OverlappedCopy | Window | None = None
     blocks: bool = False
+    fingerprint: CallFingerprint | None = None
+
+    def verdict(self, reports: list[FileReport], rank: int, path: str) -> None:
+        """After the writes, before the vote: raise what the background copy found (a failed
+        copy, a source changed under it), or a CPU tile whose written bytes are not the call's."""
+        if self.overlapped is not None:
+            self.overlapped.verdict()
+        if self.fingerprint is not None:
+            self.fingerprint.verify(reports, rank, path)
 
 
 def start_save(request: SaveRequest) -> PendingSave:
@@ -93,7 +104,7 @@ def _start_save(request: SaveRequest) -> PendingSave:
         step = _stage_step(request, save, ctx, world.rank, timer)
         # The background report waits for the caller's stall, known once this returns.
         returned = threading.Event() if request.background else None
-        verdict = step.overlapped.verdict if step.overlapped is not None else None
+        verdict = partial(step.verdict, rank=world.rank, path=request.path) if step.event is not None else None
 
         def finish() -> SaveResult:
             try:
@@ -153,29 +164,46 @@ def _stage_step(request: SaveRequest, save: PreparedSave, ctx: SaveCache, rank: 
     if isinstance(budget, int):
         to_copy = sum(t.numel() * t.element_size() for t in srcs.tensors if is_copied(t, request.background))
         if to_copy > budget:
-            return _windowed(request, save, srcs.tensors, srcs.names, srcs.gated, ctx, rank, timer, budget)
+            return _windowed(request, save, srcs, ctx, rank, timer, budget)
     if not request.background or mode is StagingMode.BLOCKING or (mode is StagingMode.AUTO and not any(srcs.gated)):
         return _blocking(save, srcs.tensors, ctx, rank, timer, copy=request.background)
     # Ungated tensors of an AUTO save are copied now, into private copies the copy thread reads.
     now = [i for i, g in enumerate(srcs.gated) if not g] if mode is StagingMode.AUTO else []
     private_copies(srcs.tensors, now)
     after = ready_event(srcs.tensors)
-    check = None
-    if opts.check_staging is not StagingCheck.OFF:
-        reference = MutationCheck(srcs.tensors, srcs.names, opts.check_staging, skip=set(now))
-        check = partial(reference.verify, rank=rank, path=request.path)
+    check, fingerprint = _checks(save, srcs, skip=set(now))
     event, copied = _copied_event(timer)
-    overlapped = OverlappedCopy(save.plan, srcs.tensors, ctx.staging, rank, after, copied, check)
+    verify = None if check is None else partial(check.verify, rank=rank, path=request.path)
+    overlapped = OverlappedCopy(save.plan, srcs.tensors, ctx.staging, rank, after, copied, verify)
     timer.mark("schedule")
-    return _StageStep(overlapped.start, event=event, overlapped=overlapped)
+    return _StageStep(overlapped.start, event=event, overlapped=overlapped, fingerprint=fingerprint)
+
+
+def _checks(
+    save: PreparedSave, srcs: Sources, skip: set[int], fingerprint: bool = True
+) -> tuple[MutationCheck | None, CallFingerprint | None]:
+    """The mutation check of the sources copied after the call returns (all but ``skip``).
+
+    ``FULL`` (the default): a fingerprint of every CPU tile, taken now, compared with what the
+    writers checksum from the copies; version counters for device tensors. ``SAMPLED``: version
+    counters and sampled elements only. ``OFF``: nothing.
+    """
+    opts = save.options
+    if opts.check_staging is StagingCheck.OFF:
+        return None, None
+    taken = None
+    if fingerprint and opts.check_staging is StagingCheck.FULL:
+        cpu = [i for i, t in enumerate(srcs.tensors) if i not in skip and t.device.type == "cpu"]
+        if cpu:
+            taken = CallFingerprint(srcs.tensors, srcs.names, srcs.keys, cpu, opts.chunk_bytes, opts.io_threads)
+            skip = skip | set(cpu)
+    return MutationCheck(srcs.tensors, srcs.names, skip), taken
 
 
 def _windowed(
     request: SaveRequest,
     save: PreparedSave,
-    srcs: list[torch.Tensor],
-    names: list[str],
-    gated: list[bool],
+    srcs: Sources,
     ctx: SaveCache,
     rank: int,
     timer: PhaseTimer,
@@ -193,17 +221,17 @@ def _windowed(
     opts = save.options
     background = request.background
     mode = opts.staging
-    blocks = background and (mode is StagingMode.BLOCKING or (mode is StagingMode.AUTO and not all(gated)))
-    check = None
-    if background and opts.check_staging is not StagingCheck.OFF:
-        reference = MutationCheck(srcs, names, opts.check_staging, skip=set())
-        check = partial(reference.verify_sources, rank=rank, path=request.path)
+    blocks = background and (mode is StagingMode.BLOCKING or (mode is StagingMode.AUTO and not all(srcs.gated)))
+    check, fingerprint = None, None
+    if background:
+        # A call that waits for the copies needs no fingerprint: its own thread cannot write meanwhile.
+        check, fingerprint = _checks(save, srcs, skip=set(), fingerprint=not blocks)
+    verify = None if check is None else partial(check.verify_sources, rank=rank, path=request.path)
     event, copied = _copied_event(timer)
-    after = ready_event(srcs)  # the copies run on a side stream, after the caller's queued work
-    crcs = check is not None and opts.check_staging is StagingCheck.FULL
-    window = Window(save.plan, srcs, budget, opts.io_threads, ctx.window, rank, after, copied, check, crcs=crcs)
+    after = ready_event(srcs.tensors)  # the copies run on a side stream, after the caller's queued work
+    window = Window(save.plan, srcs.tensors, budget, opts.io_threads, ctx.window, rank, after, copied, verify)
     timer.mark("schedule")
-    return _StageStep(window.start, event=event, overlapped=window, blocks=blocks)
+    return _StageStep(window.start, event=event, overlapped=window, blocks=blocks, fingerprint=fingerprint)
 
 
 def _copied_event(timer: PhaseTimer) -> tuple[threading.Event, Callable[[], None]]:

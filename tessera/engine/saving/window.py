@@ -17,7 +17,6 @@ half-way opens the gate too (nothing will be committed).
 from __future__ import annotations
 
 import threading
-import zlib
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
@@ -104,8 +103,9 @@ class Window:
         rank: this rank (for errors).
         after: a CUDA event the copies wait for (see :func:`.staging.ready_event`), or None.
         on_done: called once every byte was copied (the gate opens), or the write gave up.
-        check: the staging check, called with the sources and the CRC32 of each copy (``FULL``),
-            before the gate opens.
+        check: the staging check (version counters, sampled elements), called with the sources
+            before the gate opens; CPU tiles' fingerprints are compared with what the writers
+            checksummed instead (:mod:`.fingerprint`).
     """
 
     def __init__(
@@ -118,15 +118,13 @@ class Window:
         rank: int,
         after: object | None,
         on_done: Callable[[], None],
-        check: Callable[[Sequence[torch.Tensor], dict[int, int] | None], None] | None = None,
-        crcs: bool = False,
+        check: Callable[[Sequence[torch.Tensor]], None] | None = None,
     ) -> None:
         files = max(1, min(threads, len(plan.layouts)))
         self.piece_bytes = max(ALIGN, budget // files // ALIGN * ALIGN)
         self._plan, self._srcs, self._buffers, self._rank = plan, srcs, buffers, rank
         self._after, self._on_done, self._check = after, on_done, check
         self._left = len(srcs)
-        self._crcs: dict[int, int] | None = {} if crcs else None
         self._lock = threading.Lock()
         self._done = threading.Event()
         self._error: BaseException | None = None
@@ -147,18 +145,12 @@ class Window:
         src = self._srcs[index]
         pin = self._device is not None and torch.cuda.is_available()
         buf = self._buffers.take(self.piece_bytes, pin)
-        crc = 0
         try:
             for part in split(src, self.piece_bytes):
                 n = part.numel() * part.element_size()
                 region = buf[:n]
                 self._copy(region.view(part.dtype).view(part.shape), part)
-                view = region.numpy().data
-                if self._crcs is not None:
-                    crc = zlib.crc32(view, crc)
-                yield view
-            if self._crcs is not None:
-                self._crcs[index] = crc
+                yield region.numpy().data
             self._tile_copied()
         except BaseException as e:
             self._give_up(e)
@@ -191,7 +183,7 @@ class Window:
     def _finish(self) -> None:
         try:
             if self._check is not None:
-                self._check(self._srcs, self._crcs)  # before the gate opens: a held mutation is no mutation
+                self._check(self._srcs)  # before the gate opens: a held mutation is no mutation
         except StagingMutationError as e:
             self._error = e
         finally:

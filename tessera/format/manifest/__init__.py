@@ -1,4 +1,4 @@
-"""The on-disk manifest (format version 1): frozen dataclasses, encoder and a strict decoder.
+"""The on-disk manifest (format versions 1 and 2): frozen dataclasses, encoders and strict decoders.
 
 ``manifest.json`` is written last and atomically; its presence commits a checkpoint. The
 decoder treats the file as hostile: size limit, strict types, dtype whitelist, file
@@ -9,10 +9,13 @@ Modules:
         :class:`TileTable`, :class:`FileEntry`, :class:`PerRankEntry`) and the constants.
     encoder: :func:`encode`, a manifest to bytes.
     decoder: :func:`decode` and :func:`read_bytes`, bytes (or a store) to a validated manifest.
+    sections, index: format version 2, ``manifest.json`` as an index of sections a reader reads
+        in part (:func:`encode_sectioned`, :func:`decode_index`).
 """
 
 from .decoder import decode, decode_files
 from .encoder import encode
+from .index import Index, Section, decode_index
 from .schema import (
     CHECKSUM_ALGORITHM,
     DECODE_RATIO,
@@ -20,6 +23,8 @@ from .schema import (
     FORMAT,
     MANIFEST_NAME,
     MAX_MANIFEST_BYTES,
+    SECTIONED_VERSION,
+    SECTIONS_NAME,
     TABLE_MIN_TILES,
     VERSION,
     FileEntry,
@@ -29,6 +34,7 @@ from .schema import (
     Tile,
     TileTable,
 )
+from .sections import encode_sectioned, sections_path
 
 __all__ = [
     "CHECKSUM_ALGORITHM",
@@ -37,15 +43,22 @@ __all__ = [
     "FORMAT",
     "MANIFEST_NAME",
     "MAX_MANIFEST_BYTES",
+    "SECTIONED_VERSION",
+    "SECTIONS_NAME",
     "TABLE_MIN_TILES",
     "VERSION",
     "FileEntry",
+    "Index",
     "Manifest",
     "PerRankEntry",
+    "Section",
     "TensorEntry",
     "Tile",
     "TileTable",
     "decode",
     "decode_files",
+    "decode_index",
     "encode",
+    "encode_sectioned",
+    "sections_path",
 ]

@@ -25,6 +25,7 @@ from .schema import (
     FORMAT,
     MANIFEST_NAME,
     MAX_MANIFEST_BYTES,
+    SECTIONED_VERSION,
     VERSION,
     FileEntry,
     Manifest,
@@ -98,10 +99,17 @@ class _Head(NamedTuple):
 
 def _head(data: bytes) -> _Head:
     """The top level of a manifest: everything but tensors, values and the informational fields."""
+    doc, version, save_id, world_size, chunk_bytes = head_fields(data, VERSION)
+    return _Head(doc, version, save_id, world_size, chunk_bytes, _files(doc))
+
+
+def head_fields(data: bytes, expected: int) -> tuple[dict, int, str, int, int]:
+    """The top level of a manifest of format version ``expected``: the document, version, save id,
+    world size and checksum chunk size (no tensors, files or values)."""
     if len(data) > MAX_MANIFEST_BYTES:
         raise fail(f"size {len(data)} bytes is over the {MAX_MANIFEST_BYTES}-byte limit")
     try:
-        doc = json.loads(data, object_pairs_hook=_unique_keys)
+        doc = json.loads(data, object_pairs_hook=unique_keys)
     except ManifestError:
         raise
     except (ValueError, UnicodeDecodeError) as e:
@@ -110,8 +118,17 @@ def _head(data: bytes) -> _Head:
     if doc.get("format") != FORMAT:
         raise fail(f"format is {doc.get('format')!r:.40}, expected {FORMAT!r}")
     version = as_int(doc.get("version"), "version", 1)
-    if version > VERSION:
-        raise fail(f"format version {version} is newer than this tessera reads ({VERSION}); upgrade tessera")
+    if version > SECTIONED_VERSION:
+        raise fail(f"format version {version} is newer than this tessera reads ({SECTIONED_VERSION}); upgrade tessera")
+    if version != expected:
+        raise fail(
+            f"format version {version}: "
+            + (
+                "an index whose tiles are in sections; read it with tessera.read_manifest (not decode)"
+                if version == SECTIONED_VERSION
+                else "not an index; read it with tessera.read_manifest"
+            )
+        )
     save_id = doc.get("save_id")
     if not isinstance(save_id, str):
         raise fail("save_id must be a string")
@@ -120,7 +137,10 @@ def _head(data: bytes) -> _Head:
     if checksum.get("algorithm") != CHECKSUM_ALGORITHM:
         raise fail(f"unknown checksum algorithm {checksum.get('algorithm')!r:.40}")
     chunk_bytes = as_int(checksum.get("chunk_bytes"), "checksum.chunk_bytes", 1)
+    return doc, version, save_id, world_size, chunk_bytes
 
+
+def _files(doc: dict) -> tuple[FileEntry, ...]:
     raw_files = doc.get("files")
     if not isinstance(raw_files, list):
         raise fail("files must be a list")
@@ -141,7 +161,7 @@ def _head(data: bytes) -> _Head:
             raise fail(f"files[{i}]: file {entry.path!r} is listed twice")
         seen_paths.add(entry.path)
         files.append(entry)
-    return _Head(doc, version, save_id, world_size, chunk_bytes, tuple(files))
+    return tuple(files)
 
 
 def _decode(data: bytes, source: str, lazy: bool) -> Manifest:
@@ -151,20 +171,39 @@ def _decode(data: bytes, source: str, lazy: bool) -> Manifest:
     ctx = Context(source, files, chunk_bytes, Budget(DECODE_RATIO * len(data) + DECODE_SLACK))
     for name, raw_entry in as_dict(doc.get("tensors"), "tensors").items():
         tdoc = as_dict(raw_entry, f"tensor '{name}'")
-        try:
-            dt = dtype_from_name(tdoc.get("dtype"))  # type: ignore[arg-type]  # it refuses non-strings
-        except ValueError as err:
-            raise fail(f"tensor '{name}': {err}") from None
-        shape = _ints(tdoc.get("shape"), f"tensor '{name}' shape")
-        size = _itemsize(dt)
-        if math.prod(shape) * size >= 1 << 62:
-            raise fail(f"tensor '{name}': shape {list(shape)} is implausibly large")
+        dtype, shape, size = tensor_header(name, tdoc)
         encoded = EncodedTiles(ctx, name, tdoc, shape, size)
         if lazy:
-            tensors[name] = TensorEntry(tdoc["dtype"], shape, loader=encoded, count=encoded.count)
+            tensors[name] = TensorEntry(dtype, shape, loader=encoded, count=encoded.count)
         else:
-            tensors[name] = TensorEntry(tdoc["dtype"], shape, table=encoded.decode())
+            tensors[name] = TensorEntry(dtype, shape, table=encoded.decode())
+    return manifest_from(doc, version, save_id, world_size, chunk_bytes, files, tensors)
 
+
+def tensor_header(name: str, tdoc: dict) -> tuple[str, tuple[int, ...], int]:
+    """A tensor entry's dtype name, shape and item size, checked."""
+    try:
+        dt = dtype_from_name(tdoc.get("dtype"))  # type: ignore[arg-type]  # it refuses non-strings
+    except ValueError as err:
+        raise fail(f"tensor '{name}': {err}") from None
+    shape = _ints(tdoc.get("shape"), f"tensor '{name}' shape")
+    size = _itemsize(dt)
+    if math.prod(shape) * size >= 1 << 62:
+        raise fail(f"tensor '{name}': shape {list(shape)} is implausibly large")
+    return tdoc["dtype"], shape, size
+
+
+def manifest_from(
+    doc: dict,
+    version: int,
+    save_id: str,
+    world_size: int,
+    chunk_bytes: int,
+    files: tuple[FileEntry, ...],
+    tensors: dict[str, TensorEntry],
+) -> Manifest:
+    """The manifest of a decoded top level ``doc`` with ``files`` and ``tensors``: values and
+    per-rank values checked, names unique across the three maps."""
     per_rank = {}
     for name, v in as_dict(doc.get("per_rank", {}), "per_rank").items():
         v = as_dict(v, f"per_rank '{name}'")
@@ -178,8 +217,9 @@ def _decode(data: bytes, source: str, lazy: bool) -> Manifest:
         per_rank[name] = PerRankEntry(v["on_resize"], tuple(vals))
 
     values = as_dict(doc.get("values", {}), "values")
-    for name in (set(tensors) & set(values)) | ((set(tensors) | set(values)) & set(per_rank)):
-        where = [s for s, d in (("tensors", tensors), ("values", values), ("per_rank", per_rank)) if name in d]
+    names = set(doc.get("tensors", {})) if isinstance(doc.get("tensors"), dict) else set(tensors)
+    for name in (names & set(values)) | ((names | set(values)) & set(per_rank)):
+        where = [s for s, d in (("tensors", names), ("values", values), ("per_rank", per_rank)) if name in d]
         raise fail(f"name {name!r:.200} appears in both {where[0]} and {where[1]}; names must be unique")
     return Manifest(
         save_id=save_id,
@@ -206,7 +246,7 @@ def _itemsize(dt: torch.dtype) -> int:
     return size
 
 
-def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+def unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     """A JSON object as a dict, refusing a key given twice (JSON parsers disagree on which wins)."""
     out = dict(pairs)
     if len(out) != len(pairs):

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from .schema import CHECKSUM_ALGORITHM, FORMAT, TABLE_MIN_TILES, Manifest, TileTable
+from .schema import CHECKSUM_ALGORITHM, FORMAT, TABLE_MIN_TILES, VERSION, Manifest, TileTable
 
 _SEPARATORS = (",", ":")
 _WIDTHS = ((np.int8, "int8"), (np.int16, "int16"), (np.int32, "int32"), (np.int64, "int64"))
@@ -34,7 +34,7 @@ def encode(m: Manifest) -> bytes:
     remaps: dict[int, tuple[tuple[str, ...], np.ndarray | None]] = {}
     head = {
         "format": FORMAT,
-        "version": m.version,
+        "version": VERSION,  # the inline form, whichever form ``m`` was read from
         "save_id": m.save_id,
         "world_size": m.world_size,
         "checksum": {"algorithm": CHECKSUM_ALGORITHM, "chunk_bytes": m.chunk_bytes},
@@ -115,6 +115,17 @@ def _int_column(parts: list[bytes], arr: np.ndarray) -> None:
     Stored as the difference from the previous row unless that needs more bytes per value:
     sorted offsets, byte offsets and file indices step by small, repeating amounts.
     """
+    name, delta, data = _int_column_parts(arr)
+    parts += [
+        b'{"dtype":"%s",' % name.encode(),
+        b'"delta":true,' if delta else b"",
+        b'"zlib":true,"data":"',
+        data,
+        b'"}',
+    ]
+
+
+def _int_column_parts(arr: np.ndarray) -> tuple[str, bool, bytes]:
     arr = np.asarray(arr, dtype=np.int64)
     if arr.ndim == 1:
         arr = arr[:, None]
@@ -130,13 +141,7 @@ def _int_column(parts: list[bytes], arr: np.ndarray) -> None:
             delta, values, width = True, diff, diff_width
     dtype, name = _WIDTHS[width]
     raw = np.ascontiguousarray(values, dtype=np.dtype(dtype).newbyteorder("<")).tobytes()
-    parts += [
-        b'{"dtype":"%s",' % name.encode(),
-        b'"delta":true,' if delta else b"",
-        b'"zlib":true,"data":"',
-        base64.b64encode(zlib.compress(raw, 1)),
-        b'"}',
-    ]
+    return name, delta, base64.b64encode(zlib.compress(raw, 1))
 
 
 def _width(a: np.ndarray) -> int:

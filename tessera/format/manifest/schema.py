@@ -13,6 +13,18 @@ import numpy as np
 
 FORMAT = "tessera"
 VERSION = 1
+"""The inline form: every tile's details in ``manifest.json``."""
+SECTIONED_VERSION = 2
+"""The sectioned form: ``manifest.json`` is an index, the tiles' details are in sections
+(:mod:`tessera.format.manifest.sections`); readers of version 1 refuse it."""
+SECTIONS_NAME = "manifest.sections"
+"""File name (under ``data/<save id>/``) of a version 2 manifest's sections."""
+MAX_SECTIONS_BYTES = 4 << 30
+"""The largest sections file a version 2 index may declare."""
+MIN_SECTION_BYTES_PER_TILE = 10
+"""Every tile costs its section at least this many bytes (the base64 of one 8-byte checksum):
+an index may declare at most ``sections bytes / 10`` tiles, so its highly compressible
+geometry cannot inflate beyond what the sections file it names could describe."""
 MANIFEST_NAME = "manifest.json"
 CHECKSUM_ALGORITHM = "xxh3_64"
 MAX_MANIFEST_BYTES = 1 << 30

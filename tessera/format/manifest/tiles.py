@@ -154,9 +154,24 @@ def _decode_tiles(ctx: Context, name: str, form: str, raw: Any, shape: tuple[int
     what = f"tensor '{name}'"
     nd = len(shape)
     if form == "tiles":
-        fidx, offs, lens, byte_offsets, counts, sums = _tile_lists(what, raw, nd)
+        columns = _tile_lists(what, raw, nd)
     else:
-        fidx, offs, lens, byte_offsets, counts, sums = _tile_table(what, raw, nd, ctx.budget)
+        columns = _tile_table(what, raw, nd, ctx.budget)
+    return check_columns(ctx, name, shape, size, columns)
+
+
+def check_columns(
+    ctx: Context, name: str, shape: tuple[int, ...], size: int, columns: tuple[np.ndarray, ...]
+) -> TileTable:
+    """A tensor's decoded columns ``(file, offsets, lengths, byte_offset, chunks, checksums)``,
+    validated (inside the tensor and their files, aligned, checksum counts) as a table.
+
+    Raises:
+        ManifestError: naming the tensor and the first problem.
+    """
+    what = f"tensor '{name}'"
+    nd = len(shape)
+    fidx, offs, lens, byte_offsets, counts, sums = columns
     n = len(fidx)
     if not n:  # a tensor without elements: shared empty columns, no per-tensor arrays
         z = _EMPTY.get(nd)
@@ -274,18 +289,18 @@ else:  # pragma: no cover - Python 3.10
 def _tile_table(what: str, raw: dict, nd: int, budget: Budget) -> _Columns:
     """Columns of the table form (see docs/format.md); ``count`` is charged to the budget already."""
     n = raw["count"]
-    fidx = _column(what, raw, "file", n, n)
-    offs = _column(what, raw, "offsets", n * nd, n).reshape(n, nd)
-    lens = _column(what, raw, "lengths", n * nd, n).reshape(n, nd)
-    byte_offsets = _column(what, raw, "byte_offset", n, n)
-    counts = _column(what, raw, "chunks", n, n)
+    fidx = column(what, raw, "file", n, n)
+    offs = column(what, raw, "offsets", n * nd, n).reshape(n, nd)
+    lens = column(what, raw, "lengths", n * nd, n).reshape(n, nd)
+    byte_offsets = column(what, raw, "byte_offset", n, n)
+    counts = column(what, raw, "chunks", n, n)
     total = int(counts.sum())
     budget.take(8 * total, f"{what}: tile_table.chunks (sum {total})")
-    sums = _column(what, raw, "checksums", total, total)
+    sums = column(what, raw, "checksums", total, total)
     return fidx, offs, lens, byte_offsets, counts, sums
 
 
-def _column(what: str, raw: dict, key: str, count: int, rows: int) -> np.ndarray:
+def column(what: str, raw: dict, key: str, count: int, rows: int, label: str = "tile_table") -> np.ndarray:
     """One column: ``count`` values in ``rows`` rows, as int64 in [0, 2**62) (uint64 for checksums).
 
     A column is either a string (base64 of deflated little-endian 64-bit values, the first form
@@ -300,26 +315,26 @@ def _column(what: str, raw: dict, key: str, count: int, rows: int) -> np.ndarray
         name, delta, deflated = value.get("dtype"), value.get("delta", False), value.get("zlib", False)
         if name not in _COLUMN_TYPES or (name == "uint64") != checksums:
             allowed = "uint64" if checksums else "int8, int16, int32 or int64"
-            raise fail(f"{what}: tile_table.{key}.dtype must be {allowed}, got {name!r:.40}")
+            raise fail(f"{what}: {label}.{key}.dtype must be {allowed}, got {name!r:.40}")
         if type(delta) is not bool or type(deflated) is not bool or (delta and checksums):
-            raise fail(f"{what}: tile_table.{key}: delta and zlib must be true or false (checksums take no delta)")
+            raise fail(f"{what}: {label}.{key}: delta and zlib must be true or false (checksums take no delta)")
         data = value.get("data")
         if not isinstance(data, str):
-            raise fail(f"{what}: tile_table.{key}.data must be a base64 string")
+            raise fail(f"{what}: {label}.{key}.data must be a base64 string")
         dtype, text = _COLUMN_TYPES[name], data
     else:
-        raise fail(f"{what}: tile_table.{key} must be a base64 string or a column object")
+        raise fail(f"{what}: {label}.{key} must be a base64 string or a column object")
     if len(text) > 4 * MAX_MANIFEST_BYTES // 3 + 4:
-        raise fail(f"{what}: tile_table.{key} must be a base64 string")
+        raise fail(f"{what}: {label}.{key} must be a base64 string")
     expected = count * np.dtype(dtype).itemsize
     try:
         buf = _b64decode(text)
         if deflated:  # bounded: a hostile column cannot inflate past what ``count`` allows
             buf = zlib.decompressobj().decompress(buf, expected + 1)
     except (binascii.Error, ValueError, zlib.error):
-        raise fail(f"{what}: tile_table.{key} is not valid base64{' of zlib data' if deflated else ''}") from None
+        raise fail(f"{what}: {label}.{key} is not valid base64{' of zlib data' if deflated else ''}") from None
     if len(buf) != expected:
-        raise fail(f"{what}: tile_table.{key} holds {len(buf)} bytes, expected {expected}")
+        raise fail(f"{what}: {label}.{key} holds {len(buf)} bytes, expected {expected}")
     arr = np.frombuffer(buf, dtype=dtype)
     if checksums:
         return arr.astype(np.uint64, copy=False)
@@ -332,5 +347,5 @@ def _column(what: str, raw: dict, key: str, count: int, rows: int) -> np.ndarray
     # One pass for both bounds: negatives are huge as unsigned. Below 2**62, sums like
     # offsets + lengths and byte_offset + nbytes cannot wrap in int64.
     if int(arr.view(np.uint64).max()) >= 1 << 62:
-        raise fail(f"{what}: tile_table.{key} must be non-negative integers below 2**62")
+        raise fail(f"{what}: {label}.{key} must be non-negative integers below 2**62")
     return arr

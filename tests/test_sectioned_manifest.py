@@ -1,0 +1,308 @@
+"""The manifest in sections (format version 2): each loading rank reads the index and only its part.
+
+Saves are forced into sections (``TESSERA_SECTIONED_MANIFEST_TILES=0``). Real gloo ranks load
+them resharded (N -> M, DTensor, flat shards, replicated, pipeline stages) through a storage
+that counts what each rank reads: a rank reads the index and exactly the sections of the
+saving ranks whose data files it reads (those whose tiles meet its targets), bit-exact. A
+damaged section is an error naming the section and the rank; every other reader (verify,
+inspect, diff, rename, convert, the manager's resume and dedup's base) reads the whole manifest.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+
+import pytest
+import torch
+
+import tessera
+from tessera.cli import EXIT_OK, main
+from tessera.errors import ManifestError
+from tessera.format.manifest import MANIFEST_NAME, SECTIONS_NAME, decode, decode_index, encode_sectioned
+from tessera.storage import FileStorage
+from tests.dist_utils import run_distributed, run_ranks
+from tests.layouts import expected_local, hold, local_part, truth, zeros_like_held
+
+SECTIONED = {"TESSERA_SECTIONED_MANIFEST_TILES": "0"}
+TENSORS = {"w": ((24, 6), torch.float32), "b": ((16, 2), torch.bfloat16), "e": ((12, 5), torch.int64)}
+LAYOUTS = ["dt_shard0", "dt_2d", "flat", "sharded_uneven", "replicated"]
+
+
+class CountingStorage(FileStorage):
+    """A checkpoint directory that records every read: path, offset and bytes."""
+
+    def __init__(self, root: str) -> None:
+        super().__init__(root)
+        self.reads: list[tuple[str, int, int]] = []
+        self._lock = threading.Lock()
+
+    def _note(self, path: str, offset: int, n: int) -> None:
+        with self._lock:
+            self.reads.append((path, offset, n))
+
+    def read_file(self, path: str) -> bytes:
+        data = super().read_file(path)
+        self._note(path, 0, len(data))
+        return data
+
+    def read_into(self, path: str, offset: int, out: memoryview) -> None:
+        super().read_into(path, offset, out)
+        self._note(path, offset, len(out))
+
+    def map_range(self, path: str, offset: int, length: int) -> memoryview:
+        self._note(path, offset, length)
+        return super().map_range(path, offset, length)
+
+
+def _state(layout: str, rank: int, world: int, zero: bool) -> dict:
+    make = zeros_like_held if zero else hold
+    return {"t": {name: make(layout, truth(shape, dt), rank, world) for name, (shape, dt) in TENSORS.items()}}
+
+
+def _save(rank: int, world: int, root: str) -> None:
+    os.environ.update(SECTIONED)
+    for layout in LAYOUTS:
+        tessera.save(os.path.join(root, layout), _state(layout, rank, world, zero=False))
+    stage = (
+        {"stage0": {"w": truth((10, 3), torch.float32)}}
+        if rank == 0
+        else {"stage1": {"w": truth((8, 2), torch.float32, 1)}}
+    )
+    tessera.save(os.path.join(root, "stages"), stage)
+
+
+def _bytes(path: str) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def _what_was_read(store: CountingStorage, path: str) -> tuple[set[int], set[int], int]:
+    """(saving ranks of the sections read, saving ranks of the data files read, section bytes read)."""
+    index = decode_index(_bytes(os.path.join(path, MANIFEST_NAME)))
+    blob = _bytes(os.path.join(path, index.sections_path))
+    section_ranks, data_ranks, nbytes = set(), set(), 0
+    for p, offset, n in store.reads:
+        if p.endswith(SECTIONS_NAME):
+            nbytes += n
+            for s in range(index.section_count):
+                lo, hi = int(index.offset[s]), int(index.offset[s] + index.length[s])
+                if offset < hi and lo < offset + n:
+                    section_ranks.add(json.loads(blob[lo:hi])["rank"])
+        elif p.endswith(".safetensors"):
+            data_ranks.add(int(os.path.basename(p).split("-")[0]))
+    return section_ranks, data_ranks, nbytes
+
+
+def _load(rank: int, world: int, root: str) -> list[tuple[str, int, int]]:
+    out = []
+    for layout in LAYOUTS:
+        path = os.path.join(root, layout)
+        store = CountingStorage(path)
+        target = _state(layout, rank, world, zero=True)
+        tessera.load(path, target, storage=store)
+        for name, (shape, dt) in TENSORS.items():
+            want = expected_local(layout, truth(shape, dt), rank, world)
+            assert torch.equal(local_part(target["t"][name]), want), f"{layout} rank {rank}: {name} differs"
+        sections, data, nbytes = _what_was_read(store, path)
+        assert sections == data, f"{layout} rank {rank}: read the sections of ranks {sections}, data of {data}"
+        out.append((layout, len(sections), nbytes))
+    return out
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> str:
+    root = str(tmp_path_factory.mktemp("sectioned"))
+    run_distributed(_save, 4, root)
+    return root
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_resharded_loads_read_only_their_sections(saved: str, world: int) -> None:
+    for layout in [*LAYOUTS, "stages"]:
+        assert json.loads(_bytes(os.path.join(saved, layout, MANIFEST_NAME)))["version"] == 2
+    results = run_distributed(_load, world, saved)
+    for layout in ["dt_shard0", "flat", "sharded_uneven"]:  # sharded over 4 saving ranks, loaded by fewer
+        index = decode_index(_bytes(os.path.join(saved, layout, MANIFEST_NAME)))
+        full = index.sections_bytes
+        read = [n for rank in results for lay, _, n in rank if lay == layout]
+        assert max(read) < full, f"{layout}: some rank read every section ({read} of {full} bytes)"
+
+
+def _load_stage(rank: int, world: int, root: str) -> tuple[int, list[str]]:
+    path = os.path.join(root, "stages")
+    store = CountingStorage(path)
+    state = {"stage0": {"w": torch.zeros(10, 3)}} if rank == 0 else {"stage1": {"w": torch.zeros(8, 2)}}
+    tessera.load(path, state, storage=store)
+    want = truth((10, 3), torch.float32) if rank == 0 else truth((8, 2), torch.float32, 1)
+    assert torch.equal(next(iter(state.values()))["w"], want)
+    sections, data, _ = _what_was_read(store, path)
+    assert sections == data == {rank}, (sections, data)
+    return rank, sorted(sections)
+
+
+def test_pipeline_stages_read_only_their_own_section(saved: str) -> None:
+    assert run_distributed(_load_stage, 2, saved) == [(0, [0]), (1, [1])]
+
+
+def _load_damaged(rank: int, world: int, path: str) -> None:
+    tessera.load(path, _state("dt_shard0", rank, world, zero=True))
+
+
+def test_a_damaged_section_names_the_section_and_the_rank(saved: str, tmp_path) -> None:
+    import shutil
+
+    path = str(tmp_path / "ck")
+    shutil.copytree(os.path.join(saved, "dt_shard0"), path)
+    index = decode_index(_bytes(os.path.join(path, MANIFEST_NAME)))
+    sections = os.path.join(path, index.sections_path)
+    blob = bytearray(_bytes(sections))
+    s = 3  # the last saving rank's: read by the last loading rank only
+    at = int(index.offset[s]) + int(index.length[s]) - 10
+    blob[at] = ord("0") if blob[at] != ord("0") else ord("1")
+    with open(sections, "wb") as f:
+        f.write(bytes(blob))
+    outcomes = run_ranks(_load_damaged, 2, path, timeout=120)
+    for o in outcomes:
+        assert o.status == "error", o
+        msg = o.value["message"]
+        assert "section 3 of" in msg and "rank 1" in msg and "checksum mismatch" in msg, msg
+    with pytest.raises(ManifestError, match="section 3 of .*checksum mismatch"):
+        tessera.read_manifest(path)
+
+
+def test_small_saves_stay_version_1_and_version_2_is_refused_by_the_inline_decoder(tmp_path, monkeypatch) -> None:
+    state = {"w": truth((6, 4), torch.float32), "step": 3}
+    tessera.save(str(tmp_path / "v1"), state)
+    data = _bytes(tmp_path / "v1" / MANIFEST_NAME)
+    assert json.loads(data)["version"] == 1
+    monkeypatch.setenv("TESSERA_SECTIONED_MANIFEST_TILES", "0")
+    tessera.save(str(tmp_path / "v2"), state)
+    index = _bytes(tmp_path / "v2" / MANIFEST_NAME)
+    assert json.loads(index)["version"] == 2
+    with pytest.raises(ManifestError, match="format version 2: an index whose tiles are in sections"):
+        decode(index)
+    for where in ("v1", "v2"):
+        out = {"w": torch.zeros(6, 4), "step": 0}
+        tessera.load(str(tmp_path / where), out)
+        assert torch.equal(out["w"], state["w"]) and out["step"] == 3
+    # One manifest, two forms: the sectioned one read whole is the inline one.
+    m1, m2 = tessera.read_manifest(str(tmp_path / "v1")), tessera.read_manifest(str(tmp_path / "v2"))
+    assert m2.version == 2 and m2.values == m1.values
+    idx, secs = encode_sectioned(m1)
+    again = decode_index(idx)
+    assert again.assemble({0: again.decode_section(0, secs)}).tensors == m1.tensors
+
+
+def test_every_reader_reads_a_sectioned_checkpoint(saved: str, tmp_path, monkeypatch, capsys) -> None:
+    from tessera.convert import RenameRule, diff_checkpoints, rename_tensors
+
+    path = os.path.join(saved, "dt_2d")
+    assert tessera.verify(path).ok
+    assert main(["verify", path]) == EXIT_OK
+    capsys.readouterr()
+    assert main(["inspect", path, "--json"]) == EXIT_OK
+    assert "t.w" in json.dumps(json.loads(capsys.readouterr().out))
+    report = diff_checkpoints(path, os.path.join(saved, "flat"))
+    assert not report.tensors and report.same_tensors == len(TENSORS)
+    monkeypatch.setenv("TESSERA_SECTIONED_MANIFEST_TILES", "0")
+    pt = str(tmp_path / "m.pt")
+    assert main(["convert", path, pt, "--to", "torch"]) == EXIT_OK
+    assert torch.equal(torch.load(pt)["t.w"], truth(*TENSORS["w"]))
+    import shutil
+
+    copy = str(tmp_path / "renamed")
+    shutil.copytree(path, copy)
+    rename_tensors(copy, [RenameRule("t.", "net.")])
+    out = {"net": {name: torch.zeros(shape, dtype=dt) for name, (shape, dt) in TENSORS.items()}}
+    tessera.load(copy, out)
+    assert torch.equal(out["net"]["w"], truth(*TENSORS["w"]))
+
+
+def test_manager_resume_and_dedup_base_read_sectioned_steps(tmp_path, monkeypatch) -> None:
+    from tessera.manager import CheckpointManager
+
+    monkeypatch.setenv("TESSERA_SECTIONED_MANIFEST_TILES", "0")
+    root = str(tmp_path / "run")
+    frozen = truth((32, 8), torch.float32)
+    with CheckpointManager(root, dedup=True) as mgr:
+        for step in (1, 2):
+            mgr.save(step, {"frozen": frozen, "moving": torch.full((4,), float(step))})
+    steps = sorted(d for d in os.listdir(root) if d.startswith("step-"))
+    for d in steps:
+        assert json.loads(_bytes(os.path.join(root, d, MANIFEST_NAME)))["version"] == 2
+    second = tessera.read_manifest(os.path.join(root, steps[1]))
+    first = tessera.read_manifest(os.path.join(root, steps[0]))
+    # Step 2 references the frozen tensor's tiles step 1 stored: its base was read from sections.
+    assert {t.file for t in second.tensors["frozen"].tiles} == {t.file for t in first.tensors["frozen"].tiles}
+    with CheckpointManager(root, dedup=True) as mgr:
+        state = {"frozen": torch.zeros(32, 8), "moving": torch.zeros(4)}
+        assert mgr.load(state).step == 2
+        assert torch.equal(state["frozen"], frozen) and torch.equal(state["moving"], torch.full((4,), 2.0))
+        mgr.save(3, {"frozen": frozen, "moving": torch.full((4,), 3.0)})  # collects with sectioned steps
+    assert tessera.verify(os.path.join(root, steps[1])).ok
+
+
+def _small_manifest(paths: tuple[str, ...] = ("data/s/0-0.safetensors", "data/s/1-0.safetensors")):
+    import numpy as np
+
+    from tessera.format.manifest import FileEntry, Manifest, TensorEntry, TileTable
+
+    offs = np.array([[0, 0], [4, 0]], dtype=np.int64)
+    lens = np.array([[4, 3], [4, 3]], dtype=np.int64)
+    table = TileTable(
+        paths,
+        np.array([0, 1]),
+        offs,
+        lens,
+        np.array([64, 64]),
+        np.array([48, 48]),
+        np.array([1, 1]),
+        np.array([7, 9], dtype=np.uint64),
+    )
+    files = (FileEntry(paths[0], 0, 112), FileEntry(paths[1], 1, 112))
+    return Manifest("s", 2, 4096, {"w": TensorEntry("float32", (8, 3), table=table)}, files=files)
+
+
+def _patched(index, s: int, data: bytes):
+    """``index`` with section ``s``'s length and checksum those of ``data`` (a forged, consistent index)."""
+    import xxhash
+
+    index.length, index.checksums = index.length.copy(), index.checksums.copy()
+    index.length[s] = len(data)
+    index.checksums[s] = xxhash.xxh3_64_intdigest(data)
+    return index
+
+
+def test_sections_are_hostile_input_like_the_manifest() -> None:
+    m = _small_manifest()
+    idx, secs = encode_sectioned(m)
+    index = decode_index(idx)
+    first = secs[: int(index.length[0])]
+    # A file reference that leaves the checkpoint.
+    bad = first.replace(b'"data/s/0-0.safetensors"', b'"../../etc/0-0.safetensor"')
+    with pytest.raises(ManifestError, match="section 0 of"):
+        _patched(decode_index(idx), 0, bad).decode_section(0, bad)
+    # A section that holds another number of a tensor's tiles than the index says.
+    doc = json.loads(first)
+    doc["tiles"]["count"] = 0
+    for k in ("tensor", "file", "byte_offset", "chunks"):
+        doc["tiles"][k] = {"dtype": "int8", "data": ""}
+    doc["tiles"]["checksums"] = {"dtype": "uint64", "data": ""}
+    empty = json.dumps(doc).encode()
+    forged = _patched(decode_index(idx), 0, empty)
+    sec0 = forged.decode_section(0, empty)
+    sec1 = forged.decode_section(1, secs[int(index.offset[1]) :])
+    with pytest.raises(ManifestError, match="section 0 of .* fewer of its tiles"):
+        forged.assemble({0: sec0, 1: sec1})
+    # An index that declares more tiles than its sections file could describe.
+    doc = json.loads(idx)
+    doc["tensors"]["w"]["tile_index"]["count"] = 10**6
+    with pytest.raises(ManifestError, match="tile_index.count 1000000"):
+        decode_index(json.dumps(doc).encode())
+    # A section's range outside the sections file.
+    doc = json.loads(idx)
+    doc["sections"]["bytes"] = 10
+    with pytest.raises(ManifestError, match="outside"):
+        decode_index(json.dumps(doc).encode())
