@@ -1,5 +1,4 @@
-"""Durable local writes through ``O_DIRECT`` (``tessera.storage.local._write_direct``), and large
-reads of ranges not in the page cache through ``O_DIRECT`` (``_direct_io.DirectReads``).
+"""Durable local writes through ``O_DIRECT`` (``tessera.storage.local._write_direct``).
 
 Every size around the block and buffer edges, chunked oddly, reads back byte for byte; the
 flag is really used where the filesystem takes it, and not for non-durable writes; a
@@ -15,11 +14,8 @@ import os
 from pathlib import Path
 
 import pytest
-import torch
 
-import tessera
-from tessera.errors import StorageError
-from tessera.storage import FileStorage, _direct_io, local
+from tessera.storage import FileStorage, local
 
 SIZES = [0, 1, 4095, 4096, 4097, (1 << 20) - 1, 1 << 20, (1 << 20) + 1, (3 << 20) + 12345]
 
@@ -107,108 +103,3 @@ def test_tmpfs_writes_are_correct_whether_or_not_it_takes_direct_io(monkeypatch:
         data = os.urandom((1 << 20) + 4097)
         FileStorage(d, durable=True).write_file("f.bin", _chunks(data, [4096, 99]))
         assert Path(d, "f.bin").read_bytes() == data
-
-
-# --- Reads: ranges not in the page cache are read with O_DIRECT (map_range) -------------------------
-
-
-def _evict(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-
-
-def _direct_reads(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int, bool]]:
-    """Record each direct read: (offset, length, whether it was served)."""
-    seen: list[tuple[int, int, bool]] = []
-    real = _direct_io.DirectReads.read
-
-    def spy(self: _direct_io.DirectReads, full: str, offset: int, length: int) -> memoryview | None:
-        view = real(self, full, offset, length)
-        seen.append((offset, length, view is not None))
-        return view
-
-    monkeypatch.setattr(_direct_io.DirectReads, "read", spy)
-    return seen
-
-
-def _takes_direct(directory: Path) -> bool:
-    probe = os.open(directory / "probe", os.O_CREAT | os.O_WRONLY, 0o644)
-    try:
-        return local._set_direct(probe, True)
-    finally:
-        os.close(probe)
-        os.unlink(directory / "probe")
-
-
-RANGES = [(0, 1 << 20), (1, (1 << 20) + 1), (4095, 3 << 20), (12345, (5 << 20) - 12345 - 7), (0, (5 << 20) - 7)]
-
-
-@pytest.mark.parametrize(("offset", "length"), RANGES)
-def test_uncached_ranges_are_read_directly(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, offset: int, length: int
-) -> None:
-    if not _takes_direct(tmp_path):
-        pytest.skip("this filesystem refuses O_DIRECT")
-    data = os.urandom((5 << 20) - 7)
-    store = FileStorage(str(tmp_path), durable=True)
-    store.write_file("f.bin", [data])
-    _evict(tmp_path / "f.bin")
-    seen = _direct_reads(monkeypatch)
-    view = store.map_range("f.bin", offset, length)
-    assert bytes(view) == data[offset : offset + length]
-    assert seen == [(offset, length, True)]
-    del view
-    store.release_range("f.bin", offset, length)
-    # Once the page cache holds the range, the memory map serves it again.
-    (tmp_path / "f.bin").read_bytes()
-    view = store.map_range("f.bin", offset, length)
-    assert bytes(view) == data[offset : offset + length]
-    assert len(seen) == 1
-    del view
-    store.release_range("f.bin", offset, length)
-    store.close()
-
-
-def test_small_ranges_and_the_knob_keep_the_page_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    data = os.urandom(3 << 20)
-    store = FileStorage(str(tmp_path), durable=True)
-    store.write_file("f.bin", [data])
-    _evict(tmp_path / "f.bin")
-    seen = _direct_reads(monkeypatch)
-    assert bytes(store.map_range("f.bin", 100, 4096)) == data[100:4196]  # small: not worth a direct read
-    monkeypatch.setenv("TESSERA_DIRECT_IO", "0")
-    assert bytes(store.map_range("f.bin", 0, 2 << 20)) == data[: 2 << 20]
-    assert seen == []
-    store.close()
-
-
-def test_a_direct_read_past_the_end_is_a_truncation_error(tmp_path: Path) -> None:
-    if not _takes_direct(tmp_path):
-        pytest.skip("this filesystem refuses O_DIRECT")
-    store = FileStorage(str(tmp_path), durable=True)
-    store.write_file("f.bin", [os.urandom(2 << 20)])
-    _evict(tmp_path / "f.bin")
-    with pytest.raises(StorageError, match="truncated"):
-        store.map_range("f.bin", 1 << 20, (1 << 20) + 1)
-    store.close()
-
-
-def test_a_load_after_a_direct_save_reads_directly_and_is_exact(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The first load after a save (nothing of it in the page cache), resharded so that it maps
-    ranges: bit-exact, and the ranges came through direct reads."""
-    if not _takes_direct(tmp_path):
-        pytest.skip("this filesystem refuses O_DIRECT")
-    src = {f"t{i}": torch.randn(512, 1024) for i in range(3)}  # 2 MiB each
-    tessera.save(str(tmp_path / "ck"), src)
-    seen = _direct_reads(monkeypatch)
-    halves = [{k: tessera.ShardedTensor(torch.zeros(512, 512), (512, 1024), (0, c)) for k in src} for c in (0, 512)]
-    for h in halves:
-        tessera.load(str(tmp_path / "ck"), h, strict=False)
-    for k, v in src.items():
-        assert torch.equal(halves[0][k].local, v[:, :512]) and torch.equal(halves[1][k].local, v[:, 512:])
-    assert seen and all(served for _, _, served in seen)

@@ -20,7 +20,6 @@ from urllib.parse import urlparse
 
 from ..errors import StorageError
 from ..format.names import check_relpath
-from ._direct_io import DirectReads
 
 logger = logging.getLogger(__name__)
 
@@ -75,7 +74,6 @@ class LocalFiles:
         self._fds: dict[str, int] = {}
         self._maps: dict[str, mmap.mmap | None] = {}
         self._maps_lock = threading.Lock()
-        self._direct = DirectReads()
 
     def _abs(self, path: str) -> str:
         return os.path.join(self.root, check_relpath(path))
@@ -165,7 +163,6 @@ class LocalFiles:
         """Close cached descriptors and memory maps (also done when the object is collected)."""
         with self._maps_lock:
             self._close_fds()
-            self._direct.close()
             maps, self._maps = self._maps, {}
         for m in maps.values():
             if m is not None:

@@ -283,18 +283,12 @@ class FileStorage(LocalFiles):
         """A read-only, zero-copy view of ``[offset, offset + length)`` of ``path`` (mmap).
 
         Lets a reader verify and copy straight from the page cache instead of reading into
-        a buffer first. The kernel is asked to read the range ahead (``MADV_WILLNEED``). A
-        large range that is not in the page cache (a checkpoint just written with ``O_DIRECT``,
-        or evicted) is read with ``O_DIRECT`` instead, into a buffer lent until
-        :meth:`release_range` (:class:`~tessera.storage._direct_io.DirectReads`).
+        a buffer first. The kernel is asked to read the range ahead (``MADV_WILLNEED``).
 
         Raises:
             StorageError: if the file is shorter than the range.
         """
         full = self._abs(path)
-        direct = self._read_direct(full, self._fd(full), offset, length)
-        if direct is not None:
-            return direct
         with self._maps_lock:
             m = self._maps.get(full)
             if m is None:
@@ -315,22 +309,6 @@ class FileStorage(LocalFiles):
             pass
         return memoryview(m)[offset : offset + length]
 
-    def _read_direct(self, full: str, fd: int, offset: int, length: int) -> memoryview | None:
-        """``[offset, offset + length)`` of ``full`` read with ``O_DIRECT`` when that is the faster
-        way (a large range absent from the page cache, direct I/O on), else None.
-
-        Raises:
-            StorageError: if the file is shorter than the range.
-        """
-        if not _knobs.direct_io() or not self._direct.wants(fd, offset, length):
-            return None
-        view = self._direct.read(full, offset, length)
-        if view is not None and len(view) < length:
-            raise StorageError(
-                f"{full} is truncated: wanted bytes [{offset}, {offset + length}), file ends at {offset + len(view)}"
-            )
-        return view
-
     @typed_errors
     def release_range(self, path: str, offset: int, length: int) -> None:
         """Drop this process's mapping of a range returned by :meth:`map_range`.
@@ -338,11 +316,8 @@ class FileStorage(LocalFiles):
         The pages stay in the page cache; only the process stops holding them, so its
         resident memory does not grow with the size of the checkpoint it reads.
         """
-        full = self._abs(path)
-        if self._direct.release(full, offset):
-            return
         with self._maps_lock:
-            m = self._maps.get(full)
+            m = self._maps.get(self._abs(path))
         if m is None:
             return
         start = offset - offset % mmap.ALLOCATIONGRANULARITY
