@@ -22,12 +22,11 @@ from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
-import xxhash
 
 from ...errors import CheckpointError, StagingMutationError
 from .handoff import FileReport
 from .window import split
-from .write import checksum_chunks
+from .write import ChunkSums, checksum_chunks
 
 logger = logging.getLogger(__name__)
 
@@ -48,24 +47,11 @@ def _contiguous_bytes(t: torch.Tensor) -> memoryview:
 
 def _strided_sums(t: torch.Tensor, chunk_bytes: int) -> tuple[int, ...]:
     """The chunk checksums of a strided tensor's row-major bytes, a bounded piece at a time."""
-    sums: list[int] = []
-    h = xxhash.xxh3_64()
-    filled = 0
+    sums = ChunkSums(chunk_bytes)
     for piece in split(t.detach(), _PIECE_BYTES):
-        data = _contiguous_bytes(piece.contiguous())
-        pos = 0
-        while pos < len(data):
-            n = min(chunk_bytes - filled, len(data) - pos)
-            h.update(data[pos : pos + n])
-            filled += n
-            pos += n
-            if filled == chunk_bytes:
-                sums.append(h.intdigest())
-                h.reset()
-                filled = 0
-    if filled:
-        sums.append(h.intdigest())
-    return tuple(sums)
+        for _ in sums.feed(_contiguous_bytes(piece.contiguous())):
+            pass
+    return sums.done()
 
 
 _Task = tuple[int, int, memoryview | torch.Tensor]

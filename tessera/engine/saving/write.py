@@ -79,6 +79,40 @@ def checksum_chunks(data: memoryview, chunk_bytes: int) -> Iterator[tuple[memory
         yield c, xxhash.xxh3_64_intdigest(c)
 
 
+class ChunkSums:
+    """The xxh3-64 of each ``chunk_bytes`` chunk of a byte stream fed in pieces of any size: the
+    tile checksums, whether the writer streams a tile or the call-time fingerprint hashes it."""
+
+    def __init__(self, chunk_bytes: int) -> None:
+        self._chunk = chunk_bytes
+        self._h = xxhash.xxh3_64()
+        self._filled = 0
+        self._sums: list[int] = []
+
+    def feed(self, data: memoryview) -> Iterator[memoryview]:
+        """Hash ``data``, yielding it in parts that end at chunk boundaries (lazily: iterate it)."""
+        pos = 0
+        while pos < len(data):
+            n = min(self._chunk - self._filled, len(data) - pos)
+            part = data[pos : pos + n]
+            self._h.update(part)
+            self._filled += n
+            pos += n
+            if self._filled == self._chunk:
+                self._sums.append(self._h.intdigest())
+                self._h.reset()
+                self._filled = 0
+            yield part
+
+    def done(self) -> tuple[int, ...]:
+        """The checksums of every chunk fed, the last partial one included."""
+        if self._filled:
+            self._sums.append(self._h.intdigest())
+            self._h.reset()
+            self._filled = 0
+        return tuple(self._sums)
+
+
 Progress = Callable[[int], None]
 """Called with a byte count each time the backend has taken that many more bytes (0: a file is done)."""
 
@@ -102,27 +136,13 @@ def _write_one(
         assert pieces is not None
         yield layout.header
         for i, slot in enumerate(layout.slots):
-            sums: list[int] = []
-            h = xxhash.xxh3_64()
-            filled = 0
+            sums = ChunkSums(chunk_bytes)
             for part in pieces(i):
-                pos = 0
-                while pos < len(part):
-                    n = min(chunk_bytes - filled, len(part) - pos)
-                    c = part[pos : pos + n]
-                    h.update(c)
-                    filled += n
-                    pos += n
-                    if filled == chunk_bytes:
-                        sums.append(h.intdigest())
-                        h.reset()
-                        filled = 0
+                for c in sums.feed(part):
                     yield c
                     if progress is not None:
                         progress(len(c))
-            if filled:
-                sums.append(h.intdigest())
-            tiles.append(WrittenTile(slot.fqn, slot.box, slot.byte_offset, slot.nbytes, tuple(sums)))
+            tiles.append(WrittenTile(slot.fqn, slot.box, slot.byte_offset, slot.nbytes, sums.done()))
 
     def chunks() -> Iterator[memoryview | bytes]:
         yield layout.header
