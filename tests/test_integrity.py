@@ -350,8 +350,8 @@ def test_uncommitted_checkpoint(tmp_path, ckpt: str) -> None:
     os.remove(os.path.join(ckpt, MANIFEST_NAME))
     report = verify(ckpt)
     (p,) = report.problems
-    assert not report.ok and p.kind == ProblemKind.MANIFEST and "not a committed checkpoint" in p.message
-    with pytest.raises(tessera.CorruptCheckpointError, match="not a committed checkpoint"):
+    assert not report.ok and p.kind == ProblemKind.MANIFEST and "save never committed" in p.message
+    with pytest.raises(tessera.CorruptCheckpointError, match="save never committed"):
         report.raise_if_failed()
 
 
