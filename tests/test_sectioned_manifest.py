@@ -287,7 +287,7 @@ def test_sections_are_hostile_input_like_the_manifest() -> None:
     # A section that holds another number of a tensor's tiles than the index says.
     doc = json.loads(first)
     doc["tiles"]["count"] = 0
-    for k in ("tensor", "file", "byte_offset", "chunks"):
+    for k in ("tensor", "row", "file", "byte_offset", "chunks"):
         doc["tiles"][k] = {"dtype": "int8", "data": ""}
     doc["tiles"]["checksums"] = {"dtype": "uint64", "data": ""}
     empty = json.dumps(doc).encode()
@@ -306,3 +306,99 @@ def test_sections_are_hostile_input_like_the_manifest() -> None:
     doc["sections"]["bytes"] = 10
     with pytest.raises(ManifestError, match="outside"):
         decode_index(json.dumps(doc).encode())
+
+
+def _many_tiles_manifest(rows: int = 5000, ranks: int = 8):
+    """One (rows, 4) float32 tensor saved as one-row tiles by ``ranks`` ranks (contiguous row ranges)."""
+    import numpy as np
+
+    from tessera.format.manifest import FileEntry, Manifest, TensorEntry, TileTable
+
+    per = -(-rows // ranks)
+    paths = tuple(f"data/s/{r}-0.safetensors" for r in range(ranks))
+    owner = np.arange(rows) // per
+    offs = np.stack([np.arange(rows), np.zeros(rows, np.int64)], axis=1)
+    lens = np.tile(np.array([[1, 4]], dtype=np.int64), (rows, 1))
+    byte_offset = (np.arange(rows) - owner * per) * 16
+    sums = np.arange(rows, dtype=np.uint64) * 7919
+    table = TileTable(paths, owner, offs, lens, byte_offset, np.full(rows, 16), np.ones(rows, np.int64), sums)
+    files = tuple(FileEntry(p, r, per * 16) for r, p in enumerate(paths))
+    return Manifest("s", ranks, 4096, {"w": TensorEntry("float32", (rows, 4), table=table)}, files=files)
+
+
+def test_a_rank_inflates_only_the_geometry_blocks_near_its_boxes() -> None:
+    m = _many_tiles_manifest()
+    idx, secs = encode_sectioned(m)
+    index = decode_index(idx)
+    g = index.geometry["w"]
+    assert g.block_count == 5 and g.inflated == 0
+    rows = {"w": index.rows_for("w", [((2500, 1), (10, 2))])}
+    assert rows["w"].tolist() == list(range(2500, 2510))
+    assert g.inflated == 1  # of 5 blocks
+    numbers = index.sections_of(rows)
+    assert numbers == [4]  # rows 2500..2509 were written by rank 4 (625 rows per rank)
+    got = index.assemble(
+        {s: index.decode_section(s, secs[int(index.offset[s]) : int(index.offset[s] + index.length[s])]) for s in numbers},
+        rows,
+    ).tensors["w"].table
+    want = m.tensors["w"].table
+    assert got.offsets.tolist() == want.offsets[2500:2510].tolist()
+    assert got.checksums.tolist() == want.checksums[2500:2510].tolist()
+    assert got.byte_offset.tolist() == want.byte_offset[2500:2510].tolist()
+    assert g.inflated == 1
+    # The whole manifest, as tools read it, is the manifest saved.
+    whole = index.assemble({s: index.decode_section(s, secs[int(index.offset[s]) : int(index.offset[s] + index.length[s])]) for s in range(8)})
+    assert whole.tensors == m.tensors
+
+
+def test_geometry_blocks_are_hostile_input() -> None:
+    import base64
+    import zlib
+
+    import numpy as np
+
+    from tessera.format.manifest.encoder import _int_column
+
+    m = _many_tiles_manifest()
+    idx, secs = encode_sectioned(m)
+
+    def forged(**fields) -> bytes:
+        doc = json.loads(idx)
+        doc["tensors"]["w"]["tile_index"].update(fields)
+        return json.dumps(doc).encode()
+
+    def col(values) -> dict:
+        parts: list[bytes] = []
+        _int_column(parts, np.asarray(values, dtype=np.int64))
+        return json.loads(b"".join(parts))
+
+    everything = [((0, 0), (5000, 4))]
+    # A block whose tiles lie outside the range the index gives it (a reader trusts it to skip blocks).
+    index = decode_index(forged(first=col([1, 1024, 2048, 3072, 4096])))
+    with pytest.raises(ManifestError, match="tile_index block 0: a tile lies outside the block's range"):
+        index.rows_for("w", everything)
+    # A block that inflates past its rows (bounded: never more than expected + 1 bytes).
+    bomb = zlib.compress(b"\0" * (1 << 24))
+    doc = json.loads(idx)
+    ti = doc["tensors"]["w"]["tile_index"]
+    sizes = [len(bomb)] + [0] * 4
+    index = decode_index(forged(size=col(sizes), data=base64.b64encode(bomb).decode()))
+    with pytest.raises(ManifestError, match="tile_index block 0 holds 40961 bytes, expected 1, 2, 4 or 8 x 5120"):
+        index.rows_for("w", everything)
+    assert ti["block"] == 1024
+    # Sizes that disagree with the data, and blocks too large to allocate.
+    index = decode_index(forged(size=col([1, 1, 1, 1, 1])))
+    with pytest.raises(ManifestError, match="tile_index.data holds"):
+        index.rows_for("w", everything)
+    with pytest.raises(ManifestError, match="tile_index.block 4194304 is over"):
+        decode_index(forged(block=1 << 22))
+    # A section whose rows are not the ones the index says it holds.
+    index = decode_index(idx)
+    first = secs[: int(index.length[0])]
+    doc = json.loads(first)
+    doc["tiles"]["row"] = col(np.arange(1, 626))  # rows 1..625 instead of 0..624
+    bad = json.dumps(doc).encode()
+    forged_index = _patched(decode_index(idx), 0, bad)
+    sec0 = forged_index.decode_section(0, bad)
+    with pytest.raises(ManifestError, match="section 0 of .* fewer of its tiles than the index says \\(not tile 0\\)"):
+        forged_index.assemble({0: sec0}, {"w": np.arange(3)})
