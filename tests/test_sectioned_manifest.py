@@ -362,9 +362,11 @@ def test_geometry_blocks_are_hostile_input() -> None:
     m = _many_tiles_manifest()
     idx, secs = encode_sectioned(m)
 
-    def forged(**fields) -> bytes:
+    def forged(blocks=None, **fields) -> bytes:
         doc = json.loads(idx)
         doc["tensors"]["w"]["tile_index"].update(fields)
+        if blocks is not None:
+            doc["tile_blocks"] = col(blocks)
         return json.dumps(doc).encode()
 
     def col(values) -> dict:
@@ -372,24 +374,30 @@ def test_geometry_blocks_are_hostile_input() -> None:
         _int_column(parts, np.asarray(values, dtype=np.int64))
         return json.loads(b"".join(parts))
 
+    index = decode_index(idx)
+    g = index.geometry["w"]
+    table = np.stack([g.first, g.end, np.diff(g._at)], axis=1)
     everything = [((0, 0), (5000, 4))]
     # A block whose tiles lie outside the range the index gives it (a reader trusts it to skip blocks).
-    index = decode_index(forged(first=col([1, 1024, 2048, 3072, 4096])))
+    lie = table.copy()
+    lie[0, 0] = 1
+    index = decode_index(forged(lie))
     with pytest.raises(ManifestError, match="tile_index block 0: a tile lies outside the block's range"):
         index.rows_for("w", everything)
-    # A block that inflates past its rows (bounded: never more than expected + 1 bytes).
+    # A block that inflates past its rows (bounded: never more than the widest rows + 1 byte).
     bomb = zlib.compress(b"\0" * (1 << 24))
-    doc = json.loads(idx)
-    ti = doc["tensors"]["w"]["tile_index"]
-    sizes = [len(bomb)] + [0] * 4
-    index = decode_index(forged(size=col(sizes), data=base64.b64encode(bomb).decode()))
+    sizes = table.copy()
+    sizes[:, 2] = [len(bomb), 0, 0, 0, 0]
+    index = decode_index(forged(sizes, data=base64.b64encode(bomb).decode()))
     with pytest.raises(ManifestError, match="tile_index block 0 holds 40961 bytes, expected 1, 2, 4 or 8 x 5120"):
         index.rows_for("w", everything)
-    assert ti["block"] == 1024
-    # Sizes that disagree with the data, and blocks too large to allocate.
-    index = decode_index(forged(size=col([1, 1, 1, 1, 1])))
+    # Sizes that disagree with the data, a block table of the wrong length, blocks too large.
+    sizes[:, 2] = 1
+    index = decode_index(forged(sizes))
     with pytest.raises(ManifestError, match="tile_index.data holds"):
         index.rows_for("w", everything)
+    with pytest.raises(ManifestError, match="tile_blocks holds"):
+        decode_index(forged(table[:4]))
     with pytest.raises(ManifestError, match="tile_index.block 4194304 is over"):
         decode_index(forged(block=1 << 22))
     # A section whose rows are not the ones the index says it holds.

@@ -23,7 +23,6 @@ from typing import Any
 
 import numpy as np
 
-from .encoder import _int_column
 from .tiles import Budget, as_dict, as_int, column, fail
 
 BLOCK_TILES = 1024
@@ -32,8 +31,9 @@ MAX_BLOCK_TILES = 1 << 20
 """The most rows per block an index may declare (what one inflate may allocate: 8 MiB per column)."""
 
 
-def encode_blocks(parts: list[bytes], offsets: np.ndarray, lengths: np.ndarray, section: np.ndarray) -> None:
-    """Append a ``tile_index`` object (``count``, ``block``, ``first``, ``end``, ``size``, ``data``) to ``parts``."""
+def encode_blocks(parts: list[bytes], offsets: np.ndarray, lengths: np.ndarray, section: np.ndarray) -> np.ndarray:
+    """Append a ``tile_index`` object (``count``, ``block``, ``data``) to ``parts``; return its
+    block table (``first``, ``end``, ``size`` per block: rows of the index's ``tile_blocks``)."""
     n, nd = offsets.shape if offsets.ndim == 2 else (len(offsets), 0)
     b = BLOCK_TILES
     rows = np.concatenate([offsets.reshape(n, nd), lengths.reshape(n, nd), section.reshape(n, 1)], axis=1)
@@ -44,22 +44,17 @@ def encode_blocks(parts: list[bytes], offsets: np.ndarray, lengths: np.ndarray, 
         np.subtract(rows[1:], rows[:-1], out=delta[1:])
         delta[::b] = rows[::b]  # each block's first row as is
     blobs = [zlib.compress(_narrow(delta[i : i + b].T), 1) for i in range(0, n, b)]
+    nb = len(blobs)
+    table = np.zeros((nb, 3), dtype=np.int64)
     if nd and n:
         starts = offsets[:, 0]
         ends = starts + lengths[:, 0]
-        nb = len(blobs)
         pad = nb * b - n
-        first = np.concatenate([starts, np.full(pad, starts.max())]).reshape(nb, b).min(axis=1)
-        end = np.concatenate([ends, np.zeros(pad, np.int64)]).reshape(nb, b).max(axis=1)
-    else:
-        first = end = np.zeros(len(blobs), dtype=np.int64)
-    parts.append(b'{"count":%d,"block":%d,"first":' % (n, b))
-    _int_column(parts, first)
-    parts.append(b',"end":')
-    _int_column(parts, end)
-    parts.append(b',"size":')
-    _int_column(parts, np.fromiter((len(x) for x in blobs), dtype=np.int64, count=len(blobs)))
-    parts += [b',"data":"', base64.b64encode(b"".join(blobs)), b'"}']
+        table[:, 0] = np.concatenate([starts, np.full(pad, starts.max())]).reshape(nb, b).min(axis=1)
+        table[:, 1] = np.concatenate([ends, np.zeros(pad, np.int64)]).reshape(nb, b).max(axis=1)
+    table[:, 2] = np.fromiter((len(x) for x in blobs), dtype=np.int64, count=nb)
+    parts += [b'{"count":%d,"block":%d,"data":"' % (n, b), base64.b64encode(b"".join(blobs)), b'"}']
+    return table
 
 
 def _narrow(values: np.ndarray) -> bytes:
@@ -87,25 +82,24 @@ class Geometry:
         self.block = as_int(raw.get("block"), f"{what} tile_index block", lo=1)
         if self.block > MAX_BLOCK_TILES:
             raise fail(f"{what}: tile_index.block {self.block} is over {MAX_BLOCK_TILES}")
-        nb = -(-self.count // self.block)
-        self.first = column(what, raw, "first", nb, nb, "tile_index")
-        self.end = column(what, raw, "end", nb, nb, "tile_index")
-        size = column(what, raw, "size", nb, nb, "tile_index")
+        self.block_count = -(-self.count // self.block)
         data = raw.get("data")
         if not isinstance(data, str):
             raise fail(f"{what}: tile_index.data must be a base64 string")
         self._text: str | None = data
-        self._size = size
-        self._at = np.concatenate([[0], np.cumsum(size)]).astype(np.int64)
+        self.first = self.end = self._at = np.zeros(0, dtype=np.int64)
+        self.picked: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None
+        """The last rows :meth:`pick` returned, with their geometry (``take`` of them is free)."""
+
+    def attach(self, table: np.ndarray) -> None:
+        """Set the block table: this tensor's rows of the index's ``tile_blocks`` (first, end, size)."""
+        self.first, self.end = table[:, 0], table[:, 1]
+        self._at = np.concatenate([[0], np.cumsum(table[:, 2])]).astype(np.int64)
         self._data = b""
         self._blocks: dict[int, np.ndarray] = {}
         self._lock = threading.Lock()
         self.inflated = 0
         """Blocks inflated so far (for tests and benchmarks)."""
-
-    @property
-    def block_count(self) -> int:
-        return len(self._size)
 
     def blocks_meeting(self, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
         """Blocks whose first-dimension range meets any ``[lo[k], hi[k])``, ascending."""
@@ -125,11 +119,33 @@ class Geometry:
         arr = np.concatenate(got) if len(got) > 1 else got[0]
         starts = blocks * self.block
         counts = np.minimum(self.block, self.count - starts)
-        rows = np.arange(len(arr), dtype=np.int64) + np.repeat(starts - (np.cumsum(counts) - counts), counts)
+        if len(blocks) == 1:
+            rows = np.arange(int(starts[0]), int(starts[0] + counts[0]), dtype=np.int64)
+        else:
+            rows = np.arange(len(arr), dtype=np.int64) + np.repeat(starts - (np.cumsum(counts) - counts), counts)
         return rows, arr[:, :nd], arr[:, nd : 2 * nd], arr[:, 2 * nd]
+
+    def pick(self, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+        """Rows of the tiles that meet any box ``[lo[k], hi[k])`` (``(boxes, ndim)`` arrays), ascending.
+
+        Only the blocks whose first-dimension range meets a box are inflated.
+        """
+        if not self.ndim:
+            return np.arange(self.count)
+        rows, offs, lens, sec = self.rows(self.blocks_meeting(lo[:, 0], hi[:, 0]))
+        if len(lo) == 1:
+            meet = ((offs < hi[0]) & (offs + lens > lo[0])).all(axis=1)
+        else:
+            meet = ((offs[None] < hi[:, None]) & ((offs + lens)[None] > lo[:, None])).all(axis=2).any(axis=0)
+        rows = rows[meet]
+        self.picked = (rows, offs[meet], lens[meet], sec[meet])
+        return rows
 
     def take(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """``(offsets, lengths, section)`` of ``rows`` (ascending, below :attr:`count`)."""
+        picked = self.picked
+        if picked is not None and picked[0] is rows:
+            return picked[1], picked[2], picked[3]
         blocks = np.unique(rows // self.block)
         have, offs, lens, sec = self.rows(blocks)
         pos = np.searchsorted(have, rows)
@@ -161,20 +177,19 @@ class Geometry:
         item = len(buf) // (m * width)
         if item not in (1, 2, 4, 8) or len(buf) != item * m * width:
             raise fail(f"{what} holds {len(buf)} bytes, expected 1, 2, 4 or 8 x {m * width}")
-        delta = np.frombuffer(buf, dtype=_TYPES[item.bit_length() - 1]).reshape(width, m).T
+        delta = np.frombuffer(buf, dtype=_TYPES[item.bit_length() - 1]).reshape(width, m)
         # Every difference and every running sum in [-2**62, 2**62) and [0, 2**62): no int64 wraps.
-        if int(delta.min()) < -(1 << 62) or int(delta.max()) >= 1 << 62:
+        if item == 8 and (int(delta.min()) < -(1 << 62) or int(delta.max()) >= 1 << 62):
             raise fail(f"{what}: values must be non-negative integers below 2**62")
-        arr = np.cumsum(delta, axis=0, dtype=np.int64)
-        if int(arr.view(np.uint64).max()) >= 1 << 62:
+        cols = np.cumsum(delta, axis=1, dtype=np.int64)  # one row per column: offsets, lengths, section
+        if int(cols.view(np.uint64).max()) >= 1 << 62:
             raise fail(f"{what}: values must be non-negative integers below 2**62")
         nd = self.ndim
-        if m and int(arr[:, 2 * nd].max()) >= self.sections:
-            raise fail(f"{what}: a tile is in section #{int(arr[:, 2 * nd].max())} but there are {self.sections}")
-        if nd and m:
-            starts, ends = arr[:, 0], arr[:, 0] + arr[:, nd]
-            if int(starts.min()) < int(self.first[i]) or int(ends.max()) > int(self.end[i]):
-                raise fail(f"{what}: a tile lies outside the block's range [{int(self.first[i])}, {int(self.end[i])})")
+        if int(cols[2 * nd].max()) >= self.sections:
+            raise fail(f"{what}: a tile is in section #{int(cols[2 * nd].max())} but there are {self.sections}")
+        if nd and (int(cols[0].min()) < int(self.first[i]) or int((cols[0] + cols[nd]).max()) > int(self.end[i])):
+            raise fail(f"{what}: a tile lies outside the block's range [{int(self.first[i])}, {int(self.end[i])})")
+        arr = cols.T
         self._blocks[i] = arr
         self.inflated += 1
         return arr

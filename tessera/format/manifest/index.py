@@ -108,17 +108,10 @@ class Index:
         g = self.geometry[name]
         lo = np.array([o for o, _ in boxes], dtype=np.int64).reshape(len(boxes), g.ndim)
         hi = lo + np.array([ln for _, ln in boxes], dtype=np.int64).reshape(len(boxes), g.ndim)
-        if not g.ndim:
-            return np.arange(g.count)
         try:
-            rows, offs, lens, _ = g.rows(g.blocks_meeting(lo[:, 0], hi[:, 0]))
+            return g.pick(lo, hi)
         except ManifestError as e:
             raise ManifestError(f"{self.source}: {e}") from None
-        if len(boxes) == 1:
-            meet = ((offs < hi[0]) & (offs + lens > lo[0])).all(axis=1)
-        else:
-            meet = ((offs[None] < hi[:, None]) & ((offs + lens)[None] > lo[:, None])).all(axis=2).any(axis=0)
-        return rows[meet]
 
     def sections_of(self, rows: Mapping[str, np.ndarray]) -> list[int]:
         """The sections that hold the given tiles (``tensor name -> rows``), ascending."""
@@ -274,6 +267,13 @@ def _decode_index(data: bytes, source: str) -> Index:
         dtype, shape, size = tensor_header(name, tdoc)
         tensors[name], sizes[name] = (dtype, shape), size
         geometry[name] = Geometry(name, tdoc.get("tile_index"), len(shape), count, tiles)
+    # Every tensor's block table (first, end, size per block), in tensor order: one column.
+    nb = sum(g.block_count for g in geometry.values())
+    table = column("the index", doc, "tile_blocks", 3 * nb, nb, "index").reshape(nb, 3)
+    at = 0
+    for g in geometry.values():
+        g.attach(table[at : at + g.block_count])
+        at += g.block_count
     index = Index(source, head, doc, tensors, sizes, (path, nbytes, offset, length, sums))
     index.geometry = geometry
     index._counts = np.fromiter((g.count for g in geometry.values()), dtype=np.int64, count=len(geometry))

@@ -58,6 +58,7 @@ def encode_sectioned(m: Manifest) -> tuple[bytes, bytes]:
     remaps: dict[int, Any] = {}
     tensor_ids, row_cols, sec_cols, local_cols, bo_cols, chunk_cols, sum_cols = [], [], [], [], [], [], []
     parts = [b'"tensors":{']
+    blocks = [np.zeros((0, 3), dtype=np.int64)]
     for ti, (name, e) in enumerate(m.tensors.items()):
         t = e.table
         n = len(t)
@@ -68,7 +69,7 @@ def encode_sectioned(m: Manifest) -> tuple[bytes, bytes]:
             parts.append(b",")
         parts += [_dumps(name), b':{"dtype":', _dumps(e.dtype), b',"shape":', _dumps(list(e.shape))]
         parts.append(b',"tile_index":')
-        encode_blocks(parts, t.offsets, t.lengths, sec)
+        blocks.append(encode_blocks(parts, t.offsets, t.lengths, sec))
         parts.append(b"}")
         if n:
             tensor_ids.append(np.full(n, ti, dtype=np.int64))
@@ -78,7 +79,8 @@ def encode_sectioned(m: Manifest) -> tuple[bytes, bytes]:
             bo_cols.append(t.byte_offset)
             chunk_cols.append(t.chunks)
             sum_cols.append(t.checksums)
-    parts.append(b"}")
+    parts.append(b'},"tile_blocks":')
+    _int_column(parts, np.concatenate(blocks))
     blobs = _sections(
         m, section_ranks, file_section, tensor_ids, row_cols, sec_cols, local_cols, bo_cols, chunk_cols, sum_cols
     )
