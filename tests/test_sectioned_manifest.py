@@ -337,17 +337,29 @@ def test_a_rank_inflates_only_the_geometry_blocks_near_its_boxes() -> None:
     assert g.inflated == 1  # of 5 blocks
     numbers = index.sections_of(rows)
     assert numbers == [4]  # rows 2500..2509 were written by rank 4 (625 rows per rank)
-    got = index.assemble(
-        {s: index.decode_section(s, secs[int(index.offset[s]) : int(index.offset[s] + index.length[s])]) for s in numbers},
-        rows,
-    ).tensors["w"].table
+    got = (
+        index.assemble(
+            {
+                s: index.decode_section(s, secs[int(index.offset[s]) : int(index.offset[s] + index.length[s])])
+                for s in numbers
+            },
+            rows,
+        )
+        .tensors["w"]
+        .table
+    )
     want = m.tensors["w"].table
     assert got.offsets.tolist() == want.offsets[2500:2510].tolist()
     assert got.checksums.tolist() == want.checksums[2500:2510].tolist()
     assert got.byte_offset.tolist() == want.byte_offset[2500:2510].tolist()
     assert g.inflated == 1
     # The whole manifest, as tools read it, is the manifest saved.
-    whole = index.assemble({s: index.decode_section(s, secs[int(index.offset[s]) : int(index.offset[s] + index.length[s])]) for s in range(8)})
+    whole = index.assemble(
+        {
+            s: index.decode_section(s, secs[int(index.offset[s]) : int(index.offset[s] + index.length[s])])
+            for s in range(8)
+        }
+    )
     assert whole.tensors == m.tensors
 
 

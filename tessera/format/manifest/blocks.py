@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from .tiles import Budget, as_dict, as_int, column, fail
+from .tiles import Budget, as_dict, as_int, fail
 
 BLOCK_TILES = 1024
 """Rows of a tensor's geometry per block (the last block may hold fewer)."""

@@ -16,7 +16,6 @@ import functools
 import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import xxhash
@@ -201,9 +200,16 @@ class Index:
         ctx = Context(self.source, tuple(files), self.chunk_bytes, Budget(1 << 62))
         tensors: dict[str, TensorEntry] = {}
         at = 0
-        for ti, name, want, offs, lens, _ in wanted:
+        for _, name, want, offs, lens, _ in wanted:
             p = pos[at : at + len(want)]
-            cols = (fidx[p], offs, lens, bo[p], counts[at : at + len(want)], all_sums[first[at] : first[at + len(want)]])
+            cols = (
+                fidx[p],
+                offs,
+                lens,
+                bo[p],
+                counts[at : at + len(want)],
+                all_sums[first[at] : first[at + len(want)]],
+            )
             at += len(want)
             dtype, shape = self.tensors[name]
             try:
@@ -262,7 +268,7 @@ def _decode_index(data: bytes, source: str) -> Index:
     tensors: dict[str, tuple[str, tuple[int, ...]]] = {}
     sizes: dict[str, int] = {}
     geometry: dict[str, Geometry] = {}
-    for i, (name, raw_entry) in enumerate(as_dict(doc.get("tensors"), "tensors").items()):
+    for name, raw_entry in as_dict(doc.get("tensors"), "tensors").items():
         tdoc = as_dict(raw_entry, f"tensor '{name}'")
         dtype, shape, size = tensor_header(name, tdoc)
         tensors[name], sizes[name] = (dtype, shape), size
