@@ -396,6 +396,8 @@ def test_geometry_blocks_are_hostile_input() -> None:
     index = decode_index(forged(lie))
     with pytest.raises(ManifestError, match="tile_index block 0: a tile lies outside the block's range"):
         index.rows_for("w", everything)
+    with pytest.raises(ManifestError, match="tile_index: a tile lies outside the block's range \\[1, "):
+        decode_index(forged(lie)).rows_for_many({"w": everything})
     # A block that inflates past its rows (bounded: never more than the widest rows + 1 byte).
     bomb = zlib.compress(b"\0" * (1 << 24))
     sizes = table.copy()
@@ -422,3 +424,44 @@ def test_geometry_blocks_are_hostile_input() -> None:
     sec0 = forged_index.decode_section(0, bad)
     with pytest.raises(ManifestError, match="section 0 of .* fewer of its tiles than the index says \\(not tile 0\\)"):
         forged_index.assemble({0: sec0}, {"w": np.arange(3)})
+
+
+@pytest.mark.parametrize("shuffled", [False, True])
+def test_many_tensors_rows_are_found_at_once_as_one_by_one(shuffled: bool) -> None:
+    """``rows_for_many`` (one pass over every tensor's boxes, bisection inside sorted blocks)
+    finds the rows ``rows_for`` and a brute-force scan find, sorted or not, 1-D and 2-D."""
+    import dataclasses
+
+    import numpy as np
+
+    from tessera.format.manifest import TensorEntry, TileTable
+
+    m = _many_tiles_manifest(3000, 6)
+    t = m.tensors["w"].table
+    order = np.random.default_rng(0).permutation(len(t)) if shuffled else np.arange(len(t))
+    # A 1-D tensor of variable tiles: each of "w"'s tiles seen as a flat range of its own length.
+    lens1 = 1 + np.arange(len(t)) % 3
+    offs1 = np.concatenate([[0], np.cumsum(lens1)[:-1]])
+    cols = [t.file[order], t.byte_offset[order], t.nbytes[order], t.chunks[order], t.checksums[order]]
+    w = TileTable(t.paths, cols[0], t.offsets[order], t.lengths[order], cols[1], cols[2], cols[3], cols[4])
+    v = TileTable(t.paths, cols[0], offs1[order, None], lens1[order, None], cols[1], cols[2], cols[3], cols[4])
+    tensors = {
+        "w": TensorEntry("float32", (3000, 4), table=w),
+        "v": TensorEntry("float32", (int(lens1.sum()),), table=v),
+    }
+    index = decode_index(encode_sectioned(dataclasses.replace(m, tensors=tensors))[0])
+    boxes = {
+        "w": [((0, 0), (1, 4)), ((1500, 1), (700, 2)), ((2999, 3), (1, 1))],
+        "v": [((17,), (40,)), ((5000,), (1,))],
+    }
+    many = index.rows_for_many(boxes)
+    for name, bs in boxes.items():
+        table = tensors[name].table
+        brute = set()
+        for o, ln in bs:
+            lo, hi = np.array(o), np.array(o) + np.array(ln)
+            brute |= set(
+                np.flatnonzero(((table.offsets < hi) & (table.offsets + table.lengths > lo)).all(axis=1)).tolist()
+            )
+        assert many[name].tolist() == sorted(brute) == index.rows_for(name, bs).tolist()
+        assert index._take(name, many[name])[0].tolist() == table.offsets[many[name]].tolist()

@@ -152,9 +152,25 @@ class Geometry:
         return offs[pos], lens[pos], sec[pos]
 
     def _inflate(self, i: int) -> np.ndarray:
+        """Block ``i``'s rows ``(m, 2 ndim + 1)``, validated (once)."""
         hit = self._blocks.get(i)
         if hit is not None:
             return hit
+        cols = self._raw(i)
+        check_rows(
+            f"tensor '{self.name}': tile_index block {i}",
+            cols.T,
+            self.ndim,
+            self.sections,
+            self.first[i : i + 1],
+            self.end[i : i + 1],
+            np.zeros(1, np.int64),
+        )
+        self._blocks[i] = arr = cols.T
+        return arr
+
+    def _raw(self, i: int) -> np.ndarray:
+        """Block ``i`` inflated and summed, unchecked but for its size: ``(2 ndim + 1, m)``."""
         what = f"tensor '{self.name}': tile_index block {i}"
         if self._text is not None:
             try:
@@ -178,18 +194,129 @@ class Geometry:
         if item not in (1, 2, 4, 8) or len(buf) != item * m * width:
             raise fail(f"{what} holds {len(buf)} bytes, expected 1, 2, 4 or 8 x {m * width}")
         delta = np.frombuffer(buf, dtype=_TYPES[item.bit_length() - 1]).reshape(width, m)
-        # Every difference and every running sum in [-2**62, 2**62) and [0, 2**62): no int64 wraps.
+        # Every difference and every running sum in [-2**62, 2**62) and [0, 2**62) (check_rows): no
+        # int64 wraps. Narrower differences cannot wrap 1,048,576 rows.
         if item == 8 and (int(delta.min()) < -(1 << 62) or int(delta.max()) >= 1 << 62):
             raise fail(f"{what}: values must be non-negative integers below 2**62")
-        cols = np.cumsum(delta, axis=1, dtype=np.int64)  # one row per column: offsets, lengths, section
-        if int(cols.view(np.uint64).max()) >= 1 << 62:
-            raise fail(f"{what}: values must be non-negative integers below 2**62")
-        nd = self.ndim
-        if int(cols[2 * nd].max()) >= self.sections:
-            raise fail(f"{what}: a tile is in section #{int(cols[2 * nd].max())} but there are {self.sections}")
-        if nd and (int(cols[0].min()) < int(self.first[i]) or int((cols[0] + cols[nd]).max()) > int(self.end[i])):
-            raise fail(f"{what}: a tile lies outside the block's range [{int(self.first[i])}, {int(self.end[i])})")
-        arr = cols.T
-        self._blocks[i] = arr
         self.inflated += 1
-        return arr
+        return np.cumsum(delta, axis=1, dtype=np.int64)
+
+
+def check_rows(
+    what: str,
+    rows: np.ndarray,
+    nd: int,
+    sections: int | np.ndarray,
+    first: np.ndarray,
+    end: np.ndarray,
+    block_of: np.ndarray,
+) -> None:
+    """Raise unless decoded rows ``(n, 2 nd + 1)`` are below 2**62, name sections below ``sections``
+    and lie in their blocks' ranges (``first[block_of]``, ``end[block_of]``; padded dimensions: none)."""
+    if not len(rows):
+        return
+    if int(rows.view(np.uint64).max()) >= 1 << 62:
+        raise fail(f"{what}: values must be non-negative integers below 2**62")
+    sec = rows[:, 2 * nd]
+    bad = np.flatnonzero(sec >= sections)
+    if len(bad):
+        raise fail(f"{what}: a tile is in section #{int(sec[bad[0]])} but there are fewer")
+    if nd:
+        starts, ends = rows[:, 0], rows[:, 0] + rows[:, nd]
+        out = np.flatnonzero((starts < first[block_of]) | (ends > end[block_of]))
+        if len(out):
+            b = int(block_of[out[0]])
+            raise fail(f"{what}: a tile lies outside the block's range [{int(first[b])}, {int(end[b])})")
+
+
+def pick_many(items: list[tuple[Geometry, np.ndarray, np.ndarray]]) -> list[np.ndarray]:
+    """:meth:`Geometry.pick` of many tensors' boxes at once (``(geometry, lo, hi)`` each), with
+    whole-array work per number of dimensions instead of per tensor and block."""
+    out: list[np.ndarray] = [np.zeros(0, np.int64)] * len(items)
+    by_nd: dict[int, list[int]] = {}
+    for k, (g, _, _) in enumerate(items):
+        by_nd.setdefault(g.ndim, []).append(k)
+    for nd, ks in by_nd.items():
+        if not nd:
+            for k in ks:
+                out[k] = items[k][0].pick(items[k][1], items[k][2])
+            continue
+        for k, rows in zip(ks, _pick_group([items[k] for k in ks], nd)):
+            out[k] = rows
+    return out
+
+
+def _pick_group(items: list[tuple[Geometry, np.ndarray, np.ndarray]], nd: int) -> list[np.ndarray]:
+    z = np.zeros(0, dtype=np.int64)
+    geos = [g for g, _, _ in items]
+    nbs = np.array([g.block_count for g in geos], dtype=np.int64)
+    base = np.concatenate([[0], np.cumsum(nbs)]).astype(np.int64)
+    first = np.concatenate([g.first for g in geos] or [z])
+    end = np.concatenate([g.end for g in geos] or [z])
+    lo = np.concatenate([x for _, x, _ in items])
+    hi = np.concatenate([x for _, _, x in items])
+    owner = np.repeat(np.arange(len(items)), [len(x) for _, x, _ in items])
+    # Every (box, block of its tensor) pair; the pairs whose ranges meet along the first dimension.
+    per = nbs[owner]
+    pair_box = np.repeat(np.arange(len(owner)), per)
+    pair_block = np.arange(int(per.sum()), dtype=np.int64) - np.repeat(np.cumsum(per) - per, per)
+    pair_block += np.repeat(base[owner], per)
+    meet = (first[pair_block] < hi[pair_box, 0]) & (end[pair_block] > lo[pair_box, 0])
+    pair_box, pair_block = pair_box[meet], pair_block[meet]
+    blocks = np.unique(pair_block)
+    if not len(blocks):
+        for g in geos:
+            g.picked = (z, z.reshape(0, nd), z.reshape(0, nd), z)
+        return [z] * len(items)
+    item_of = np.searchsorted(base, blocks, side="right") - 1
+    local = blocks - base[item_of]
+    cols = [geos[i]._raw(b) for i, b in zip(item_of.tolist(), local.tolist())]
+    sizes = np.array([c.shape[1] for c in cols], dtype=np.int64)
+    rows = np.concatenate(cols, axis=1).T  # (n, 2 nd + 1), blocks in order
+    starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+    block_of = np.repeat(np.arange(len(blocks)), sizes)
+    sections = np.array([g.sections for g in geos], dtype=np.int64)[item_of][block_of]
+    names = ", ".join(sorted({f"'{geos[i].name}'" for i in item_of[:3].tolist()}))
+    check_rows(f"tensor {names}...: tile_index", rows, nd, sections, first[blocks], end[blocks], block_of)
+    # Every (box, row of a block it met) pair; the rows whose boxes meet.
+    where = np.searchsorted(blocks, pair_block)
+    a, b = _near(rows, nd, starts, sizes, where, lo[pair_box, 0], hi[pair_box, 0])
+    n = b - a
+    row_pair = np.repeat(np.arange(len(where)), n)
+    row = np.arange(int(n.sum()), dtype=np.int64) - np.repeat(np.cumsum(n) - n, n) + np.repeat(a, n)
+    box = pair_box[row_pair]
+    offs, lens = rows[row, :nd], rows[row, nd : 2 * nd]
+    hit = ((offs < hi[box]) & (offs + lens > lo[box])).all(axis=1)
+    keep = np.unique(row[hit])  # ascending: by tensor, then row
+    blk = block_of[keep]
+    local_row = local[blk] * np.array([g.block for g in geos], dtype=np.int64)[item_of[blk]] + keep - starts[blk]
+    cut = np.searchsorted(item_of[blk], np.arange(len(items) + 1))
+    out = []
+    for k, g in enumerate(geos):
+        i0, i1 = int(cut[k]), int(cut[k + 1])
+        sel = keep[i0:i1]
+        r = local_row[i0:i1]
+        g.picked = (r, rows[sel, :nd], rows[sel, nd : 2 * nd], rows[sel, 2 * nd])
+        out.append(r)
+    return out
+
+
+def _near(
+    rows: np.ndarray, nd: int, starts: np.ndarray, sizes: np.ndarray, where: np.ndarray, lo: np.ndarray, hi: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """For each (block ``where[k]``, range ``[lo[k], hi[k])``) the rows ``[a[k], b[k])`` of that block
+    that can meet the range along the first dimension: found by bisection where each block's tiles
+    are sorted by their first offset (as saves store them), else the whole block."""
+    a, b = starts[where], starts[where] + sizes[where]
+    first = rows[:, 0]
+    span = int(first.max()) + 1
+    if span * len(sizes) >= 1 << 62:
+        return a, b
+    key = np.repeat(np.arange(len(sizes), dtype=np.int64), sizes) * span + first
+    if not bool((key[1:] >= key[:-1]).all()):
+        return a, b
+    longest = np.maximum.reduceat(rows[:, nd], starts[:-1])[where]
+    # Earlier tiles end before ``lo`` (they start at or before lo - longest); later ones start after hi.
+    a = np.maximum(a, np.searchsorted(key, where * span + np.maximum(lo - longest, -1), side="right"))
+    b = np.minimum(b, np.searchsorted(key, where * span + np.minimum(hi, span), side="left"))
+    return a, np.maximum(a, b)

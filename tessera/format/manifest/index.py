@@ -22,7 +22,7 @@ import xxhash
 
 from ...errors import ManifestError
 from ..names import check_relpath
-from .blocks import Geometry
+from .blocks import Geometry, pick_many
 from .decoder import head_fields, manifest_from, tensor_header, unique_keys
 from .schema import (
     DECODE_RATIO,
@@ -109,6 +109,20 @@ class Index:
         hi = lo + np.array([ln for _, ln in boxes], dtype=np.int64).reshape(len(boxes), g.ndim)
         try:
             return g.pick(lo, hi)
+        except ManifestError as e:
+            raise ManifestError(f"{self.source}: {e}") from None
+
+    def rows_for_many(
+        self, boxes: Mapping[str, list[tuple[tuple[int, ...], tuple[int, ...]]]]
+    ) -> dict[str, np.ndarray]:
+        """:meth:`rows_for` of every tensor in ``boxes`` at once (whole-array work, not per tensor)."""
+        items = []
+        for name, b in boxes.items():
+            g = self.geometry[name]
+            lo = np.array([o for o, _ in b], dtype=np.int64).reshape(len(b), g.ndim)
+            items.append((g, lo, lo + np.array([ln for _, ln in b], dtype=np.int64).reshape(len(b), g.ndim)))
+        try:
+            return dict(zip(boxes, pick_many(items)))
         except ManifestError as e:
             raise ManifestError(f"{self.source}: {e}") from None
 
