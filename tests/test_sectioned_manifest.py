@@ -326,7 +326,8 @@ def _many_tiles_manifest(rows: int = 5000, ranks: int = 8):
     return Manifest("s", ranks, 4096, {"w": TensorEntry("float32", (rows, 4), table=table)}, files=files)
 
 
-def test_a_rank_inflates_only_the_geometry_blocks_near_its_boxes() -> None:
+def test_a_rank_inflates_only_the_geometry_blocks_near_its_boxes(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("tessera.format.manifest.blocks.BLOCK_TILES", 1024)
     m = _many_tiles_manifest()
     idx, secs = encode_sectioned(m)
     index = decode_index(idx)
@@ -363,7 +364,8 @@ def test_a_rank_inflates_only_the_geometry_blocks_near_its_boxes() -> None:
     assert whole.tensors == m.tensors
 
 
-def test_geometry_blocks_are_hostile_input() -> None:
+def test_geometry_blocks_are_hostile_input(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("tessera.format.manifest.blocks.BLOCK_TILES", 1024)
     import base64
     import zlib
 
@@ -427,7 +429,7 @@ def test_geometry_blocks_are_hostile_input() -> None:
 
 
 @pytest.mark.parametrize("shuffled", [False, True])
-def test_many_tensors_rows_are_found_at_once_as_one_by_one(shuffled: bool) -> None:
+def test_many_tensors_rows_are_found_at_once_as_one_by_one(shuffled: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """``rows_for_many`` (one pass over every tensor's boxes, bisection inside sorted blocks)
     finds the rows ``rows_for`` and a brute-force scan find, sorted or not, 1-D and 2-D."""
     import dataclasses
@@ -435,6 +437,8 @@ def test_many_tensors_rows_are_found_at_once_as_one_by_one(shuffled: bool) -> No
     import numpy as np
 
     from tessera.format.manifest import TensorEntry, TileTable
+
+    monkeypatch.setattr("tessera.format.manifest.blocks.BLOCK_TILES", 256)  # many blocks per tensor
 
     m = _many_tiles_manifest(3000, 6)
     t = m.tensors["w"].table

@@ -25,7 +25,7 @@ import numpy as np
 
 from .tiles import Budget, as_dict, as_int, fail
 
-BLOCK_TILES = 1024
+BLOCK_TILES = 4096
 """Rows of a tensor's geometry per block (the last block may hold fewer)."""
 MAX_BLOCK_TILES = 1 << 20
 """The most rows per block an index may declare (what one inflate may allocate: 8 MiB per column)."""
