@@ -287,7 +287,7 @@ def test_sections_are_hostile_input_like_the_manifest() -> None:
     # A section that holds another number of a tensor's tiles than the index says.
     doc = json.loads(first)
     doc["tiles"]["count"] = 0
-    for k in ("tensor", "file", "byte_offset", "chunks"):
+    for k in ("tensor", "row", "file", "byte_offset", "chunks"):
         doc["tiles"][k] = {"dtype": "int8", "data": ""}
     doc["tiles"]["checksums"] = {"dtype": "uint64", "data": ""}
     empty = json.dumps(doc).encode()
@@ -306,3 +306,166 @@ def test_sections_are_hostile_input_like_the_manifest() -> None:
     doc["sections"]["bytes"] = 10
     with pytest.raises(ManifestError, match="outside"):
         decode_index(json.dumps(doc).encode())
+
+
+def _many_tiles_manifest(rows: int = 5000, ranks: int = 8):
+    """One (rows, 4) float32 tensor saved as one-row tiles by ``ranks`` ranks (contiguous row ranges)."""
+    import numpy as np
+
+    from tessera.format.manifest import FileEntry, Manifest, TensorEntry, TileTable
+
+    per = -(-rows // ranks)
+    paths = tuple(f"data/s/{r}-0.safetensors" for r in range(ranks))
+    owner = np.arange(rows) // per
+    offs = np.stack([np.arange(rows), np.zeros(rows, np.int64)], axis=1)
+    lens = np.tile(np.array([[1, 4]], dtype=np.int64), (rows, 1))
+    byte_offset = (np.arange(rows) - owner * per) * 16
+    sums = np.arange(rows, dtype=np.uint64) * 7919
+    table = TileTable(paths, owner, offs, lens, byte_offset, np.full(rows, 16), np.ones(rows, np.int64), sums)
+    files = tuple(FileEntry(p, r, per * 16) for r, p in enumerate(paths))
+    return Manifest("s", ranks, 4096, {"w": TensorEntry("float32", (rows, 4), table=table)}, files=files)
+
+
+def test_a_rank_inflates_only_the_geometry_blocks_near_its_boxes(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("tessera.format.manifest.blocks.BLOCK_TILES", 1024)
+    m = _many_tiles_manifest()
+    idx, secs = encode_sectioned(m)
+    index = decode_index(idx)
+    g = index.geometry["w"]
+    assert g.block_count == 5 and g.inflated == 0
+    rows = {"w": index.rows_for("w", [((2500, 1), (10, 2))])}
+    assert rows["w"].tolist() == list(range(2500, 2510))
+    assert g.inflated == 1  # of 5 blocks
+    numbers = index.sections_of(rows)
+    assert numbers == [4]  # rows 2500..2509 were written by rank 4 (625 rows per rank)
+    got = (
+        index.assemble(
+            {
+                s: index.decode_section(s, secs[int(index.offset[s]) : int(index.offset[s] + index.length[s])])
+                for s in numbers
+            },
+            rows,
+        )
+        .tensors["w"]
+        .table
+    )
+    want = m.tensors["w"].table
+    assert got.offsets.tolist() == want.offsets[2500:2510].tolist()
+    assert got.checksums.tolist() == want.checksums[2500:2510].tolist()
+    assert got.byte_offset.tolist() == want.byte_offset[2500:2510].tolist()
+    assert g.inflated == 1
+    # The whole manifest, as tools read it, is the manifest saved.
+    whole = index.assemble(
+        {
+            s: index.decode_section(s, secs[int(index.offset[s]) : int(index.offset[s] + index.length[s])])
+            for s in range(8)
+        }
+    )
+    assert whole.tensors == m.tensors
+
+
+def test_geometry_blocks_are_hostile_input(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("tessera.format.manifest.blocks.BLOCK_TILES", 1024)
+    import base64
+    import zlib
+
+    import numpy as np
+
+    from tessera.format.manifest.encoder import _int_column
+
+    m = _many_tiles_manifest()
+    idx, secs = encode_sectioned(m)
+
+    def forged(blocks=None, **fields) -> bytes:
+        doc = json.loads(idx)
+        doc["tensors"]["w"]["tile_index"].update(fields)
+        if blocks is not None:
+            doc["tile_blocks"] = col(blocks)
+        return json.dumps(doc).encode()
+
+    def col(values) -> dict:
+        parts: list[bytes] = []
+        _int_column(parts, np.asarray(values, dtype=np.int64))
+        return json.loads(b"".join(parts))
+
+    index = decode_index(idx)
+    g = index.geometry["w"]
+    table = np.stack([g.first, g.end, np.diff(g._at)], axis=1)
+    everything = [((0, 0), (5000, 4))]
+    # A block whose tiles lie outside the range the index gives it (a reader trusts it to skip blocks).
+    lie = table.copy()
+    lie[0, 0] = 1
+    index = decode_index(forged(lie))
+    with pytest.raises(ManifestError, match="tile_index block 0: a tile lies outside the block's range"):
+        index.rows_for("w", everything)
+    with pytest.raises(ManifestError, match="tile_index: a tile lies outside the block's range \\[1, "):
+        decode_index(forged(lie)).rows_for_many({"w": everything})
+    # A block that inflates past its rows (bounded: never more than the widest rows + 1 byte).
+    bomb = zlib.compress(b"\0" * (1 << 24))
+    sizes = table.copy()
+    sizes[:, 2] = [len(bomb), 0, 0, 0, 0]
+    index = decode_index(forged(sizes, data=base64.b64encode(bomb).decode()))
+    with pytest.raises(ManifestError, match="tile_index block 0 holds 40961 bytes, expected 1, 2, 4 or 8 x 5120"):
+        index.rows_for("w", everything)
+    # Sizes that disagree with the data, a block table of the wrong length, blocks too large.
+    sizes[:, 2] = 1
+    index = decode_index(forged(sizes))
+    with pytest.raises(ManifestError, match="tile_index.data holds"):
+        index.rows_for("w", everything)
+    with pytest.raises(ManifestError, match="tile_blocks holds"):
+        decode_index(forged(table[:4]))
+    with pytest.raises(ManifestError, match="tile_index.block 4194304 is over"):
+        decode_index(forged(block=1 << 22))
+    # A section whose rows are not the ones the index says it holds.
+    index = decode_index(idx)
+    first = secs[: int(index.length[0])]
+    doc = json.loads(first)
+    doc["tiles"]["row"] = col(np.arange(1, 626))  # rows 1..625 instead of 0..624
+    bad = json.dumps(doc).encode()
+    forged_index = _patched(decode_index(idx), 0, bad)
+    sec0 = forged_index.decode_section(0, bad)
+    with pytest.raises(ManifestError, match="section 0 of .* fewer of its tiles than the index says \\(not tile 0\\)"):
+        forged_index.assemble({0: sec0}, {"w": np.arange(3)})
+
+
+@pytest.mark.parametrize("shuffled", [False, True])
+def test_many_tensors_rows_are_found_at_once_as_one_by_one(shuffled: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``rows_for_many`` (one pass over every tensor's boxes, bisection inside sorted blocks)
+    finds the rows ``rows_for`` and a brute-force scan find, sorted or not, 1-D and 2-D."""
+    import dataclasses
+
+    import numpy as np
+
+    from tessera.format.manifest import TensorEntry, TileTable
+
+    monkeypatch.setattr("tessera.format.manifest.blocks.BLOCK_TILES", 256)  # many blocks per tensor
+
+    m = _many_tiles_manifest(3000, 6)
+    t = m.tensors["w"].table
+    order = np.random.default_rng(0).permutation(len(t)) if shuffled else np.arange(len(t))
+    # A 1-D tensor of variable tiles: each of "w"'s tiles seen as a flat range of its own length.
+    lens1 = 1 + np.arange(len(t)) % 3
+    offs1 = np.concatenate([[0], np.cumsum(lens1)[:-1]])
+    cols = [t.file[order], t.byte_offset[order], t.nbytes[order], t.chunks[order], t.checksums[order]]
+    w = TileTable(t.paths, cols[0], t.offsets[order], t.lengths[order], cols[1], cols[2], cols[3], cols[4])
+    v = TileTable(t.paths, cols[0], offs1[order, None], lens1[order, None], cols[1], cols[2], cols[3], cols[4])
+    tensors = {
+        "w": TensorEntry("float32", (3000, 4), table=w),
+        "v": TensorEntry("float32", (int(lens1.sum()),), table=v),
+    }
+    index = decode_index(encode_sectioned(dataclasses.replace(m, tensors=tensors))[0])
+    boxes = {
+        "w": [((0, 0), (1, 4)), ((1500, 1), (700, 2)), ((2999, 3), (1, 1))],
+        "v": [((17,), (40,)), ((5000,), (1,))],
+    }
+    many = index.rows_for_many(boxes)
+    for name, bs in boxes.items():
+        table = tensors[name].table
+        brute = set()
+        for o, ln in bs:
+            lo, hi = np.array(o), np.array(o) + np.array(ln)
+            brute |= set(
+                np.flatnonzero(((table.offsets < hi) & (table.offsets + table.lengths > lo)).all(axis=1)).tolist()
+            )
+        assert many[name].tolist() == sorted(brute) == index.rows_for(name, bs).tolist()
+        assert index._take(name, many[name])[0].tolist() == table.offsets[many[name]].tolist()

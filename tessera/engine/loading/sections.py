@@ -138,7 +138,7 @@ class SectionedLoad:
         for t in targets:
             if not t.box.is_empty():
                 boxes.setdefault(t.fqn, []).append((t.box.offsets, t.box.lengths))
-        rows = {name: self.index.rows_for(name, b) for name, b in boxes.items()}
+        rows = self.index.rows_for_many(boxes)
         numbers = self.index.sections_of(rows)
         sections = read_sections(self.store, self.index, numbers, rank=self.rank)
         self.sections_read = len(numbers)

@@ -14,16 +14,15 @@ from __future__ import annotations
 
 import functools
 import json
-import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import xxhash
 
 from ...errors import ManifestError
 from ..names import check_relpath
+from .blocks import Geometry, pick_many
 from .decoder import head_fields, manifest_from, tensor_header, unique_keys
 from .schema import (
     DECODE_RATIO,
@@ -49,42 +48,11 @@ class Section:
     rank: int
     files: tuple[FileEntry, ...]
     tensor: np.ndarray
+    row: np.ndarray
     file: np.ndarray
     byte_offset: np.ndarray
     chunks: np.ndarray
     checksums: np.ndarray
-
-
-class _Geometry:
-    """A tensor's index columns (offsets, lengths, section), decoded and checked on first use."""
-
-    def __init__(self, name: str, position: int, raw: Any, ndim: int, sections: int, tiles: Budget) -> None:
-        self.name, self.position, self.ndim, self.sections = name, position, ndim, sections
-        raw = as_dict(raw, f"tensor '{name}' tile_index")
-        self.count = as_int(raw.get("count"), f"tensor '{name}' tile_index count")
-        tiles.take(self.count, f"tensor '{name}': tile_index.count {self.count}")
-        self._raw: dict | None = raw
-        self._cols: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
-        self._lock = threading.Lock()
-        self.longest: int | None = None
-        """The longest tile along the first dimension if the tiles are sorted by their first offset, else -1."""
-        self.ascending: bool | None = None
-        """Whether the section column never decreases (each saving rank's tiles of one tensor together)."""
-
-    def columns(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        with self._lock:
-            if self._cols is None:
-                what, raw, n, nd = f"tensor '{self.name}'", self._raw, self.count, self.ndim
-                if raw is None:
-                    raise fail(f"{what}: tile_index is invalid")
-                self._raw = None
-                offs = column(what, raw, "offsets", n * nd, n, "tile_index").reshape(n, nd)
-                lens = column(what, raw, "lengths", n * nd, n, "tile_index").reshape(n, nd)
-                sec = column(what, raw, "section", n, n, "tile_index")
-                if n and int(sec.max()) >= self.sections:
-                    raise fail(f"{what}: a tile is in section #{int(sec.max())} but there are {self.sections}")
-                self._cols = (offs, lens, sec)
-            return self._cols
 
 
 class Index:
@@ -96,9 +64,10 @@ class Index:
         self.version, self.save_id, self.world_size, self.chunk_bytes = head[1], head[2], head[3], head[4]
         self.tensors: dict[str, tuple[str, tuple[int, ...]]] = tensors
         self._sizes = sizes
-        self.geometry: dict[str, _Geometry] = {}
+        self.geometry: dict[str, Geometry] = {}
         self.sections_path, self.sections_bytes, self.offset, self.length, self.checksums = table
         self._shell: Manifest | None = None
+        self._counts = np.zeros(0, dtype=np.int64)
 
     @property
     def section_count(self) -> int:
@@ -123,7 +92,7 @@ class Index:
                 "damaged or was replaced; run `tessera verify`"
             )
         try:
-            return _section(number, data, len(self.tensors))
+            return _section(number, data, self._counts)
         except ManifestError as e:
             raise ManifestError(f"{where}: {e}") from None
         except RecursionError:
@@ -132,39 +101,42 @@ class Index:
     def rows_for(self, name: str, boxes: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> np.ndarray:
         """Rows of ``name``'s tiles that meet any of ``boxes`` (``(offsets, lengths)``), ascending.
 
-        Tiles sorted by their first offset (as saves store them) are searched by bisection:
-        the cost is in proportion to the tiles near a box, not to the tensor's tiles.
+        Only the geometry blocks whose first-dimension range meets a box are inflated: the cost
+        is in proportion to the tiles near the boxes, not to the tensor's tiles.
         """
-        offs, lens, _ = self._columns(name)
-        n = len(offs)
-        if not n or not offs.shape[1]:
-            return np.arange(n)
         g = self.geometry[name]
-        if g.longest is None:
-            starts = offs[:, 0]
-            g.longest = int(lens[:, 0].max()) if bool((starts[1:] >= starts[:-1]).all()) else -1
-        found = []
-        for o, ln in boxes:
-            lo = np.asarray(o, dtype=np.int64)
-            hi = lo + np.asarray(ln, dtype=np.int64)
-            if g.longest >= 0:  # earlier tiles end before the box, later ones start after it
-                a = int(np.searchsorted(offs[:, 0], lo[0] - g.longest, side="right"))
-                b = int(np.searchsorted(offs[:, 0], hi[0], side="left"))
-                near = np.arange(a, max(a, b))
-            else:
-                near = np.arange(n)
-            meet = ((offs[near] < hi) & (offs[near] + lens[near] > lo)).all(axis=1)
-            found.append(near[meet])
-        return np.unique(np.concatenate(found)) if len(found) > 1 else found[0]
+        lo = np.array([o for o, _ in boxes], dtype=np.int64).reshape(len(boxes), g.ndim)
+        hi = lo + np.array([ln for _, ln in boxes], dtype=np.int64).reshape(len(boxes), g.ndim)
+        try:
+            return g.pick(lo, hi)
+        except ManifestError as e:
+            raise ManifestError(f"{self.source}: {e}") from None
+
+    def rows_for_many(
+        self, boxes: Mapping[str, list[tuple[tuple[int, ...], tuple[int, ...]]]]
+    ) -> dict[str, np.ndarray]:
+        """:meth:`rows_for` of every tensor in ``boxes`` at once (whole-array work, not per tensor)."""
+        items = []
+        for name, b in boxes.items():
+            g = self.geometry[name]
+            lo = np.array([o for o, _ in b], dtype=np.int64).reshape(len(b), g.ndim)
+            items.append((g, lo, lo + np.array([ln for _, ln in b], dtype=np.int64).reshape(len(b), g.ndim)))
+        try:
+            return dict(zip(boxes, pick_many(items)))
+        except ManifestError as e:
+            raise ManifestError(f"{self.source}: {e}") from None
 
     def sections_of(self, rows: Mapping[str, np.ndarray]) -> list[int]:
         """The sections that hold the given tiles (``tensor name -> rows``), ascending."""
-        found = [self._columns(n)[2][r] for n, r in rows.items() if len(r)]
+        found = [self._take(n, r)[2] for n, r in rows.items() if len(r)]
         return np.unique(np.concatenate(found)).tolist() if found else []
 
-    def _columns(self, name: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def _take(self, name: str, rows: np.ndarray | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        g = self.geometry[name]
         try:
-            return self.geometry[name].columns()
+            if rows is None:
+                return g.rows(np.arange(g.block_count))[1:]
+            return g.take(rows)
         except ManifestError as e:
             raise ManifestError(f"{self.source}: {e}") from None
 
@@ -188,81 +160,77 @@ class Index:
                 seen.add(f.path)
                 files.append(f)
         secs = [sections[number] for number in numbers]
+        z = np.zeros(0, np.int64)
         ntensors = max(1, len(self.tensors))
-        key = np.concatenate(
-            [number * ntensors + c.tensor for number, c in zip(numbers, secs)] or [np.zeros(0, np.int64)]
-        )
-        fidx = np.concatenate([base[number] + c.file for number, c in zip(numbers, secs)] or [np.zeros(0, np.int64)])
-        bo = np.concatenate([c.byte_offset for c in secs] or [np.zeros(0, np.int64)])
-        chunks = np.concatenate([c.chunks for c in secs] or [np.zeros(0, np.int64)])
+        # Every entry read, keyed by (section, tensor, row): ascending, as each section is.
+        group = np.concatenate([number * ntensors + c.tensor for number, c in zip(numbers, secs)] or [z])
+        row = np.concatenate([c.row for c in secs] or [z])
+        fidx = np.concatenate([base[number] + c.file for number, c in zip(numbers, secs)] or [z])
+        bo = np.concatenate([c.byte_offset for c in secs] or [z])
+        chunks = np.concatenate([c.chunks for c in secs] or [z])
         sums = np.concatenate([c.checksums for c in secs] or [np.zeros(0, np.uint64)])
         sum_starts = np.concatenate([[0], np.cumsum(chunks)]).astype(np.int64)
-        ctx = Context(self.source, tuple(files), self.chunk_bytes, Budget(1 << 62))
+        groups, group_at = np.unique(group, return_index=True)
         present = np.zeros(self.section_count, dtype=bool)
         present[numbers] = True
-        tensors: dict[str, TensorEntry] = {}
-        total = 0
-        for ti, (name, (dtype, shape)) in enumerate(self.tensors.items()):
+        wanted = []
+        for ti, name in enumerate(self.tensors):
             if rows is not None and name not in rows:
                 continue
-            offs, lens, sec = self._columns(name)
-            want = np.arange(len(sec)) if rows is None else rows[name]
-            total += len(sec)
-            s = sec[want]
-            what = f"tensor '{name}'"
-            if len(s) and not present[s].all():
-                raise ManifestError(f"{self.source}: {what}: section {int(s[~present[s]][0])} was not read")
-            # Tile i of a tensor is its k-th tile in section s: that section's k-th row of this tensor.
-            g = self.geometry[name]
-            if g.ascending is None:
-                g.ascending = bool((sec[1:] >= sec[:-1]).all())
-            if g.ascending:  # bisection over the wanted rows only
-                rank_in = want - np.searchsorted(sec, s, side="left")
-            else:
-                order = np.argsort(sec, kind="stable")
-                every = np.empty(len(sec), dtype=np.int64)
-                every[order] = np.arange(len(sec)) - np.searchsorted(sec[order], sec[order])
-                rank_in = every[want]
-            k = s * ntensors + ti
-            pos = np.searchsorted(key, k) + rank_in
-            ok = pos < len(key)
-            ok[ok] = key[pos[ok]] == k[ok]
-            if not ok.all():
-                bad = int(s[~ok][0])
-                raise ManifestError(
-                    f"{self.source}: invalid manifest: {what}: section {bad} of {self.sections_path} holds fewer "
-                    "of its tiles than the index says"
-                )
-            if len(s):  # and no more than the index says, in each section read
-                us = np.unique(s)
-                if g.ascending:
-                    expected = np.searchsorted(sec, us, side="right") - np.searchsorted(sec, us, side="left")
-                else:
-                    expected = np.bincount(sec, minlength=self.section_count)[us]
-                held = np.searchsorted(key, us * ntensors + ti, side="right") - np.searchsorted(key, us * ntensors + ti)
-                if not np.array_equal(held, expected):
-                    bad = int(us[np.flatnonzero(held != expected)[0]])
-                    raise ManifestError(
-                        f"{self.source}: invalid manifest: {what}: section {bad} of {self.sections_path} holds "
-                        "a different number of its tiles than the index says"
-                    )
-            counts = chunks[pos]
-            first = np.concatenate([[0], np.cumsum(counts)])[:-1].astype(np.int64)
-            gather = (
-                np.arange(int(counts.sum()), dtype=np.int64)
-                - np.repeat(first, counts)
-                + np.repeat(sum_starts[pos], counts)
+            want = np.arange(self.geometry[name].count) if rows is None else rows[name]
+            wanted.append((ti, name, want, *self._take(name, None if rows is None else want)))
+        sec = np.concatenate([w[5] for w in wanted] or [z])
+        tis = np.concatenate([np.full(len(w[2]), w[0], np.int64) for w in wanted] or [z])
+        names = list(self.tensors)
+        if len(sec) and not present[sec].all():
+            i = int(np.flatnonzero(~present[sec])[0])
+            raise ManifestError(f"{self.source}: tensor '{names[int(tis[i])]}': section {int(sec[i])} was not read")
+        want_rows = np.concatenate([w[2] for w in wanted] or [z])
+        # Rows are below their tensor's count, below 2**30 (the tiles budget): no key overflows.
+        span = max(int(row.max()) if len(row) else 0, int(want_rows.max()) if len(want_rows) else 0) + 1
+        key = np.repeat(np.arange(len(groups), dtype=np.int64), np.diff(np.append(group_at, len(group)))) * span + row
+        g = np.searchsorted(groups, sec * ntensors + tis)
+        ok = g < len(groups)
+        ok[ok] = groups[g[ok]] == (sec * ntensors + tis)[ok]
+        q = np.where(ok, g, 0) * span + want_rows
+        pos = np.minimum(np.searchsorted(key, q), max(len(key) - 1, 0))
+        if len(key):
+            ok &= key[pos] == q
+        if not ok.all():
+            i = int(np.flatnonzero(~ok)[0])
+            raise ManifestError(
+                f"{self.source}: invalid manifest: tensor '{names[int(tis[i])]}': section {int(sec[i])} "
+                f"of {self.sections_path} holds fewer of its tiles than the index says (not tile {int(want_rows[i])})"
             )
-            cols = (fidx[pos], offs[want], lens[want], bo[pos], counts, sums[gather])
+        if rows is None and len(want_rows) != len(key):
+            raise ManifestError(
+                f"{self.source}: invalid manifest: the sections hold {len(key)} tiles, the index {len(want_rows)}"
+            )
+        counts = chunks[pos] if len(pos) else z
+        first = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+        gather = np.arange(int(first[-1]), dtype=np.int64) - np.repeat(first[:-1], counts)
+        gather += np.repeat(sum_starts[pos] if len(pos) else z, counts)
+        all_sums = sums[gather]
+        ctx = Context(self.source, tuple(files), self.chunk_bytes, Budget(1 << 62))
+        tensors: dict[str, TensorEntry] = {}
+        at = 0
+        for _, name, want, offs, lens, _ in wanted:
+            p = pos[at : at + len(want)]
+            cols = (
+                fidx[p],
+                offs,
+                lens,
+                bo[p],
+                counts[at : at + len(want)],
+                all_sums[first[at] : first[at + len(want)]],
+            )
+            at += len(want)
+            dtype, shape = self.tensors[name]
             try:
                 table = check_columns(ctx, name, shape, self._sizes[name], cols)
             except ManifestError as e:
                 raise ManifestError(f"{self.source}: {e}") from None
             tensors[name] = TensorEntry(dtype, shape, table=table)
-        if rows is None and total != len(key):
-            raise ManifestError(
-                f"{self.source}: invalid manifest: the sections hold {len(key)} tiles, the index {total}"
-            )
         return self._manifest(tensors, tuple(files))
 
     def shell(self, tables: Callable[[str], TileTable]) -> Manifest:
@@ -313,19 +281,27 @@ def _decode_index(data: bytes, source: str) -> Index:
         raise fail(f"sections: a section's range lies outside {path} ({nbytes} bytes) or is empty or too large")
     tensors: dict[str, tuple[str, tuple[int, ...]]] = {}
     sizes: dict[str, int] = {}
-    geometry: dict[str, _Geometry] = {}
-    for i, (name, raw_entry) in enumerate(as_dict(doc.get("tensors"), "tensors").items()):
+    geometry: dict[str, Geometry] = {}
+    for name, raw_entry in as_dict(doc.get("tensors"), "tensors").items():
         tdoc = as_dict(raw_entry, f"tensor '{name}'")
         dtype, shape, size = tensor_header(name, tdoc)
         tensors[name], sizes[name] = (dtype, shape), size
-        geometry[name] = _Geometry(name, i, tdoc.get("tile_index"), len(shape), count, tiles)
+        geometry[name] = Geometry(name, tdoc.get("tile_index"), len(shape), count, tiles)
+    # Every tensor's block table (first, end, size per block), in tensor order: one column.
+    nb = sum(g.block_count for g in geometry.values())
+    table = column("the index", doc, "tile_blocks", 3 * nb, nb, "index").reshape(nb, 3)
+    at = 0
+    for g in geometry.values():
+        g.attach(table[at : at + g.block_count])
+        at += g.block_count
     index = Index(source, head, doc, tensors, sizes, (path, nbytes, offset, length, sums))
     index.geometry = geometry
+    index._counts = np.fromiter((g.count for g in geometry.values()), dtype=np.int64, count=len(geometry))
     index._manifest({}, ())  # values, per_rank and names: checked now, not on first use
     return index
 
 
-def _section(number: int, data: bytes, ntensors: int) -> Section:
+def _section(number: int, data: bytes, counts: np.ndarray) -> Section:
     if len(data) > MAX_MANIFEST_BYTES:
         raise fail(f"size {len(data)} bytes is over the {MAX_MANIFEST_BYTES}-byte limit")
     try:
@@ -352,14 +328,18 @@ def _section(number: int, data: bytes, ntensors: int) -> Section:
     budget.take(32 * n, f"section tiles count {n}")
     what = f"section {number}"
     tensor = column(what, tiles, "tensor", n, n, "tiles")
+    row = column(what, tiles, "row", n, n, "tiles")
     fidx = column(what, tiles, "file", n, n, "tiles")
     bo = column(what, tiles, "byte_offset", n, n, "tiles")
     chunks = column(what, tiles, "chunks", n, n, "tiles")
     total = int(chunks.sum())
     budget.take(8 * total, f"section chunks (sum {total})")
     sums = column(what, tiles, "checksums", total, total, "tiles")
+    ntensors = len(counts)
     if n and (int(tensor.max()) >= ntensors or (np.diff(tensor) < 0).any()):
         raise fail(f"{what}: tile tensors must be ascending indices below {ntensors}")
+    if n and ((row >= counts[tensor]).any() or ((np.diff(row) <= 0) & (np.diff(tensor) == 0)).any()):
+        raise fail(f"{what}: each tensor's tile rows must be ascending and below its tile count")
     if n and int(fidx.max()) >= len(files):
         raise fail(f"{what}: a tile refers to file #{int(fidx.max())} but the section lists {len(files)}")
-    return Section(number, rank, tuple(files), tensor, fidx, bo, chunks, sums)
+    return Section(number, rank, tuple(files), tensor, row, fidx, bo, chunks, sums)

@@ -23,6 +23,7 @@ import numpy as np
 import xxhash
 
 from ..names import DATA_DIR
+from .blocks import encode_blocks
 from .encoder import _WIDTHS, _dumps, _int_column, _remap, _width
 from .schema import CHECKSUM_ALGORITHM, FORMAT, SECTIONED_VERSION, SECTIONS_NAME, Manifest
 
@@ -55,8 +56,9 @@ def encode_sectioned(m: Manifest) -> tuple[bytes, bytes]:
     file_local[file_order] = np.arange(len(files)) - np.repeat(firsts, counts)
 
     remaps: dict[int, Any] = {}
-    tensor_ids, sec_cols, local_cols, bo_cols, chunk_cols, sum_cols = [], [], [], [], [], []
+    tensor_ids, row_cols, sec_cols, local_cols, bo_cols, chunk_cols, sum_cols = [], [], [], [], [], [], []
     parts = [b'"tensors":{']
+    blocks = [np.zeros((0, 3), dtype=np.int64)]
     for ti, (name, e) in enumerate(m.tensors.items()):
         t = e.table
         n = len(t)
@@ -66,22 +68,22 @@ def encode_sectioned(m: Manifest) -> tuple[bytes, bytes]:
         if ti:
             parts.append(b",")
         parts += [_dumps(name), b':{"dtype":', _dumps(e.dtype), b',"shape":', _dumps(list(e.shape))]
-        parts.append(b',"tile_index":{"count":%d,"offsets":' % n)
-        _int_column(parts, t.offsets)
-        parts.append(b',"lengths":')
-        _int_column(parts, t.lengths)
-        parts.append(b',"section":')
-        _int_column(parts, sec)
-        parts.append(b"}}")
+        parts.append(b',"tile_index":')
+        blocks.append(encode_blocks(parts, t.offsets, t.lengths, sec))
+        parts.append(b"}")
         if n:
             tensor_ids.append(np.full(n, ti, dtype=np.int64))
+            row_cols.append(np.arange(n, dtype=np.int64))
             sec_cols.append(sec)
             local_cols.append(file_local[g])
             bo_cols.append(t.byte_offset)
             chunk_cols.append(t.chunks)
             sum_cols.append(t.checksums)
-    parts.append(b"}")
-    blobs = _sections(m, section_ranks, file_section, tensor_ids, sec_cols, local_cols, bo_cols, chunk_cols, sum_cols)
+    parts.append(b'},"tile_blocks":')
+    _int_column(parts, np.concatenate(blocks))
+    blobs = _sections(
+        m, section_ranks, file_section, tensor_ids, row_cols, sec_cols, local_cols, bo_cols, chunk_cols, sum_cols
+    )
     sizes = np.fromiter((len(b) for b in blobs), dtype=np.int64, count=len(blobs))
     offsets = np.concatenate([[0], np.cumsum(sizes)])[:-1].astype(np.int64)
     digests = np.fromiter((xxhash.xxh3_64_intdigest(b) for b in blobs), dtype=np.uint64, count=len(blobs))
@@ -118,6 +120,7 @@ def _sections(
     section_ranks: np.ndarray,
     file_section: np.ndarray,
     tensor_ids: list[np.ndarray],
+    row_cols: list[np.ndarray],
     sec_cols: list[np.ndarray],
     local_cols: list[np.ndarray],
     bo_cols: list[np.ndarray],
@@ -127,6 +130,7 @@ def _sections(
     """Each section's bytes: its files, then its tiles (in index order) as columns."""
     z = np.zeros(0, dtype=np.int64)
     tensor = np.concatenate(tensor_ids) if tensor_ids else z
+    row = np.concatenate(row_cols) if row_cols else z
     sec = np.concatenate(sec_cols) if sec_cols else z
     local = np.concatenate(local_cols) if local_cols else z
     bo = np.concatenate(bo_cols) if bo_cols else z
@@ -147,7 +151,7 @@ def _sections(
     sum_bytes = sorted_sums.astype("<u8").tobytes()
     # Each integer column coded once for all sections (one width, delta-coded within each
     # section), then cut: per section only slicing, deflating and base64 remain.
-    columns = [_column_for_sections(c[order], bounds) for c in (tensor, local, bo, chunks)]
+    columns = [_column_for_sections(c[order], bounds) for c in (tensor, row, local, bo, chunks)]
     files_of: list[list[list[Any]]] = [[] for _ in section_ranks]
     for f, s in zip(m.files, file_section.tolist()):
         files_of[s].append([f.path, f.rank, f.nbytes])
@@ -160,7 +164,7 @@ def _sections(
             json.dumps(files_of[s], separators=(",", ":")).encode(),
             b',"tiles":{"count":%d' % (b[s + 1] - b[s]),
         ]
-        for key, (head, data, size) in zip((b"tensor", b"file", b"byte_offset", b"chunks"), columns):
+        for key, (head, data, size) in zip((b"tensor", b"row", b"file", b"byte_offset", b"chunks"), columns):
             parts += [
                 b',"',
                 key,

@@ -1,0 +1,322 @@
+"""Format version 2: a tensor's tile geometry in the index, in independently deflated blocks.
+
+A tensor's ``tile_index`` holds its tiles' boxes and sections in blocks of :data:`BLOCK_TILES`
+rows; per block the index gives the range its tiles cover along the first dimension
+(``first``, ``end``) and its deflated size, so a loading rank inflates only the blocks near
+its boxes, not every tile of every tensor it loads. A block inflates to its ``2 ndim + 1`` columns one after
+the other (``offsets`` per dimension, ``lengths`` per dimension, ``section``), every value
+the difference from the row before it in the block (the block's first row as is), all as
+little-endian signed integers of one width (1, 2, 4 or 8 bytes: the inflated size says which).
+
+Decoding is bounded and strict: a block must inflate to exactly its rows' bytes, its values
+must be in ``[0, 2**62)``, its sections below the section count, and its tiles inside the
+range the index gives for it (the range a reader trusted to skip it). See ``docs/format.md``.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import threading
+import zlib
+from typing import Any
+
+import numpy as np
+
+from .tiles import Budget, as_dict, as_int, fail
+
+BLOCK_TILES = 4096
+"""Rows of a tensor's geometry per block (the last block may hold fewer)."""
+MAX_BLOCK_TILES = 1 << 20
+"""The most rows per block an index may declare (what one inflate may allocate: 8 MiB per column)."""
+
+
+def encode_blocks(parts: list[bytes], offsets: np.ndarray, lengths: np.ndarray, section: np.ndarray) -> np.ndarray:
+    """Append a ``tile_index`` object (``count``, ``block``, ``data``) to ``parts``; return its
+    block table (``first``, ``end``, ``size`` per block: rows of the index's ``tile_blocks``)."""
+    n, nd = offsets.shape if offsets.ndim == 2 else (len(offsets), 0)
+    b = BLOCK_TILES
+    rows = np.concatenate([offsets.reshape(n, nd), lengths.reshape(n, nd), section.reshape(n, 1)], axis=1)
+    rows = np.ascontiguousarray(rows, dtype=np.int64)
+    delta = np.empty_like(rows)
+    if n:
+        delta[0] = rows[0]
+        np.subtract(rows[1:], rows[:-1], out=delta[1:])
+        delta[::b] = rows[::b]  # each block's first row as is
+    blobs = [zlib.compress(_narrow(delta[i : i + b].T), 1) for i in range(0, n, b)]
+    nb = len(blobs)
+    table = np.zeros((nb, 3), dtype=np.int64)
+    if nd and n:
+        starts = offsets[:, 0]
+        ends = starts + lengths[:, 0]
+        pad = nb * b - n
+        table[:, 0] = np.concatenate([starts, np.full(pad, starts.max())]).reshape(nb, b).min(axis=1)
+        table[:, 1] = np.concatenate([ends, np.zeros(pad, np.int64)]).reshape(nb, b).max(axis=1)
+    table[:, 2] = np.fromiter((len(x) for x in blobs), dtype=np.int64, count=nb)
+    parts += [b'{"count":%d,"block":%d,"data":"' % (n, b), base64.b64encode(b"".join(blobs)), b'"}']
+    return table
+
+
+def _narrow(values: np.ndarray) -> bytes:
+    """``values`` in the narrowest of int8, int16, int32, int64 that holds them all, little-endian."""
+    lo, hi = (int(values.min()), int(values.max())) if values.size else (0, 0)
+    for t in _TYPES:
+        info = np.iinfo(t)
+        if info.min <= lo and hi <= info.max:
+            break
+    return np.ascontiguousarray(values, dtype=t).tobytes()
+
+
+_TYPES = (np.dtype("<i1"), np.dtype("<i2"), np.dtype("<i4"), np.dtype("<i8"))
+
+
+class Geometry:
+    """A tensor's ``tile_index``: its block table checked up front, its blocks inflated on use."""
+
+    def __init__(self, name: str, raw: Any, ndim: int, sections: int, tiles: Budget) -> None:
+        self.name, self.ndim, self.sections = name, ndim, sections
+        what = f"tensor '{name}'"
+        raw = as_dict(raw, f"{what} tile_index")
+        self.count = as_int(raw.get("count"), f"{what} tile_index count")
+        tiles.take(self.count, f"{what}: tile_index.count {self.count}")
+        self.block = as_int(raw.get("block"), f"{what} tile_index block", lo=1)
+        if self.block > MAX_BLOCK_TILES:
+            raise fail(f"{what}: tile_index.block {self.block} is over {MAX_BLOCK_TILES}")
+        self.block_count = -(-self.count // self.block)
+        data = raw.get("data")
+        if not isinstance(data, str):
+            raise fail(f"{what}: tile_index.data must be a base64 string")
+        self._text: str | None = data
+        self.first = self.end = self._at = np.zeros(0, dtype=np.int64)
+        self.picked: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None
+        """The last rows :meth:`pick` returned, with their geometry (``take`` of them is free)."""
+
+    def attach(self, table: np.ndarray) -> None:
+        """Set the block table: this tensor's rows of the index's ``tile_blocks`` (first, end, size)."""
+        self.first, self.end = table[:, 0], table[:, 1]
+        self._at = np.concatenate([[0], np.cumsum(table[:, 2])]).astype(np.int64)
+        self._data = b""
+        self._blocks: dict[int, np.ndarray] = {}
+        self._lock = threading.Lock()
+        self.inflated = 0
+        """Blocks inflated so far (for tests and benchmarks)."""
+
+    def blocks_meeting(self, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+        """Blocks whose first-dimension range meets any ``[lo[k], hi[k])``, ascending."""
+        if not self.ndim:
+            return np.arange(self.block_count)
+        meet = (self.first[None, :] < hi[:, None]) & (self.end[None, :] > lo[:, None])
+        return np.flatnonzero(meet.any(axis=0))
+
+    def rows(self, blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """``(rows, offsets, lengths, section)`` of the tiles of ``blocks`` (ascending)."""
+        nd = self.ndim
+        if not len(blocks):
+            z = np.zeros(0, dtype=np.int64)
+            return z, z.reshape(0, nd), z.reshape(0, nd), z
+        with self._lock:
+            got = [self._inflate(int(i)) for i in blocks]
+        arr = np.concatenate(got) if len(got) > 1 else got[0]
+        starts = blocks * self.block
+        counts = np.minimum(self.block, self.count - starts)
+        if len(blocks) == 1:
+            rows = np.arange(int(starts[0]), int(starts[0] + counts[0]), dtype=np.int64)
+        else:
+            rows = np.arange(len(arr), dtype=np.int64) + np.repeat(starts - (np.cumsum(counts) - counts), counts)
+        return rows, arr[:, :nd], arr[:, nd : 2 * nd], arr[:, 2 * nd]
+
+    def pick(self, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+        """Rows of the tiles that meet any box ``[lo[k], hi[k])`` (``(boxes, ndim)`` arrays), ascending.
+
+        Only the blocks whose first-dimension range meets a box are inflated.
+        """
+        if not self.ndim:
+            return np.arange(self.count)
+        rows, offs, lens, sec = self.rows(self.blocks_meeting(lo[:, 0], hi[:, 0]))
+        if len(lo) == 1:
+            meet = ((offs < hi[0]) & (offs + lens > lo[0])).all(axis=1)
+        else:
+            meet = ((offs[None] < hi[:, None]) & ((offs + lens)[None] > lo[:, None])).all(axis=2).any(axis=0)
+        rows = rows[meet]
+        self.picked = (rows, offs[meet], lens[meet], sec[meet])
+        return rows
+
+    def take(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``(offsets, lengths, section)`` of ``rows`` (ascending, below :attr:`count`)."""
+        picked = self.picked
+        if picked is not None and picked[0] is rows:
+            return picked[1], picked[2], picked[3]
+        blocks = np.unique(rows // self.block)
+        have, offs, lens, sec = self.rows(blocks)
+        pos = np.searchsorted(have, rows)
+        return offs[pos], lens[pos], sec[pos]
+
+    def _inflate(self, i: int) -> np.ndarray:
+        """Block ``i``'s rows ``(m, 2 ndim + 1)``, validated (once)."""
+        hit = self._blocks.get(i)
+        if hit is not None:
+            return hit
+        cols = self._raw(i)
+        check_rows(
+            f"tensor '{self.name}': tile_index block {i}",
+            cols.T,
+            self.ndim,
+            self.sections,
+            self.first[i : i + 1],
+            self.end[i : i + 1],
+            np.zeros(1, np.int64),
+        )
+        self._blocks[i] = arr = cols.T
+        return arr
+
+    def _raw(self, i: int) -> np.ndarray:
+        """Block ``i`` inflated and summed, unchecked but for its size: ``(2 ndim + 1, m)``."""
+        what = f"tensor '{self.name}': tile_index block {i}"
+        if self._text is not None:
+            try:
+                self._data = base64.b64decode(self._text, validate=True)
+            except (binascii.Error, ValueError):
+                raise fail(f"tensor '{self.name}': tile_index.data is not valid base64") from None
+            self._text = None
+            if len(self._data) != int(self._at[-1]):
+                raise fail(
+                    f"tensor '{self.name}': tile_index.data holds {len(self._data)} bytes, its blocks "
+                    f"{int(self._at[-1])}"
+                )
+        m = min(self.block, self.count - i * self.block)
+        width = 2 * self.ndim + 1
+        most = 8 * m * width
+        try:
+            buf = zlib.decompressobj().decompress(self._data[self._at[i] : self._at[i + 1]], most + 1)
+        except zlib.error:
+            raise fail(f"{what} is not valid zlib data") from None
+        item = len(buf) // (m * width)
+        if item not in (1, 2, 4, 8) or len(buf) != item * m * width:
+            raise fail(f"{what} holds {len(buf)} bytes, expected 1, 2, 4 or 8 x {m * width}")
+        delta = np.frombuffer(buf, dtype=_TYPES[item.bit_length() - 1]).reshape(width, m)
+        # Every difference and every running sum in [-2**62, 2**62) and [0, 2**62) (check_rows): no
+        # int64 wraps. Narrower differences cannot wrap 1,048,576 rows.
+        if item == 8 and (int(delta.min()) < -(1 << 62) or int(delta.max()) >= 1 << 62):
+            raise fail(f"{what}: values must be non-negative integers below 2**62")
+        self.inflated += 1
+        return np.cumsum(delta, axis=1, dtype=np.int64)
+
+
+def check_rows(
+    what: str,
+    rows: np.ndarray,
+    nd: int,
+    sections: int | np.ndarray,
+    first: np.ndarray,
+    end: np.ndarray,
+    block_of: np.ndarray,
+) -> None:
+    """Raise unless decoded rows ``(n, 2 nd + 1)`` are below 2**62, name sections below ``sections``
+    and lie in their blocks' ranges (``first[block_of]``, ``end[block_of]``; padded dimensions: none)."""
+    if not len(rows):
+        return
+    if int(rows.view(np.uint64).max()) >= 1 << 62:
+        raise fail(f"{what}: values must be non-negative integers below 2**62")
+    sec = rows[:, 2 * nd]
+    bad = np.flatnonzero(sec >= sections)
+    if len(bad):
+        raise fail(f"{what}: a tile is in section #{int(sec[bad[0]])} but there are fewer")
+    if nd:
+        starts, ends = rows[:, 0], rows[:, 0] + rows[:, nd]
+        out = np.flatnonzero((starts < first[block_of]) | (ends > end[block_of]))
+        if len(out):
+            b = int(block_of[out[0]])
+            raise fail(f"{what}: a tile lies outside the block's range [{int(first[b])}, {int(end[b])})")
+
+
+def pick_many(items: list[tuple[Geometry, np.ndarray, np.ndarray]]) -> list[np.ndarray]:
+    """:meth:`Geometry.pick` of many tensors' boxes at once (``(geometry, lo, hi)`` each), with
+    whole-array work per number of dimensions instead of per tensor and block."""
+    out: list[np.ndarray] = [np.zeros(0, np.int64)] * len(items)
+    by_nd: dict[int, list[int]] = {}
+    for k, (g, _, _) in enumerate(items):
+        by_nd.setdefault(g.ndim, []).append(k)
+    for nd, ks in by_nd.items():
+        if not nd:
+            for k in ks:
+                out[k] = items[k][0].pick(items[k][1], items[k][2])
+            continue
+        for k, rows in zip(ks, _pick_group([items[k] for k in ks], nd)):
+            out[k] = rows
+    return out
+
+
+def _pick_group(items: list[tuple[Geometry, np.ndarray, np.ndarray]], nd: int) -> list[np.ndarray]:
+    z = np.zeros(0, dtype=np.int64)
+    geos = [g for g, _, _ in items]
+    nbs = np.array([g.block_count for g in geos], dtype=np.int64)
+    base = np.concatenate([[0], np.cumsum(nbs)]).astype(np.int64)
+    first = np.concatenate([g.first for g in geos] or [z])
+    end = np.concatenate([g.end for g in geos] or [z])
+    lo = np.concatenate([x for _, x, _ in items])
+    hi = np.concatenate([x for _, _, x in items])
+    owner = np.repeat(np.arange(len(items)), [len(x) for _, x, _ in items])
+    # Every (box, block of its tensor) pair; the pairs whose ranges meet along the first dimension.
+    per = nbs[owner]
+    pair_box = np.repeat(np.arange(len(owner)), per)
+    pair_block = np.arange(int(per.sum()), dtype=np.int64) - np.repeat(np.cumsum(per) - per, per)
+    pair_block += np.repeat(base[owner], per)
+    meet = (first[pair_block] < hi[pair_box, 0]) & (end[pair_block] > lo[pair_box, 0])
+    pair_box, pair_block = pair_box[meet], pair_block[meet]
+    blocks = np.unique(pair_block)
+    if not len(blocks):
+        for g in geos:
+            g.picked = (z, z.reshape(0, nd), z.reshape(0, nd), z)
+        return [z] * len(items)
+    item_of = np.searchsorted(base, blocks, side="right") - 1
+    local = blocks - base[item_of]
+    cols = [geos[i]._raw(b) for i, b in zip(item_of.tolist(), local.tolist())]
+    sizes = np.array([c.shape[1] for c in cols], dtype=np.int64)
+    rows = np.concatenate(cols, axis=1).T  # (n, 2 nd + 1), blocks in order
+    starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+    block_of = np.repeat(np.arange(len(blocks)), sizes)
+    sections = np.array([g.sections for g in geos], dtype=np.int64)[item_of][block_of]
+    names = ", ".join(sorted({f"'{geos[i].name}'" for i in item_of[:3].tolist()}))
+    check_rows(f"tensor {names}...: tile_index", rows, nd, sections, first[blocks], end[blocks], block_of)
+    # Every (box, row of a block it met) pair; the rows whose boxes meet.
+    where = np.searchsorted(blocks, pair_block)
+    a, b = _near(rows, nd, starts, sizes, where, lo[pair_box, 0], hi[pair_box, 0])
+    n = b - a
+    row_pair = np.repeat(np.arange(len(where)), n)
+    row = np.arange(int(n.sum()), dtype=np.int64) - np.repeat(np.cumsum(n) - n, n) + np.repeat(a, n)
+    box = pair_box[row_pair]
+    offs, lens = rows[row, :nd], rows[row, nd : 2 * nd]
+    hit = ((offs < hi[box]) & (offs + lens > lo[box])).all(axis=1)
+    keep = np.unique(row[hit])  # ascending: by tensor, then row
+    blk = block_of[keep]
+    local_row = local[blk] * np.array([g.block for g in geos], dtype=np.int64)[item_of[blk]] + keep - starts[blk]
+    cut = np.searchsorted(item_of[blk], np.arange(len(items) + 1))
+    out = []
+    for k, g in enumerate(geos):
+        i0, i1 = int(cut[k]), int(cut[k + 1])
+        sel = keep[i0:i1]
+        r = local_row[i0:i1]
+        g.picked = (r, rows[sel, :nd], rows[sel, nd : 2 * nd], rows[sel, 2 * nd])
+        out.append(r)
+    return out
+
+
+def _near(
+    rows: np.ndarray, nd: int, starts: np.ndarray, sizes: np.ndarray, where: np.ndarray, lo: np.ndarray, hi: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """For each (block ``where[k]``, range ``[lo[k], hi[k])``) the rows ``[a[k], b[k])`` of that block
+    that can meet the range along the first dimension: found by bisection where each block's tiles
+    are sorted by their first offset (as saves store them), else the whole block."""
+    a, b = starts[where], starts[where] + sizes[where]
+    first = rows[:, 0]
+    span = int(first.max()) + 1
+    if span * len(sizes) >= 1 << 62:
+        return a, b
+    key = np.repeat(np.arange(len(sizes), dtype=np.int64), sizes) * span + first
+    if not bool((key[1:] >= key[:-1]).all()):
+        return a, b
+    longest = np.maximum.reduceat(rows[:, nd], starts[:-1])[where]
+    # Earlier tiles end before ``lo`` (they start at or before lo - longest); later ones start after hi.
+    a = np.maximum(a, np.searchsorted(key, where * span + np.maximum(lo - longest, -1), side="right"))
+    b = np.minimum(b, np.searchsorted(key, where * span + np.minimum(hi, span), side="left"))
+    return a, np.maximum(a, b)
