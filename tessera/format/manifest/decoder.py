@@ -106,15 +106,7 @@ def _head(data: bytes) -> _Head:
 def head_fields(data: bytes, expected: int) -> tuple[dict, int, str, int, int]:
     """The top level of a manifest of format version ``expected``: the document, version, save id,
     world size and checksum chunk size (no tensors, files or values)."""
-    if len(data) > MAX_MANIFEST_BYTES:
-        raise fail(f"size {len(data)} bytes is over the {MAX_MANIFEST_BYTES}-byte limit")
-    try:
-        doc = json.loads(data, object_pairs_hook=unique_keys)
-    except ManifestError:
-        raise
-    except (ValueError, UnicodeDecodeError) as e:
-        raise fail(f"not valid JSON ({e}); the file is truncated or not a tessera manifest") from None
-    doc = as_dict(doc, "the top level")
+    doc = strict_json(data, "the top level", "; the file is truncated or not a tessera manifest")
     if doc.get("format") != FORMAT:
         raise fail(f"format is {doc.get('format')!r:.40}, expected {FORMAT!r}")
     version = as_int(doc.get("version"), "version", 1)
@@ -244,6 +236,21 @@ def _itemsize(dt: torch.dtype) -> int:
     if size is None:
         size = _ITEMSIZES[dt] = itemsize(dt)
     return size
+
+
+def strict_json(data: bytes, what: str, hint: str = "") -> dict:
+    """``data`` as one JSON object, refused past :data:`MAX_MANIFEST_BYTES` or with a key given
+    twice (``what`` names it in errors; ``hint`` follows a parse error): the manifest, its index
+    and its sections are parsed alike."""
+    if len(data) > MAX_MANIFEST_BYTES:
+        raise fail(f"size {len(data)} bytes is over the {MAX_MANIFEST_BYTES}-byte limit")
+    try:
+        doc = json.loads(data, object_pairs_hook=unique_keys)
+    except ManifestError:
+        raise
+    except (ValueError, UnicodeDecodeError) as e:
+        raise fail(f"not valid JSON ({e}){hint}") from None
+    return as_dict(doc, what)
 
 
 def unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:

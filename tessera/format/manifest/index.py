@@ -13,7 +13,6 @@ use unchanged. No I/O here: the caller reads the bytes (:mod:`tessera.engine.loa
 from __future__ import annotations
 
 import functools
-import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -23,7 +22,7 @@ import xxhash
 from ...errors import ManifestError
 from ..names import check_relpath
 from .blocks import Geometry, pick_many
-from .decoder import head_fields, manifest_from, tensor_header, unique_keys
+from .decoder import head_fields, manifest_from, strict_json, tensor_header
 from .schema import (
     DECODE_RATIO,
     DECODE_SLACK,
@@ -302,15 +301,7 @@ def _decode_index(data: bytes, source: str) -> Index:
 
 
 def _section(number: int, data: bytes, counts: np.ndarray) -> Section:
-    if len(data) > MAX_MANIFEST_BYTES:
-        raise fail(f"size {len(data)} bytes is over the {MAX_MANIFEST_BYTES}-byte limit")
-    try:
-        doc = json.loads(data, object_pairs_hook=unique_keys)
-    except ManifestError:
-        raise
-    except (ValueError, UnicodeDecodeError) as e:
-        raise fail(f"not valid JSON ({e})") from None
-    doc = as_dict(doc, "the section")
+    doc = strict_json(data, "the section")
     if doc.get("section") != number:
         raise fail(f"the section says it is number {doc.get('section')!r:.40}")
     rank = as_int(doc.get("rank"), "section rank")
