@@ -84,10 +84,11 @@ def test_both_scripts_resume_themselves_on_one_loss_curve(tmp_path) -> None:
 @pytest.mark.slow
 def test_two_rank_fsdp2_dcp_run_resumes_on_two_one_and_three_ranks(tmp_path) -> None:
     dcp_root = tmp_path / "dcp"
-    before = _run("from_dcp_before.py", dcp_root, "--steps", "6", "--save-every", "3", "--nproc", "2")
-    assert sorted(before) == list(range(1, 7))
-    whole = _run("from_dcp_before.py", tmp_path / "whole", "--steps", "8", "--save-every", "8", "--nproc", "2")
-    assert {s: whole[s] for s in range(1, 7)} == before
+    # One uninterrupted DCP run of 8 steps: it saves steps 3 and 6 (the resume point), and its
+    # losses of steps 7 and 8 are what every resume must reproduce.
+    whole = _run("from_dcp_before.py", dcp_root, "--steps", "8", "--save-every", "3", "--nproc", "2")
+    assert sorted(whole) == list(range(1, 9))
+    assert sorted(os.listdir(dcp_root)) == ["step-3", "step-6"]
     for nproc in ("2", "1", "3"):
         root = tmp_path / f"tessera-{nproc}"
         _convert(dcp_root, root)
