@@ -439,6 +439,13 @@ def test_two_ranks_twenty_trials_of_the_main_writes(tmp_path: Path) -> None:
     _two_ranks(tmp_path, MAIN, TRIALS)
 
 
+@pytest.mark.slow
+def test_two_ranks_twenty_trials_of_the_other_idioms(tmp_path: Path) -> None:
+    """The idioms of the issue not in MAIN, on two ranks too: a one-element `.data` write, a
+    `detach()` write, and weight norm (a parametrization that must keep committing)."""
+    _two_ranks(tmp_path, ["data-element", "detach-row", "weight-norm-forward"], TRIALS)
+
+
 # --------------------------------------------------------------------------------------
 # What cannot be seen is said once, in the same words, where users look
 
