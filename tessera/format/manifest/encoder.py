@@ -40,13 +40,7 @@ def encode(m: Manifest) -> bytes:
         "checksum": {"algorithm": CHECKSUM_ALGORITHM, "chunk_bytes": m.chunk_bytes},
         "files": [{"path": f.path, "rank": f.rank, "bytes": f.nbytes} for f in m.files],
     }
-    tail = {
-        "values": m.values,
-        "per_rank": {k: {"on_resize": v.on_resize, "values": list(v.by_rank)} for k, v in m.per_rank.items()},
-        "layout": m.layout,
-        "timings": m.timings,
-        "metadata": m.metadata,
-    }
+    tail = manifest_tail(m)
     # The same bytes as json.dumps of the whole document, assembled in parts.
     parts = [_dumps(head)[:-1], b',"tensors":{']
     for i, (name, e) in enumerate(m.tensors.items()):
@@ -71,6 +65,18 @@ def encode(m: Manifest) -> bytes:
         parts.append(b"}")
     parts += [b"},", _dumps(tail)[1:]]
     return b"".join(parts)
+
+
+def manifest_tail(m: Manifest) -> dict[str, Any]:
+    """The fields that follow the tensors in either format version: values, per-rank values,
+    layout, timings, metadata."""
+    return {
+        "values": m.values,
+        "per_rank": {k: {"on_resize": v.on_resize, "values": list(v.by_rank)} for k, v in m.per_rank.items()},
+        "layout": m.layout,
+        "timings": m.timings,
+        "metadata": m.metadata,
+    }
 
 
 def _dumps(obj: Any) -> bytes:

@@ -24,7 +24,7 @@ import xxhash
 
 from ..names import DATA_DIR
 from .blocks import encode_blocks
-from .encoder import _WIDTHS, _dumps, _int_column, _remap, _width
+from .encoder import _WIDTHS, _dumps, _int_column, _remap, _width, manifest_tail
 from .schema import CHECKSUM_ALGORITHM, FORMAT, SECTIONED_VERSION, SECTIONS_NAME, Manifest
 
 
@@ -104,14 +104,7 @@ def encode_sectioned(m: Manifest) -> tuple[bytes, bytes]:
     table.append(b',"length":')
     _int_column(table, sizes)
     table += [b',"checksums":{"dtype":"uint64","data":"', base64.b64encode(digests.astype("<u8").tobytes()), b'"}},']
-    tail = {
-        "values": m.values,
-        "per_rank": {k: {"on_resize": v.on_resize, "values": list(v.by_rank)} for k, v in m.per_rank.items()},
-        "layout": m.layout,
-        "timings": m.timings,
-        "metadata": m.metadata,
-    }
-    index = b"".join([*table, *parts, b",", _dumps(tail)[1:]])
+    index = b"".join([*table, *parts, b",", _dumps(manifest_tail(m))[1:]])
     return index, b"".join(blobs)
 
 
