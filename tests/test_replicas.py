@@ -94,6 +94,44 @@ def test_copies_that_differ_only_in_bits_are_refused_with_stage_local_tensors_be
     assert not (tmp_path / "c" / "manifest.json").exists()
 
 
+def _stage_digests(rank: int, world: int, path: str) -> list:
+    """Three saves of pipeline-like state: which tensors each digests, and the third's outcome."""
+    from tessera.engine.saving import prepare
+
+    digested: list[tuple[str, ...]] = []
+    real = prepare.digest_replicas
+
+    def recording(*args, **kwargs):
+        out = real(*args, **kwargs)
+        digested.append(() if out is None else tuple(sorted(out.names)))
+        return out
+
+    prepare.digest_replicas = recording
+    try:
+        for i in range(3):
+            shared = torch.zeros(4)
+            if i == 2 and rank == 1:
+                shared[1] = 1.0  # the copies differ on the save whose plan is cached
+            try:
+                tessera.save(path, {f"own{rank}": torch.full((3,), float(rank + i)), "shared": shared})
+                outcome = "committed"
+            except tessera.CheckpointError as e:
+                outcome = f"{type(e).__name__}: {e}"
+    finally:
+        prepare.digest_replicas = real
+    return [digested, outcome]
+
+
+def test_a_cached_plan_digests_only_tensors_that_other_ranks_also_hold(tmp_path) -> None:
+    """A stage's own weights have no other copy: once the gathered plan shows it, they are not
+    digested (the call stays as short as before the check), while shared copies still are."""
+    out = run_distributed(_stage_digests, 2, str(tmp_path / "c"))
+    for rank, (digested, outcome) in enumerate(out):
+        assert digested[0] == (f"own{rank}", "shared"), digested  # the first save knows no plan
+        assert digested[1] == digested[2] == ("shared",), digested
+        assert outcome.startswith("ReplicaMismatchError") and "'shared'" in outcome, outcome
+
+
 def test_the_digests_see_every_bit_and_every_position() -> None:
     x = torch.randn(1001)
     variants = {

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -74,6 +74,9 @@ class RankPlan:
     rows: np.ndarray
     ndim: int
     num_files: int
+    unshared: frozenset[str] = frozenset()
+    """Tensors of which this rank holds a box no other rank holds (a gathered plan knows them):
+    its copy of such a plain tensor is no replica, so it needs no replica digest."""
 
     def items(self) -> list[tuple[str, Box, int]]:
         """``(fqn, box, file index)`` of every box this rank writes, in file order."""
@@ -253,6 +256,10 @@ def build_global_plan(local_plans: list[LocalPlan], options: PlanOptions | None 
     assigned = np.concatenate(out_rows)  # [tensor, offsets, lengths, writer]
 
     rank_plans = _split_by_rank(assigned, metas, sizes, nd, world, local_plans, remap, options)
+    held_once: list[set[str]] = [set() for _ in range(world)]
+    for meta, writer in zip(uniq[single, 0].tolist(), writers_single.tolist()):
+        held_once[writer].add(metas[meta].fqn)
+    rank_plans = [replace(rp, unshared=frozenset(held_once[lp.rank])) for lp, rp in zip(local_plans, rank_plans)]
     return GlobalPlan(tuple(metas), tuple(rank_plans), tuple(lp.fingerprint for lp in local_plans))
 
 

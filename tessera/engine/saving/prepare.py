@@ -91,7 +91,11 @@ def prepare(
         # Plain values are snapshotted now: the caller may change them once we return.
         mine.values = _encode_values(mine.flat, request.allow_pickle)
         # Copies of replicated tensors, digested at the call (rank 0 compares them before committing).
-        mine.replicas = digest_replicas(mine.flat, world.size, opts.io_threads)
+        # (not of tensors a cached gathered plan shows this rank alone to hold).
+        unshared = (
+            mine.cached.rank_plan.unshared if mine.cached is not None and not mine.cached.derived else frozenset()
+        )
+        mine.replicas = digest_replicas(mine.flat, world.size, opts.io_threads, unshared)
     except Exception as e:
         own = e
     if own is None and ctx.nonce is not None:

@@ -9,7 +9,9 @@ rank 0 compares them while it assembles the manifest and, on a difference, fails
 rank with :class:`~tessera.errors.ReplicaMismatchError` naming each tensor and which ranks hold
 which copy. No collective carries more than before: the reports travel through storage. The
 digests are taken at every save, whether its plan was cached, derived or gathered: they describe
-the values, which change from save to save, not the layout.
+the values, which change from save to save, not the layout. Only a plain tensor that a cached
+gathered plan shows one rank alone to hold (a pipeline stage's weights) is not digested: no other
+copy exists to differ from it, and a rank whose structure changes has no cached plan.
 
 Digests are of the bytes, so ``NaN`` payloads and ``-0.0`` against ``0.0`` count as different, and
 equal copies (``NaN`` included) always agree. A copy in host memory is digested with xxh3-64 (about
@@ -65,14 +67,19 @@ class ReplicaDigests:
         return out
 
 
-def digest_replicas(flat: FlatState, world_size: int, threads: int = 1) -> ReplicaDigests | None:
+def digest_replicas(
+    flat: FlatState, world_size: int, threads: int = 1, unshared: frozenset[str] = frozenset()
+) -> ReplicaDigests | None:
     """The digests of this rank's plain tensors (copies of replicated tensors); None in a single process.
+
+    ``unshared`` names tensors the save's plan knows no other rank holds (a pipeline stage's own
+    weights): their copies have nothing to be compared with and are not digested.
 
     Runs in the caller's thread: device digests are queued on the current stream, behind the
     caller's work, so they see the state at the call. Host copies of :data:`_PARALLEL_BYTES` or
     more in all are digested by ``threads`` threads (xxh3 releases the GIL).
     """
-    pieces = [p for p in flat.tensors if p.replicated_copy]
+    pieces = [p for p in flat.tensors if p.replicated_copy and p.fqn not in unshared]
     if world_size < 2 or not pieces:
         return None
     host: list[int | None] = [None] * len(pieces)
