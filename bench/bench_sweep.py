@@ -159,6 +159,12 @@ def worker(rank: int, world: int, store: str, args: argparse.Namespace, gb: floa
         add("save_tessera", timed(lambda p=tdir: tessera.save(p, src)))
         add("save_dcp", timed(lambda p=ddir: dcp.save(src, checkpoint_id=p)))
         for arm, state in (("raw", src), ("gated", gated), ("dcp", src)):
+            if arm == "dcp":
+                # tessera keeps its staging buffer for its next save; DCP's copy and the loads
+                # need the room (no public call frees it: the default group's cache is reached here).
+                from tessera.engine.saving.cache import cache_for
+
+                cache_for(None).staging.release()
             sdir, adir = f"{d}/{arm}-sync-{trial}", f"{d}/{arm}-async-{trial}"
             if arm == "dcp":
                 add(f"sync_{arm}", timed(lambda p=sdir: dcp.save(src, checkpoint_id=p)))
@@ -184,11 +190,6 @@ def worker(rank: int, world: int, store: str, args: argparse.Namespace, gb: floa
             add(f"async_mem_{arm}", mem.extra)
             if rank == 0:
                 shutil.rmtree(adir, ignore_errors=True)
-        # tessera keeps its staging buffer for the next save; the loads need the room (no public
-        # call frees it: the process's cache of its default group is reached directly here).
-        from tessera.engine.saving.cache import cache_for
-
-        cache_for(None).staging.release()
         target = make_state(mesh, args.tensors, rows, cols, Shard(1), fill=False)
         for t in target.values():  # fault the target's pages in: the load is timed, not the allocator
             t.to_local().zero_()
