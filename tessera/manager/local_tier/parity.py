@@ -1,0 +1,321 @@
+"""Parity of the local tier over tessera's gloo group: encoding at a local commit, checking
+parity blocks and rebuilding lost streams at recovery (layout: :mod:`.stripes`).
+
+Both go in rounds of :data:`~.stripes.CHUNK` bytes per block: in each round the data chunks
+of a stripe go to the node that computes its parity (the holder of its parity block 0), which
+encodes them and sends the other parity chunks to their holders; at recovery the ``k``
+chunks a stripe still has go to the node rebuilding a lost stream, which decodes them. A
+node's stream is read from the files its step directory holds (mapped, not copied), so the
+memory parity needs beyond the files themselves is ``(k + m)`` chunks per stripe a node
+encodes or decodes in a round.
+
+Only node leaders (the lowest rank of each node) send, receive, read or write; every rank
+computes the same plan from shared data and takes part in every collective.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import zlib
+from collections.abc import Callable, Mapping, Sequence
+
+import numpy as np
+import torch
+import torch.distributed as tdist
+
+from ...engine import dist
+from .codec import Codec
+from .files import remove_quietly
+from .placement import Placement
+from .streams import StreamReader, StreamWriter
+from .stripes import CHUNK, ParityLayout, parity_path
+from .transfer import FileSink, read_tensor
+
+logger = logging.getLogger(__name__)
+
+Move = tuple[int, int, int, object]
+"""``(src rank, dst rank, nbytes, key)`` of one chunk in a round."""
+
+
+def _exchange(
+    world: dist.World,
+    moves: Sequence[Move],
+    send: Callable[[object, int], torch.Tensor],
+    recv: Callable[[object, int], torch.Tensor],
+    what: str,
+) -> None:
+    """Post every move naming this rank (a send to itself is a copy) and wait for them."""
+    me = world.rank
+
+    def post() -> None:
+        works = []
+        for tag, (src, dst, n, key) in enumerate(moves):
+            if n == 0:
+                continue
+            if src == me and dst == me:
+                recv(key, n).copy_(send(key, n))
+            elif dst == me:
+                works.append(tdist.irecv(recv(key, n), group=world.group, group_src=src, tag=tag))
+        for tag, (src, dst, n, key) in enumerate(moves):
+            if n and src == me and dst != me:
+                works.append(tdist.isend(send(key, n), group=world.group, group_dst=dst, tag=tag))
+        for work in works:
+            work.wait()  # type: ignore[union-attr]
+
+    if world.distributed:
+        dist.run_collective(world, what, post)
+    else:
+        post()
+
+
+def encode(
+    world: dist.World,
+    placement: Placement,
+    layout: ParityLayout,
+    root: str,
+    save_id: str,
+    files: Sequence[tuple[str, int]],
+) -> tuple[ParityLayout, BaseException | None]:
+    """Collective: compute every stripe's parity and write each block on its holder; the layout
+    with the blocks' CRC-32s, and this rank's error (reading or writing failed) if any. A
+    dead or hung peer raises :class:`~tessera.errors.CollectiveTimeoutError`."""
+    what = f"{root}: computing parity"
+    lead = [placement.leader(node) for node in layout.order]
+    me = world.rank
+    mine = lead.index(me) if me in lead else None
+    error: BaseException | None = None
+    reader: StreamReader | None = None
+    sinks: dict[tuple[int, int], FileSink] = {}
+    crc: dict[tuple[int, int], int] = {}
+    codec = Codec(layout.k, layout.m)
+    try:
+        if mine is not None:
+            reader = StreamReader(root, [files[i] for i in layout.files_of(mine)])
+            for i, p in layout.parity_of(mine):
+                sinks[(i, p)] = FileSink(root, parity_path(save_id, i, p), layout.block(i))
+                crc[(i, p)] = 0
+    except Exception as e:
+        error = e
+    try:
+        for r in range(layout.rounds()):
+            live = [
+                (i, min(CHUNK, layout.block(i) - r * CHUNK)) for i in range(layout.n) if layout.block(i) > r * CHUNK
+            ]
+            data: dict[tuple[int, int], torch.Tensor] = {}
+
+            def read(key: object, n: int, r: int = r) -> torch.Tensor:
+                nonlocal error
+                _, t = key  # type: ignore[misc]
+                seg = layout.segment(mine)  # type: ignore[arg-type]
+                try:
+                    assert reader is not None
+                    return reader.read(t * seg + r * CHUNK, n, (t + 1) * seg)
+                except Exception as e:
+                    error = error or e
+                    return torch.zeros(n, dtype=torch.uint8)
+
+            def into(key: object, n: int, data: dict = data) -> torch.Tensor:
+                data[key] = torch.empty(n, dtype=torch.uint8)
+                return data[key]
+
+            moves: list[Move] = [
+                (lead[layout.data_pos(i, t)], lead[layout.parity_pos(i, 0)], n, (i, t))
+                for i, n in live
+                for t in range(layout.k)
+            ]
+            _exchange(world, moves, read, into, f"{what} (data, round {r})")
+            parity: dict[tuple[int, int], torch.Tensor] = {}
+            for i, _ in live:
+                if lead[layout.parity_pos(i, 0)] == me:
+                    blocks = codec.encode([data[(i, t)].numpy() for t in range(layout.k)])
+                    for p, b in enumerate(blocks):
+                        parity[(i, p)] = torch.from_numpy(b.copy() if not b.flags.writeable else b)
+            data.clear()
+
+            def give(key: object, n: int, parity: dict = parity) -> torch.Tensor:
+                return parity[key]
+
+            def keep(key: object, n: int, r: int = r) -> torch.Tensor:
+                sink = sinks.get(key)  # type: ignore[arg-type]
+                if sink is None:  # this rank failed to create it: receive and drop
+                    return torch.empty(n, dtype=torch.uint8)
+                return sink.buffer[r * CHUNK : r * CHUNK + n]
+
+            moves = [
+                (lead[layout.parity_pos(i, 0)], lead[layout.parity_pos(i, p)], n, (i, p))
+                for i, n in live
+                for p in range(layout.m)
+            ]
+            _exchange(world, moves, give, keep, f"{what} (parity, round {r})")
+            for i, n in live:
+                for p in range(layout.m):
+                    if (i, p) in sinks:
+                        chunk = sinks[(i, p)].buffer[r * CHUNK : r * CHUNK + n].numpy()
+                        crc[(i, p)] = zlib.crc32(chunk, crc[(i, p)])
+    except BaseException:
+        for sink in sinks.values():
+            sink.abort()
+        raise
+    finally:
+        if reader is not None:
+            reader.close()
+    for sink in sinks.values():
+        try:
+            if error is None:
+                sink.commit()
+            else:
+                sink.abort()
+        except Exception as e:
+            error = error or e
+    gathered = dist.all_gather(world, crc, f"{what}: checksums")
+    merged: dict[tuple[int, int], int] = {}
+    for part in gathered:
+        merged.update(part)
+    if len(merged) != layout.n * layout.m:  # a rank failed before it could make its files
+        merged = {(i, p): merged.get((i, p), 0) for i in range(layout.n) for p in range(layout.m)}
+    return layout.with_crc(merged), error
+
+
+def check_parity(
+    root: str, save_id: str, layout: ParityLayout, blocks: Sequence[tuple[int, int]]
+) -> list[tuple[str, str]]:
+    """Node leaders, not collective: check ``blocks`` this node holds against their CRC-32s,
+    remove those that fail; ``(file, why)`` of each removed."""
+    bad = []
+    for i, p in blocks:
+        path = parity_path(save_id, i, p)
+        full = os.path.join(root, path)
+        try:
+            got = zlib.crc32(read_tensor(root, path).numpy())
+        except FileNotFoundError:
+            continue
+        except OSError as e:
+            bad.append((path, f"unreadable: {e}"))
+            remove_quietly(full)
+            continue
+        if got != layout.crc[i][p]:
+            bad.append((path, f"CRC-32 {got:08x}, {layout.crc[i][p]:08x} recorded at the commit"))
+            remove_quietly(full)
+    return bad
+
+
+def rebuild(
+    world: dist.World,
+    placement: Placement,
+    layout: ParityLayout,
+    held: Mapping[int, frozenset[int]],
+    blocks: Mapping[int, frozenset[tuple[int, int]]],
+    root: str,
+    save_id: str,
+    files: Sequence[tuple[str, int]],
+) -> tuple[dict[int, int], int, BaseException | None]:
+    """Collective: rebuild the streams no node holds from the rest of their stripes.
+
+    Args:
+        held: per node of the job, the indices of the manifest's files it holds.
+        blocks: per node, the parity blocks it holds (checked: :func:`check_parity`).
+
+    Returns:
+        the node that now holds each rebuilt position (its own node if in the job, else a
+        survivor), the bytes this rank received, and this rank's error if any.
+    """
+    what = f"{root}: rebuilding from parity"
+    nodes = sorted(placement.nodes)
+    order = [n for n in nodes if n in held]
+    union = frozenset().union(*held.values()) if held else frozenset()
+    lost = layout.missing(union)
+    whole = layout.whole([held[n] for n in order])
+    source = {pos: order[j] for pos, j in whole.items()}
+    holder: dict[tuple[int, int], int] = {}
+    for n in order:
+        for b in sorted(blocks.get(n, ())):
+            holder.setdefault(b, n)
+    host = {j: layout.order[j] if layout.order[j] in placement.nodes else nodes[j % len(nodes)] for j in lost}
+    jobs = []  # (stripe, host node, inputs [(block number, node)], wanted slots)
+    for i in sorted({s for j in lost for s, _ in layout.stripes_of(j)}):
+        members = {layout.data_pos(i, t) for t in range(layout.k)}
+        for h in sorted({host[j] for j in lost if j in members}):
+            want = [t for t in range(layout.k) if layout.data_pos(i, t) in lost and host[layout.data_pos(i, t)] == h]
+            if not want:
+                continue
+            inputs = [(t, source[layout.data_pos(i, t)]) for t in range(layout.k) if layout.data_pos(i, t) in source]
+            inputs += [(layout.k + p, holder[(i, p)]) for p in range(layout.m) if (i, p) in holder]
+            jobs.append((i, h, inputs[: layout.k], want))
+    me = world.rank
+    my_node = placement.node_of[me]
+    leader = placement.leader(my_node) == me
+    error: BaseException | None = None
+    writers: dict[int, StreamWriter] = {}
+    readers: dict[int, StreamReader] = {}
+    received = 0
+    try:
+        if leader:
+            for j in lost:
+                if host[j] == my_node:
+                    writers[j] = StreamWriter(root, [files[f] for f in layout.files_of(j)])
+            for pos, n in source.items():
+                if n == my_node:
+                    readers[pos] = StreamReader(root, [files[f] for f in layout.files_of(pos)])
+    except Exception as e:
+        error = e
+    codec = Codec(layout.k, layout.m)
+    rounds = max((-(-layout.block(i) // CHUNK) for i, _, _, _ in jobs), default=0)
+    try:
+        for r in range(rounds):
+            got: dict[tuple[int, int], torch.Tensor] = {}
+
+            def read(key: object, n: int, r: int = r) -> torch.Tensor:
+                nonlocal error
+                job, num = key  # type: ignore[misc]
+                i = jobs[job][0]
+                try:
+                    if num < layout.k:
+                        pos = layout.data_pos(i, num)
+                        seg = layout.segment(pos)
+                        return readers[pos].read(num * seg + r * CHUNK, n, (num + 1) * seg)
+                    return read_tensor(root, parity_path(save_id, i, num - layout.k))[r * CHUNK : r * CHUNK + n]
+                except Exception as e:
+                    error = error or e
+                    return torch.zeros(n, dtype=torch.uint8)
+
+            def into(key: object, n: int, got: dict = got) -> torch.Tensor:
+                got[key] = torch.empty(n, dtype=torch.uint8)
+                return got[key]
+
+            moves: list[Move] = []
+            for x, (i, h, inputs, _) in enumerate(jobs):
+                n = min(CHUNK, layout.block(i) - r * CHUNK)
+                if n > 0:
+                    moves += [(placement.leader(src), placement.leader(h), n, (x, num)) for num, src in inputs]
+            _exchange(world, moves, read, into, f"{what} (round {r})")
+            received += sum(n for src, dst, n, _ in moves if dst == me and src != me)
+            for x, (i, h, inputs, want) in enumerate(jobs):
+                n = min(CHUNK, layout.block(i) - r * CHUNK)
+                if n <= 0 or placement.leader(h) != me or error is not None:
+                    continue
+                decoded = codec.decode({num: got[(x, num)].numpy() for num, _ in inputs}, want)
+                for t, chunk in decoded.items():
+                    pos = layout.data_pos(i, t)
+                    seg = layout.segment(pos)
+                    keep = max(0, min(n, seg - r * CHUNK))
+                    if keep:
+                        writers[pos].write(t * seg + r * CHUNK, np.asarray(chunk[:keep]))
+    except BaseException:
+        for w in writers.values():
+            w.abort()
+        raise
+    finally:
+        for reader in readers.values():
+            reader.close()
+    for w in writers.values():
+        try:
+            if error is None:
+                w.commit()
+            else:
+                w.abort()
+        except Exception as e:
+            error = error or e
+    if error is not None:
+        logger.warning("rank %d: %s: %s", me, what, error)
+    return host, received, error
