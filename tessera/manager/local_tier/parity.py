@@ -19,6 +19,7 @@ import logging
 import os
 import zlib
 from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -34,15 +35,15 @@ from .transfer import FileSink, read_tensor
 
 logger = logging.getLogger(__name__)
 
-Move = tuple[int, int, int, object]
+Move = tuple[int, int, int, Any]
 """``(src rank, dst rank, nbytes, key)`` of one chunk in a round."""
 
 
 def _exchange(
     world: dist.World,
     moves: Sequence[Move],
-    send: Callable[[object, int], torch.Tensor],
-    recv: Callable[[object, int], torch.Tensor],
+    send: Callable[[Any, int], torch.Tensor],
+    recv: Callable[[Any, int], torch.Tensor],
     what: str,
 ) -> None:
     """Post every move naming this rank (a send to itself is a copy) and wait for them."""
@@ -104,18 +105,18 @@ def encode(
             ]
             data: dict[tuple[int, int], torch.Tensor] = {}
 
-            def read(key: object, n: int, r: int = r) -> torch.Tensor:
+            def read(key: Any, n: int, r: int = r) -> torch.Tensor:
                 nonlocal error
-                _, t = key  # type: ignore[misc]
-                seg = layout.segment(mine)  # type: ignore[arg-type]
+                _, t = key
                 try:
-                    assert reader is not None
+                    assert reader is not None and mine is not None
+                    seg = layout.segment(mine)
                     return reader.read(t * seg + r * CHUNK, n, (t + 1) * seg)
                 except Exception as e:
                     error = error or e
                     return torch.zeros(n, dtype=torch.uint8)
 
-            def into(key: object, n: int, data: dict = data) -> torch.Tensor:
+            def into(key: Any, n: int, data: dict = data) -> torch.Tensor:
                 data[key] = torch.empty(n, dtype=torch.uint8)
                 return data[key]
 
@@ -133,11 +134,11 @@ def encode(
                         parity[(i, p)] = torch.from_numpy(b.copy() if not b.flags.writeable else b)
             data.clear()
 
-            def give(key: object, n: int, parity: dict = parity) -> torch.Tensor:
+            def give(key: Any, n: int, parity: dict = parity) -> torch.Tensor:
                 return parity[key]
 
-            def keep(key: object, n: int, r: int = r) -> torch.Tensor:
-                sink = sinks.get(key)  # type: ignore[arg-type]
+            def keep(key: Any, n: int, r: int = r) -> torch.Tensor:
+                sink = sinks.get(key)
                 if sink is None:  # this rank failed to create it: receive and drop
                     return torch.empty(n, dtype=torch.uint8)
                 return sink.buffer[r * CHUNK : r * CHUNK + n]
@@ -152,7 +153,7 @@ def encode(
                 for p in range(layout.m):
                     if (i, p) in sinks:
                         chunk = sinks[(i, p)].buffer[r * CHUNK : r * CHUNK + n].numpy()
-                        crc[(i, p)] = zlib.crc32(chunk, crc[(i, p)])
+                        crc[(i, p)] = zlib.crc32(chunk.data, crc[(i, p)])
     except BaseException:
         for sink in sinks.values():
             sink.abort()
@@ -187,7 +188,7 @@ def check_parity(
         path = parity_path(save_id, i, p)
         full = os.path.join(root, path)
         try:
-            got = zlib.crc32(read_tensor(root, path).numpy())
+            got = zlib.crc32(read_tensor(root, path).numpy().data)
         except FileNotFoundError:
             continue
         except OSError as e:
@@ -265,9 +266,9 @@ def rebuild(
         for r in range(rounds):
             got: dict[tuple[int, int], torch.Tensor] = {}
 
-            def read(key: object, n: int, r: int = r) -> torch.Tensor:
+            def read(key: Any, n: int, r: int = r) -> torch.Tensor:
                 nonlocal error
-                job, num = key  # type: ignore[misc]
+                job, num = key
                 i = jobs[job][0]
                 try:
                     if num < layout.k:
@@ -279,7 +280,7 @@ def rebuild(
                     error = error or e
                     return torch.zeros(n, dtype=torch.uint8)
 
-            def into(key: object, n: int, got: dict = got) -> torch.Tensor:
+            def into(key: Any, n: int, got: dict = got) -> torch.Tensor:
                 got[key] = torch.empty(n, dtype=torch.uint8)
                 return got[key]
 

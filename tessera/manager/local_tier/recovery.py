@@ -72,6 +72,10 @@ def is_unusable(e: BaseException) -> bool:
     return type(e).__name__ in _UNUSABLE
 
 
+_REBUILDS = 3
+"""Parity rebuilds of one step in one recovery before a failing load excludes it."""
+
+
 class _BadParity(Exception):
     """Parity blocks failed their checksums and were removed: choose the step again."""
 
@@ -112,6 +116,7 @@ class RecoveryAttempt:
         self.bad: list[str] = []  # "step 5: <file> on node 0: <why>", job-wide, the same on every rank
         self.moved = 0
         self.lost: list[str] = []  # steps parity could not rebuild: what their stripes lost
+        self.rebuilds: dict[tuple[int, str], int] = {}  # parity rebuilds of each step so far
 
     def run(
         self, state: object, kwargs: dict[str, Any], only_step: int | None, at_least: int | None
@@ -136,7 +141,9 @@ class RecoveryAttempt:
             except CheckpointError as e:
                 if not is_unusable(e):
                     raise
-                if not self._repair(step, save_id, m, e):
+                # A rebuild from an input that is bad is followed by one without it (the repair
+                # removes it); a step rebuilt more often than that keeps failing for another reason.
+                if not self._repair(step, save_id, m, e) or self.rebuilds.get((step, save_id), 0) > _REBUILDS:
                     self.excluded.add((step, save_id))
                 self.inventories = self.tier.inventory(self.world)
                 continue
@@ -251,6 +258,7 @@ class RecoveryAttempt:
                 self.tier.local_dir, step, [layout.order[j] for j in lost], sorted(set(host.values())),
             )  # fmt: skip
         self.moved += len(lost)
+        self.rebuilds[(step, save_id)] = self.rebuilds.get((step, save_id), 0) + 1
         return received
 
     def _note_lost(self, choice: tuple[int, str] | None, only_step: int | None, at_least: int | None) -> None:
