@@ -66,9 +66,11 @@ def _check(state: dict, step: int, ranks: list[int]) -> None:
         for r in range(WORLD):
             lo = r * (t.global_shape[0] // WORLD)
             hi = lo + t.global_shape[0] // WORLD
-            a, b = max(lo, t.offsets[0]), min(hi, t.offsets[0] + t.local.shape[0])
+            a, b = max(lo, t.global_offset[0]), min(hi, t.global_offset[0] + t.local.shape[0])
             if a < b:
-                assert torch.all(t.local[a - t.offsets[0] : b - t.offsets[0]] == float(step * 100 + i + r)), (i, r)
+                assert torch.all(
+                    t.local[a - t.global_offset[0] : b - t.global_offset[0]] == float(step * 100 + i + r)
+                ), (i, r)
 
 
 def _even(rank: int, size: int, mb: float, empty: bool) -> dict:

@@ -135,3 +135,25 @@ def save_and_kill_encoding(
     finally:
         time.sleep(0.1)
     return {"error": None}
+
+
+def rollback_then_save(
+    rank: int, world: int, root: str, local_dir: str, parity: tuple[int, int], keep: str
+) -> dict[str, Any]:
+    """Save 100, 200, 300 (durable every 100), roll back with ``load(step=100)``, save 110 and 120;
+    then put back this node's step 300 as it was before the rollback (a node that missed the
+    fork: its parity and files of the abandoned timeline)."""
+    mgr = _manager(root, local_dir, parity, durable_every=100, local_keep_last=3)
+    for k in (100, 200, 300):
+        mgr.save(k, make_rank_state(k, rank, world))
+    node_dir = local_dir.format(node=rank)
+    shutil.copytree(os.path.join(node_dir, "step-00000300"), keep.format(node=rank))
+    state = empty_state()
+    got = mgr.load(state, step=100)
+    for k in (110, 120):
+        mgr.save(k, make_rank_state(k, rank, world))
+    steps = mgr.steps()
+    mgr.close()
+    shutil.rmtree(os.path.join(node_dir, "step-00000300"), ignore_errors=True)
+    shutil.copytree(keep.format(node=rank), os.path.join(node_dir, "step-00000300"))
+    return {"rolled_back": (got.step, check_state(state)), "steps": steps}

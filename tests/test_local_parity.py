@@ -20,7 +20,13 @@ from tessera.manager.local_tier.codec import Codec
 from tessera.manager.local_tier.inventory import MARKER_NAME
 from tessera.manager.local_tier.stripes import ParityLayout, effective
 from tests.crash_worker import run_ranks, start_ranks
-from tests.local_parity_worker import load_and_check, save_and_kill_encoding, save_steps, sweep_losses
+from tests.local_parity_worker import (
+    load_and_check,
+    rollback_then_save,
+    save_and_kill_encoding,
+    save_steps,
+    sweep_losses,
+)
 from tests.test_local_tier import _flip_last_bit, _without_durable
 
 ONE = {"LOCAL_WORLD_SIZE": "1"}
@@ -189,7 +195,7 @@ def test_fresh_processes_then_survivors_alone_then_more_than_m_lost(tmp_path: os
 
 def test_a_corrupt_parity_block_is_found_by_its_checksum(tmp_path: os.PathLike) -> None:
     """4+2, node 1 lost and the parity block 0 of stripe 1 (node 1's first segment) corrupt on
-    node 5: the block fails its CRC, is removed, and node 1's stream is rebuilt from the other
+    node 5: the block fails its checksum, is removed, and node 1's stream is rebuilt from the other
     parity block of the stripe; a warning names the file and node 5."""
     root, local_dir = _dirs(tmp_path)
     _save(root, local_dir, 6, (4, 2), [1, 2])
@@ -199,7 +205,7 @@ def test_a_corrupt_parity_block_is_found_by_its_checksum(tmp_path: os.PathLike) 
     got = _ok(_without_durable(root, run_ranks, load_and_check, 6, root, local_dir, (4, 2), env=ONE, timeout=180))
     assert [(g["step"], g["k"]) for g in got] == [(2, 2)] * 6, got
     (warning,) = [w for w in got[0]["warnings"] if "bad copies" in w]
-    assert "1-0.bin on node 5" in warning and "CRC-32" in warning, warning
+    assert "1-0.bin on node 5" in warning and "checksum (xxh3-64)" in warning, warning
     assert not os.path.exists(bad)
 
 
@@ -241,11 +247,24 @@ def test_async_saves_under_a_memory_budget(tmp_path: os.PathLike) -> None:
     assert [(g["step"], g["k"]) for g in got] == [(3, 3)] * 3, got
 
 
-def test_a_two_node_job_keeps_a_copy_and_survives_one_loss(tmp_path: os.PathLike) -> None:
-    """local_parity=(2, 1) on 2 nodes is 1+1: node 0 alone recovers node 1's files."""
+def test_a_two_node_job_keeps_a_copy_and_survives_one_loss(
+    tmp_path: os.PathLike, capsys: pytest.CaptureFixture
+) -> None:
+    """local_parity=(2, 1) on 2 nodes is 1+1: node 0 alone recovers node 1's files. `tessera
+    local` shows what node 0 keeps."""
+    import json
+
+    from tessera.cli import main
+
     root, local_dir = _dirs(tmp_path)
     _save(root, local_dir, 2, (2, 1), [1])
     assert _bytes(local_dir.format(node=0), 1, "parity") == _bytes(local_dir.format(node=1), 1, "data")
+    capsys.readouterr()
+    assert main(["local", root, "--local-dir", local_dir, "--node", "0", "--json"]) == 0
+    (row,) = json.loads(capsys.readouterr().out)["steps"]
+    want = _bytes(local_dir.format(node=0), 1, "data"), _bytes(local_dir.format(node=1), 1, "data")
+    assert (row["step"], row["committed"], row["protection"]) == (1, True, "parity 1+1"), row
+    assert (row["data_bytes"], row["parity_bytes"]) == want, row
     shutil.rmtree(local_dir.format(node=1))
     got = _ok(_without_durable(root, run_ranks, load_and_check, 1, root, local_dir, (2, 1), env=ONE, timeout=180))
     assert [(g["step"], g["k"]) for g in got] == [(1, 1)], got
@@ -257,3 +276,17 @@ def test_local_parity_arguments() -> None:
     for bad in ((4, 0), (0, 1), (4,), "4+2", (4.0, 2)):
         with pytest.raises(ValueError, match="local_parity must be"):
             CheckpointManager("/tmp/unused", local_dir="/tmp/unused-{node}", local_parity=bad)  # type: ignore[arg-type]
+
+
+def test_a_rollback_fences_parity_of_the_abandoned_timeline(tmp_path: os.PathLike) -> None:
+    """2+1 on 3 nodes: 100, 200, 300, a rollback to 100, then 110 and 120. Every node then gets
+    its step 300 back as it was (data, parity, marker of the old epoch) and node 1 is lost:
+    parity could rebuild 300, but it is off the timeline; 120 is rebuilt and loads."""
+    root, local_dir = _dirs(tmp_path)
+    keep = os.path.join(tmp_path, "keep-{node}")
+    got = _ok(run_ranks(rollback_then_save, 3, root, local_dir, (2, 1), keep, env=ONE, timeout=180))
+    assert [g["rolled_back"] for g in got] == [(100, 100)] * 3, got
+    assert [g["steps"] for g in got] == [[100, 110, 120]] * 3, got
+    shutil.rmtree(local_dir.format(node=1))
+    got = _ok(run_ranks(load_and_check, 3, root, local_dir, (2, 1), env=ONE, timeout=180))
+    assert [(g["step"], g["k"], g["source"]) for g in got] == [(120, 120, "peers")] * 3, got

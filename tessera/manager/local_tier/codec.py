@@ -14,6 +14,10 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
+SLICE = 256 << 10
+"""zfec works on slices of this many bytes of each block: measured 495 MB/s of data for 4+2 on
+256 KiB slices against 294 MB/s on 4 MiB blocks (the slices stay in cache)."""
+
 
 class Codec:
     """Encode and decode one stripe's chunks.
@@ -39,8 +43,15 @@ class Codec:
                 np.bitwise_xor(out, block, out=out)
             return [out]
         encoder = self._zfec[0]
-        got = encoder.encode(tuple(data), tuple(range(self.k, self.k + self.m)))  # type: ignore[attr-defined]
-        return [np.frombuffer(b, dtype=np.uint8) for b in got]
+        n = len(data[0])
+        out = [np.empty(n, dtype=np.uint8) for _ in range(self.m)]
+        want = tuple(range(self.k, self.k + self.m))
+        for lo in range(0, n, SLICE):
+            hi = min(n, lo + SLICE)
+            got = encoder.encode(tuple(d[lo:hi] for d in data), want)  # type: ignore[attr-defined]
+            for p, b in enumerate(got):
+                out[p][lo:hi] = np.frombuffer(b, dtype=np.uint8)
+        return out
 
     def decode(self, blocks: Mapping[int, np.ndarray], want: Sequence[int]) -> dict[int, np.ndarray]:
         """The data blocks ``want`` from ``k`` blocks of the stripe (by block number)."""
@@ -60,5 +71,11 @@ class Codec:
             return out
         nums = tuple(sorted(blocks)[: self.k])
         decoder = self._zfec[1]
-        got = decoder.decode(tuple(blocks[n] for n in nums), nums)  # type: ignore[attr-defined]
-        return {slot: np.frombuffer(got[slot], dtype=np.uint8) for slot in want}
+        n = len(blocks[nums[0]])
+        result = {slot: np.empty(n, dtype=np.uint8) for slot in want}
+        for lo in range(0, n, SLICE):
+            hi = min(n, lo + SLICE)
+            got = decoder.decode(tuple(blocks[num][lo:hi] for num in nums), nums)  # type: ignore[attr-defined]
+            for slot in want:
+                result[slot][lo:hi] = np.frombuffer(got[slot], dtype=np.uint8)
+        return result

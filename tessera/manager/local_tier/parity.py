@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import logging
 import os
-import zlib
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as tdist
+import xxhash
 
 from ...engine import dist
 from .codec import Codec
@@ -79,7 +79,7 @@ def encode(
     files: Sequence[tuple[str, int]],
 ) -> tuple[ParityLayout, BaseException | None]:
     """Collective: compute every stripe's parity and write each block on its holder; the layout
-    with the blocks' CRC-32s, and this rank's error (reading or writing failed) if any. A
+    with the blocks' checksums (xxh3-64), and this rank's error (reading or writing failed) if any. A
     dead or hung peer raises :class:`~tessera.errors.CollectiveTimeoutError`."""
     what = f"{root}: computing parity"
     lead = [placement.leader(node) for node in layout.order]
@@ -88,14 +88,14 @@ def encode(
     error: BaseException | None = None
     reader: StreamReader | None = None
     sinks: dict[tuple[int, int], FileSink] = {}
-    crc: dict[tuple[int, int], int] = {}
+    crc: dict[tuple[int, int], Any] = {}
     codec = Codec(layout.k, layout.m)
     try:
         if mine is not None:
             reader = StreamReader(root, [files[i] for i in layout.files_of(mine)])
             for i, p in layout.parity_of(mine):
                 sinks[(i, p)] = FileSink(root, parity_path(save_id, i, p), layout.block(i))
-                crc[(i, p)] = 0
+                crc[(i, p)] = xxhash.xxh3_64()
     except Exception as e:
         error = e
     try:
@@ -153,7 +153,7 @@ def encode(
                 for p in range(layout.m):
                     if (i, p) in sinks:
                         chunk = sinks[(i, p)].buffer[r * CHUNK : r * CHUNK + n].numpy()
-                        crc[(i, p)] = zlib.crc32(chunk.data, crc[(i, p)])
+                        crc[(i, p)].update(chunk.data)
     except BaseException:
         for sink in sinks.values():
             sink.abort()
@@ -169,7 +169,8 @@ def encode(
                 sink.abort()
         except Exception as e:
             error = error or e
-    gathered = dist.all_gather(world, crc, f"{what}: checksums")
+    sums = {b: h.intdigest() for b, h in crc.items()}
+    gathered = dist.all_gather(world, sums, f"{what}: checksums")
     merged: dict[tuple[int, int], int] = {}
     for part in gathered:
         merged.update(part)
@@ -181,14 +182,14 @@ def encode(
 def check_parity(
     root: str, save_id: str, layout: ParityLayout, blocks: Sequence[tuple[int, int]]
 ) -> list[tuple[str, str]]:
-    """Node leaders, not collective: check ``blocks`` this node holds against their CRC-32s,
+    """Node leaders, not collective: check ``blocks`` this node holds against their checksums,
     remove those that fail; ``(file, why)`` of each removed."""
     bad = []
     for i, p in blocks:
         path = parity_path(save_id, i, p)
         full = os.path.join(root, path)
         try:
-            got = zlib.crc32(read_tensor(root, path).numpy().data)
+            got = xxhash.xxh3_64_intdigest(read_tensor(root, path).numpy().data)
         except FileNotFoundError:
             continue
         except OSError as e:
@@ -196,7 +197,7 @@ def check_parity(
             remove_quietly(full)
             continue
         if got != layout.crc[i][p]:
-            bad.append((path, f"CRC-32 {got:08x}, {layout.crc[i][p]:08x} recorded at the commit"))
+            bad.append((path, f"checksum (xxh3-64) {got:016x}, {layout.crc[i][p]:016x} recorded at the commit"))
             remove_quietly(full)
     return bad
 

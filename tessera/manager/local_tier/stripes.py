@@ -60,7 +60,7 @@ class ParityLayout:
         order: the node index at each position (the save's nodes, increasing).
         lengths: the stream length of each position.
         owner: the position whose stream each of the manifest's files is part of.
-        crc: per stripe, the CRC-32 of each parity block (empty before encoding).
+        crc: per stripe, the xxh3-64 checksum of each parity block (empty before encoding).
     """
 
     k: int
@@ -123,7 +123,7 @@ class ParityLayout:
         return max((-(-self.block(i) // CHUNK) for i in range(self.n)), default=0)
 
     def with_crc(self, crc: dict[tuple[int, int], int]) -> ParityLayout:
-        """This layout with the parity blocks' CRC-32s."""
+        """This layout with the parity blocks' checksums."""
         table = tuple(tuple(int(crc[(i, p)]) for p in range(self.m)) for i in range(self.n))
         return ParityLayout(self.k, self.m, self.order, self.lengths, self.owner, table)
 
