@@ -157,3 +157,26 @@ def rollback_then_save(
     shutil.rmtree(os.path.join(node_dir, "step-00000300"), ignore_errors=True)
     shutil.copytree(keep.format(node=rank), os.path.join(node_dir, "step-00000300"))
     return {"rolled_back": (got.step, check_state(state)), "steps": steps}
+
+
+def recover_and_kill(rank: int, world: int, root: str, local_dir: str, parity: tuple[int, int], victim: int) -> dict:
+    """A recovery in which ``victim`` SIGKILLs itself as the rebuild from parity starts sending
+    (the receiving node has created its files); the others report their error."""
+    from tessera.errors import CheckpointError
+    from tessera.manager.local_tier import parity as parity_module
+
+    if rank == victim:
+        original = parity_module._exchange
+
+        def dying(world_: Any, moves: Any, send: Any, recv: Any, what: str) -> None:
+            if "rebuilding from parity (round 0)" in what:
+                os.kill(os.getpid(), signal.SIGKILL)
+            original(world_, moves, send, recv, what)
+
+        parity_module._exchange = dying  # type: ignore[assignment]
+    try:
+        mgr = _manager(root, local_dir, parity)
+        mgr.load(empty_state())
+    except CheckpointError as e:
+        return {"error": f"{type(e).__name__}: {e}"}
+    return {"error": None}

@@ -22,6 +22,7 @@ from tessera.manager.local_tier.stripes import ParityLayout, effective
 from tests.crash_worker import run_ranks, start_ranks
 from tests.local_parity_worker import (
     load_and_check,
+    recover_and_kill,
     rollback_then_save,
     save_and_kill_encoding,
     save_steps,
@@ -290,3 +291,21 @@ def test_a_rollback_fences_parity_of_the_abandoned_timeline(tmp_path: os.PathLik
     shutil.rmtree(local_dir.format(node=1))
     got = _ok(run_ranks(load_and_check, 3, root, local_dir, (2, 1), env=ONE, timeout=180))
     assert [(g["step"], g["k"], g["source"]) for g in got] == [(120, 120, "peers")] * 3, got
+
+
+def test_a_node_killed_during_the_rebuild_leaves_nothing_half_written(tmp_path: os.PathLike) -> None:
+    """2+1 on 3 nodes, node 1 lost; node 0 is SIGKILLed as it starts sending its blocks for the
+    rebuild of node 1's files, which node 1 has created: they are removed (no partial file),
+    node 1 commits nothing, and the next restart rebuilds and loads step 2."""
+    root, local_dir = _dirs(tmp_path)
+    _save(root, local_dir, 3, (2, 1), [1, 2])
+    shutil.rmtree(local_dir.format(node=1))
+    env = {"LOCAL_WORLD_SIZE": "1", "TESSERA_TIMEOUT_S": "10"}
+    out = start_ranks(recover_and_kill, 3, root, local_dir, (2, 1), 0, env=env).collect(150)
+    assert out[0].status == "died", out[0]
+    assert all(o.status == "ok" and o.value["error"] for o in out[1:]), out
+    shm = os.path.join(tmp_path, "shm")
+    assert not [n for _, _, names in os.walk(shm) for n in names if ".recv-" in n]
+    assert not os.path.exists(os.path.join(local_dir.format(node=1), "step-00000002", MARKER_NAME))
+    got = _ok(_without_durable(root, run_ranks, load_and_check, 3, root, local_dir, (2, 1), env=ONE, timeout=180))
+    assert [(g["step"], g["k"]) for g in got] == [(2, 2)] * 3, got
