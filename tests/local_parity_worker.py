@@ -34,6 +34,14 @@ def make_rank_state(k: int, rank: int, world: int) -> dict[str, Any]:
     return state
 
 
+def _chunk(nbytes: int | None) -> None:
+    """Move and code parity in chunks of ``nbytes`` (tiny states then take several rounds)."""
+    if nbytes is not None:
+        from tessera.manager.local_tier import parity, stripes
+
+        stripes.CHUNK = parity.CHUNK = nbytes
+
+
 def _as_node(rank: int, nodes: Sequence[int] | None) -> None:
     if nodes is not None:
         os.environ["GROUP_RANK"] = str(nodes[rank])
@@ -49,8 +57,10 @@ def save_steps(
     durable_every: int = 1000,
     async_save: bool = False,
     max_staging_bytes: int | None = None,
+    chunk: int | None = None,
 ) -> dict[str, Any]:
     """Save ``make_rank_state(k)`` for each step (each rank holds a piece of 'a'), then close."""
+    _chunk(chunk)
     mgr = _manager(
         root, local_dir, parity, durable_every=durable_every, async_save=async_save, max_staging_bytes=max_staging_bytes
     )
@@ -83,13 +93,21 @@ def load_and_check(
 
 
 def sweep_losses(
-    rank: int, world: int, root: str, local_dir: str, parity: tuple[int, int], pristine: str, cases: list[list[int]]
+    rank: int,
+    world: int,
+    root: str,
+    local_dir: str,
+    parity: tuple[int, int],
+    pristine: str,
+    cases: list[list[int]],
+    chunk: int | None = None,
 ) -> list[dict[str, Any]]:
     """For each case: rank 0 restores every node directory from ``pristine`` but those of the
     case's lost nodes (they come back empty), then all ranks recover with a new manager and
     check the state bit for bit. The durable root holds no step (durable_every=1000)."""
     import torch.distributed as tdist
 
+    _chunk(chunk)
     out = []
     for lost in cases:
         if rank == 0:

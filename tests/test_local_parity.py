@@ -44,8 +44,9 @@ def _ok(outcomes: list) -> list:
 
 
 def _save(root: str, local_dir: str, world: int, parity: tuple[int, int], steps: list[int], **kw: object) -> None:
-    args = [kw.get(name) for name in ("durable_every", "async_save", "max_staging_bytes")]
-    args = [a for a in args if a is not None]
+    names = ("durable_every", "async_save", "max_staging_bytes", "chunk")
+    defaults = {"durable_every": 1000, "async_save": False, "max_staging_bytes": None, "chunk": None}
+    args = [kw.get(name, defaults[name]) for name in names]
     _ok(run_ranks(save_steps, world, root, local_dir, parity, steps, *args, env=ONE, timeout=180))
 
 
@@ -146,12 +147,14 @@ def _pristine(local_dir: str, world: int) -> str:
 def test_every_choice_of_m_lost_nodes_recovers_bit_exact(tmp_path: os.PathLike, world: int, parity: tuple) -> None:
     """Every set of m nodes comes back empty in turn (the same world size); each time the last
     step is rebuilt from the rest of the stripes and loads bit-exact into another layout (full
-    tensors), with no step under the durable root to read."""
+    tensors), with no step under the durable root to read. Parity moves in chunks of 100,003
+    bytes: several rounds, chunk edges inside files and across them."""
     root, local_dir = _dirs(tmp_path)
-    _save(root, local_dir, world, parity, [1, 2])
+    _save(root, local_dir, world, parity, [1, 2], chunk=100_003)
     pristine = _pristine(local_dir, world)
     cases = [list(c) for c in itertools.combinations(range(world), parity[1])]
-    got = _ok(run_ranks(sweep_losses, world, root, local_dir, parity, pristine, cases, env=ONE, timeout=300))
+    args = (root, local_dir, parity, pristine, cases, 100_003)
+    got = _ok(run_ranks(sweep_losses, world, *args, env=ONE, timeout=300))
     assert not [n for n in os.listdir(root) if n.startswith("step-")]
     for rank, results in enumerate(got):
         assert [(r["lost"], r["step"], r["k"]) for r in results] == [(c, 2, 2) for c in cases], rank

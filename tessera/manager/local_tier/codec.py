@@ -35,23 +35,26 @@ class Codec:
 
             self._zfec = (zfec.Encoder(k, k + m), zfec.Decoder(k, k + m))
 
-    def encode(self, data: Sequence[np.ndarray]) -> list[np.ndarray]:
-        """The ``m`` parity blocks of the ``k`` data blocks."""
-        if self._zfec is None:
-            out = data[0].copy()
-            for block in data[1:]:
-                np.bitwise_xor(out, block, out=out)
-            return [out]
-        encoder = self._zfec[0]
+    def encode(self, data: Sequence[np.ndarray], out: Sequence[np.ndarray] | None = None) -> list[np.ndarray]:
+        """The ``m`` parity blocks of the ``k`` data blocks (written into ``out`` if given)."""
         n = len(data[0])
-        out = [np.empty(n, dtype=np.uint8) for _ in range(self.m)]
+        result = list(out) if out is not None else [np.empty(n, dtype=np.uint8) for _ in range(self.m)]
+        if self._zfec is None:
+            if len(data) == 1:
+                result[0][:] = data[0]
+            else:
+                np.bitwise_xor(data[0], data[1], out=result[0])
+            for block in data[2:]:
+                np.bitwise_xor(result[0], block, out=result[0])
+            return result
+        encoder = self._zfec[0]
         want = tuple(range(self.k, self.k + self.m))
         for lo in range(0, n, SLICE):
             hi = min(n, lo + SLICE)
             got = encoder.encode(tuple(d[lo:hi] for d in data), want)  # type: ignore[attr-defined]
             for p, b in enumerate(got):
-                out[p][lo:hi] = np.frombuffer(b, dtype=np.uint8)
-        return out
+                result[p][lo:hi] = np.frombuffer(b, dtype=np.uint8)
+        return result
 
     def decode(self, blocks: Mapping[int, np.ndarray], want: Sequence[int]) -> dict[int, np.ndarray]:
         """The data blocks ``want`` from ``k`` blocks of the stripe (by block number)."""

@@ -15,6 +15,7 @@ computes the same plan from shared data and takes part in every collective.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from collections.abc import Callable, Mapping, Sequence
@@ -98,12 +99,24 @@ def encode(
                 crc[(i, p)] = xxhash.xxh3_64()
     except Exception as e:
         error = e
+    pool: dict[Any, torch.Tensor] = {}  # receive and send buffers, reused from round to round
+
+    def keep(key: Any, n: int, r: int) -> torch.Tensor:
+        sink = sinks.get(key)
+        if sink is None:  # this rank failed to create it: receive and drop
+            return buffer(("dropped", key), n)
+        return sink.buffer[r * CHUNK : r * CHUNK + n]
+
+    def buffer(key: Any, n: int) -> torch.Tensor:
+        if key not in pool:
+            pool[key] = torch.empty(CHUNK, dtype=torch.uint8)
+        return pool[key][:n]
+
     try:
         for r in range(layout.rounds()):
             live = [
                 (i, min(CHUNK, layout.block(i) - r * CHUNK)) for i in range(layout.n) if layout.block(i) > r * CHUNK
             ]
-            data: dict[tuple[int, int], torch.Tensor] = {}
 
             def read(key: Any, n: int, r: int = r) -> torch.Tensor:
                 nonlocal error
@@ -116,9 +129,8 @@ def encode(
                     error = error or e
                     return torch.zeros(n, dtype=torch.uint8)
 
-            def into(key: Any, n: int, data: dict = data) -> torch.Tensor:
-                data[key] = torch.empty(n, dtype=torch.uint8)
-                return data[key]
+            def into(key: Any, n: int) -> torch.Tensor:
+                return buffer(("data", key), n)
 
             moves: list[Move] = [
                 (lead[layout.data_pos(i, t)], lead[layout.parity_pos(i, 0)], n, (i, t))
@@ -126,29 +138,22 @@ def encode(
                 for t in range(layout.k)
             ]
             _exchange(world, moves, read, into, f"{what} (data, round {r})")
-            parity: dict[tuple[int, int], torch.Tensor] = {}
-            for i, _ in live:
+            for i, n in live:
                 if lead[layout.parity_pos(i, 0)] == me:
-                    blocks = codec.encode([data[(i, t)].numpy() for t in range(layout.k)])
-                    for p, b in enumerate(blocks):
-                        parity[(i, p)] = torch.from_numpy(b.copy() if not b.flags.writeable else b)
-            data.clear()
+                    # Parity block 0 is computed into its file's mapping, the others into send buffers.
+                    first = keep((i, 0), n, r) if (i, 0) in sinks else buffer(("parity", (i, 0)), n)
+                    out = [first.numpy()] + [buffer(("parity", (i, p)), n).numpy() for p in range(1, layout.m)]
+                    codec.encode([buffer(("data", (i, t)), n).numpy() for t in range(layout.k)], out)
 
-            def give(key: Any, n: int, parity: dict = parity) -> torch.Tensor:
-                return parity[key]
-
-            def keep(key: Any, n: int, r: int = r) -> torch.Tensor:
-                sink = sinks.get(key)
-                if sink is None:  # this rank failed to create it: receive and drop
-                    return torch.empty(n, dtype=torch.uint8)
-                return sink.buffer[r * CHUNK : r * CHUNK + n]
+            def give(key: Any, n: int) -> torch.Tensor:
+                return buffer(("parity", key), n)
 
             moves = [
                 (lead[layout.parity_pos(i, 0)], lead[layout.parity_pos(i, p)], n, (i, p))
                 for i, n in live
-                for p in range(layout.m)
+                for p in range(1, layout.m)
             ]
-            _exchange(world, moves, give, keep, f"{what} (parity, round {r})")
+            _exchange(world, moves, give, functools.partial(keep, r=r), f"{what} (parity, round {r})")
             for i, n in live:
                 for p in range(layout.m):
                     if (i, p) in sinks:
@@ -161,6 +166,7 @@ def encode(
     finally:
         if reader is not None:
             reader.close()
+        pool.clear()
     for sink in sinks.values():
         try:
             if error is None:
