@@ -8,6 +8,7 @@ root's steps moved away (or with none saved): any durable read would find nothin
 from __future__ import annotations
 
 import itertools
+import json
 import os
 import shutil
 
@@ -128,9 +129,14 @@ def test_save_keeps_m_over_k_of_parity_and_commits_it(tmp_path: os.PathLike) -> 
             "step-00000002",
         ]
         own, parity = _bytes(d, 2, "data"), _bytes(d, 2, "parity")
+        with open(os.path.join(d, "step-00000002", MARKER_NAME)) as f:
+            layout = ParityLayout.from_doc(json.load(f)["parity"])
+        assert layout.lengths[node] == own and (layout.k, layout.m) == (4, 2)
+        # Each node keeps m = 2 blocks, each padded to the largest segment of its stripe.
         assert len(_files(d, 2, "parity")) == 2
-        # Blocks are padded to the largest segment of their stripe (rank 0's file carries 'b').
-        assert 0 < parity <= own * 2 / 4 * 1.02 or node != 0, (node, own, parity)
+        assert parity == sum(layout.block(i) for i, _ in layout.parity_of(node)), node
+        if node == 0:  # its two stripes (1 and 2) are of nodes 1-5, whose streams are all alike
+            assert 0 < parity <= layout.lengths[1] * 2 / 4 * 1.02, (own, parity)
     # Nothing went to the durable root but its identity and timeline.
     assert not [n for n in os.listdir(root) if n.startswith("step-")]
 
@@ -256,7 +262,6 @@ def test_a_two_node_job_keeps_a_copy_and_survives_one_loss(
 ) -> None:
     """local_parity=(2, 1) on 2 nodes is 1+1: node 0 alone recovers node 1's files. `tessera
     local` shows what node 0 keeps."""
-    import json
 
     from tessera.cli import main
 

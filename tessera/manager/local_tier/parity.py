@@ -269,9 +269,9 @@ def rebuild(
         error = e
     codec = Codec(layout.k, layout.m)
     rounds = max((-(-layout.block(i) // CHUNK) for i, _, _, _ in jobs), default=0)
+    got: dict[tuple[int, int], torch.Tensor] = {}  # receive buffers
     try:
         for r in range(rounds):
-            got: dict[tuple[int, int], torch.Tensor] = {}
 
             def read(key: Any, n: int, r: int = r) -> torch.Tensor:
                 nonlocal error
@@ -287,9 +287,10 @@ def rebuild(
                     error = error or e
                     return torch.zeros(n, dtype=torch.uint8)
 
-            def into(key: Any, n: int, got: dict = got) -> torch.Tensor:
-                got[key] = torch.empty(n, dtype=torch.uint8)
-                return got[key]
+            def into(key: Any, n: int) -> torch.Tensor:
+                if key not in got:  # reused from round to round
+                    got[key] = torch.empty(CHUNK, dtype=torch.uint8)
+                return got[key][:n]
 
             moves: list[Move] = []
             for x, (i, h, inputs, _) in enumerate(jobs):
@@ -302,7 +303,7 @@ def rebuild(
                 n = min(CHUNK, layout.block(i) - r * CHUNK)
                 if n <= 0 or placement.leader(h) != me or error is not None:
                     continue
-                decoded = codec.decode({num: got[(x, num)].numpy() for num, _ in inputs}, want)
+                decoded = codec.decode({num: got[(x, num)][:n].numpy() for num, _ in inputs}, want)
                 for t, chunk in decoded.items():
                     pos = layout.data_pos(i, t)
                     seg = layout.segment(pos)
