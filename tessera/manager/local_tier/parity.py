@@ -21,7 +21,6 @@ import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as tdist
 import xxhash
@@ -240,16 +239,17 @@ def rebuild(
         for b in sorted(blocks.get(n, ())):
             holder.setdefault(b, n)
     host = {j: layout.order[j] if layout.order[j] in placement.nodes else nodes[j % len(nodes)] for j in lost}
-    jobs = []  # (stripe, host node, inputs [(block number, node)], wanted slots)
+    # One job per stripe that lost a segment: its decoder receives k blocks, decodes the lost
+    # segments and sends each to its host. The decoder is a host holding one of the k blocks if
+    # any, else one of the holders, rotating with the stripe: decoding is spread over the nodes
+    # and a host receives one segment per stripe, not k blocks.
+    jobs = []  # (stripe, decoder node, inputs [(block number, node)], wanted [(slot, host node)])
     for i in sorted({s for j in lost for s, _ in layout.stripes_of(j)}):
-        members = {layout.data_pos(i, t) for t in range(layout.k)}
-        for h in sorted({host[j] for j in lost if j in members}):
-            want = [t for t in range(layout.k) if layout.data_pos(i, t) in lost and host[layout.data_pos(i, t)] == h]
-            if not want:
-                continue
-            inputs = [(t, source[layout.data_pos(i, t)]) for t in range(layout.k) if layout.data_pos(i, t) in source]
-            inputs += [(layout.k + p, holder[(i, p)]) for p in range(layout.m) if (i, p) in holder]
-            jobs.append((i, h, inputs[: layout.k], want))
+        want = [(t, host[layout.data_pos(i, t)]) for t in range(layout.k) if layout.data_pos(i, t) in lost]
+        inputs = [(t, source[layout.data_pos(i, t)]) for t in range(layout.k) if layout.data_pos(i, t) in source]
+        inputs = (inputs + [(layout.k + p, holder[(i, p)]) for p in range(layout.m) if (i, p) in holder])[: layout.k]
+        at = sorted({h for _, h in want} & {n for _, n in inputs})
+        jobs.append((i, at[0] if at else inputs[i % len(inputs)][1], inputs, want))
     me = world.rank
     my_node = placement.node_of[me]
     leader = placement.leader(my_node) == me
@@ -269,7 +269,7 @@ def rebuild(
         error = e
     codec = Codec(layout.k, layout.m)
     rounds = max((-(-layout.block(i) // CHUNK) for i, _, _, _ in jobs), default=0)
-    got: dict[tuple[int, int], torch.Tensor] = {}  # receive buffers
+    got: dict[Any, torch.Tensor] = {}  # receive buffers, reused from round to round
     try:
         for r in range(rounds):
 
@@ -288,28 +288,41 @@ def rebuild(
                     return torch.zeros(n, dtype=torch.uint8)
 
             def into(key: Any, n: int) -> torch.Tensor:
-                if key not in got:  # reused from round to round
+                if key not in got:
                     got[key] = torch.empty(CHUNK, dtype=torch.uint8)
                 return got[key][:n]
 
             moves: list[Move] = []
-            for x, (i, h, inputs, _) in enumerate(jobs):
+            for x, (i, d, inputs, _) in enumerate(jobs):
                 n = min(CHUNK, layout.block(i) - r * CHUNK)
                 if n > 0:
-                    moves += [(placement.leader(src), placement.leader(h), n, (x, num)) for num, src in inputs]
+                    moves += [(placement.leader(src), placement.leader(d), n, (x, num)) for num, src in inputs]
             _exchange(world, moves, read, into, f"{what} (round {r})")
             received += sum(n for src, dst, n, _ in moves if dst == me and src != me)
-            for x, (i, h, inputs, want) in enumerate(jobs):
+            decoded: dict[Any, torch.Tensor] = {}
+            segments: list[Move] = []
+            for x, (i, d, inputs, want) in enumerate(jobs):
                 n = min(CHUNK, layout.block(i) - r * CHUNK)
-                if n <= 0 or placement.leader(h) != me or error is not None:
-                    continue
-                decoded = codec.decode({num: got[(x, num)][:n].numpy() for num, _ in inputs}, want)
-                for t, chunk in decoded.items():
-                    pos = layout.data_pos(i, t)
+                if n > 0 and placement.leader(d) == me and error is None:
+                    out = codec.decode({num: got[(x, num)][:n].numpy() for num, _ in inputs}, [t for t, _ in want])
+                    decoded.update({(x, t): torch.from_numpy(chunk) for t, chunk in out.items()})
+                for t, h in want:  # the bytes of the lost segment in this chunk (the rest is padding)
+                    keep = max(0, min(n, layout.segment(layout.data_pos(i, t)) - r * CHUNK))
+                    segments.append((placement.leader(d), placement.leader(h), keep, (x, t)))
+
+            def give(key: Any, n: int, decoded: dict = decoded) -> torch.Tensor:
+                chunk = decoded.get(key)
+                return chunk[:n] if chunk is not None else torch.zeros(n, dtype=torch.uint8)
+
+            _exchange(world, segments, give, lambda key, n: into(("segment", key), n), f"{what} (segments, round {r})")
+            received += sum(n for src, dst, n, _ in segments if dst == me and src != me)
+            for _, dst, n, (x, t) in segments:
+                if dst == me and n and error is None:
+                    pos = layout.data_pos(jobs[x][0], t)
                     seg = layout.segment(pos)
-                    keep = max(0, min(n, seg - r * CHUNK))
-                    if keep:
-                        writers[pos].write(t * seg + r * CHUNK, np.asarray(chunk[:keep]))
+                    writers[pos].write(t * seg + r * CHUNK, got[("segment", (x, t))][:n].numpy())
+        # A decoder that failed sent zeros: no rebuilt file is published unless every rank succeeded.
+        everyone = dist.all_true(world, error is None, f"{what}: checking every rank's part")
     except BaseException:
         for w in writers.values():
             w.abort()
@@ -319,7 +332,7 @@ def rebuild(
             reader.close()
     for w in writers.values():
         try:
-            if error is None:
+            if error is None and everyone:
                 w.commit()
             else:
                 w.abort()
