@@ -262,7 +262,6 @@ def test_a_two_node_job_keeps_a_copy_and_survives_one_loss(
 ) -> None:
     """local_parity=(2, 1) on 2 nodes is 1+1: node 0 alone recovers node 1's files. `tessera
     local` shows what node 0 keeps."""
-
     from tessera.cli import main
 
     root, local_dir = _dirs(tmp_path)
