@@ -5,13 +5,15 @@ Layout: each node has its own directory (``local_dir`` with ``{node}`` replaced)
     <node dir>/step-00000005/
       manifest.json            the step's manifest (the same bytes on every node)
       data/<save id>/<r>-*.safetensors   the node's own ranks' files and its replicas
+      parity/<save id>/<stripe>-<block>.bin   with ``local_parity``: the parity blocks it keeps
       local-commit.json        the node's commit marker (see inventory.MARKER_NAME)
 
 A local step is saved by :func:`tessera.save` into each rank's own node directory (the
 commit protocol's location check compares the template, not the node's path), then
 :meth:`LocalTier.commit` hands the manifest to every node, sends each rank's files to its
-replica ranks (:func:`~tessera.manager.local_tier.placement.place`), and only then lets each node
-write its commit marker. Recovery (:meth:`LocalTier.recover`) gathers every node's
+replica ranks (:func:`~tessera.manager.local_tier.placement.place`) or computes the step's
+parity blocks (``parity``: :mod:`~tessera.manager.local_tier.parity`), and only then lets each
+node write its commit marker (which records the parity layout and checksums). Recovery (:meth:`LocalTier.recover`) gathers every node's
 inventory, picks the newest complete step, fetches the missing files from peers and loads.
 
 Distributed contract: every method is collective over the manager's process group unless
