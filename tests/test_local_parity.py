@@ -316,3 +316,25 @@ def test_a_node_killed_during_the_rebuild_leaves_nothing_half_written(tmp_path: 
     assert not os.path.exists(os.path.join(local_dir.format(node=1), "step-00000002", MARKER_NAME))
     got = _ok(_without_durable(root, run_ranks, load_and_check, 3, root, local_dir, (2, 1), env=ONE, timeout=180))
     assert [(g["step"], g["k"]) for g in got] == [(2, 2)] * 3, got
+
+
+def test_nodes_of_two_ranks(tmp_path: os.PathLike) -> None:
+    """3 nodes x 2 ranks, 2+1 (each node's stream is both ranks' files): node 1 lost, then 6
+    ranks load step 2 (node 1 rebuilt), and so do the 4 ranks of nodes 0 and 2 alone."""
+    root, local_dir = _dirs(tmp_path)
+    two = {"LOCAL_WORLD_SIZE": "2"}
+    _ok(run_ranks(save_steps, 6, root, local_dir, (2, 1), [1, 2], env=two, timeout=180))
+    for node in range(3):
+        names = [os.path.basename(p).split("-")[0] for p in _files(local_dir.format(node=node), 2, "data")]
+        assert sorted(names) == [str(2 * node), str(2 * node + 1)], (node, names)  # own files only
+    pristine = _pristine(local_dir, 3)
+    shutil.rmtree(local_dir.format(node=1))
+    got = _ok(_without_durable(root, run_ranks, load_and_check, 6, root, local_dir, (2, 1), env=two, timeout=180))
+    assert [(g["step"], g["k"]) for g in got] == [(2, 2)] * 6, got
+    for node in range(3):
+        shutil.rmtree(local_dir.format(node=node), ignore_errors=True)
+        if node != 1:
+            shutil.copytree(pristine.format(node=node), local_dir.format(node=node))
+    args = (root, local_dir, (2, 1), [0, 0, 2, 2])
+    got = _ok(_without_durable(root, run_ranks, load_and_check, 4, *args, env=two, timeout=180))
+    assert [(g["step"], g["k"], g["source"]) for g in got] == [(2, 2, "peers")] * 4, got
