@@ -11,7 +11,7 @@ Example:
     $ tessera verify /ckpt/step-00000100 && tessera convert /ckpt/step-00000100 /export/hf --to hf --prefix model.
 
 Modules: ``render`` (sizes, JSON, progress bars), ``cmd_inspect`` (inspect, verify),
-``cmd_convert`` (convert, diff, rename), ``cmd_trace`` (trace), ``cmd_local`` (remove-local). The work itself is done by
+``cmd_convert`` (convert, diff, rename), ``cmd_trace`` (trace), ``cmd_local`` (local, remove-local). The work itself is done by
 library functions (:mod:`tessera.tools`, :mod:`tessera.tools.describe`, :mod:`tessera.tools.verification`,
 :mod:`tessera.tools.trace`); nothing here imports torch (nor rich) at module level, so
 ``tessera --help`` and ``--version`` answer at once.
@@ -32,7 +32,7 @@ from ..tools import UsageError
 from ..version import __version__
 from .cmd_convert import RuleAction, cmd_convert, cmd_diff, cmd_rename
 from .cmd_inspect import cmd_inspect, cmd_verify
-from .cmd_local import cmd_remove_local
+from .cmd_local import cmd_local, cmd_remove_local
 from .cmd_trace import cmd_trace
 from .render import EXIT_OK, EXIT_PROBLEMS, EXIT_USAGE
 
@@ -160,6 +160,18 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true")
     s.add_argument("--fail-on-stragglers", action="store_true", help="exit 1 when a straggler is found")
     s.set_defaults(func=cmd_trace, checkpoints=("path",))
+
+    s = verb(
+        "local",
+        help="list a run's steps in this node's local tier (data, replicas, parity)",
+        description="List the steps of ROOT held in this node's local-tier directory: committed or not, "
+        "replicas or parity (k+m), the bytes of data files (the node's own and replicas) and of parity blocks.",
+    )
+    s.add_argument("root", help="the manager root (tier::URL or URL)")
+    s.add_argument("--local-dir", help="the manager's local_dir (default: the one of a tier:: root)")
+    s.add_argument("--node", type=int, help="the node index for {node} in --local-dir (default: from torchrun's env)")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=cmd_local, checkpoints=())
 
     s = verb(
         "remove-local",

@@ -9,12 +9,13 @@ retention does.
 from __future__ import annotations
 
 import dataclasses
-from typing import Generic, NamedTuple, TypeVar, cast, overload
+from typing import Any, Generic, NamedTuple, TypeVar, cast, overload
 
 from ..options import SaveOptions
 from ..storage.host_memory import TIER_PREFIX, default_memory_root
+from .local_tier import LocalTier
 
-__all__ = ["Kept", "LocalTierArguments", "check_arguments"]
+__all__ = ["Kept", "LocalTierArguments", "check_arguments", "local_tier_of"]
 
 T = TypeVar("T")
 
@@ -30,6 +31,8 @@ class LocalTierArguments(NamedTuple):
     """Copies of each rank's files on other nodes."""
     warn_single_node: bool
     """Whether ``local_replicas`` was given (then a single-node job warns that no copy is placed)."""
+    local_parity: tuple[int, int] | None = None
+    """``(k, m)`` of the parity that replaces replicas (None: replicas)."""
 
 
 def check_arguments(
@@ -42,6 +45,7 @@ def check_arguments(
     local_replicas: int | None,
     local_dir: str | None,
     dedup: bool = False,
+    local_parity: tuple[int, int] | None = None,
 ) -> LocalTierArguments:
     """Check :class:`~tessera.CheckpointManager`'s arguments and resolve a ``tier::`` root.
 
@@ -50,7 +54,8 @@ def check_arguments(
 
     Raises:
         ValueError: for ``keep_last``, ``keep_every``, ``durable_every`` or ``local_keep_last``
-            below 1, ``local_replicas`` below 0, or a ``local_dir`` that is not a local path.
+            below 1, ``local_replicas`` below 0, or a ``local_dir`` that is not a local path;
+            ``local_parity`` that is not ``(k, m)`` with ``k, m >= 1``, or given with ``local_replicas``.
     """
     for name, value in (
         ("keep_last", keep_last),
@@ -61,6 +66,18 @@ def check_arguments(
         if value is not None and (type(value) is not int or value < 1):
             raise ValueError(f"CheckpointManager({root!r}): {name} must be None or an integer >= 1, got {value!r}")
     warn_single_node = local_replicas is not None
+    if local_parity is not None:
+        ok = isinstance(local_parity, tuple | list) and len(local_parity) == 2
+        if not ok or any(type(v) is not int or v < 1 for v in local_parity):
+            raise ValueError(
+                f"CheckpointManager({root!r}): local_parity must be (k, m) with integers >= 1, got {local_parity!r}"
+            )
+        if local_replicas is not None:
+            raise ValueError(
+                f"CheckpointManager({root!r}): local_parity={tuple(local_parity)} replaces replicas; "
+                f"do not also give local_replicas={local_replicas!r}"
+            )
+        local_parity, local_replicas = (int(local_parity[0]), int(local_parity[1])), 0
     if local_replicas is None:
         local_replicas = 1
     if type(local_replicas) is not int or local_replicas < 0:
@@ -77,7 +94,22 @@ def check_arguments(
             f"CheckpointManager({root!r}): dedup=True applies to saves under root and cannot be combined "
             "with a local tier (local_dir or a 'tier::' root) yet; choose one"
         )
-    return LocalTierArguments(root, local_dir, local_replicas, warn_single_node)
+    return LocalTierArguments(root, local_dir, local_replicas, warn_single_node, local_parity)
+
+
+def local_tier_of(args: LocalTierArguments, *, keep_last: int, process_group: Any) -> LocalTier | None:
+    """The manager's local tier for its checked arguments (None without ``local_dir``)."""
+    if args.local_dir is None:
+        return None
+    return LocalTier(
+        args.local_dir,
+        args.root,
+        replicas=args.local_replicas,
+        keep_last=keep_last,
+        process_group=process_group,
+        warn_single_node=args.warn_single_node,
+        parity=args.local_parity,
+    )
 
 
 class Kept(Generic[T]):

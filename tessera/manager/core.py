@@ -20,10 +20,9 @@ from ..engine import dist
 from ..options import LoadOptions, SaveOptions
 from ..results import PendingSave, SaveResult
 from ..storage import Storage, storage_for
-from .arguments import Kept, check_arguments, with_budget
+from .arguments import Kept, check_arguments, local_tier_of, with_budget
 from .background import BackgroundSaves, close_at_exit, forget_at_exit
 from .direct import DirectRoute
-from .local_tier import LocalTier
 from .policies import SaveDecider, SavePolicy
 from .preemption import PreemptionHandler
 from .resume import StepLoader, StepLoadResult
@@ -61,6 +60,9 @@ class CheckpointManager:
             first. Use one directory per run. See ``docs/resilience.md``.
         local_replicas: copies of each rank's files kept on other nodes' local tiers (0: none;
             None: 1, without the warning an explicit value gives on a single-node job).
+        local_parity: ``(k, m)``: instead of replicas, each stripe of ``k`` nodes' files gets ``m``
+            parity blocks on other nodes (any ``m`` lost nodes are rebuilt; ``m/k`` extra memory).
+            Not with ``local_replicas``. See ``docs/resilience.md``.
         durable_every: with ``local_dir``, only steps divisible by this also go to ``root``
             (None: every step does).
         local_keep_last: committed local steps each node keeps.
@@ -110,6 +112,7 @@ class CheckpointManager:
         retention_before_save: bool = False,
         local_dir: str | None = None,
         local_replicas: int | None = None,
+        local_parity: tuple[int, int] | None = None,
         durable_every: int | None = None,
         local_keep_last: int = 2,
         save_policy: SavePolicy | None = None,
@@ -118,7 +121,7 @@ class CheckpointManager:
         dedup: bool = False,
         max_staging_bytes: int | str | None = None,
     ) -> None:
-        root, local_dir, local_replicas, warn_single_node = check_arguments(
+        args = check_arguments(
             root,
             keep_last=keep_last,
             keep_every=keep_every,
@@ -127,19 +130,10 @@ class CheckpointManager:
             local_replicas=local_replicas,
             local_dir=local_dir,
             dedup=dedup,
+            local_parity=local_parity,
         )
-        tier = (
-            LocalTier(
-                local_dir,
-                root,
-                replicas=local_replicas,
-                keep_last=local_keep_last,
-                process_group=process_group,
-                warn_single_node=warn_single_node,
-            )
-            if local_dir is not None
-            else None
-        )
+        root, local_dir = args.root, args.local_dir
+        tier = local_tier_of(args, keep_last=local_keep_last, process_group=process_group)
         self._steps = StepDirectory(
             root, storage_factory or (lambda url: storage_for(url, storage_options=storage_options))
         )
@@ -157,7 +151,7 @@ class CheckpointManager:
         )
         self._tiered = TieredRoute(tier, self._direct) if tier is not None else None
         self._loader = StepLoader(self._steps, tier, local_dir)
-        self.local_replicas = local_replicas
+        self.local_replicas, self.local_parity = args.local_replicas, args.local_parity
         self.durable_every = durable_every
         self.async_save = async_save
         self.load_options = load_options

@@ -1,12 +1,15 @@
 """The node-local tier of :class:`~tessera.CheckpointManager`: frequent steps in host memory
-(or local disk), each rank's files replicated to other nodes over ``torch.distributed``,
-and recovery from whatever the surviving nodes hold. See ``docs/resilience.md``.
+(or local disk), each rank's files replicated to other nodes over ``torch.distributed``
+(or protected by parity blocks on other nodes: ``local_parity``), and recovery from whatever
+the surviving nodes hold. See ``docs/resilience.md``.
 
 Modules: :mod:`.placement` (node indices, the replica ring), :mod:`.inventory` (what a node
 holds, whose steps they are, the choice of step), :mod:`.transfer` (files between ranks),
 :mod:`.fetches` (which files move on recovery), :mod:`.recovery` (recovery, with bad copies
 replaced), :mod:`.retention` (deleting a node's steps), :mod:`.timeline` (which steps are still
-on the job's timeline after rollbacks and resumes), :mod:`.tier` (save, commit).
+on the job's timeline after rollbacks and resumes), :mod:`.tier` (save, commit); for parity,
+:mod:`.stripes` (the layout), :mod:`.codec` (the erasure code), :mod:`.streams` (a node's files
+as one byte range) and :mod:`.parity` (encoding and rebuilding over the gloo group).
 """
 
 from __future__ import annotations

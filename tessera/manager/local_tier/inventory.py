@@ -15,6 +15,7 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 from ...format.names import parse_step_dirname
+from .stripes import ParityLayout, parity_path
 from .timeline import Timeline
 
 logger = logging.getLogger(__name__)
@@ -35,6 +36,8 @@ class StepHolding:
             manifest, so a summary stays one node's size, whatever the job's.
         manifest_bytes: the size of the step's ``manifest.json`` on the node.
         epoch: the timeline epoch the step was saved in (its marker's; see :mod:`.timeline`).
+        layout: the step's parity layout (``local_parity``; None: replicas or nothing).
+        parity: the parity blocks ``(stripe, block)`` present on the node with the right size.
     """
 
     step: int
@@ -43,6 +46,8 @@ class StepHolding:
     held: frozenset[int]
     manifest_bytes: int = 0
     epoch: int = 0
+    layout: ParityLayout | None = None
+    parity: frozenset[tuple[int, int]] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -79,11 +84,19 @@ def read_marker(step_dir: str) -> dict | None:
 
 
 def marker_bytes(
-    root: str, root_id: str, step: int, save_id: str, files: Sequence[tuple[str, int]], *, epoch: int
+    root: str,
+    root_id: str,
+    step: int,
+    save_id: str,
+    files: Sequence[tuple[str, int]],
+    *,
+    epoch: int,
+    layout: ParityLayout | None = None,
 ) -> bytes:
     """The content of a step's commit marker: the run's identity (``root`` and its ``root_id``),
-    the timeline epoch the step was saved in, the step, its save and its files."""
-    doc = {
+    the timeline epoch the step was saved in, the step, its save, its files and, with
+    ``local_parity``, its parity layout (with the blocks' checksums)."""
+    doc: dict = {
         "root": root,
         "root_id": root_id,
         "epoch": epoch,
@@ -91,6 +104,8 @@ def marker_bytes(
         "save_id": save_id,
         "files": [[p, n] for p, n in files],
     }
+    if layout is not None:
+        doc["parity"] = layout.to_doc()
     return json.dumps(doc, separators=(",", ":")).encode()
 
 
@@ -151,6 +166,9 @@ def scan_node(
         try:
             files = tuple((str(p), int(n)) for p, n in doc["files"])
             save_id = str(doc["save_id"])
+            layout = ParityLayout.from_doc(doc["parity"]) if "parity" in doc else None
+            if layout is not None and len(layout.owner) != len(files):
+                raise ValueError("the parity layout does not match the files")
         except (KeyError, TypeError, ValueError):
             logger.warning("ignoring the local step at %s: malformed %s", step_dir, MARKER_NAME)
             continue
@@ -165,7 +183,20 @@ def scan_node(
                     held.add(i)
             except OSError:
                 pass
-        out.append(StepHolding(step, save_id, len(files), frozenset(held), manifest_bytes, marker_epoch(doc)))
+        parity = set()
+        if layout is not None:
+            for i in range(layout.n):
+                for p in range(layout.m):
+                    try:
+                        if os.stat(os.path.join(step_dir, parity_path(save_id, i, p))).st_size == layout.block(i):
+                            parity.add((i, p))
+                    except OSError:
+                        pass
+        out.append(
+            StepHolding(
+                step, save_id, len(files), frozenset(held), manifest_bytes, marker_epoch(doc), layout, frozenset(parity)
+            )
+        )
     out.sort(key=lambda h: (h.step, h.save_id), reverse=True)
     return NodeInventory(node, tuple(out))
 
@@ -177,7 +208,8 @@ def choose_step(
     at_least: int | None = None,
     exclude: Collection[tuple[int, str]] = (),
 ) -> tuple[int, str] | None:
-    """The newest ``(step, save_id)`` whose files are all held by some node, or None.
+    """The newest ``(step, save_id)`` whose files are all held by some node, or can be rebuilt
+    from parity (:meth:`ParityLayout.shortfall` is empty), or None.
 
     A step counts only if at least one node committed it with a manifest; its files may be
     spread over any nodes. Cost: one pass over the holdings (O(nodes x steps x files held)).
@@ -196,6 +228,7 @@ def choose_step(
     """
     union: dict[tuple[int, str], set[int]] = {}
     count: dict[tuple[int, str], int] = {}
+    parts: dict[tuple[int, str], list[StepHolding]] = {}
     for inv in inventories:
         if inv is None:
             continue
@@ -209,8 +242,17 @@ def choose_step(
                 continue
             union.setdefault(key, set()).update(h.held)
             count[key] = h.n_files
-    complete = [key for key, held in union.items() if len(held) == count[key]]
+            parts.setdefault(key, []).append(h)
+    complete = [key for key, held in union.items() if len(held) == count[key] or rebuildable(parts[key])]
     return max(complete) if complete else None
+
+
+def rebuildable(holdings: Sequence[StepHolding]) -> bool:
+    """Whether the nodes' holdings of one step (with a parity layout) can rebuild what no node holds."""
+    layout = next((h.layout for h in holdings if h.layout is not None), None)
+    if layout is None:
+        return False
+    return not layout.shortfall([h.held for h in holdings], [h.parity for h in holdings])
 
 
 def without(
@@ -233,6 +275,8 @@ def without(
                 frozenset(i for i in h.held if (inv.node, h.step, h.save_id, i) not in bad),
                 h.manifest_bytes,
                 h.epoch,
+                h.layout,
+                h.parity,
             )
             for h in inv.steps
         )

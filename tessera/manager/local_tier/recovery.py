@@ -34,7 +34,9 @@ from .fetches import choose_fetches, choose_manifest_fetches, holdings_of
 from .files import as_storage_error, remove_quietly
 from .inventory import MARKER_NAME, NodeInventory, choose_step, marker_bytes
 from .needs import needed_files
+from .parity import check_parity, rebuild
 from .placement import Placement
+from .stripes import ParityLayout
 from .timeline import Timeline
 from .transfer import run_transfers
 
@@ -68,6 +70,14 @@ def is_unusable(e: BaseException) -> bool:
     if isinstance(e, DistributedError):
         return bool(e.failures) and all(str(t).split(":", 1)[0] in _UNUSABLE for t in e.failures.values())
     return type(e).__name__ in _UNUSABLE
+
+
+_REBUILDS = 3
+"""Parity rebuilds of one step in one recovery before a failing load excludes it."""
+
+
+class _BadParity(Exception):
+    """Parity blocks failed their checksums and were removed: choose the step again."""
 
 
 @dataclass(frozen=True)
@@ -105,6 +115,8 @@ class RecoveryAttempt:
         self.excluded: set[tuple[int, str]] = set()
         self.bad: list[str] = []  # "step 5: <file> on node 0: <why>", job-wide, the same on every rank
         self.moved = 0
+        self.lost: list[str] = []  # steps parity could not rebuild: what their stripes lost
+        self.rebuilds: dict[tuple[int, str], int] = {}  # parity rebuilds of each step so far
 
     def run(
         self, state: object, kwargs: dict[str, Any], only_step: int | None, at_least: int | None
@@ -114,17 +126,24 @@ class RecoveryAttempt:
         # Each round either loads, or removes at least one bad copy, or excludes a step: it ends.
         while True:
             choice = choose_step(self.inventories, only_step=only_step, at_least=at_least, exclude=self.excluded)
+            self._note_lost(choice, only_step, at_least)
             if choice is None:
                 return None
             step, save_id = choice
             store = self.tier.step_store(step, self.world)
-            m, received = self._assemble(state, step, save_id)
+            try:
+                m, received = self._assemble(state, step, save_id)
+            except _BadParity:
+                self.inventories = self.tier.inventory(self.world)
+                continue
             try:
                 result = api.load(self.tier.step_label(step), state, storage=store, **kwargs)
             except CheckpointError as e:
                 if not is_unusable(e):
                     raise
-                if not self._repair(step, save_id, m, e):
+                # A rebuild from an input that is bad is followed by one without it (the repair
+                # removes it); a step rebuilt more often than that keeps failing for another reason.
+                if not self._repair(step, save_id, m, e) or self.rebuilds.get((step, save_id), 0) > _REBUILDS:
                     self.excluded.add((step, save_id))
                 self.inventories = self.tier.inventory(self.world)
                 continue
@@ -173,12 +192,19 @@ class RecoveryAttempt:
         for rank, bits in enumerate(masks):
             mask = np.unpackbits(np.frombuffer(bits, dtype=np.uint8), count=len(files)).astype(bool)
             needs.setdefault(placement.node_of[rank], set()).update(np.flatnonzero(mask).tolist())
+        layout = next((h.layout for h in holdings.values() if h.layout is not None), None)
+        if layout is not None and len(set().union(*(h.held for h in holdings.values()))) < len(files):
+            received += self._rebuild(step, save_id, layout, files)
+            inventories = self.inventories = self.tier.inventory(world)
+            holdings = holdings_of(inventories, step, save_id)
         transfers = choose_fetches(inventories, placement, step, save_id, files, needs)
         received += run_transfers(world, transfers, store.root, what)
         if self.leader and (self.node not in holdings or len(holdings[self.node].held) < len(files)):
             # The step keeps the epoch it was saved in (every holder's marker records the same one).
             epoch = min(h.epoch for h in holdings.values())
-            marker = marker_bytes(self.tier.root, self.tier.root_id or "", step, save_id, files, epoch=epoch)
+            marker = marker_bytes(
+                self.tier.root, self.tier.root_id or "", step, save_id, files, epoch=epoch, layout=layout
+            )
             store.write_atomic(MARKER_NAME, marker)
         self.moved += len(first) + len(transfers)
         logger.info(
@@ -186,6 +212,86 @@ class RecoveryAttempt:
             world.rank, step, len(first) + len(transfers), received,
         )  # fmt: skip
         return m, received
+
+    def _rebuild(self, step: int, save_id: str, layout: ParityLayout, files: list[tuple[str, int]]) -> int:
+        """Collective: check the parity blocks of the stripes that lost a stream (a bad one is
+        removed and :class:`_BadParity` raised: the step is chosen again), then rebuild the lost
+        streams on their nodes (or survivors) and commit the step there; the bytes received."""
+        world, placement = self.world, self.placement
+        store = self.tier.step_store(step, world)
+        holdings = holdings_of(self.inventories, step, save_id)
+        union = frozenset().union(*(h.held for h in holdings.values()))
+        lost = layout.missing(union)
+        stripes = {i for j in lost for i, _ in layout.stripes_of(j)}
+        mine: list[tuple[str, str]] = []
+        if self.leader and self.node in holdings:
+            mine = check_parity(
+                store.root, save_id, layout, sorted(b for b in holdings[self.node].parity if b[0] in stripes)
+            )
+        found = dist.all_gather(world, mine, f"step {step}: checking the parity blocks")
+        new = [
+            f"step {step}: {path} on node {placement.node_of[rank]}: {why}"
+            for rank, items in enumerate(found)
+            for path, why in items
+        ]
+        if new:
+            if world.is_coordinator:
+                logger.warning("local tier at %s: bad parity removed: %s", self.tier.local_dir, "; ".join(new))
+            self.bad += new
+            raise _BadParity()
+        held = {n: h.held for n, h in holdings.items()}
+        blocks = {n: h.parity for n, h in holdings.items()}
+        host, received, error = rebuild(world, placement, layout, held, blocks, store.root, save_id, files)
+        what = f"step {step}: rebuilding from parity"
+        dist.exchange(
+            world, None if error is None else as_storage_error(error, f"rank {world.rank}: {what}"), None, what
+        )
+        if self.leader and self.node in host.values() and self.node not in holdings:
+            epoch = min(h.epoch for h in holdings.values())
+            root, root_id = self.tier.root, self.tier.root_id or ""
+            store.write_atomic(
+                MARKER_NAME, marker_bytes(root, root_id, step, save_id, files, epoch=epoch, layout=layout)
+            )
+        if world.is_coordinator:
+            logger.warning(
+                "local tier at %s: step %d: rebuilt the files of node(s) %s from parity (on node(s) %s)",
+                self.tier.local_dir, step, [layout.order[j] for j in lost], sorted(set(host.values())),
+            )  # fmt: skip
+        self.moved += len(lost)
+        self.rebuilds[(step, save_id)] = self.rebuilds.get((step, save_id), 0) + 1
+        return received
+
+    def _note_lost(self, choice: tuple[int, str] | None, only_step: int | None, at_least: int | None) -> None:
+        """Say which newer steps with parity could not be rebuilt, and what their stripes lost."""
+        newest: dict[tuple[int, str], list] = {}
+        for inv in self.inventories:
+            for h in inv.steps if inv is not None else ():
+                if (
+                    h.layout is None
+                    or (only_step is not None and h.step != only_step)
+                    or (choice and (h.step, h.save_id) <= choice)
+                ):
+                    continue
+                if at_least is not None and h.step < at_least:
+                    continue
+                newest.setdefault((h.step, h.save_id), []).append(h)
+        for (step, save_id), hs in sorted(newest.items(), reverse=True):
+            layout = hs[0].layout
+            assert layout is not None
+            short = layout.shortfall([h.held for h in hs], [h.parity for h in hs])
+            if (step, save_id) in self.excluded or not short:
+                continue
+            lines = [f"stripe {i} lost {', '.join(gone)}" for i, gone in short]
+            line = f"step {step} cannot be rebuilt from parity ({layout.k}+{layout.m}): {'; '.join(lines)}"
+            if line not in self.lost:
+                self.lost.append(line)
+                if self.world.is_coordinator:
+                    warnings.warn(
+                        f"local tier at {self.tier.local_dir}: {line}; "
+                        f"{'loading step ' + str(choice[0]) if choice else 'falling back to the durable root'}",
+                        RuntimeWarning,
+                        stacklevel=6,
+                    )
 
     def _repair(self, step: int, save_id: str, m: Manifest | None, error: BaseException) -> bool:
         """Collective, after loading ``step`` failed with ``error``: node leaders check every
@@ -228,4 +334,5 @@ class RecoveryAttempt:
         lines = [f"the local tier at {self.tier.local_dir}:"]
         lines += ["  " + (("; ".join(held)) if held else "no committed step of this run on any node")]
         lines += [f"  bad copy: {b}" for b in self.bad]
+        lines += [f"  lost: {b}" for b in self.lost]
         return "\n".join(lines)

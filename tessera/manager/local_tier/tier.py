@@ -5,13 +5,15 @@ Layout: each node has its own directory (``local_dir`` with ``{node}`` replaced)
     <node dir>/step-00000005/
       manifest.json            the step's manifest (the same bytes on every node)
       data/<save id>/<r>-*.safetensors   the node's own ranks' files and its replicas
+      parity/<save id>/<stripe>-<block>.bin   with ``local_parity``: the parity blocks it keeps
       local-commit.json        the node's commit marker (see inventory.MARKER_NAME)
 
 A local step is saved by :func:`tessera.save` into each rank's own node directory (the
 commit protocol's location check compares the template, not the node's path), then
 :meth:`LocalTier.commit` hands the manifest to every node, sends each rank's files to its
-replica ranks (:func:`~tessera.manager.local_tier.placement.place`), and only then lets each node
-write its commit marker. Recovery (:meth:`LocalTier.recover`) gathers every node's
+replica ranks (:func:`~tessera.manager.local_tier.placement.place`) or computes the step's
+parity blocks (``parity``: :mod:`~tessera.manager.local_tier.parity`), and only then lets each
+node write its commit marker (which records the parity layout and checksums). Recovery (:meth:`LocalTier.recover`) gathers every node's
 inventory, picks the newest complete step, fetches the missing files from peers and loads.
 
 Distributed contract: every method is collective over the manager's process group unless
@@ -31,10 +33,12 @@ from ...format.manifest import MANIFEST_NAME
 from ...format.names import step_dirname
 from ...storage import FileStorage, Storage
 from .files import as_storage_error, remove_quietly
-from .inventory import MARKER_NAME, NodeInventory, marker_bytes, scan_node
+from .inventory import MARKER_NAME, NodeInventory, StepHolding, marker_bytes, scan_node
+from .parity import encode as encode_parity
 from .placement import Placement, node_dir, node_index, place
 from .recovery import Recovery, RecoveryAttempt
 from .retention import LocalRetention, remove_root_steps
+from .stripes import ParityLayout, effective
 from .timeline import Timeline
 from .transfer import Transfer, run_transfers
 
@@ -71,6 +75,8 @@ class LocalTier:
         keep_last: committed local steps each node keeps.
         process_group: the ranks taking part.
         warn_single_node: warn when ``replicas`` cannot be honoured because the job has one node.
+        parity: ``(k, m)``: parity blocks instead of replicas (``replicas`` must then be 0); see
+            :mod:`~tessera.manager.local_tier.stripes` for the layout.
     """
 
     def __init__(
@@ -82,6 +88,7 @@ class LocalTier:
         keep_last: int,
         process_group: Any,
         warn_single_node: bool = True,
+        parity: tuple[int, int] | None = None,
     ) -> None:
         self.local_dir = local_dir
         self.root = root
@@ -89,6 +96,7 @@ class LocalTier:
         self.keep_last = keep_last
         self.process_group = process_group
         self.warn_single_node = warn_single_node
+        self.parity = parity
         self._placement: Placement | None = None
         self._placement_key: tuple[int, int] | None = None
         self.retention = LocalRetention(root, keep_last)
@@ -117,6 +125,14 @@ class LocalTier:
             self._own_node = self._placement.node_of[world.rank]
             if self.warn_single_node and self.replicas > 0 and len(self._placement.nodes) < 2 and world.is_coordinator:
                 logger.warning("local tier at %s: one node only, so no replicas are kept", self.local_dir)
+            if self.parity is not None and world.is_coordinator:
+                got = effective(*self.parity, len(self._placement.nodes))
+                if got != self.parity:
+                    logger.warning(
+                        "local tier at %s: local_parity=%s needs %d nodes; this job has %d, so it keeps %s",
+                        self.local_dir, self.parity, sum(self.parity), len(self._placement.nodes),
+                        f"{got[0]}+{got[1]} parity" if got[1] else "no parity (one node)",
+                    )  # fmt: skip
         return self._placement
 
     def node_directory(self, world: dist.World) -> str:
@@ -139,7 +155,7 @@ class LocalTier:
             return []
         node = self._own_node if self._own_node is not None else node_index(_global_rank_now())
         inv = scan_node(node_dir(self.local_dir, node), node, self.root, root_id, timeline)
-        return sorted(h.step for h in inv.steps if len(h.held) == h.n_files)
+        return sorted(h.step for h in inv.steps if len(h.held) == h.n_files or _own_part(h, node))
 
     def _is_leader(self, world: dist.World) -> bool:
         p = self.placement(world)
@@ -198,15 +214,27 @@ class LocalTier:
                 store.write_atomic(MANIFEST_NAME, data)
 
         dist.collective_step(world, f"step {step}: writing the local manifest", write_manifest)
-        transfers = [Transfer(f.rank, t, f.path, f.nbytes) for f in m.files for t in placement.targets[f.rank]]
-        run_transfers(world, transfers, store.root, f"step {step}: replicating")
+        layout = None
+        if self.parity is not None:
+            layout = ParityLayout.build(*self.parity, placement.node_of, [(f.rank, f.nbytes) for f in m.files])
+        if layout is not None:
+            what = f"step {step}: computing parity"
+            layout, error = encode_parity(
+                world, placement, layout, store.root, m.save_id, [(f.path, f.nbytes) for f in m.files]
+            )
+            dist.exchange(
+                world, None if error is None else as_storage_error(error, f"rank {world.rank}: {what}"), None, what
+            )
+        else:
+            transfers = [Transfer(f.rank, t, f.path, f.nbytes) for f in m.files for t in placement.targets[f.rank]]
+            run_transfers(world, transfers, store.root, f"step {step}: replicating")
 
         def commit_locally() -> None:
             # Steps newer than this one, or of an older save of it, belong to a timeline the job
             # left: the fork that opened this epoch refused them everywhere (see identity.begin_epoch).
             if leader:
                 files = [(f.path, f.nbytes) for f in m.files]
-                marker = marker_bytes(self.root, self._id(), step, m.save_id, files, epoch=self._epoch())
+                marker = marker_bytes(self.root, self._id(), step, m.save_id, files, epoch=self._epoch(), layout=layout)
                 store.write_atomic(MARKER_NAME, marker)
 
         dist.collective_step(world, f"step {step}: committing the local step", commit_locally)
@@ -334,6 +362,13 @@ class LocalTier:
             return attempt.run(state, kwargs, only_step, at_least)
         finally:
             self.last_report = attempt.report()
+
+
+def _own_part(h: StepHolding, node: int) -> bool:
+    """Whether a node holds its own files of a step with parity (the rest is on other nodes)."""
+    if h.layout is None or node not in h.layout.order:
+        return False
+    return set(h.layout.files_of(h.layout.order.index(node))) <= h.held
 
 
 def _global_rank(world: dist.World) -> int | None:
