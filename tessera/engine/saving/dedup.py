@@ -169,7 +169,9 @@ def write_shared(
     d = save.dedup
     assert d is not None
     split = split_writes(save.save_id, save.plan.layouts, staged, d.index if share else None, save.options.chunk_bytes)
-    written = write(d.tiles, WriteRequest(split.files, save.options.chunk_bytes, save.options.io_threads))
+    written = write(
+        d.tiles, WriteRequest(split.files, save.options.chunk_bytes, save.options.io_threads, save.options.compress)
+    )
     reports.extend(shared_reports(written))
     reports.extend(split.referenced)
     return written

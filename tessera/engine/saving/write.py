@@ -12,10 +12,12 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import xxhash
 
 from ...errors import StorageError
+from ...format.codec import FrameTable, encode_chunk, file_header
 from ...format.geometry import Box
 from ...format.tilefile import FileLayout
 from ...storage.base import Storage
@@ -49,6 +51,8 @@ class WriteRequest:
     """Checksum granularity."""
     threads: int
     """Files written in parallel."""
+    compress: bool = False
+    """Store each chunk as a frame (:mod:`tessera.format.codec`) instead of the safetensors layout."""
 
 
 @dataclass(frozen=True)
@@ -70,6 +74,8 @@ class WrittenFile:
     nbytes: int
     tiles: tuple[WrittenTile, ...]
     seconds: float
+    frames: FrameTable | None = None
+    """For a compressed file: where its logical chunks are stored (``nbytes`` is the stored size)."""
 
 
 def checksum_chunks(data: memoryview, chunk_bytes: int) -> Iterator[tuple[memoryview, int]]:
@@ -126,10 +132,13 @@ def _write_one(
     progress: Progress | None = None,
     known_sums: Mapping[int, tuple[int, ...]] | None = None,
     pieces: Callable[[int], Iterator[memoryview]] | None = None,
+    compress: bool = False,
 ) -> WrittenFile:
     t0 = time.monotonic()
     tiles: list[WrittenTile] = []
     known = known_sums or {}
+    if compress:
+        return _write_framed(storage, path, layout, staged, chunk_bytes, progress, pieces)
 
     def streamed() -> Iterator[memoryview | bytes]:
         """The tiles' bytes from ``pieces``, checksummed across piece boundaries."""
@@ -171,6 +180,81 @@ def _write_one(
     return WrittenFile(path, layout.nbytes, tuple(tiles), time.monotonic() - t0)
 
 
+def _whole_chunks(parts: Iterator[memoryview], chunk_bytes: int) -> Iterator[memoryview]:
+    """``parts`` (each valid until the next is asked for) regrouped into whole chunks (the last
+    may be shorter); parts that already hold whole chunks are passed through without a copy."""
+    buf = bytearray(chunk_bytes)
+    filled = 0
+    for part in parts:
+        pos = 0
+        while pos < len(part):
+            if not filled and len(part) - pos >= chunk_bytes:
+                yield part[pos : pos + chunk_bytes]
+                pos += chunk_bytes
+                continue
+            n = min(chunk_bytes - filled, len(part) - pos)
+            buf[filled : filled + n] = part[pos : pos + n]
+            filled += n
+            pos += n
+            if filled == chunk_bytes:
+                yield memoryview(buf)
+                filled = 0
+    if filled:
+        yield memoryview(buf)[:filled]
+
+
+def _write_framed(
+    storage: Storage,
+    path: str,
+    layout: FileLayout,
+    staged: Sequence[torch.Tensor],
+    chunk_bytes: int,
+    progress: Progress | None,
+    pieces: Callable[[int], Iterator[memoryview]] | None,
+) -> WrittenFile:
+    """Write a compressed data file: its header, then one frame per checksum chunk of each tile.
+
+    The tiles keep their logical byte offsets (``layout``'s); the returned frame table says where
+    each chunk is stored. Checksums are of the logical bytes.
+    """
+    t0 = time.monotonic()
+    tiles: list[WrittenTile] = []
+    header = file_header()
+    logical: list[int] = []
+    stored: list[int] = []
+
+    def tile_parts(i: int) -> Iterator[memoryview]:
+        if pieces is not None:
+            yield from pieces(i)
+        elif staged[i].numel():
+            yield staged[i].numpy().data
+
+    def frames() -> Iterator[memoryview | bytes]:
+        yield header
+        for i, slot in enumerate(layout.slots):
+            size = slot.dtype.itemsize
+            sums = []
+            for c in _whole_chunks(tile_parts(i), chunk_bytes):
+                sums.append(xxhash.xxh3_64_intdigest(c))
+                frame = encode_chunk(c, size)
+                out = c if frame is None else frame
+                logical.append(len(c))
+                stored.append(len(out))
+                yield out
+                if progress is not None:
+                    progress(len(out))
+            tiles.append(WrittenTile(slot.fqn, slot.box, slot.byte_offset, slot.nbytes, tuple(sums)))
+
+    storage.write_file(path, frames())
+    if progress is not None:
+        progress(0)
+    if len(tiles) != len(layout.slots):
+        raise StorageError(f"writing {path}: the storage backend wrote {len(tiles)} of {len(layout.slots)} tiles")
+    first = layout.slots[0].byte_offset if layout.slots else len(layout.header)
+    table = FrameTable(len(header), first, np.array(logical, dtype=np.int64), np.array(stored, dtype=np.int64))
+    return WrittenFile(path, table.stored_end, tuple(tiles), time.monotonic() - t0, table)
+
+
 def write_files(
     storage: Storage,
     files: Sequence[tuple[str, FileLayout, Sequence[torch.Tensor]]],
@@ -178,9 +262,10 @@ def write_files(
     chunk_bytes: int,
     threads: int,
     progress: Progress | None = None,
+    compress: bool = False,
 ) -> list[WrittenFile]:
     """Write every ``(path, layout, staged tile bytes)``: :func:`write_tiles` for callers with tuples."""
-    request = WriteRequest(tuple(FileWrite(p, lay, st) for p, lay, st in files), chunk_bytes, threads)
+    request = WriteRequest(tuple(FileWrite(p, lay, st) for p, lay, st in files), chunk_bytes, threads, compress)
     return write_tiles(storage, request, progress)
 
 
@@ -207,14 +292,25 @@ def write_tiles(storage: Storage, request: WriteRequest, progress: Progress | No
     try:
         if len(files) == 1 or threads == 1:
             written = [
-                _write_one(storage, f.path, f.layout, f.tiles, chunk_bytes, progress, f.known_sums, f.pieces)
+                _write_one(
+                    storage, f.path, f.layout, f.tiles, chunk_bytes, progress, f.known_sums, f.pieces, request.compress
+                )
                 for f in files
             ]
         else:
             with ThreadPoolExecutor(max_workers=min(threads, len(files)), thread_name_prefix="tessera-write") as pool:
                 futures = [
                     pool.submit(
-                        _write_one, storage, f.path, f.layout, f.tiles, chunk_bytes, progress, f.known_sums, f.pieces
+                        _write_one,
+                        storage,
+                        f.path,
+                        f.layout,
+                        f.tiles,
+                        chunk_bytes,
+                        progress,
+                        f.known_sums,
+                        f.pieces,
+                        request.compress,
                     )
                     for f in files
                 ]
