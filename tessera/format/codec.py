@@ -28,7 +28,7 @@ MAX_FRAME_BYTES = 1 << 30
 """The largest logical chunk a frame may declare (blosc2 chunks are limited to 2 GiB)."""
 HEADER = b'{"__metadata__":{"format":"tessera-frames","producer":"tessera"}}'
 """The JSON of the 8-byte-length-prefixed header at the start of a compressed data file (padded
-with spaces to 64 bytes in all): it declares no tensors, so a safetensors reader refuses the file
+with spaces to 128 bytes in all): it declares no tensors, so a safetensors reader refuses the file
 instead of misreading frames as tensors."""
 
 
@@ -38,8 +38,8 @@ class FrameError(ValueError):
 
 
 def file_header() -> bytes:
-    """The bytes a compressed data file starts with (64 of them)."""
-    body = HEADER + b" " * (56 - len(HEADER))
+    """The bytes a compressed data file starts with (128 of them)."""
+    body = HEADER + b" " * (120 - len(HEADER))
     return len(body).to_bytes(8, "little") + body
 
 
@@ -137,6 +137,11 @@ class FrameTable:
 
     def stored_span(self, k: int) -> tuple[int, int]:
         return int(self._spos[k]), int(self._spos[k + 1])  # type: ignore[attr-defined]
+
+    def stored_bytes(self, lo: int, hi: int) -> int:
+        """Stored bytes of the frames that meet the logical bytes ``[lo, hi)``."""
+        k = self.frames(lo, hi)
+        return int(self._spos[k.stop] - self._spos[k.start]) if len(k) else 0  # type: ignore[attr-defined]
 
     def to_json(self) -> dict[str, Any]:
         """The manifest's ``frames`` object of a file (``docs/format.md``)."""

@@ -27,7 +27,7 @@ from ...format.geometry import row_major_strides
 from ...format.manifest import Manifest
 from ...storage.base import Storage
 from ...storage.capabilities import MapsRanges
-from .frames import DecodeStats, read_logical
+from ..frames import DecodeStats, read_logical
 from .plan import ReadRequest, ReadTarget, check_targets, plan_reads
 
 __all__ = ["ReadRequest", "ReadStats", "ReadTarget", "Reader", "check_targets", "plan_reads"]

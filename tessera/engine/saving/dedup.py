@@ -108,6 +108,7 @@ def _report(path: str, pairs: list[tuple[TileSlot, StoredTile]]) -> FileReport:
         lengths=tuple(s.box.lengths for s, _ in pairs),
         byte_offsets=tuple(t.byte_offset for _, t in pairs),
         checksums=tuple(t.checksums for _, t in pairs),
+        frames=pairs[0][1].file_frames,
     )
 
 
@@ -130,7 +131,7 @@ def next_index(
         for fqn, offs, lens, bo, sums in zip(r.fqns, r.offsets, r.lengths, r.byte_offsets, r.checksums):
             dtype = dtypes[fqn]
             nbytes = math.prod(lens) * itemsize(dtype_from_name(dtype))
-            tiles[(fqn, offs, lens)] = StoredTile(r.path, dtype, bo, nbytes, sums, r.nbytes)
+            tiles[(fqn, offs, lens)] = StoredTile(r.path, dtype, bo, nbytes, sums, r.nbytes, r.frames)
     return TileIndex(url, save_id, chunk_bytes, tiles, dirs | {shared_dir(r.path) for r in reports})
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
+from ...format.codec import FrameTable
 from ...format.manifest import Manifest
 from ...format.names import SHARED_REF, is_shared_ref
 from ...storage import Storage
@@ -36,6 +37,8 @@ class StoredTile:
     nbytes: int
     checksums: tuple[int, ...]
     file_nbytes: int
+    file_frames: FrameTable | None = None
+    """The frame table of the file holding it, if that file is compressed (the manifest repeats it)."""
 
 
 @dataclass(frozen=True)
@@ -61,6 +64,7 @@ class TileIndex:
     def of_manifest(cls, manifest: Manifest, url: str) -> TileIndex:
         """Every shared tile of a committed manifest (a step of this root, read at start-up)."""
         sizes = {f.path: f.nbytes for f in manifest.files}
+        frames = {f.path: f.frames for f in manifest.files}
         tiles: dict[TileKey, StoredTile] = {}
         renamed = manifest.metadata.get("tile_names") or {}
         for fqn, entry in manifest.tensors.items():
@@ -85,7 +89,7 @@ class TileIndex:
                 if not is_shared_ref(path):
                     continue
                 tiles[(fqn, tuple(offs), tuple(lens))] = StoredTile(
-                    path, entry.dtype, bo, nb, tuple(sums[starts[i] : starts[i + 1]]), sizes[path]
+                    path, entry.dtype, bo, nb, tuple(sums[starts[i] : starts[i + 1]]), sizes[path], frames[path]
                 )
         dirs = frozenset(shared_dir(f.path) for f in manifest.files if is_shared_ref(f.path))
         return cls(url, manifest.save_id, manifest.chunk_bytes, tiles, dirs)

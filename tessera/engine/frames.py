@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import threading
 
-from ...format.codec import FrameError, FrameTable, decode_chunk
-from ...storage.base import Storage
+from ..format.codec import FrameError, FrameTable, decode_chunk
+from ..storage.base import Storage
 
 
 class DecodeStats:

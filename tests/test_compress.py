@@ -1,0 +1,309 @@
+"""Compressed tiles (``SaveOptions(compress=True)``, issue #34): bit-exact round trips of every
+dtype, partial decoding, hostile frames, and every path a tile takes (writer threads and
+process, a memory budget, async saves, 2 -> 3 ranks, S3, the manager with dedup, verify,
+inspect, convert).
+
+Sizes are small (a few hundred KiB at most) with a small ``chunk_bytes``, so that tensors span
+several frames and each test stays well under a second or two.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import uuid
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import tessera
+from tessera.errors import CorruptCheckpointError, ManifestError
+from tessera.format.codec import file_header
+from tessera.format.manifest import decode
+from tessera.manager import CheckpointManager
+from tessera.options import SaveOptions, WriterMode
+from tessera.shards import ShardedTensor
+from tests.dist_utils import run_distributed
+from tests.s3_server import moto_endpoint, s3_bucket, s3_options  # noqa: F401 - fixtures
+
+CHUNK = 16384
+NO_TIMINGS = tessera.LoadOptions(record_timings=False)
+
+
+def _opts(**kw: object) -> SaveOptions:
+    return SaveOptions(compress=True, chunk_bytes=CHUNK, **kw)  # type: ignore[arg-type]
+
+
+def _special_floats(dtype: torch.dtype, n: int, g: torch.Generator) -> torch.Tensor:
+    """Trained-like values plus NaNs with payloads, -0.0, infinities and denormals (bit patterns)."""
+    t = (torch.randn(n, generator=g) * 0.02).to(dtype)
+    bits = {
+        torch.float32: torch.int32,
+        torch.float64: torch.int64,
+        torch.bfloat16: torch.int16,
+        torch.float16: torch.int16,
+    }
+    if dtype in bits:
+        raw = t.view(bits[dtype])
+        size = torch.finfo(dtype).bits
+        nan_payload = {32: 0x7FC01234, 64: 0x7FF8000000ABCDEF, 16: 0x7E55 if dtype is torch.float16 else 0x7FC5}[size]
+        neg_zero = {32: -(2**31), 64: -(2**63), 16: -(2**15)}[size]
+        raw[:8] = torch.tensor([nan_payload, neg_zero, 1, 3, -1, 0, 7, nan_payload - 1], dtype=raw.dtype)
+    return t
+
+
+def _every_dtype(g: torch.Generator) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for dt in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
+        out[str(dt).removeprefix("torch.")] = _special_floats(dt, 7000, g).reshape(70, 100)
+    for dt in (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz):
+        out[str(dt).removeprefix("torch.")] = torch.randint(0, 256, (9000,), dtype=torch.uint8, generator=g).view(dt)
+    out["int64"] = torch.randint(-5, 5, (3000,), dtype=torch.int64, generator=g)
+    out["int32"] = torch.arange(9000, dtype=torch.int32).reshape(90, 100)
+    out["int8"] = torch.randint(-128, 127, (5000,), dtype=torch.int8, generator=g)
+    out["uint8_random"] = torch.randint(0, 256, (40000,), dtype=torch.uint8, generator=g)  # incompressible
+    out["bool"] = torch.rand(20000, generator=g) > 0.7
+    out["complex64"] = torch.randn(3000, dtype=torch.complex64, generator=g)
+    out["complex128"] = torch.randn(1000, dtype=torch.complex128, generator=g)
+    out["scalar"] = torch.tensor(-0.0)
+    out["odd"] = torch.randn(7, 3, 5, generator=g)  # smaller than a frame header: stored raw
+    return out
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1).contiguous().view(torch.uint8) if t.dtype is not torch.bool else t.reshape(-1)
+
+
+def _assert_same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    for k, v in want.items():
+        assert got[k].dtype == v.dtype and got[k].shape == v.shape, k
+        assert torch.equal(_bits(got[k]), _bits(v)), f"{k} differs"
+
+
+def _load_into_zeros(path: str, state: dict[str, torch.Tensor], **kw: object) -> tessera.LoadResult:
+    target = {k: torch.zeros_like(v) for k, v in state.items()}
+    result = tessera.load(path, target, options=NO_TIMINGS, **kw)  # type: ignore[arg-type]
+    _assert_same(target, state)
+    return result
+
+
+def _manifest(path: Path) -> dict:
+    return json.loads((path / "manifest.json").read_text())
+
+
+def _stored(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.glob("data/*/*.safetensors"))
+
+
+@pytest.mark.parametrize("writer", [WriterMode.THREAD, WriterMode.PROCESS])
+def test_every_dtype_round_trips_bit_exact(tmp_path: Path, writer: WriterMode) -> None:
+    state = _every_dtype(torch.Generator().manual_seed(0))
+    path = tmp_path / "ckpt"
+    tessera.save(str(path), state, options=_opts(writer=writer))
+    doc = _manifest(path)
+    assert doc["version"] == 3
+    assert all("frames" in f for f in doc["files"])
+    _load_into_zeros(str(path), state)
+    logical = sum(v.numel() * v.element_size() for v in state.values())
+    assert _stored(path) < logical  # the float and integer tensors shrink
+    # the random bytes are stored raw: frames no smaller than their chunks
+    m = tessera.read_manifest(str(path))
+    rnd = m.tensors["uint8_random"].tiles[0]
+    table = next(f.frames for f in m.files if f.path == rnd.file)
+    assert table is not None and table.stored_bytes(rnd.byte_offset, rnd.byte_offset + rnd.nbytes) == rnd.nbytes
+
+
+def test_uncompressed_saves_keep_version_1_and_safetensors_files(tmp_path: Path) -> None:
+    state = {"w": torch.randn(100, 100)}
+    tessera.save(str(tmp_path / "a"), state, options=SaveOptions(compress=False))
+    doc = _manifest(tmp_path / "a")
+    assert doc["version"] == 1 and all("frames" not in f for f in doc["files"])
+
+
+def test_env_knob_turns_compression_on(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("TESSERA_COMPRESS", "1")
+    assert SaveOptions().compress is True
+    monkeypatch.setenv("TESSERA_COMPRESS", "0")
+    assert SaveOptions().compress is False
+
+
+def test_a_partial_load_decodes_only_the_chunks_it_needs(tmp_path: Path) -> None:
+    rows, cols = 256, 1024  # 1 MiB of float32: 64 chunks of 16 KiB
+    w = (torch.randn(rows, cols) * 0.02).to(torch.float32)
+    tessera.save(str(tmp_path / "c"), {"w": w}, options=_opts())
+    part = torch.zeros(16, cols)  # rows 100..115: 64 KiB, 4 or 5 chunks
+    res = tessera.load(str(tmp_path / "c"), {"w": ShardedTensor(part, (rows, cols), (100, 0))}, options=NO_TIMINGS)
+    assert torch.equal(part, w[100:116])
+    needed = part.numel() * 4
+    assert needed <= res.decoded_bytes <= needed + 2 * CHUNK
+
+
+def _corrupt_first_frame(path: Path, how: str) -> str:
+    """Damage the first compressed frame of the file holding ``w``; returns that file's name."""
+    doc = _manifest(path)
+    fi = doc["tensors"]["w"]["tiles"][0][0]
+    entry = doc["files"][fi]
+    m = tessera.read_manifest(str(path))
+    table = next(f.frames for f in m.files if f.path == entry["path"])
+    assert table is not None
+    k = next(i for i in range(len(table.logical)) if table.stored[i] < table.logical[i])
+    a, b = table.stored_span(k)
+    file = path / entry["path"]
+    data = bytearray(file.read_bytes())
+    if how == "flip":
+        data[(a + b) // 2] ^= 0xFF
+    else:  # the frame's header declares 1 GiB of output (blosc2 header bytes 4..8: nbytes)
+        data[a + 4 : a + 8] = (1 << 30).to_bytes(4, "little")
+    file.write_bytes(bytes(data))
+    return entry["path"]
+
+
+@pytest.mark.parametrize("how", ["flip", "lie"])
+def test_a_corrupt_or_lying_frame_fails_the_load_naming_tensor_file_and_rank(tmp_path: Path, how: str) -> None:
+    w = torch.randn(64, 512) * 0.02
+    tessera.save(str(tmp_path / "c"), {"w": w}, options=_opts())
+    name = _corrupt_first_frame(tmp_path / "c", how)
+    with pytest.raises(CorruptCheckpointError) as e:
+        tessera.load(str(tmp_path / "c"), {"w": torch.zeros_like(w)}, options=NO_TIMINGS)
+    text = str(e.value)
+    assert "'w'" in text and name in text and "rank 0" in text
+    report = tessera.verify(str(tmp_path / "c"))
+    assert not report.ok and any(p.tensor == "w" for p in report.problems)
+
+
+def test_a_manifest_whose_frames_lie_about_the_file_is_refused(tmp_path: Path) -> None:
+    tessera.save(str(tmp_path / "c"), {"w": torch.randn(64, 512)}, options=_opts())
+    doc = _manifest(tmp_path / "c")
+    doc["files"][0]["bytes"] += 1  # the frames no longer end where the file does
+    with pytest.raises(ManifestError, match="frames end at byte"):
+        decode(json.dumps(doc).encode())
+    doc["files"][0]["bytes"] -= 1
+    doc["files"][0]["frames"]["codec"] = "lzma"
+    with pytest.raises(ManifestError, match="upgrade tessera"):
+        decode(json.dumps(doc).encode())
+    doc["version"] = 1  # frames in a manifest that claims the uncompressed format
+    doc["files"][0]["frames"]["codec"] = "blosc2-zstd"
+    with pytest.raises(ManifestError, match="version 1"):
+        decode(json.dumps(doc).encode())
+    doc["version"] = 4
+    with pytest.raises(ManifestError, match="format version 4 is newer than this tessera reads"):
+        decode(json.dumps(doc).encode())
+
+
+def test_verify_and_inspect_read_compressed_checkpoints(tmp_path: Path) -> None:
+    from tessera.tools.describe import inspect_data
+
+    state = {"w": torch.randn(128, 256) * 0.02, "b": (torch.randn(4096) * 0.02).to(torch.bfloat16)}
+    tessera.save(str(tmp_path / "c"), state, options=_opts())
+    report = tessera.verify(str(tmp_path / "c"))
+    assert report.ok, report.problems
+    assert report.bytes_checked == sum(v.numel() * v.element_size() for v in state.values())
+    data = inspect_data(str(tmp_path / "c"))
+    per = {t["name"]: t for t in data["tensors"]}
+    assert per["b"]["stored_bytes"] < per["b"]["bytes"] / 1.2  # bf16 weights: about 1.4x
+    assert data["stored_bytes"] == sum(t["stored_bytes"] for t in data["tensors"])
+    header = (tmp_path / "c" / _manifest(tmp_path / "c")["files"][0]["path"]).read_bytes()[:128]
+    assert header == file_header() and len(header) == 128
+
+
+def test_async_save_under_a_memory_budget_compresses_streamed_tiles(tmp_path: Path) -> None:
+    g = torch.Generator().manual_seed(1)
+    state = {"a": torch.randn(300, 200, generator=g) * 0.02, "b": torch.randn(50000, generator=g).to(torch.bfloat16)}
+    pending = tessera.async_save(str(tmp_path / "c"), state, options=_opts(max_staging_bytes=20000))
+    pending.wait()
+    assert _manifest(tmp_path / "c")["version"] == 3
+    _load_into_zeros(str(tmp_path / "c"), state)
+
+
+def test_convert_reads_a_compressed_checkpoint(tmp_path: Path) -> None:
+    from tessera.tools.convert import convert_checkpoint
+
+    state = {"w": torch.randn(64, 64), "n": torch.arange(100)}
+    tessera.save(str(tmp_path / "c"), state, options=_opts())
+    convert_checkpoint(str(tmp_path / "c"), str(tmp_path / "out.pt"), dst_format="torch")
+    loaded = torch.load(tmp_path / "out.pt", weights_only=True)
+    _assert_same({k: loaded[k] for k in state}, state)
+
+
+def test_manager_compress_with_dedup_keeps_every_step_loadable(tmp_path: Path) -> None:
+    root = str(tmp_path / "run")
+    frozen = torch.randn(256, 256) * 0.02
+    states = {}
+    with CheckpointManager(root, dedup=True, compress=True, load_options=NO_TIMINGS) as mgr:
+        for step in (1, 2, 3):
+            states[step] = {"frozen": frozen, "moving": torch.full((1000,), float(step))}
+            mgr.save(step, states[step])
+    shutil.rmtree(os.path.join(root, "step-00000001"))  # the step whose files the others reference
+    for step in (2, 3):
+        _load_into_zeros(os.path.join(root, f"step-{step:08d}"), states[step])
+        doc = json.loads(Path(root, f"step-{step:08d}", "manifest.json").read_text())
+        assert doc["version"] == 3
+
+
+# -- Two ranks save, three load --------------------------------------------------------------
+
+ROWS, COLS = 96, 512
+
+
+def _global() -> torch.Tensor:
+    return (torch.randn(ROWS, COLS, generator=torch.Generator().manual_seed(3)) * 0.02).to(torch.float32)
+
+
+def _rows(rank: int, world: int) -> tuple[int, int]:
+    per = math.ceil(ROWS / world)
+    return rank * per, min(ROWS, (rank + 1) * per)
+
+
+def _save_rows(rank: int, world: int, path: str) -> None:
+    a, b = _rows(rank, world)
+    tessera.save(path, {"w": ShardedTensor(_global()[a:b].clone(), (ROWS, COLS), (a, 0))}, options=_opts())
+
+
+def _load_rows(rank: int, world: int, path: str) -> tuple[int, int]:
+    a, b = _rows(rank, world)
+    part = torch.zeros(b - a, COLS)
+    res = tessera.load(path, {"w": ShardedTensor(part, (ROWS, COLS), (a, 0))}, options=NO_TIMINGS)
+    assert torch.equal(part, _global()[a:b])
+    return res.decoded_bytes, part.numel() * 4
+
+
+def test_two_ranks_save_compressed_three_load_decoding_only_their_rows(tmp_path: Path) -> None:
+    path = str(tmp_path / "c")
+    run_distributed(_save_rows, 2, path)
+    results = run_distributed(_load_rows, 3, path)
+    for decoded, needed in results:
+        # whole chunks around each rank's rows: at most one extra chunk at each end of each tile
+        assert needed <= decoded <= needed + 4 * CHUNK
+
+
+@pytest.mark.s3
+def test_compressed_save_and_load_on_s3(moto_endpoint: str, s3_bucket: str) -> None:
+    opts = s3_options(moto_endpoint)
+    url = f"s3://{s3_bucket}/{uuid.uuid4().hex}/ckpt"
+    state = _every_dtype(torch.Generator().manual_seed(4))
+    tessera.save(url, state, options=_opts(), storage_options=opts)
+    target = {k: torch.zeros_like(v) for k, v in state.items()}
+    tessera.load(url, target, options=NO_TIMINGS, storage_options=opts)
+    _assert_same(target, state)
+    assert tessera.read_manifest(url, storage_options=opts).version == 3
+    assert tessera.verify(url, storage=tessera.storage.storage_for(url, storage_options=opts)).ok
+
+
+def test_frames_bound_declared_sizes_before_decoding() -> None:
+    from tessera.format.codec import FrameError, decode_chunk, encode_chunk
+
+    data = np.arange(4096, dtype=np.float32).tobytes()
+    frame = encode_chunk(data, 4)
+    assert frame is not None and len(frame) < len(data)
+    out = bytearray(len(data))
+    decode_chunk(frame, memoryview(out))
+    assert bytes(out) == data
+    with pytest.raises(FrameError, match="declares"):
+        decode_chunk(frame, memoryview(bytearray(len(data) - 4)))
+    with pytest.raises(FrameError):
+        decode_chunk(frame[:-5], memoryview(out))
+    assert encode_chunk(os.urandom(8192), 1) is None  # incompressible: stored raw
