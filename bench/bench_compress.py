@@ -16,14 +16,24 @@ end, then compresses every role (fp32 weights, ``exp_avg``, ``exp_avg_sq``, bf16
 Ratio is logical bytes / stored bytes (a chunk that does not shrink is counted raw). MB/s are
 logical bytes per second of one thread (best of ``--repeat``). Prints a table and one JSON line.
 
+With ``--save DIR``, also whole checkpoints of the trained state (fp32 weights, ``exp_avg``,
+``exp_avg_sq``, bf16 weights; one process) in ``DIR``: bytes on disk and save / load seconds
+(best of ``--repeat``, after ``os.sync()``) for tessera uncompressed, tessera ``compress=True``
+and DCP with ``_extensions=[ZStandard()]``; then a resharded read of the compressed checkpoint:
+each of 3 row ranges of every 2-D tensor loaded alone (what each rank of 3 reads), and the bytes
+it decoded (``LoadResult.decoded_bytes``) against the bytes it needed.
+
     python bench/bench_compress.py                     # 4 layers x 256, 200 steps (~1 min on 1 core)
     python bench/bench_compress.py --steps 300 --dim 384 --layers 6
+    python bench/bench_compress.py --save /tmp/bench-compress
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import shutil
 import time
 from collections.abc import Callable
 
@@ -153,6 +163,7 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=4 << 20, help="bytes per independently decodable chunk")
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--save", metavar="DIR", help="also save whole checkpoints in DIR (removed after)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     before, after = train(args.layers, args.dim, args.steps, args.delta_gap, args.seed)
@@ -187,7 +198,75 @@ def main() -> None:
         cells = "".join(f"{by_role[r][0]:>8.3f}{by_role[r][1]:>8.0f}{by_role[r][2]:>8.0f}" for r in after)
         print(f"{name:26s}{cells}{state:>12.3f}")
         by_role["fp32 state"] = [round(state, 3)]
-    print(json.dumps({"args": vars(args), "results": results}))
+    saves = save_checkpoints(after, args.save, args.repeat) if args.save else None
+    print(json.dumps({"args": vars(args), "results": results, "saves": saves}))
+
+
+def _du(path: str) -> int:
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
+
+
+def save_checkpoints(state_np: dict[str, np.ndarray], root: str, repeat: int) -> dict:
+    """Bytes on disk and save/load seconds per format, and the resharded read's decoded bytes."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint._extension import ZStandard
+
+    import tessera
+
+    state = {k.replace(" ", "_"): torch.from_numpy(v.copy()) for k, v in state_np.items()}
+    state["bf16_weights"] = state["bf16_weights"].view(torch.bfloat16)
+    logical = sum(v.numel() * v.element_size() for v in state.values())
+    no_timings = tessera.LoadOptions(record_timings=False)
+    arms = {
+        "tessera": lambda p: tessera.save(p, state, options=tessera.SaveOptions(compress=False)),
+        "tessera compress": lambda p: tessera.save(p, state, options=tessera.SaveOptions(compress=True)),
+        "dcp+zstd": lambda p: dcp.save(state, storage_writer=dcp.FileSystemWriter(p, _extensions=[ZStandard()])),
+    }
+    loads = {
+        "tessera": lambda p, t: tessera.load(p, t, options=no_timings),
+        "tessera compress": lambda p, t: tessera.load(p, t, options=no_timings),
+        "dcp+zstd": lambda p, t: dcp.load(t, storage_reader=dcp.FileSystemReader(p)),
+    }
+    out: dict = {"logical_bytes": logical}
+    print(f"\nwhole checkpoints of {logical / 1e6:.1f} MB (one process, {root})")
+    print(f"{'format':18s}{'bytes':>14s}{'ratio':>8s}{'save s':>9s}{'load s':>9s}")
+    for name, save in arms.items():
+        path = os.path.join(root, name.replace(" ", "-"))
+        best_s = best_l = float("inf")
+        for _ in range(repeat):
+            shutil.rmtree(path, ignore_errors=True)
+            os.sync()
+            t0 = time.perf_counter()
+            save(path)
+            os.sync()
+            best_s = min(best_s, time.perf_counter() - t0)
+            target = {k: torch.zeros_like(v) for k, v in state.items()}
+            t0 = time.perf_counter()
+            loads[name](path, target)
+            best_l = min(best_l, time.perf_counter() - t0)
+            assert all(torch.equal(target[k].view(torch.uint8), state[k].view(torch.uint8)) for k in state), name
+        nbytes = _du(path)
+        out[name] = {"bytes": nbytes, "ratio": round(logical / nbytes, 3), "save_s": best_s, "load_s": best_l}
+        print(f"{name:18s}{nbytes:>14,d}{logical / nbytes:>8.3f}{best_s:>9.3f}{best_l:>9.3f}")
+    path = os.path.join(root, "tessera-compress")
+    decoded = needed = plain_read = 0
+    for rank in range(3):  # rank r of 3 loads rows [r*n/3, (r+1)*n/3) of the one 1-D-split state
+        target = {}
+        for k, v in state.items():
+            n = v.shape[0]
+            a, b = rank * n // 3, (rank + 1) * n // 3
+            target[k] = tessera.ShardedTensor(torch.zeros_like(v[a:b]), tuple(v.shape), (a,))
+            needed += (b - a) * v.element_size()
+        decoded += tessera.load(path, target, options=no_timings).decoded_bytes
+        # the same read of the uncompressed checkpoint reads (and verifies) whole chunks too
+        plain_read += tessera.load(os.path.join(root, "tessera"), target, options=no_timings).bytes_read
+    out["reshard"] = {"decoded": decoded, "needed": needed, "plain_read": plain_read}
+    print(
+        f"resharded read (3 row ranges per tensor): decoded {decoded:,d} bytes for {needed:,d} needed "
+        f"({decoded / needed:.3f}x); uncompressed, the same read reads {plain_read:,d} ({plain_read / needed:.3f}x)"
+    )
+    shutil.rmtree(root, ignore_errors=True)
+    return out
 
 
 if __name__ == "__main__":
