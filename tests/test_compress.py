@@ -229,6 +229,20 @@ def test_convert_reads_a_compressed_checkpoint(tmp_path: Path) -> None:
     _assert_same({k: loaded[k] for k in state}, state)
 
 
+def test_convert_to_tessera_writes_compressed_with_the_knob(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from tessera.tools.convert import convert_checkpoint
+
+    state = {"w": torch.randn(128, 64) * 0.02, "n": torch.arange(100)}
+    torch.save(state, tmp_path / "in.pt")
+    monkeypatch.setenv("TESSERA_COMPRESS", "1")
+    convert_checkpoint(str(tmp_path / "in.pt"), str(tmp_path / "out"))
+    assert _manifest(tmp_path / "out")["version"] == 3
+    _load_into_zeros(str(tmp_path / "out"), state)
+    monkeypatch.setenv("TESSERA_COMPRESS", "0")
+    convert_checkpoint(str(tmp_path / "out"), str(tmp_path / "plain"), src_format="tessera", dst_format="torch")
+    _assert_same({k: v for k, v in torch.load(tmp_path / "plain", weights_only=True).items() if k in state}, state)
+
+
 def test_manager_compress_with_dedup_keeps_every_step_loadable(tmp_path: Path) -> None:
     root = str(tmp_path / "run")
     frozen = torch.randn(256, 256) * 0.02
@@ -307,3 +321,22 @@ def test_frames_bound_declared_sizes_before_decoding() -> None:
     with pytest.raises(FrameError):
         decode_chunk(frame[:-5], memoryview(out))
     assert encode_chunk(os.urandom(8192), 1) is None  # incompressible: stored raw
+
+
+def test_the_local_tier_keeps_compressed_steps(tmp_path: Path) -> None:
+    state = {"w": torch.randn(256, 256) * 0.02, "b": (torch.randn(5000) * 0.02).to(torch.bfloat16)}
+    local = str(tmp_path / "local" / "t-{node}")
+    with CheckpointManager(
+        str(tmp_path / "root"),
+        local_dir=local,
+        local_replicas=0,
+        durable_every=2,
+        compress=True,
+        load_options=NO_TIMINGS,
+    ) as mgr:
+        mgr.save(1, state)  # local only
+        target = {k: torch.zeros_like(v) for k, v in state.items()}
+        assert mgr.load(target).step == 1
+        _assert_same(target, state)
+    node_manifest = tmp_path / "local" / "t-0" / "step-00000001" / "manifest.json"
+    assert json.loads(node_manifest.read_text())["version"] == 3
