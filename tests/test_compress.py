@@ -340,3 +340,15 @@ def test_the_local_tier_keeps_compressed_steps(tmp_path: Path) -> None:
         _assert_same(target, state)
     node_manifest = tmp_path / "local" / "t-0" / "step-00000001" / "manifest.json"
     assert json.loads(node_manifest.read_text())["version"] == 3
+
+
+def test_a_compressed_manifest_stays_inline_past_the_sections_threshold(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("TESSERA_SECTIONED_MANIFEST_TILES", "0")  # would write version 2
+    state = {"w": torch.randn(64, 64)}
+    tessera.save(str(tmp_path / "c"), state, options=_opts())
+    assert _manifest(tmp_path / "c")["version"] == 3
+    _load_into_zeros(str(tmp_path / "c"), state)
+    tessera.save(str(tmp_path / "p"), state, options=SaveOptions(compress=False))
+    assert _manifest(tmp_path / "p")["version"] == 2
