@@ -352,3 +352,16 @@ def test_a_compressed_manifest_stays_inline_past_the_sections_threshold(
     _load_into_zeros(str(tmp_path / "c"), state)
     tessera.save(str(tmp_path / "p"), state, options=SaveOptions(compress=False))
     assert _manifest(tmp_path / "p")["version"] == 2
+
+
+def test_diff_compares_a_compressed_checkpoint_with_an_uncompressed_one(tmp_path: Path) -> None:
+    from tessera.convert.compare import diff_checkpoints
+
+    state = {"w": torch.randn(128, 64) * 0.02, "h": (torch.randn(3000) * 0.02).to(torch.bfloat16)}
+    tessera.save(str(tmp_path / "c"), state, options=_opts())
+    tessera.save(str(tmp_path / "p"), state, options=SaveOptions(compress=False))
+    same = diff_checkpoints(str(tmp_path / "c"), str(tmp_path / "p"))
+    assert not same.tensors and same.same_tensors == 2
+    state["w"][5, 5] += 1
+    tessera.save(str(tmp_path / "p"), state, options=SaveOptions(compress=False))
+    assert [d.name for d in diff_checkpoints(str(tmp_path / "c"), str(tmp_path / "p")).tensors] == ["w"]
