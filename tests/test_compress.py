@@ -365,3 +365,112 @@ def test_diff_compares_a_compressed_checkpoint_with_an_uncompressed_one(tmp_path
     state["w"][5, 5] += 1
     tessera.save(str(tmp_path / "p"), state, options=SaveOptions(compress=False))
     assert [d.name for d in diff_checkpoints(str(tmp_path / "c"), str(tmp_path / "p")).tensors] == ["w"]
+
+
+# -- Delta tiles (dedup=True and compress=True) ----------------------------------------------------
+
+
+def _training_like(steps: int, g: torch.Generator) -> dict[int, dict[str, torch.Tensor]]:
+    """States of a slowly moving model: every step changes every weight a little."""
+    w = torch.randn(128, 256, generator=g) * 0.02
+    m = torch.rand(8192, generator=g) * 1e-6
+    out = {}
+    for s in range(1, steps + 1):
+        w = w + torch.randn(w.shape, generator=g) * 1e-5
+        m = m * 0.999 + torch.rand(m.shape, generator=g) * 1e-9
+        out[s] = {"w": w.clone(), "exp_avg_sq": m.clone(), "bf": w.to(torch.bfloat16)[:64], "frozen": torch.ones(64)}
+    return out
+
+
+def _delta_files(root: str, step: int) -> tuple[int, int]:
+    """(files the step's manifest lists, of which with delta frames)."""
+    doc = json.loads(Path(root, f"step-{step:08d}", "manifest.json").read_text())
+    return len(doc["files"]), sum("delta" in f.get("frames", {}) for f in doc["files"])
+
+
+def test_delta_tiles_are_smaller_chains_end_and_every_step_loads_after_any_other_is_deleted(tmp_path: Path) -> None:
+    states = _training_like(11, torch.Generator().manual_seed(5))
+    root = str(tmp_path / "run")
+    written = {}
+    with CheckpointManager(root, dedup=True, compress=True, save_options=_opts(), load_options=NO_TIMINGS) as mgr:
+        for s, st in states.items():
+            written[s] = mgr.save(s, st).bytes_written
+    assert written[2] < 0.85 * written[1]  # a delta step is smaller than a whole one
+    assert _delta_files(root, 2)[1] >= 1
+    # chains end: step 9 is 8 hops from step 1, so step 10 stores whole tiles again
+    assert _delta_files(root, 9)[1] >= 1 and _delta_files(root, 10)[1] == 0
+    assert written[10] > written[9]
+    for gone in (1, 5, 9):  # the head of a chain, a middle link, its last link
+        copy = tmp_path / f"without-{gone}"
+        shutil.copytree(root, copy)
+        shutil.rmtree(copy / f"step-{gone:08d}")
+        for s, st in states.items():
+            if s != gone:
+                _load_into_zeros(str(copy / f"step-{s:08d}"), st)
+        shutil.rmtree(copy)
+    assert tessera.verify(os.path.join(root, "step-00000009")).ok
+
+
+def test_retention_keeps_the_parents_of_delta_tiles(tmp_path: Path) -> None:
+    states = _training_like(7, torch.Generator().manual_seed(6))
+    root = str(tmp_path / "run")
+    with CheckpointManager(
+        root, dedup=True, compress=True, keep_last=2, save_options=_opts(), load_options=NO_TIMINGS
+    ) as mgr:
+        for s, st in states.items():
+            mgr.save(s, st)
+        assert mgr.steps() == [6, 7]
+    files, deltas = _delta_files(root, 7)
+    assert deltas >= 1 and files > 2  # step 7 lists its parents' files: the collection kept them
+    for s in (6, 7):
+        _load_into_zeros(os.path.join(root, f"step-{s:08d}"), states[s])
+
+
+def test_every_dtype_round_trips_delta_coded(tmp_path: Path) -> None:
+    g = torch.Generator().manual_seed(7)
+    one = _every_dtype(g)
+    two = {}
+    for k, v in one.items():  # change a few elements' bits: most of each tile is unchanged
+        b = v.clone()
+        raw = b.reshape(-1).view(torch.uint8) if b.dtype is not torch.bool else None
+        if raw is not None:
+            raw[::97] ^= 0x5A
+        else:
+            b.reshape(-1)[::97] ^= True
+        two[k] = b
+    root = str(tmp_path / "run")
+    with CheckpointManager(root, dedup=True, compress=True, save_options=_opts(), load_options=NO_TIMINGS) as mgr:
+        mgr.save(1, one)
+        mgr.save(2, two)
+    assert _delta_files(root, 2)[1] >= 1
+    shutil.rmtree(os.path.join(root, "step-00000001"))
+    _load_into_zeros(os.path.join(root, "step-00000002"), two)
+
+
+def test_a_corrupt_parent_frame_fails_the_child_and_hostile_delta_columns_are_refused(tmp_path: Path) -> None:
+    states = _training_like(2, torch.Generator().manual_seed(8))
+    root = tmp_path / "run"
+    with CheckpointManager(str(root), dedup=True, compress=True, save_options=_opts(), load_options=NO_TIMINGS) as mgr:
+        for s, st in states.items():
+            mgr.save(s, st)
+    doc = _manifest(root / "step-00000002")
+    child = next(f for f in doc["files"] if "delta" in f.get("frames", {}))
+    parents = child["frames"]["delta"]["parents"]
+    hostile = json.loads(json.dumps(doc))
+    hostile["files"] = [f for f in doc["files"] if f["path"] not in parents]
+    with pytest.raises(ManifestError, match="delta frames need"):
+        decode(json.dumps(hostile).encode())
+    hostile = json.loads(json.dumps(doc))
+    entry = next(f for f in hostile["files"] if f["path"] == child["path"])
+    entry["frames"]["delta"]["parents"] = []
+    with pytest.raises(ManifestError, match="parent index past the parents"):
+        decode(json.dumps(hostile).encode())
+    # the parent's bytes damaged: the child's tiles that are differences from them fail to load
+    parent = parents[0].removeprefix("@tiles/")
+    pfile = root / ".tessera-tiles" / parent
+    data = bytearray(pfile.read_bytes())
+    for i in range(200, len(data), 997):
+        data[i] ^= 0xFF
+    pfile.write_bytes(bytes(data))
+    with pytest.raises(CorruptCheckpointError):
+        _load_into_zeros(str(root / "step-00000002"), states[2])

@@ -243,6 +243,7 @@ def _check_checksums(
     view = memoryview(buf)
     block = (0, 0)  # file bytes currently in ``buf`` (a compressed file's: logical bytes, decoded)
     frames = entry.frames
+    tables = {f.path: f.frames for f in manifest.files}
     if frames is not None:
         if size != entry.nbytes:
             return  # reported above; the frames cannot be located in a file of another size
@@ -277,7 +278,7 @@ def _check_checksums(
                     if frames is None:
                         store.read_into(entry.path, pos, view[:n])
                     else:
-                        read_logical(store, entry.path, frames, pos, view[:n])
+                        read_logical(store, entry.path, frames, pos, view[:n], tables=tables)
                     block = (pos, pos + n)
                 stop = min(seg.stop, block[1])
                 hasher.update(view[pos - block[0] : stop - block[0]])

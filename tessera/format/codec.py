@@ -24,6 +24,8 @@ import numpy as np
 CODEC = "blosc2-zstd"
 FILTER = "shuffle"
 LEVEL = 1
+MAX_CHAIN = 8
+"""A delta frame is at most this many hops from a frame stored whole."""
 MAX_FRAME_BYTES = 1 << 30
 """The largest logical chunk a frame may declare (blosc2 chunks are limited to 2 GiB)."""
 HEADER = b'{"__metadata__":{"format":"tessera-frames","producer":"tessera"}}'
@@ -96,6 +98,69 @@ def decode_chunk(frame: memoryview | bytes, out: memoryview) -> None:
         raise FrameError(f"the frame decoded to {done} bytes, expected {len(out)}")
 
 
+def delta_lanes(itemsize: int, n: int) -> np.dtype | None:
+    """The unsigned integer a chunk of ``n`` bytes of items of ``itemsize`` is differenced in, or
+    None where it cannot be (a length that is not a whole number of lanes)."""
+    width = {1: 1, 2: 2, 4: 4, 8: 8, 16: 8}.get(itemsize, 1)
+    return np.dtype(f"<u{width}") if n % width == 0 else None
+
+
+def subtract(new: memoryview | bytes, base: memoryview | bytes | bytearray, lanes: np.dtype) -> bytes:
+    """``new - base`` lane by lane, modulo 2**bits: exact and invertible (:func:`add_into`)."""
+    return (np.frombuffer(new, lanes) - np.frombuffer(base, lanes)).tobytes()
+
+
+def add_into(out: memoryview, base: memoryview | bytes | bytearray, lanes: np.dtype) -> None:
+    """``out += base`` lane by lane, modulo 2**bits (``out`` holds a decoded difference)."""
+    a = np.frombuffer(out, lanes)
+    np.add(a, np.frombuffer(base, lanes), out=a)
+
+
+@dataclass(frozen=True, eq=False)
+class DeltaColumns:
+    """Which frames of a file are differences from a chunk of another file (delta tiles).
+
+    Attributes:
+        parents: manifest references of the files differenced against.
+        parent: ``(n,)`` per frame, 1 + the index into ``parents``, or 0 for a frame stored whole.
+        offset: ``(n,)`` the logical offset of the parent chunk in its file (0 where none).
+        depth: ``(n,)`` hops to a frame stored whole (0: this one is); a parent frame's depth is
+            one less, so a chain always ends, in at most :data:`MAX_CHAIN` hops.
+        lanes: ``(n,)`` bytes per lane of the difference (1, 2, 4 or 8; 0 where none).
+    """
+
+    parents: tuple[str, ...]
+    parent: np.ndarray
+    offset: np.ndarray
+    depth: np.ndarray
+    lanes: np.ndarray
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "parents": list(self.parents),
+            **{k: _column(getattr(self, k)) for k in ("parent", "offset", "depth", "lanes")},
+        }
+
+    @classmethod
+    def from_json(cls, raw: Any, n: int) -> DeltaColumns:
+        if not isinstance(raw, dict) or not isinstance(raw.get("parents"), list):
+            raise ValueError("frames.delta must be an object with a list of parents")
+        parents = raw["parents"]
+        if not all(isinstance(p, str) for p in parents) or len(parents) > n:
+            raise ValueError("frames.delta.parents must be at most one file reference per frame")
+        cols = {k: _parse_column(raw.get(k), f"delta.{k}", n) for k in ("parent", "offset", "depth", "lanes")}
+        if any(len(c) != n for c in cols.values()):
+            raise ValueError(f"frames.delta columns must hold one value per frame ({n})")
+        parent, depth, lanes = cols["parent"], cols["depth"], cols["lanes"]
+        if n and (int(parent.max()) > len(parents) or int(depth.max()) > MAX_CHAIN):
+            raise ValueError(f"frames.delta: a parent index past the parents, or a chain over {MAX_CHAIN} hops")
+        if ((parent == 0) != (depth == 0)).any() or ((parent == 0) != (lanes == 0)).any():
+            raise ValueError("frames.delta: a frame has a parent exactly when its depth and lanes are not 0")
+        if not np.isin(lanes, (0, 1, 2, 4, 8)).all():
+            raise ValueError("frames.delta.lanes must be 1, 2, 4 or 8 bytes")
+        return cls(tuple(parents), parent, cols["offset"], depth, lanes)
+
+
 @dataclass(frozen=True, eq=False)
 class FrameTable:
     """Where a compressed data file's logical chunks are stored.
@@ -112,6 +177,8 @@ class FrameTable:
     logical_start: int
     logical: np.ndarray
     stored: np.ndarray
+    delta: DeltaColumns | None = None
+    """Which frames are differences from another file's chunks (None: none is)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "_lpos", self.logical_start + np.concatenate([[0], np.cumsum(self.logical)]))
@@ -153,6 +220,7 @@ class FrameTable:
             "logical_start": self.logical_start,
             "logical": _column(self.logical),
             "stored": _column(self.stored),
+            **({"delta": self.delta.to_json()} if self.delta is not None else {}),
         }
 
     @classmethod
@@ -185,7 +253,10 @@ class FrameTable:
             raise ValueError(f"frames: every chunk must hold 1 to {min(chunk_bytes, MAX_FRAME_BYTES)} bytes")
         if (stored > logical).any():
             raise ValueError("frames: a frame is stored larger than its chunk")
-        table = cls(start, lstart, logical, stored)
+        delta = DeltaColumns.from_json(raw["delta"], len(logical)) if "delta" in raw else None
+        if delta is not None and (stored[delta.depth > 0] >= logical[delta.depth > 0]).any():
+            raise ValueError("frames: a delta frame is not smaller than its chunk (it would read as raw)")
+        table = cls(start, lstart, logical, stored, delta)
         if table.stored_end != file_bytes:
             raise ValueError(f"frames: the frames end at byte {table.stored_end} of a file of {file_bytes} bytes")
         if table.logical_end >= 1 << 62:

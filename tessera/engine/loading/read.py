@@ -155,7 +155,7 @@ class Reader:
             if table is None:
                 self.storage.read_into(req.file, req.start, out)
             else:
-                read_logical(self.storage, req.file, table, req.start, out, self.decode_stats)
+                read_logical(self.storage, req.file, table, req.start, out, self.decode_stats, tables=self._frames)
         except OSError as e:  # StorageError included
             raise self._read_error(req, e) from e
         except FrameError as e:

@@ -8,7 +8,7 @@ newest step's manifest after a restart) and hands it to the engine in a :class:`
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ...format.codec import FrameTable
 from ...format.manifest import Manifest
@@ -59,6 +59,9 @@ class TileIndex:
     chunk_bytes: int
     tiles: Mapping[TileKey, StoredTile]
     dirs: frozenset[str]
+    files: Mapping[str, tuple[int, FrameTable | None]] = field(default_factory=dict)
+    """Every file the base's manifest lists: its size and frame table (delta tiles read their
+    parents through these, and a manifest lists every file its delta frames need)."""
 
     @classmethod
     def of_manifest(cls, manifest: Manifest, url: str) -> TileIndex:
@@ -92,7 +95,8 @@ class TileIndex:
                     path, entry.dtype, bo, nb, tuple(sums[starts[i] : starts[i + 1]]), sizes[path], frames[path]
                 )
         dirs = frozenset(shared_dir(f.path) for f in manifest.files if is_shared_ref(f.path))
-        return cls(url, manifest.save_id, manifest.chunk_bytes, tiles, dirs)
+        files = {f.path: (f.nbytes, f.frames) for f in manifest.files}
+        return cls(url, manifest.save_id, manifest.chunk_bytes, tiles, dirs, files)
 
 
 @dataclass(frozen=True)

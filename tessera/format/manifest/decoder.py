@@ -161,6 +161,11 @@ def _files(doc: dict, version: int, chunk_bytes: int) -> tuple[FileEntry, ...]:
             raise fail(f"files[{i}]: file {entry.path!r} is listed twice")
         seen_paths.add(entry.path)
         files.append(entry)
+    framed = {fe.path for fe in files if fe.frames is not None}
+    for fe in files:
+        missing = [p for p in (fe.frames.delta.parents if fe.frames and fe.frames.delta else ()) if p not in framed]
+        if missing:
+            raise fail(f"file {fe.path!r}: its delta frames need {missing[0]!r}, not a compressed file of the manifest")
     return tuple(files)
 
 
