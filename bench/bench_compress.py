@@ -198,7 +198,7 @@ def main() -> None:
         cells = "".join(f"{by_role[r][0]:>8.3f}{by_role[r][1]:>8.0f}{by_role[r][2]:>8.0f}" for r in after)
         print(f"{name:26s}{cells}{state:>12.3f}")
         by_role["fp32 state"] = [round(state, 3)]
-    saves = save_checkpoints(after, args.save, args.repeat) if args.save else None
+    saves = save_checkpoints(after, args.save, args.repeat, before) if args.save else None
     print(json.dumps({"args": vars(args), "results": results, "saves": saves}))
 
 
@@ -206,15 +206,20 @@ def _du(path: str) -> int:
     return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
 
 
-def save_checkpoints(state_np: dict[str, np.ndarray], root: str, repeat: int) -> dict:
+def _state(state_np: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
+    state = {k.replace(" ", "_"): torch.from_numpy(v.copy()) for k, v in state_np.items()}
+    state["bf16_weights"] = state["bf16_weights"].view(torch.bfloat16)
+    return state
+
+
+def save_checkpoints(state_np: dict[str, np.ndarray], root: str, repeat: int, before_np: dict) -> dict:
     """Bytes on disk and save/load seconds per format, and the resharded read's decoded bytes."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint._extension import ZStandard
 
     import tessera
 
-    state = {k.replace(" ", "_"): torch.from_numpy(v.copy()) for k, v in state_np.items()}
-    state["bf16_weights"] = state["bf16_weights"].view(torch.bfloat16)
+    state = _state(state_np)
     logical = sum(v.numel() * v.element_size() for v in state.values())
     no_timings = tessera.LoadOptions(record_timings=False)
     arms = {
@@ -265,6 +270,25 @@ def save_checkpoints(state_np: dict[str, np.ndarray], root: str, repeat: int) ->
         f"resharded read (3 row ranges per tensor): decoded {decoded:,d} bytes for {needed:,d} needed "
         f"({decoded / needed:.3f}x); uncompressed, the same read reads {plain_read:,d} ({plain_read / needed:.3f}x)"
     )
+    # delta tiles: a manager root with dedup and compression saves the state 10 steps earlier, then this one
+    delta_root = os.path.join(root, "delta")
+    with tessera.CheckpointManager(delta_root, dedup=True, compress=True, load_options=no_timings) as mgr:
+        mgr.save(1, _state(before_np))
+        t0 = time.perf_counter()
+        second = mgr.save(2, state).bytes_written
+        delta_s = time.perf_counter() - t0
+    per = {}
+    m = tessera.read_manifest(os.path.join(delta_root, "step-00000002"))
+    frames = {f.path: f.frames for f in m.files}
+    for name, e in m.tensors.items():
+        stored = sum(frames[t.file].stored_bytes(t.byte_offset, t.byte_offset + t.nbytes) for t in e.tiles)  # type: ignore[union-attr]
+        per[name] = round(sum(t.nbytes for t in e.tiles) / stored, 3)
+    out["delta"] = {"bytes": second, "ratio": round(logical / second, 3), "save_s": delta_s, "per_tensor": per}
+    assert m.version == 3
+    print(
+        f"{'compress + delta':18s}{second:>14,d}{logical / second:>8.3f}{delta_s:>9.3f}   (10 steps after the last save)"
+    )
+    print("  per tensor: " + ", ".join(f"{k} {v:.3f}x" for k, v in per.items()))
     shutil.rmtree(root, ignore_errors=True)
     return out
 
