@@ -474,3 +474,61 @@ def test_a_corrupt_parent_frame_fails_the_child_and_hostile_delta_columns_are_re
     pfile.write_bytes(bytes(data))
     with pytest.raises(CorruptCheckpointError):
         _load_into_zeros(str(root / "step-00000002"), states[2])
+
+
+def _save_delta_steps(rank: int, world: int, root: str) -> None:
+    states = _training_like(3, torch.Generator().manual_seed(9))
+    with CheckpointManager(root, dedup=True, compress=True, save_options=_opts(), load_options=NO_TIMINGS) as mgr:
+        for s, st in states.items():
+            a, b = _rows(rank, world)
+            w = st["w"]
+            mgr.save(
+                s,
+                {
+                    **st,
+                    "w": ShardedTensor(
+                        w[a * 128 // ROWS : b * 128 // ROWS].clone(), tuple(w.shape), (a * 128 // ROWS, 0)
+                    ),
+                },
+            )
+
+
+def _load_delta_step(rank: int, world: int, root: str) -> None:
+    want = _training_like(3, torch.Generator().manual_seed(9))[3]
+    a, b = _rows(rank, world)
+    lo, hi = a * 128 // ROWS, b * 128 // ROWS
+    part = torch.zeros(hi - lo, 256)
+    target = {k: torch.zeros_like(v) for k, v in want.items() if k != "w"}
+    tessera.load(
+        os.path.join(root, "step-00000003"),
+        {**target, "w": ShardedTensor(part, (128, 256), (lo, 0))},
+        options=NO_TIMINGS,
+    )
+    assert torch.equal(part, want["w"][lo:hi])
+    _assert_same(target, {k: v for k, v in want.items() if k != "w"})
+
+
+@pytest.mark.slow  # 3 steps on 2 ranks, then 3 ranks: about 10-30 s on the 2-core machine
+def test_delta_tiles_saved_on_two_ranks_load_on_three(tmp_path: Path) -> None:
+    root = str(tmp_path / "run")
+    run_distributed(_save_delta_steps, 2, root)
+    assert _delta_files(root, 3)[1] >= 1
+    shutil.rmtree(os.path.join(root, "step-00000001"))
+    run_distributed(_load_delta_step, 3, root)
+
+
+@pytest.mark.s3
+def test_delta_tiles_on_s3(moto_endpoint: str, s3_bucket: str) -> None:
+    opts = s3_options(moto_endpoint)
+    root = f"s3://{s3_bucket}/{uuid.uuid4().hex}/run"
+    states = _training_like(3, torch.Generator().manual_seed(10))
+    with CheckpointManager(
+        root, dedup=True, compress=True, storage_options=opts, save_options=_opts(), load_options=NO_TIMINGS
+    ) as mgr:
+        for s, st in states.items():
+            mgr.save(s, st)
+    m = tessera.read_manifest(f"{root}/step-00000003", storage_options=opts)
+    assert any(f.frames is not None and f.frames.delta is not None for f in m.files)
+    target = {k: torch.zeros_like(v) for k, v in states[3].items()}
+    tessera.load(f"{root}/step-00000003", target, options=NO_TIMINGS, storage_options=opts)
+    _assert_same(target, states[3])
