@@ -16,7 +16,7 @@ from __future__ import annotations
 import base64
 import binascii
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -179,6 +179,8 @@ class FrameTable:
     stored: np.ndarray
     delta: DeltaColumns | None = None
     """Which frames are differences from another file's chunks (None: none is)."""
+    _lpos: np.ndarray = field(init=False, repr=False)
+    _spos: np.ndarray = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "_lpos", self.logical_start + np.concatenate([[0], np.cumsum(self.logical)]))
@@ -186,29 +188,29 @@ class FrameTable:
 
     @property
     def logical_end(self) -> int:
-        return int(self._lpos[-1])  # type: ignore[attr-defined]
+        return int(self._lpos[-1])
 
     @property
     def stored_end(self) -> int:
-        return int(self._spos[-1])  # type: ignore[attr-defined]
+        return int(self._spos[-1])
 
     def frames(self, lo: int, hi: int) -> range:
         """The frames whose logical bytes meet ``[lo, hi)``."""
-        lpos = self._lpos  # type: ignore[attr-defined]
+        lpos = self._lpos
         first = int(np.searchsorted(lpos, lo, side="right")) - 1
         last = int(np.searchsorted(lpos, hi, side="left"))
         return range(max(first, 0), min(last, len(self.logical)))
 
     def logical_span(self, k: int) -> tuple[int, int]:
-        return int(self._lpos[k]), int(self._lpos[k + 1])  # type: ignore[attr-defined]
+        return int(self._lpos[k]), int(self._lpos[k + 1])
 
     def stored_span(self, k: int) -> tuple[int, int]:
-        return int(self._spos[k]), int(self._spos[k + 1])  # type: ignore[attr-defined]
+        return int(self._spos[k]), int(self._spos[k + 1])
 
     def stored_bytes(self, lo: int, hi: int) -> int:
         """Stored bytes of the frames that meet the logical bytes ``[lo, hi)``."""
         k = self.frames(lo, hi)
-        return int(self._spos[k.stop] - self._spos[k.start]) if len(k) else 0  # type: ignore[attr-defined]
+        return int(self._spos[k.stop] - self._spos[k.start]) if len(k) else 0
 
     def to_json(self) -> dict[str, Any]:
         """The manifest's ``frames`` object of a file (``docs/format.md``)."""
