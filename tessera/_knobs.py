@@ -47,6 +47,11 @@ def chunk_bytes() -> int:
     return max(4096, _int("TESSERA_CHUNK_BYTES", 4 << 20))
 
 
+def compress() -> bool:
+    """Whether saves store tiles compressed (``TESSERA_COMPRESS=1``; default off)."""
+    return os.environ.get("TESSERA_COMPRESS", "0") not in ("0", "false", "no", "")
+
+
 def direct_io() -> bool:
     """Whether durable local writes of data files bypass the page cache (``O_DIRECT``, where the
     filesystem supports it; ``TESSERA_DIRECT_IO=0`` turns it off; default on)."""

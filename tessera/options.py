@@ -132,6 +132,10 @@ class SaveOptions:
     mutations stay held until their last byte has been copied; for tensors nothing holds back
     (a raw ``state_dict()``), the call itself returns only then (docs/manager.md, "Async saves
     in a memory budget"). None: one full copy, as fast as the copy allows."""
+    compress: bool = field(default_factory=_knobs.compress)
+    """Store tiles compressed, losslessly (knob ``TESSERA_COMPRESS``, default off): each checksum
+    chunk byte-shuffled by item size and coded with zstd (blosc2), or kept raw where that does
+    not shrink it; a load decodes only the chunks it reads (docs/compression.md)."""
 
     def __post_init__(self) -> None:
         if self.max_staging_bytes is not None:

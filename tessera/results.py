@@ -44,6 +44,8 @@ class LoadResult:
         bytes_read: bytes this rank read from storage.
         timings: phase durations in seconds (metadata, plan, read, values, total).
         save_id: the id of the checkpoint that was loaded.
+        decoded_bytes: bytes of compressed tiles this rank decoded (whole chunks: the chunks its
+            boxes meet), 0 for a checkpoint saved without compression.
     """
 
     missing_keys: list[str]
@@ -51,6 +53,7 @@ class LoadResult:
     bytes_read: int
     timings: dict[str, float]
     save_id: str
+    decoded_bytes: int = 0
 
 
 class PendingSave:

@@ -467,11 +467,11 @@ class SlowStorage(FileStorage):
         super().delete(paths)
 
 
-def dedup_save_loop(rank: int, world: int, root: str, progress_dir: str, first: int) -> None:
+def dedup_save_loop(rank: int, world: int, root: str, progress_dir: str, first: int, compress: bool = False) -> None:
     """Save k = first, first+1, ... under a dedup manager (keep_last=2) until killed."""
     torch.set_num_threads(1)
     progress = os.path.join(progress_dir, str(rank))
-    mgr = CheckpointManager(root, dedup=True, keep_last=2, storage_factory=SlowStorage)
+    mgr = CheckpointManager(root, dedup=True, keep_last=2, storage_factory=SlowStorage, compress=compress)
     log_progress(progress, "ready")
     for k in range(first, first + 10**6):
         log_progress(progress, f"begin {k}")
@@ -515,17 +515,19 @@ def _committed_pins(root: str) -> set[str]:
     return out
 
 
-def _kill_trials(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, world: int, n: int, seed: int) -> dict[str, int]:
+def _kill_trials(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, world: int, n: int, seed: int, compress: bool = False
+) -> dict[str, int]:
     rng = random.Random(seed)
     outcomes: dict[str, int] = {}
     for trial in range(n):
         root = str(tmp_path / f"run-{trial}")
         progress = str(tmp_path / f"progress-{trial}")
         os.makedirs(progress)
-        with CheckpointManager(root, dedup=True) as mgr:
+        with CheckpointManager(root, dedup=True, compress=compress) as mgr:
             _save(mgr, [1])  # a committed step with the frozen part, to build on
         if world == 1:
-            proc = start(dedup_save_loop, 0, 1, root, progress, 2)
+            proc = start(dedup_save_loop, 0, 1, root, progress, 2, compress)
             wait_for_line(os.path.join(progress, "0"), "ready")
             proc.join(rng.uniform(0.05, 0.8))
             proc.kill()
@@ -549,6 +551,14 @@ def _kill_trials(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, world: int, n:
 def test_a_dedup_saver_killed_at_random_moments_leaves_every_committed_step(tmp_path, monkeypatch) -> None:
     outcomes = _kill_trials(tmp_path, monkeypatch, world=1, n=4, seed=5)
     print(f"one process killed: {outcomes}")
+    assert sum(outcomes.values()) == 4, outcomes
+
+
+@pytest.mark.slow
+def test_a_saver_of_delta_tiles_killed_at_random_moments_leaves_every_committed_step(tmp_path, monkeypatch) -> None:
+    """The same with compress=True: delta chains (compression docs), parents kept by every step."""
+    outcomes = _kill_trials(tmp_path, monkeypatch, world=1, n=4, seed=7, compress=True)
+    print(f"one process of delta tiles killed: {outcomes}")
     assert sum(outcomes.values()) == 4, outcomes
 
 

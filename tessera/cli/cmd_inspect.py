@@ -129,6 +129,9 @@ def cmd_inspect(args: argparse.Namespace, out: Console) -> int:
         f"  {count} tensors, {fmt_size(data['total_bytes'])} in {data['files']} file(s); "
         f"{len(data['values'])} values, {len(data['per_rank'])} per-rank values"
     )
+    if data["stored_bytes"] != data["total_bytes"]:
+        ratio = data["total_bytes"] / max(data["stored_bytes"], 1)
+        out.print(f"  compressed: {fmt_size(data['stored_bytes'])} stored ({ratio:.2f}x)")
     out.print(f"  layout {json.dumps(data['layout'])}")
     shared = data["sharing"]
     if shared is not None:
@@ -148,11 +151,22 @@ def cmd_inspect(args: argparse.Namespace, out: Console) -> int:
         ("shape", "left"),
         ("tiles", "right"),
         ("bytes", "right"),
+        ("stored", "right"),
     ):
         table.add_column(col, justify=justify, overflow="fold")  # type: ignore[arg-type]
     for t in sorted(data["tensors"], key=lambda t: t["name"]):
         name = t["name"] + (f" (per-rank, {t['per_rank']})" if "per_rank" in t else "")
-        table.add_row(name, t["dtype"], str(t["shape"]), str(t["tiles"]), fmt_size(t["bytes"]))
+        ratio = (
+            f" ({t['bytes'] / t['stored_bytes']:.2f}x)" if t["stored_bytes"] and t["stored_bytes"] != t["bytes"] else ""
+        )
+        table.add_row(
+            name,
+            t["dtype"],
+            str(t["shape"]),
+            str(t["tiles"]),
+            fmt_size(t["bytes"]),
+            fmt_size(t["stored_bytes"]) + ratio,
+        )
     out.print(table)
     if data["values"] or data["per_rank"]:
         vt = Table(title="values", title_justify="left")

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from .._knobs import chunk_bytes as default_chunk_bytes
+from .._knobs import compress as default_compress
 from ..engine import commit
 from ..engine.commit import Claim
 from ..engine.saving.write import write_files
@@ -45,6 +46,8 @@ class CheckpointWriter:
         file_bytes: a data file is written once this many bytes of blocks are pending.
         chunk_bytes: checksum granularity (default: the ``TESSERA_CHUNK_BYTES`` knob).
         io_threads: threads writing data files.
+        compress: store tiles compressed (``docs/compression.md``; default: the ``TESSERA_COMPRESS``
+            knob, so ``TESSERA_COMPRESS=1 tessera convert ...`` writes compressed checkpoints).
 
     Single process, not thread-safe. Use as a context manager: an exception before
     :meth:`commit` removes the data files written so far.
@@ -65,12 +68,14 @@ class CheckpointWriter:
         file_bytes: int = 256 << 20,
         chunk_bytes: int | None = None,
         io_threads: int = 2,
+        compress: bool | None = None,
     ) -> None:
         self.path = path
         self.storage = storage_for(path, storage)
         self.file_bytes = file_bytes
         self.chunk_bytes = chunk_bytes or default_chunk_bytes()
         self.io_threads = io_threads
+        self.compress = default_compress() if compress is None else compress
         self.save_id = uuid.uuid4().hex[:16]
         self._t0 = time.monotonic()
         self._write_s = 0.0
@@ -199,8 +204,10 @@ class CheckpointWriter:
         layout = layout_file(name.rsplit("/", 1)[1], [(f, b, d.dtype) for f, b, d in self._pending])
         by_key = {(f, b): d for f, b, d in self._pending}
         staged = [as_bytes(by_key[(s.fqn, s.box)]) for s in layout.slots]
-        (written,) = write_files(self.storage, [(name, layout, staged)], chunk_bytes=self.chunk_bytes, threads=1)
-        self._files.append(FileEntry(name, 0, written.nbytes))
+        (written,) = write_files(
+            self.storage, [(name, layout, staged)], chunk_bytes=self.chunk_bytes, threads=1, compress=self.compress
+        )
+        self._files.append(FileEntry(name, 0, written.nbytes, written.frames))
         for t in written.tiles:
             dt = self._shapes[t.fqn][1]
             self._tiles[t.fqn].append(

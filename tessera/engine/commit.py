@@ -304,7 +304,9 @@ def sectioned(store: Storage, manifest: Manifest) -> bool:
     if isinstance(store, PartialVisibility) and not store.all_files_visible:
         return False
     tiles = sum(e.num_tiles for e in manifest.tensors.values())
-    return bool(manifest.files) and tiles >= _knobs.sectioned_manifest_tiles()
+    # Compressed files' frame tables are in the inline form only (format version 3).
+    compressed = any(f.frames is not None for f in manifest.files)
+    return bool(manifest.files) and not compressed and tiles >= _knobs.sectioned_manifest_tiles()
 
 
 def _encoded(store: Storage, claim: Claim, manifest: Manifest) -> tuple[bytes, list[FileEntry]]:

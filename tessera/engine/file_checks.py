@@ -16,6 +16,7 @@ import numpy as np
 import xxhash
 
 from ..errors import MissingTilesError
+from ..format.codec import FrameError, file_header
 from ..format.dtypes import dtype_from_name
 from ..format.geometry import Box
 from ..format.manifest import SECTIONED_VERSION, FileEntry, Manifest, TensorEntry, Tile, sections_path
@@ -23,6 +24,7 @@ from ..format.safetensors_header import parse_header
 from ..format.tilefile import tile_header_entry, tile_key
 from ..results import Problem, ProblemKind
 from ..storage import Storage
+from .frames import read_logical
 
 logger = logging.getLogger(__name__)
 
@@ -111,10 +113,30 @@ def check_file(store: Storage, manifest: Manifest, entry: FileEntry, tiles: list
             f"{where} is {how}: {size} bytes, the manifest records {entry.nbytes}; it holds tensor(s) {_names(tiles)}",
             tiles[0][0] if tiles else None,
         )
-    buf = bytearray(min(_BUFFER_BYTES, max(size, 1)))
-    _check_header(store, entry, size, tiles, problem, _saved_names(manifest))
+    buf = bytearray(min(_BUFFER_BYTES, max(entry.logical_bytes, 1)))
+    if entry.frames is None:
+        _check_header(store, entry, size, tiles, problem, _saved_names(manifest))
+    else:
+        _check_frames_header(store, entry, size, problem)
     _check_checksums(store, manifest, entry, size, tiles, buf, problem, out)
     return out
+
+
+def _check_frames_header(store: Storage, entry: FileEntry, size: int, problem: _Report) -> None:
+    """A compressed file starts with the frames header (its frames are checked with the checksums)."""
+    head = file_header()
+    raw = bytearray(min(len(head), size))
+    try:
+        store.read_into(entry.path, 0, memoryview(raw))
+    except Exception as e:
+        problem(ProblemKind.READ, f"file '{entry.path}' (written by rank {entry.rank}): {type(e).__name__}: {e}")
+        return
+    if bytes(raw) != head:
+        problem(
+            ProblemKind.HEADER,
+            f"file '{entry.path}' (written by rank {entry.rank}) is compressed (the manifest has its frames) but does "
+            "not start with the frames header",
+        )
 
 
 def _saved_names(manifest: Manifest) -> dict[str, str]:
@@ -219,7 +241,13 @@ def _check_checksums(
 ) -> None:
     where = f"file '{entry.path}' (written by rank {entry.rank})"
     view = memoryview(buf)
-    block = (0, 0)  # file bytes currently in ``buf``
+    block = (0, 0)  # file bytes currently in ``buf`` (a compressed file's: logical bytes, decoded)
+    frames = entry.frames
+    tables = {f.path: f.frames for f in manifest.files}
+    if frames is not None:
+        if size != entry.nbytes:
+            return  # reported above; the frames cannot be located in a file of another size
+        size = frames.logical_end
     # Per damaged tile: its first bad chunk and how many; reported for the first
     # _MAX_PROBLEMS_PER_FILE tiles, counted for the rest (memory stays bounded).
     bad: dict[tuple[str, tuple[int, ...]], list] = {}
@@ -247,12 +275,23 @@ def _check_checksums(
             while pos < seg.stop:
                 if not block[0] <= pos < block[1]:
                     n = min(len(buf), size - pos)
-                    store.read_into(entry.path, pos, view[:n])
+                    if frames is None:
+                        store.read_into(entry.path, pos, view[:n])
+                    else:
+                        read_logical(store, entry.path, frames, pos, view[:n], tables=tables)
                     block = (pos, pos + n)
                 stop = min(seg.stop, block[1])
                 hasher.update(view[pos - block[0] : stop - block[0]])
                 out.bytes_checked += stop - pos
                 pos = stop
+        except FrameError as e:
+            problem(
+                ProblemKind.CHECKSUM,
+                f"tensor '{seg.fqn}' tile {Box(seg.tile.offsets, seg.tile.lengths)} in {where}: a frame holding "
+                f"logical byte {pos} is corrupted: {e}",
+                seg.fqn,
+            )
+            return
         except Exception as e:
             problem(ProblemKind.READ, f"reading {where} at byte {pos} failed: {type(e).__name__}: {e}", seg.fqn)
             return

@@ -22,6 +22,7 @@ import numpy as np
 import xxhash
 
 from ..errors import ManifestError
+from .codec import MAX_FRAME_BYTES, FrameTable
 from .names import DATA_DIR
 
 REPORT_FORMAT = "tessera-rank-report"
@@ -57,6 +58,8 @@ class ReportTiles:
     byte_offset: np.ndarray
     chunks: np.ndarray
     checksums: np.ndarray
+    frames: tuple[FrameTable | None, ...] = ()
+    """The frame table of each file of ``files`` that is compressed (empty: none is)."""
 
     def __len__(self) -> int:
         return len(self.file)
@@ -104,7 +107,10 @@ def encode_report(doc: RankReportDoc) -> bytes:
         body["replicas"] = {"names": list(names), "digests": _b64(digests, "<u8")}
     t = doc.tiles
     if t is not None:
-        body["files"] = [[p, n] for p, n in t.files]
+        body["files"] = [
+            [p, n] if not t.frames or t.frames[i] is None else [p, n, t.frames[i].to_json()]  # type: ignore[union-attr]
+            for i, (p, n) in enumerate(t.files)
+        ]
         # Deflated: a rank's tensor names repeat prefixes, and ranks of one job often report the
         # very same list, which rank 0 then parses once (:func:`_names`).
         packed = zlib.compress(json.dumps(list(t.names), separators=(",", ":")).encode(), 1)
@@ -209,9 +215,18 @@ def _tiles(doc: dict[str, Any], fail: Any) -> ReportTiles:
     files, raw = doc.get("files"), doc.get("tiles")
     names = _names(doc.get("names"), fail)
     if not isinstance(files, list) or not all(
-        isinstance(f, list) and len(f) == 2 and isinstance(f[0], str) and type(f[1]) is int and f[1] >= 0 for f in files
+        isinstance(f, list) and len(f) in (2, 3) and isinstance(f[0], str) and type(f[1]) is int and f[1] >= 0
+        for f in files
     ):
-        raise fail("files must be [[path, bytes], ...]")
+        raise fail("files must be [[path, bytes] or [path, bytes, frames], ...]")
+    frames: list[FrameTable | None] = []
+    for f in files:
+        try:
+            frames.append(
+                None if len(f) == 2 else FrameTable.from_json(f[2], file_bytes=f[1], chunk_bytes=MAX_FRAME_BYTES)
+            )
+        except ValueError as e:
+            raise fail(f"file {f[0]!r:.80}: {e}") from None
     if not isinstance(raw, dict):
         raise fail("tiles must be an object")
     n, nd = raw.get("count"), raw.get("ndim")
@@ -250,4 +265,5 @@ def _tiles(doc: dict[str, Any], fail: Any) -> ReportTiles:
         byte_offset,
         chunks,
         column("checksums", int(chunks.sum()), deflated=False),
+        tuple(frames) if any(fr is not None for fr in frames) else (),
     )

@@ -142,8 +142,12 @@ class Kept(Generic[T]):
         setattr(getattr(obj, self.part), self.name, value)
 
 
-def with_budget(options: SaveOptions | None, max_staging_bytes: int | str | None) -> SaveOptions | None:
-    """``options`` with ``CheckpointManager(max_staging_bytes=...)`` set in them (if given)."""
-    if max_staging_bytes is None:
-        return options
-    return dataclasses.replace(options or SaveOptions(), max_staging_bytes=max_staging_bytes)
+def with_budget(
+    options: SaveOptions | None, max_staging_bytes: int | str | None, compress: bool | None = None
+) -> SaveOptions | None:
+    """``options`` with ``CheckpointManager(max_staging_bytes=..., compress=...)`` set in them (where given)."""
+    if max_staging_bytes is not None:
+        options = dataclasses.replace(options or SaveOptions(), max_staging_bytes=max_staging_bytes)
+    if compress is not None:
+        options = dataclasses.replace(options or SaveOptions(), compress=compress)
+    return options

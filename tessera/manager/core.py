@@ -75,8 +75,9 @@ class CheckpointManager:
         dedup: write only the tiles that changed since the previous step; unchanged ones are
             referenced in ``<root>/.tessera-tiles``, and every step still loads on its own.
             Not with ``local_dir``. See ``docs/incremental.md``.
-        max_staging_bytes: the host-memory budget of asynchronous saves (sets
-            :attr:`SaveOptions.max_staging_bytes <tessera.SaveOptions.max_staging_bytes>` of ``save_options``).
+        max_staging_bytes, compress: set :attr:`SaveOptions.max_staging_bytes <tessera.SaveOptions.max_staging_bytes>`
+            (the host-memory budget of asynchronous saves) and ``SaveOptions.compress`` (tiles stored compressed,
+            losslessly: ``docs/compression.md``) of ``save_options`` when given.
 
     Raises:
         ValueError: for ``keep_last``, ``keep_every``, ``durable_every`` or ``local_keep_last``
@@ -120,6 +121,7 @@ class CheckpointManager:
         preemption_signal: int = signal.SIGTERM,
         dedup: bool = False,
         max_staging_bytes: int | str | None = None,
+        compress: bool | None = None,
     ) -> None:
         args = check_arguments(
             root,
@@ -145,7 +147,7 @@ class CheckpointManager:
             self._saves,
             process_group=process_group,
             allow_pickle=allow_pickle,
-            save_options=with_budget(save_options, max_staging_bytes),
+            save_options=with_budget(save_options, max_staging_bytes, compress),
             retention_before_save=retention_before_save,
             shared=SharedTiles(self._steps) if dedup else None,
         )
@@ -174,13 +176,9 @@ class CheckpointManager:
     retention_before_save = Kept[bool]("_direct")
     local_dir = Kept[str | None]("_loader")
 
-    @property
-    def _pending(self) -> PendingSave | None:  # the save in flight (the lifecycle tests read it)
-        return self._saves.pending
-
-    @property
-    def _thread(self) -> threading.Thread | None:  # its finishing thread (the lifecycle tests read it)
-        return self._saves.thread
+    # The save in flight and its finishing thread (the lifecycle tests read them).
+    _pending = property(lambda self: self._saves.pending)
+    _thread = property(lambda self: self._saves.thread)
 
     # ------------------------------------------------------------------------------------
     # Naming and listing (local: no communication)

@@ -210,6 +210,16 @@ def detect_model_prefix(names: list[str]) -> tuple[str | None, str]:
     )
 
 
+def _stored_bytes(m: Manifest, tiles: Any) -> int:
+    """Bytes ``tiles`` take in their files: their frames' in compressed files, their own in others."""
+    frames = {f.path: f.frames for f in m.files if f.frames is not None}
+    total = 0
+    for t in tiles:
+        table = frames.get(t.file)
+        total += t.nbytes if table is None else table.stored_bytes(t.byte_offset, t.byte_offset + t.nbytes)
+    return total
+
+
 def _step_of(m: Manifest, path: str) -> int | None:
     import re
 
@@ -235,6 +245,7 @@ def inspect_data(path: str) -> dict[str, Any]:
 
     m = read_manifest(path)
     policies = m.metadata.get("tensor_policies") or {}
+    stored = {n: _stored_bytes(m, e.tiles) for n, e in m.tensors.items()}
     return {
         "path": path,
         "save_id": m.save_id,
@@ -244,6 +255,7 @@ def inspect_data(path: str) -> dict[str, Any]:
         "world_size": m.world_size,
         "layout": m.layout,
         "total_bytes": m.total_bytes,
+        "stored_bytes": sum(stored.values()),
         "files": len(m.files),
         "chunk_bytes": m.chunk_bytes,
         "tensors": [
@@ -253,6 +265,7 @@ def inspect_data(path: str) -> dict[str, Any]:
                 "shape": list(e.shape),
                 "tiles": len(e.tiles),
                 "bytes": sum(t.nbytes for t in e.tiles),
+                "stored_bytes": stored[n],
                 **({"per_rank": policies[n]} if n in policies else {}),
             }
             for n, e in m.tensors.items()

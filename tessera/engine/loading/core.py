@@ -144,7 +144,7 @@ def load(
     if opts.broadcast_replicated:
         targets, broadcasts = split_replicated(world, plan.targets)
     read_ballot = dist.Ballot(slowest_metadata="max", slowest_plan="max", slowest_read="max")
-    stats: list[int] = []
+    stats: list[int] = []  # bytes read, bytes decoded
 
     def read() -> None:
         requests = plan.requests
@@ -152,7 +152,7 @@ def load(
             requests = plan_reads(manifest, targets, max_read_bytes=opts.max_read_bytes, rank=world.rank)
         timer.mark("plan")
         reader = Reader(store, manifest, rank=world.rank, verify=opts.verify, threads=opts.io_threads)
-        stats.append(reader.run(requests).bytes_read)
+        stats.extend((reader.run(requests).bytes_read, reader.decode_stats.decoded))
         timer.mark("read")
         for p in _PHASES:  # the slowest rank of each phase, for the load's timing record
             read_ballot[f"slowest_{p}"] = _slowest(timer.phases.get(p, 0.0), world.rank)
@@ -175,7 +175,7 @@ def load(
         logger.info("loaded %s (%d bytes on rank 0) in %.3fs", path, bytes_read, total["total"])
         if opts.record_timings:
             _record_load_timings(store, manifest, world.size, {**total, "bytes": bytes_read}, slowest)
-    return LoadResult(plan.missing, plan.unexpected, bytes_read, total, manifest.save_id)
+    return LoadResult(plan.missing, plan.unexpected, bytes_read, total, manifest.save_id, stats[1])
 
 
 _PHASES = ("metadata", "plan", "read")

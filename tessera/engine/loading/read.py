@@ -21,11 +21,13 @@ import torch
 import xxhash
 
 from ...errors import CorruptCheckpointError, MissingTilesError, StorageError
+from ...format.codec import FrameError
 from ...format.dtypes import ALIGN, as_bytes, itemsize
 from ...format.geometry import row_major_strides
 from ...format.manifest import Manifest
 from ...storage.base import Storage
 from ...storage.capabilities import MapsRanges
+from ..frames import DecodeStats, read_logical
 from .plan import ReadRequest, ReadTarget, check_targets, plan_reads
 
 __all__ = ["ReadRequest", "ReadStats", "ReadTarget", "Reader", "check_targets", "plan_reads"]
@@ -76,6 +78,9 @@ class Reader:
         """Use the backend's ``map_range`` (local files) to skip the read buffer."""
         self._buffers = _Buffers()
         self._writer = {f.path: f.rank for f in manifest.files}
+        self._frames = {f.path: f.frames for f in manifest.files if f.frames is not None}
+        """Compressed files: their logical ranges are decoded from frames (:mod:`.frames`)."""
+        self.decode_stats = DecodeStats()
 
     def _file(self, path: str) -> str:
         """A data file as errors name it: with the rank that wrote it."""
@@ -104,7 +109,7 @@ class Reader:
             self._read(req, dest.numpy().data)
             self._verify(req, dest, req.start)
             return
-        if self.mmap and isinstance(self.storage, MapsRanges):
+        if self.mmap and isinstance(self.storage, MapsRanges) and req.file not in self._frames:
             self._execute_mapped(req, self.storage)
             return
         buf = self._buffers.get(req.nbytes)
@@ -145,10 +150,19 @@ class Reader:
         mapper.release_range(req.file, req.start, req.nbytes)
 
     def _read(self, req: ReadRequest, out: memoryview) -> None:
+        table = self._frames.get(req.file)
         try:
-            self.storage.read_into(req.file, req.start, out)
+            if table is None:
+                self.storage.read_into(req.file, req.start, out)
+            else:
+                read_logical(self.storage, req.file, table, req.start, out, self.decode_stats, tables=self._frames)
         except OSError as e:  # StorageError included
             raise self._read_error(req, e) from e
+        except FrameError as e:
+            raise CorruptCheckpointError(
+                f"rank {self.rank}: compressed data file {self._file(req.file)} of tensor(s) {_names(req)} is "
+                f"corrupted: {e}"
+            ) from None
 
     def _read_error(self, req: ReadRequest, e: OSError) -> CorruptCheckpointError:
         """The error for a failed read, naming the rank, the file and the tensors."""

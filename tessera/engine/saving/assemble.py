@@ -53,7 +53,7 @@ def build_manifest(
         for j, (path, nbytes) in enumerate(t.files):
             fi = file_index.setdefault(path, len(files))
             if fi == len(files):
-                files.append(FileEntry(path, rank, nbytes))
+                files.append(FileEntry(path, rank, nbytes, t.frames[j] if t.frames else None))
             fmap[j] = fi
         k = t.offsets.shape[1]
         offs = np.zeros((len(t), nd), dtype=np.int64)

@@ -30,11 +30,12 @@ from ...format.names import SHARED_REF, is_shared_ref
 from ...format.tilefile import FileLayout, TileSlot, layout_file
 from ...storage import Storage
 from ...storage.capabilities import ListsSizes
+from ..frames import read_logical
 from ..tile_pins import PIN_LEASE_S, read_pins, remove_pin, write_pin
 from .handoff import CommitOutcome, FileReport, PreparedSave
 from .tile_index import Dedup, StoredTile, TileIndex, TileKey, shared_dir
 from .window import file_write
-from .write import FileWrite, WriteRequest, WrittenFile, checksum_chunks
+from .write import DeltaBase, FileWrite, WriteRequest, WrittenFile, checksum_chunks, write_tiles
 
 __all__ = ["SharedWrites", "next_index", "shared_reports", "split_writes"]
 
@@ -57,8 +58,12 @@ def split_writes(
     staged: Sequence[Sequence[torch.Tensor]],
     index: TileIndex | None,
     chunk_bytes: int,
+    tiles: Storage | None = None,
 ) -> SharedWrites:
-    """Decide, tile by tile, what to write and what to reference (hashing the staged bytes)."""
+    """Decide, tile by tile, what to write and what to reference (hashing the staged bytes).
+
+    With ``tiles`` (the shared tile directory, for a compressed save), a changed tile whose
+    stored version is in a compressed file gets that version as its delta base."""
     if index is not None and index.chunk_bytes != chunk_bytes:
         index = None  # checksums of another granularity cannot be compared
     if index is None:  # nothing to compare with: every file as planned (staged in full or through a window)
@@ -67,6 +72,7 @@ def split_writes(
     refs: dict[str, list[tuple[TileSlot, StoredTile]]] = defaultdict(list)
     for layout, views in zip(layouts, staged):
         keep: list[tuple[TileSlot, torch.Tensor, tuple[int, ...]]] = []
+        bases: dict[tuple[str, object], DeltaBase] = {}
         for slot, view in zip(layout.slots, views):
             stored = None if index is None else index.tiles.get((slot.fqn, slot.box.offsets, slot.box.lengths))
             if stored is None or stored.nbytes != slot.nbytes or stored.dtype != dtype_name(slot.dtype):
@@ -77,14 +83,52 @@ def split_writes(
                 refs[stored.path].append((slot, stored))
             else:
                 keep.append((slot, view, sums))
+                if tiles is not None and stored.file_frames is not None:
+                    bases[(slot.fqn, slot.box)] = _delta_base(tiles, index, stored)
         if not keep:
             continue
         new = layout_file(layout.name, [(s.fqn, s.box, s.dtype) for s, _, _ in keep])
         by_place = {(s.fqn, s.box): (v, sums) for s, v, sums in keep}
         views_in_order = tuple(by_place[(s.fqn, s.box)][0] for s in new.slots)
         known = {j: sums for j, s in enumerate(new.slots) if (sums := by_place[(s.fqn, s.box)][1])}
-        files.append(FileWrite(f"{save_id}/{layout.name}", new, views_in_order, known))
+        based = {j: bases[(s.fqn, s.box)] for j, s in enumerate(new.slots) if (s.fqn, s.box) in bases}
+        files.append(FileWrite(f"{save_id}/{layout.name}", new, views_in_order, known, bases=based))
     return SharedWrites(tuple(files), tuple(_report(p, pairs) for p, pairs in refs.items()))
+
+
+def _delta_base(tiles: Storage, index: TileIndex, stored: StoredTile) -> DeltaBase:
+    """The stored tile as a delta base: its file read (and decoded) through the shared tile directory."""
+    table = stored.file_frames
+    assert table is not None
+    tables = {p: t for p, (_, t) in index.files.items()}
+
+    def read(at: int, out: memoryview) -> None:
+        read_logical(tiles, stored.path, table, at, out, tables=tables, locate=lambda r: r[len(SHARED_REF) :])
+
+    return DeltaBase(stored.path, stored.byte_offset, table, read)
+
+
+def parent_reports(reports: Sequence[FileReport], index: TileIndex | None) -> tuple[FileReport, ...]:
+    """Reports (without tiles) of the files that delta frames of ``reports`` need and that they do
+    not list, transitively: a manifest lists every file its tiles are decoded from, so retention
+    and collection keep them and the step loads after any other is deleted."""
+    listed = {r.path for r in reports}
+    pending = [
+        p for r in reports if r.frames is not None and r.frames.delta is not None for p in r.frames.delta.parents
+    ]
+    out: list[FileReport] = []
+    while pending:
+        p = pending.pop()
+        if p in listed:
+            continue
+        if index is None or p not in index.files:
+            raise CommitCheckError(f"a delta tile's parent file {p} is not a file of the step it builds on")
+        listed.add(p)
+        nbytes, table = index.files[p]
+        out.append(FileReport(p, nbytes, (), (), (), (), (), frames=table))
+        if table is not None and table.delta is not None:
+            pending.extend(table.delta.parents)
+    return tuple(out)
 
 
 def _compare(view: torch.Tensor, stored: tuple[int, ...], chunk_bytes: int) -> tuple[bool, tuple[int, ...]]:
@@ -108,6 +152,7 @@ def _report(path: str, pairs: list[tuple[TileSlot, StoredTile]]) -> FileReport:
         lengths=tuple(s.box.lengths for s, _ in pairs),
         byte_offsets=tuple(t.byte_offset for _, t in pairs),
         checksums=tuple(t.checksums for _, t in pairs),
+        frames=pairs[0][1].file_frames,
     )
 
 
@@ -130,8 +175,9 @@ def next_index(
         for fqn, offs, lens, bo, sums in zip(r.fqns, r.offsets, r.lengths, r.byte_offsets, r.checksums):
             dtype = dtypes[fqn]
             nbytes = math.prod(lens) * itemsize(dtype_from_name(dtype))
-            tiles[(fqn, offs, lens)] = StoredTile(r.path, dtype, bo, nbytes, sums, r.nbytes)
-    return TileIndex(url, save_id, chunk_bytes, tiles, dirs | {shared_dir(r.path) for r in reports})
+            tiles[(fqn, offs, lens)] = StoredTile(r.path, dtype, bo, nbytes, sums, r.nbytes, r.frames)
+    files = {r.path: (r.nbytes, r.frames) for r in reports}
+    return TileIndex(url, save_id, chunk_bytes, tiles, dirs | {shared_dir(r.path) for r in reports}, files)
 
 
 # -- The steps of :mod:`.finish` under dedup (each a no-op without it) ---------------------------
@@ -168,10 +214,17 @@ def write_shared(
     """Every rank: write the tiles that changed into the shared directory; report them and the references."""
     d = save.dedup
     assert d is not None
-    split = split_writes(save.save_id, save.plan.layouts, staged, d.index if share else None, save.options.chunk_bytes)
-    written = write(d.tiles, WriteRequest(split.files, save.options.chunk_bytes, save.options.io_threads))
-    reports.extend(shared_reports(written))
-    reports.extend(split.referenced)
+    index = d.index if share else None
+    delta = d.tiles if save.options.compress else None
+    split = split_writes(save.save_id, save.plan.layouts, staged, index, save.options.chunk_bytes, delta)
+    if any(f.bases for f in split.files):
+        write = write_tiles  # delta bases are read through this process's storage
+    written = write(
+        d.tiles, WriteRequest(split.files, save.options.chunk_bytes, save.options.io_threads, save.options.compress)
+    )
+    mine = [*shared_reports(written), *split.referenced]
+    reports.extend(mine)
+    reports.extend(parent_reports(mine, index))
     return written
 
 

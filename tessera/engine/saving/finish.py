@@ -283,6 +283,7 @@ def _write(
             files=tuple(file_write(f"{prefix}/{lay.name}", lay, st) for lay, st in zip(save.plan.layouts, staged)),
             chunk_bytes=save.options.chunk_bytes,
             threads=save.options.io_threads,
+            compress=save.options.compress,
         )
         written = write(save.store, request)
         reports.extend(FileReport.of(w) for w in written)

@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from ...format.codec import FrameTable
 from ...format.rank_report import RankReportDoc, ReportTiles
 from ...format.tilefile import FileLayout
 from ...options import SaveOptions
@@ -138,6 +139,8 @@ class FileReport:
     byte_offsets: tuple[int, ...]
     checksums: tuple[tuple[int, ...], ...]
     """Each tile's chunk checksums (xxh3-64), in order."""
+    frames: FrameTable | None = None
+    """A compressed file's frame table (:mod:`tessera.format.codec`); None for a plain file."""
 
     @classmethod
     def of(cls, written: WrittenFile, path: str | None = None) -> FileReport:
@@ -152,6 +155,7 @@ class FileReport:
             lengths=tuple(t.box.lengths for t in tiles),
             byte_offsets=tuple(t.byte_offset for t in tiles),
             checksums=tuple(t.checksums for t in tiles),
+            frames=written.frames,
         )
 
 
@@ -183,7 +187,16 @@ def rank_report(
             row += 1
     sums_all = np.fromiter((c for f in files for s in f.checksums for c in s), dtype=np.uint64)
     tiles = ReportTiles(
-        tuple((f.path, f.nbytes) for f in files), names, file, name, offs, lens, byte_offset, chunks, sums_all
+        tuple((f.path, f.nbytes) for f in files),
+        names,
+        file,
+        name,
+        offs,
+        lens,
+        byte_offset,
+        chunks,
+        sums_all,
+        tuple(f.frames for f in files) if any(f.frames is not None for f in files) else (),
     )
     copies = None if replicas is None else (replicas.names, replicas.resolve())
     return RankReportDoc(rank, save_id, tiles, values.values, values.per_rank, timings, copies)

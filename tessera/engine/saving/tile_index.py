@@ -8,8 +8,9 @@ newest step's manifest after a restart) and hands it to the engine in a :class:`
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from ...format.codec import FrameTable
 from ...format.manifest import Manifest
 from ...format.names import SHARED_REF, is_shared_ref
 from ...storage import Storage
@@ -36,6 +37,8 @@ class StoredTile:
     nbytes: int
     checksums: tuple[int, ...]
     file_nbytes: int
+    file_frames: FrameTable | None = None
+    """The frame table of the file holding it, if that file is compressed (the manifest repeats it)."""
 
 
 @dataclass(frozen=True)
@@ -56,11 +59,15 @@ class TileIndex:
     chunk_bytes: int
     tiles: Mapping[TileKey, StoredTile]
     dirs: frozenset[str]
+    files: Mapping[str, tuple[int, FrameTable | None]] = field(default_factory=dict)
+    """Every file the base's manifest lists: its size and frame table (delta tiles read their
+    parents through these, and a manifest lists every file its delta frames need)."""
 
     @classmethod
     def of_manifest(cls, manifest: Manifest, url: str) -> TileIndex:
         """Every shared tile of a committed manifest (a step of this root, read at start-up)."""
         sizes = {f.path: f.nbytes for f in manifest.files}
+        frames = {f.path: f.frames for f in manifest.files}
         tiles: dict[TileKey, StoredTile] = {}
         renamed = manifest.metadata.get("tile_names") or {}
         for fqn, entry in manifest.tensors.items():
@@ -85,10 +92,11 @@ class TileIndex:
                 if not is_shared_ref(path):
                     continue
                 tiles[(fqn, tuple(offs), tuple(lens))] = StoredTile(
-                    path, entry.dtype, bo, nb, tuple(sums[starts[i] : starts[i + 1]]), sizes[path]
+                    path, entry.dtype, bo, nb, tuple(sums[starts[i] : starts[i + 1]]), sizes[path], frames[path]
                 )
         dirs = frozenset(shared_dir(f.path) for f in manifest.files if is_shared_ref(f.path))
-        return cls(url, manifest.save_id, manifest.chunk_bytes, tiles, dirs)
+        files = {f.path: (f.nbytes, f.frames) for f in manifest.files}
+        return cls(url, manifest.save_id, manifest.chunk_bytes, tiles, dirs, files)
 
 
 @dataclass(frozen=True)

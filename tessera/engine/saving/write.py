@@ -12,16 +12,32 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import xxhash
 
 from ...errors import StorageError
+from ...format.codec import MAX_CHAIN, DeltaColumns, FrameTable, delta_lanes, encode_chunk, file_header, subtract
 from ...format.geometry import Box
 from ...format.tilefile import FileLayout
 from ...storage.base import Storage
 from ...storage.capabilities import SyncsDirs
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class DeltaBase:
+    """The tile a changed tile may be stored as a difference from (delta tiles, under dedup)."""
+
+    ref: str
+    """The manifest reference of the file holding it."""
+    byte_offset: int
+    """Its logical offset in that file."""
+    table: FrameTable
+    """That file's frame table."""
+    read: Callable[[int, memoryview], None]
+    """Fills the buffer with that file's logical bytes from the offset given."""
 
 
 @dataclass(frozen=True)
@@ -38,6 +54,8 @@ class FileWrite:
     pieces: Callable[[int], Iterator[memoryview]] | None = None
     """Under a memory budget: slot ``i``'s bytes come as consecutive pieces of ``pieces(i)``
     (each valid until the next is asked for) instead of from ``tiles``."""
+    bases: Mapping[int, DeltaBase] = field(default_factory=dict)
+    """Compressed writes: the tile slot ``i`` may be stored as a difference from (by index)."""
 
 
 @dataclass(frozen=True)
@@ -49,6 +67,8 @@ class WriteRequest:
     """Checksum granularity."""
     threads: int
     """Files written in parallel."""
+    compress: bool = False
+    """Store each chunk as a frame (:mod:`tessera.format.codec`) instead of the safetensors layout."""
 
 
 @dataclass(frozen=True)
@@ -70,6 +90,8 @@ class WrittenFile:
     nbytes: int
     tiles: tuple[WrittenTile, ...]
     seconds: float
+    frames: FrameTable | None = None
+    """For a compressed file: where its logical chunks are stored (``nbytes`` is the stored size)."""
 
 
 def checksum_chunks(data: memoryview, chunk_bytes: int) -> Iterator[tuple[memoryview, int]]:
@@ -126,10 +148,14 @@ def _write_one(
     progress: Progress | None = None,
     known_sums: Mapping[int, tuple[int, ...]] | None = None,
     pieces: Callable[[int], Iterator[memoryview]] | None = None,
+    compress: bool = False,
+    bases: Mapping[int, DeltaBase] | None = None,
 ) -> WrittenFile:
     t0 = time.monotonic()
     tiles: list[WrittenTile] = []
     known = known_sums or {}
+    if compress:
+        return _write_framed(storage, path, layout, staged, chunk_bytes, progress, pieces, bases or {})
 
     def streamed() -> Iterator[memoryview | bytes]:
         """The tiles' bytes from ``pieces``, checksummed across piece boundaries."""
@@ -171,6 +197,116 @@ def _write_one(
     return WrittenFile(path, layout.nbytes, tuple(tiles), time.monotonic() - t0)
 
 
+def _whole_chunks(parts: Iterator[memoryview], chunk_bytes: int) -> Iterator[memoryview]:
+    """``parts`` (each valid until the next is asked for) regrouped into whole chunks (the last
+    may be shorter); parts that already hold whole chunks are passed through without a copy."""
+    buf = bytearray(chunk_bytes)
+    filled = 0
+    for part in parts:
+        pos = 0
+        while pos < len(part):
+            if not filled and len(part) - pos >= chunk_bytes:
+                yield part[pos : pos + chunk_bytes]
+                pos += chunk_bytes
+                continue
+            n = min(chunk_bytes - filled, len(part) - pos)
+            buf[filled : filled + n] = part[pos : pos + n]
+            filled += n
+            pos += n
+            if filled == chunk_bytes:
+                yield memoryview(buf)
+                filled = 0
+    if filled:
+        yield memoryview(buf)[:filled]
+
+
+def _write_framed(
+    storage: Storage,
+    path: str,
+    layout: FileLayout,
+    staged: Sequence[torch.Tensor],
+    chunk_bytes: int,
+    progress: Progress | None,
+    pieces: Callable[[int], Iterator[memoryview]] | None,
+    bases: Mapping[int, DeltaBase],
+) -> WrittenFile:
+    """Write a compressed data file: its header, then one frame per checksum chunk of each tile.
+
+    The tiles keep their logical byte offsets (``layout``'s); the returned frame table says where
+    each chunk is stored. Checksums are of the logical bytes. A chunk of a tile with a base in
+    ``bases`` is stored as its difference from the base's chunk where that is smaller.
+    """
+    t0 = time.monotonic()
+    tiles: list[WrittenTile] = []
+    header = file_header()
+    logical: list[int] = []
+    stored: list[int] = []
+    parents: dict[str, int] = {}
+    delta_cols: list[tuple[int, int, int, int]] = []  # per frame: parent + 1, offset, depth, lanes
+
+    def tile_parts(i: int) -> Iterator[memoryview]:
+        if pieces is not None:
+            yield from pieces(i)
+        elif staged[i].numel():
+            yield staged[i].numpy().data
+
+    def frames() -> Iterator[memoryview | bytes]:
+        yield header
+        for i, slot in enumerate(layout.slots):
+            size = slot.dtype.itemsize
+            sums = []
+            for c in _whole_chunks(tile_parts(i), chunk_bytes):
+                sums.append(xxhash.xxh3_64_intdigest(c))
+                frame = encode_chunk(c, size)
+                out = c if frame is None else frame
+                base = bases.get(i)
+                diff = None if base is None else _delta_frame(base, len(sums) - 1, c, chunk_bytes, size)
+                if diff is not None and len(diff[0]) < len(out):
+                    out = diff[0]
+                    delta_cols.append((parents.setdefault(base.ref, len(parents)) + 1, *diff[1:]))  # type: ignore[union-attr]
+                else:
+                    delta_cols.append((0, 0, 0, 0))
+                logical.append(len(c))
+                stored.append(len(out))
+                yield out
+                if progress is not None:
+                    progress(len(out))
+            tiles.append(WrittenTile(slot.fqn, slot.box, slot.byte_offset, slot.nbytes, tuple(sums)))
+
+    storage.write_file(path, frames())
+    if progress is not None:
+        progress(0)
+    if len(tiles) != len(layout.slots):
+        raise StorageError(f"writing {path}: the storage backend wrote {len(tiles)} of {len(layout.slots)} tiles")
+    first = layout.slots[0].byte_offset if layout.slots else len(layout.header)
+    delta = None
+    if parents:
+        cols = np.array(delta_cols, dtype=np.int64).reshape(-1, 4)
+        delta = DeltaColumns(tuple(parents), cols[:, 0], cols[:, 1], cols[:, 2], cols[:, 3])
+    lengths = np.array(logical, dtype=np.int64), np.array(stored, dtype=np.int64)
+    table = FrameTable(len(header), first, *lengths, delta)
+    return WrittenFile(path, table.stored_end, tuple(tiles), time.monotonic() - t0, table)
+
+
+def _delta_frame(
+    base: DeltaBase, k: int, chunk: memoryview, chunk_bytes: int, itemsize: int
+) -> tuple[bytes, int, int, int] | None:
+    """Chunk ``k``'s frame as a difference from the base's chunk ``k``: (frame, parent offset, depth,
+    lanes), or None where it cannot be one (the base's chunk is cut otherwise, or its chain is full)."""
+    at = base.byte_offset + k * chunk_bytes
+    lanes = delta_lanes(itemsize, len(chunk))
+    pf = base.table.frames(at, at + len(chunk))
+    if lanes is None or len(pf) != 1 or base.table.logical_span(pf[0]) != (at, at + len(chunk)):
+        return None
+    depth = 1 + (int(base.table.delta.depth[pf[0]]) if base.table.delta is not None else 0)
+    if depth > MAX_CHAIN:
+        return None
+    parent = bytearray(len(chunk))
+    base.read(at, memoryview(parent))
+    frame = encode_chunk(subtract(chunk, parent, lanes), lanes.itemsize)
+    return None if frame is None else (frame, at, depth, lanes.itemsize)
+
+
 def write_files(
     storage: Storage,
     files: Sequence[tuple[str, FileLayout, Sequence[torch.Tensor]]],
@@ -178,9 +314,10 @@ def write_files(
     chunk_bytes: int,
     threads: int,
     progress: Progress | None = None,
+    compress: bool = False,
 ) -> list[WrittenFile]:
     """Write every ``(path, layout, staged tile bytes)``: :func:`write_tiles` for callers with tuples."""
-    request = WriteRequest(tuple(FileWrite(p, lay, st) for p, lay, st in files), chunk_bytes, threads)
+    request = WriteRequest(tuple(FileWrite(p, lay, st) for p, lay, st in files), chunk_bytes, threads, compress)
     return write_tiles(storage, request, progress)
 
 
@@ -207,14 +344,35 @@ def write_tiles(storage: Storage, request: WriteRequest, progress: Progress | No
     try:
         if len(files) == 1 or threads == 1:
             written = [
-                _write_one(storage, f.path, f.layout, f.tiles, chunk_bytes, progress, f.known_sums, f.pieces)
+                _write_one(
+                    storage,
+                    f.path,
+                    f.layout,
+                    f.tiles,
+                    chunk_bytes,
+                    progress,
+                    f.known_sums,
+                    f.pieces,
+                    request.compress,
+                    f.bases,
+                )
                 for f in files
             ]
         else:
             with ThreadPoolExecutor(max_workers=min(threads, len(files)), thread_name_prefix="tessera-write") as pool:
                 futures = [
                     pool.submit(
-                        _write_one, storage, f.path, f.layout, f.tiles, chunk_bytes, progress, f.known_sums, f.pieces
+                        _write_one,
+                        storage,
+                        f.path,
+                        f.layout,
+                        f.tiles,
+                        chunk_bytes,
+                        progress,
+                        f.known_sums,
+                        f.pieces,
+                        request.compress,
+                        f.bases,
                     )
                     for f in files
                 ]

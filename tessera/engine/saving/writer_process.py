@@ -163,6 +163,7 @@ class ProcessWriter:
         *,
         chunk_bytes: int,
         threads: int,
+        compress: bool = False,
     ) -> list[WrittenFile]:
         """:func:`tessera.engine.saving.write.write_files`, run in the writer process (same contract)."""
         what = f"writing {len(files)} data file(s) under {storage.url}"
@@ -186,7 +187,7 @@ class ProcessWriter:
                     spans.append((off, n))
                 jobs.append((path, layout, spans))
             every_s = min(_PROGRESS_EVERY_S, _knobs.writer_timeout_s() / 4)
-            request = ("write", storage.url, storage.durable, jobs, chunk_bytes, threads, every_s)
+            request = ("write", storage.url, storage.durable, jobs, chunk_bytes, threads, every_s, compress)
             try:
                 return self._call(channel, request, what)
             except StorageError:
@@ -255,6 +256,7 @@ def write_files_in_process(
     *,
     chunk_bytes: int,
     threads: int,
+    compress: bool = False,
 ) -> list[WrittenFile]:
     """Write like :func:`tessera.engine.saving.write.write_files`, from this process's writer process.
 
@@ -266,8 +268,8 @@ def write_files_in_process(
             or the writer process died.
     """
     if type(storage) is not FileStorage or not files:
-        return write_files(storage, files, chunk_bytes=chunk_bytes, threads=threads)
-    return _writer().write(storage, files, chunk_bytes=chunk_bytes, threads=threads)
+        return write_files(storage, files, chunk_bytes=chunk_bytes, threads=threads, compress=compress)
+    return _writer().write(storage, files, chunk_bytes=chunk_bytes, threads=threads, compress=compress)
 
 
 def shutdown() -> None:
@@ -342,13 +344,15 @@ def _serve(channel: Channel, parent_pid: int) -> None:
                     os.close(fd)
                 reply: Any = None
             elif kind == "write":
-                _, url, durable, jobs, chunk_bytes, threads, every_s[0] = request
+                _, url, durable, jobs, chunk_bytes, threads, every_s[0], compress = request
                 if arena is None:
                     raise CheckpointError("internal error: the writer process has no shared-memory arena")
                 store = FileStorage(url, durable=durable)
                 files = [(p, lay, [arena[o : o + n] for o, n in spans]) for p, lay, spans in jobs]
                 last[0] = time.monotonic()
-                reply = write_files(store, files, chunk_bytes=chunk_bytes, threads=threads, progress=progress)
+                reply = write_files(
+                    store, files, chunk_bytes=chunk_bytes, threads=threads, progress=progress, compress=compress
+                )
             else:
                 raise CheckpointError(f"internal error: unknown writer request {kind!r}")
             with lock:
@@ -371,4 +375,6 @@ def _picklable(e: BaseException) -> BaseException:
 def write_tiles_in_process(storage: Storage, request: WriteRequest) -> list[WrittenFile]:
     """:func:`tessera.engine.saving.write.write_tiles` (the write phase of a save), from this process's writer process."""
     files = [(f.path, f.layout, f.tiles) for f in request.files]
-    return write_files_in_process(storage, files, chunk_bytes=request.chunk_bytes, threads=request.threads)
+    return write_files_in_process(
+        storage, files, chunk_bytes=request.chunk_bytes, threads=request.threads, compress=request.compress
+    )

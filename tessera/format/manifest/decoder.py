@@ -16,10 +16,12 @@ from typing import Any, NamedTuple
 import torch
 
 from ...errors import ManifestError
+from ..codec import FrameTable
 from ..dtypes import dtype_from_name, itemsize
 from ..names import check_reference
 from .schema import (
     CHECKSUM_ALGORITHM,
+    COMPRESSED_VERSION,
     DECODE_RATIO,
     DECODE_SLACK,
     FORMAT,
@@ -100,7 +102,7 @@ class _Head(NamedTuple):
 def _head(data: bytes) -> _Head:
     """The top level of a manifest: everything but tensors, values and the informational fields."""
     doc, version, save_id, world_size, chunk_bytes = head_fields(data, VERSION)
-    return _Head(doc, version, save_id, world_size, chunk_bytes, _files(doc))
+    return _Head(doc, version, save_id, world_size, chunk_bytes, _files(doc, version, chunk_bytes))
 
 
 def head_fields(data: bytes, expected: int) -> tuple[dict, int, str, int, int]:
@@ -110,9 +112,10 @@ def head_fields(data: bytes, expected: int) -> tuple[dict, int, str, int, int]:
     if doc.get("format") != FORMAT:
         raise fail(f"format is {doc.get('format')!r:.40}, expected {FORMAT!r}")
     version = as_int(doc.get("version"), "version", 1)
-    if version > SECTIONED_VERSION:
-        raise fail(f"format version {version} is newer than this tessera reads ({SECTIONED_VERSION}); upgrade tessera")
-    if version != expected:
+    if version > COMPRESSED_VERSION:
+        raise fail(f"format version {version} is newer than this tessera reads ({COMPRESSED_VERSION}); upgrade tessera")
+    # Version 3 is the inline form (version 1) with compressed files.
+    if (VERSION if version == COMPRESSED_VERSION else version) != expected:
         raise fail(
             f"format version {version}: "
             + (
@@ -132,7 +135,7 @@ def head_fields(data: bytes, expected: int) -> tuple[dict, int, str, int, int]:
     return doc, version, save_id, world_size, chunk_bytes
 
 
-def _files(doc: dict) -> tuple[FileEntry, ...]:
+def _files(doc: dict, version: int, chunk_bytes: int) -> tuple[FileEntry, ...]:
     raw_files = doc.get("files")
     if not isinstance(raw_files, list):
         raise fail("files must be a list")
@@ -144,15 +147,25 @@ def _files(doc: dict) -> tuple[FileEntry, ...]:
             path = check_reference(f.get("path"))
         except ManifestError as e:
             raise fail(f"files[{i}]: {e}") from None
-        entry = FileEntry(
-            path,
-            as_int(f.get("rank"), "file rank"),
-            as_int(f.get("bytes"), "file bytes"),
-        )
+        nbytes = as_int(f.get("bytes"), "file bytes")
+        frames = None
+        if "frames" in f:
+            if version != COMPRESSED_VERSION:
+                raise fail(f"files[{i}]: a compressed file (frames) in a version {version} manifest")
+            try:
+                frames = FrameTable.from_json(f["frames"], file_bytes=nbytes, chunk_bytes=chunk_bytes)
+            except ValueError as e:
+                raise fail(f"files[{i}] ({path}): {e}") from None
+        entry = FileEntry(path, as_int(f.get("rank"), "file rank"), nbytes, frames)
         if entry.path in seen_paths:
             raise fail(f"files[{i}]: file {entry.path!r} is listed twice")
         seen_paths.add(entry.path)
         files.append(entry)
+    framed = {fe.path for fe in files if fe.frames is not None}
+    for fe in files:
+        missing = [p for p in (fe.frames.delta.parents if fe.frames and fe.frames.delta else ()) if p not in framed]
+        if missing:
+            raise fail(f"file {fe.path!r}: its delta frames need {missing[0]!r}, not a compressed file of the manifest")
     return tuple(files)
 
 

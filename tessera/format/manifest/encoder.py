@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from .schema import CHECKSUM_ALGORITHM, FORMAT, TABLE_MIN_TILES, VERSION, Manifest, TileTable
+from .schema import CHECKSUM_ALGORITHM, COMPRESSED_VERSION, FORMAT, TABLE_MIN_TILES, VERSION, Manifest, TileTable
 
 _SEPARATORS = (",", ":")
 _WIDTHS = ((np.int8, "int8"), (np.int16, "int16"), (np.int32, "int32"), (np.int64, "int64"))
@@ -34,11 +34,17 @@ def encode(m: Manifest) -> bytes:
     remaps: dict[int, tuple[tuple[str, ...], np.ndarray | None]] = {}
     head = {
         "format": FORMAT,
-        "version": VERSION,  # the inline form, whichever form ``m`` was read from
+        # The inline form, whichever form ``m`` was read from; version 3 where a file is compressed.
+        "version": COMPRESSED_VERSION if any(f.frames is not None for f in m.files) else VERSION,
         "save_id": m.save_id,
         "world_size": m.world_size,
         "checksum": {"algorithm": CHECKSUM_ALGORITHM, "chunk_bytes": m.chunk_bytes},
-        "files": [{"path": f.path, "rank": f.rank, "bytes": f.nbytes} for f in m.files],
+        "files": [
+            {"path": f.path, "rank": f.rank, "bytes": f.nbytes}
+            if f.frames is None
+            else {"path": f.path, "rank": f.rank, "bytes": f.nbytes, "frames": f.frames.to_json()}
+            for f in m.files
+        ],
     }
     tail = manifest_tail(m)
     # The same bytes as json.dumps of the whole document, assembled in parts.

@@ -11,6 +11,8 @@ from typing import Any
 
 import numpy as np
 
+from ..codec import FrameTable
+
 FORMAT = "tessera"
 VERSION = 1
 """The inline form: every tile's details in ``manifest.json``."""
@@ -19,6 +21,9 @@ SECTIONED_VERSION = 2
 (:mod:`tessera.format.manifest.sections`); readers of version 1 refuse it."""
 SECTIONS_NAME = "manifest.sections"
 """File name (under ``data/<save id>/``) of a version 2 manifest's sections."""
+COMPRESSED_VERSION = 3
+"""The inline form with compressed data files (a ``frames`` object on their ``files`` entries);
+readers of versions 1 and 2 refuse it."""
 MAX_SECTIONS_BYTES = 4 << 30
 """The largest sections file a version 2 index may declare."""
 MIN_SECTION_BYTES_PER_TILE = 10
@@ -236,6 +241,14 @@ class FileEntry:
     path: str
     rank: int
     nbytes: int
+    """The stored size."""
+    frames: FrameTable | None = field(default=None, compare=False)
+    """A compressed file's frame table (:mod:`tessera.format.codec`); None for a plain file."""
+
+    @property
+    def logical_bytes(self) -> int:
+        """The size the tiles' byte offsets are relative to: the uncompressed file's."""
+        return self.nbytes if self.frames is None else self.frames.logical_end
 
 
 @dataclass(frozen=True)

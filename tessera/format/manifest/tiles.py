@@ -85,7 +85,8 @@ class Context:
         self.source = source
         self.files = files
         self.paths = tuple(f.path for f in files)
-        self.file_sizes = np.array([f.nbytes for f in files], dtype=np.int64)
+        # Tiles lie inside a file's logical bytes (a compressed file's: what its frames decode to).
+        self.file_sizes = np.array([f.logical_bytes for f in files], dtype=np.int64)
         self.chunk_bytes = chunk_bytes
         self.budget = budget
         self.lock = threading.Lock()  # one decode at a time: the budget is charged once per table

@@ -1,0 +1,534 @@
+"""Compressed tiles (``SaveOptions(compress=True)``, issue #34): bit-exact round trips of every
+dtype, partial decoding, hostile frames, and every path a tile takes (writer threads and
+process, a memory budget, async saves, 2 -> 3 ranks, S3, the manager with dedup, verify,
+inspect, convert).
+
+Sizes are small (a few hundred KiB at most) with a small ``chunk_bytes``, so that tensors span
+several frames and each test stays well under a second or two.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import uuid
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import tessera
+from tessera.errors import CorruptCheckpointError, ManifestError
+from tessera.format.codec import file_header
+from tessera.format.manifest import decode
+from tessera.manager import CheckpointManager
+from tessera.options import SaveOptions, WriterMode
+from tessera.shards import ShardedTensor
+from tests.dist_utils import run_distributed
+from tests.s3_server import moto_endpoint, s3_bucket, s3_options  # noqa: F401 - fixtures
+
+CHUNK = 16384
+NO_TIMINGS = tessera.LoadOptions(record_timings=False)
+
+
+def _opts(**kw: object) -> SaveOptions:
+    return SaveOptions(compress=True, chunk_bytes=CHUNK, **kw)  # type: ignore[arg-type]
+
+
+def _special_floats(dtype: torch.dtype, n: int, g: torch.Generator) -> torch.Tensor:
+    """Trained-like values plus NaNs with payloads, -0.0, infinities and denormals (bit patterns)."""
+    t = (torch.randn(n, generator=g) * 0.02).to(dtype)
+    bits = {
+        torch.float32: torch.int32,
+        torch.float64: torch.int64,
+        torch.bfloat16: torch.int16,
+        torch.float16: torch.int16,
+    }
+    if dtype in bits:
+        raw = t.view(bits[dtype])
+        size = torch.finfo(dtype).bits
+        nan_payload = {32: 0x7FC01234, 64: 0x7FF8000000ABCDEF, 16: 0x7E55 if dtype is torch.float16 else 0x7FC5}[size]
+        neg_zero = {32: -(2**31), 64: -(2**63), 16: -(2**15)}[size]
+        raw[:8] = torch.tensor([nan_payload, neg_zero, 1, 3, -1, 0, 7, nan_payload - 1], dtype=raw.dtype)
+    return t
+
+
+def _every_dtype(g: torch.Generator) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for dt in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
+        out[str(dt).removeprefix("torch.")] = _special_floats(dt, 7000, g).reshape(70, 100)
+    for dt in (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz):
+        out[str(dt).removeprefix("torch.")] = torch.randint(0, 256, (9000,), dtype=torch.uint8, generator=g).view(dt)
+    out["int64"] = torch.randint(-5, 5, (3000,), dtype=torch.int64, generator=g)
+    out["int32"] = torch.arange(9000, dtype=torch.int32).reshape(90, 100)
+    out["int8"] = torch.randint(-128, 127, (5000,), dtype=torch.int8, generator=g)
+    out["uint8_random"] = torch.randint(0, 256, (40000,), dtype=torch.uint8, generator=g)  # incompressible
+    out["bool"] = torch.rand(20000, generator=g) > 0.7
+    out["complex64"] = torch.randn(3000, dtype=torch.complex64, generator=g)
+    out["complex128"] = torch.randn(1000, dtype=torch.complex128, generator=g)
+    out["scalar"] = torch.tensor(-0.0)
+    out["odd"] = torch.randn(7, 3, 5, generator=g)  # smaller than a frame header: stored raw
+    return out
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1).contiguous().view(torch.uint8) if t.dtype is not torch.bool else t.reshape(-1)
+
+
+def _assert_same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    for k, v in want.items():
+        assert got[k].dtype == v.dtype and got[k].shape == v.shape, k
+        assert torch.equal(_bits(got[k]), _bits(v)), f"{k} differs"
+
+
+def _load_into_zeros(path: str, state: dict[str, torch.Tensor], **kw: object) -> tessera.LoadResult:
+    target = {k: torch.zeros_like(v) for k, v in state.items()}
+    result = tessera.load(path, target, options=NO_TIMINGS, **kw)  # type: ignore[arg-type]
+    _assert_same(target, state)
+    return result
+
+
+def _manifest(path: Path) -> dict:
+    return json.loads((path / "manifest.json").read_text())
+
+
+def _stored(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.glob("data/*/*.safetensors"))
+
+
+@pytest.mark.parametrize("writer", [WriterMode.THREAD, WriterMode.PROCESS])
+def test_every_dtype_round_trips_bit_exact(tmp_path: Path, writer: WriterMode) -> None:
+    state = _every_dtype(torch.Generator().manual_seed(0))
+    path = tmp_path / "ckpt"
+    tessera.save(str(path), state, options=_opts(writer=writer))
+    doc = _manifest(path)
+    assert doc["version"] == 3
+    assert all("frames" in f for f in doc["files"])
+    _load_into_zeros(str(path), state)
+    logical = sum(v.numel() * v.element_size() for v in state.values())
+    assert _stored(path) < logical  # the float and integer tensors shrink
+    # the random bytes are stored raw: frames no smaller than their chunks
+    m = tessera.read_manifest(str(path))
+    rnd = m.tensors["uint8_random"].tiles[0]
+    table = next(f.frames for f in m.files if f.path == rnd.file)
+    assert table is not None and table.stored_bytes(rnd.byte_offset, rnd.byte_offset + rnd.nbytes) == rnd.nbytes
+
+
+def test_uncompressed_saves_keep_version_1_and_safetensors_files(tmp_path: Path) -> None:
+    state = {"w": torch.randn(100, 100)}
+    tessera.save(str(tmp_path / "a"), state, options=SaveOptions(compress=False))
+    doc = _manifest(tmp_path / "a")
+    assert doc["version"] == 1 and all("frames" not in f for f in doc["files"])
+
+
+def test_env_knob_turns_compression_on(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("TESSERA_COMPRESS", "1")
+    assert SaveOptions().compress is True
+    monkeypatch.setenv("TESSERA_COMPRESS", "0")
+    assert SaveOptions().compress is False
+
+
+def test_a_partial_load_decodes_only_the_chunks_it_needs(tmp_path: Path) -> None:
+    rows, cols = 256, 1024  # 1 MiB of float32: 64 chunks of 16 KiB
+    w = (torch.randn(rows, cols) * 0.02).to(torch.float32)
+    tessera.save(str(tmp_path / "c"), {"w": w}, options=_opts())
+    part = torch.zeros(16, cols)  # rows 100..115: 64 KiB, 4 or 5 chunks
+    res = tessera.load(str(tmp_path / "c"), {"w": ShardedTensor(part, (rows, cols), (100, 0))}, options=NO_TIMINGS)
+    assert torch.equal(part, w[100:116])
+    needed = part.numel() * 4
+    assert needed <= res.decoded_bytes <= needed + 2 * CHUNK
+
+
+def _corrupt_first_frame(path: Path, how: str) -> str:
+    """Damage the first compressed frame of the file holding ``w``; returns that file's name."""
+    doc = _manifest(path)
+    fi = doc["tensors"]["w"]["tiles"][0][0]
+    entry = doc["files"][fi]
+    m = tessera.read_manifest(str(path))
+    table = next(f.frames for f in m.files if f.path == entry["path"])
+    assert table is not None
+    k = next(i for i in range(len(table.logical)) if table.stored[i] < table.logical[i])
+    a, b = table.stored_span(k)
+    file = path / entry["path"]
+    data = bytearray(file.read_bytes())
+    if how == "flip":
+        data[(a + b) // 2] ^= 0xFF
+    else:  # the frame's header declares 1 GiB of output (blosc2 header bytes 4..8: nbytes)
+        data[a + 4 : a + 8] = (1 << 30).to_bytes(4, "little")
+    file.write_bytes(bytes(data))
+    return entry["path"]
+
+
+@pytest.mark.parametrize("how", ["flip", "lie"])
+def test_a_corrupt_or_lying_frame_fails_the_load_naming_tensor_file_and_rank(tmp_path: Path, how: str) -> None:
+    w = torch.randn(64, 512) * 0.02
+    tessera.save(str(tmp_path / "c"), {"w": w}, options=_opts())
+    name = _corrupt_first_frame(tmp_path / "c", how)
+    with pytest.raises(CorruptCheckpointError) as e:
+        tessera.load(str(tmp_path / "c"), {"w": torch.zeros_like(w)}, options=NO_TIMINGS)
+    text = str(e.value)
+    assert "'w'" in text and name in text and "rank 0" in text
+    report = tessera.verify(str(tmp_path / "c"))
+    assert not report.ok and any(p.tensor == "w" for p in report.problems)
+
+
+def test_a_manifest_whose_frames_lie_about_the_file_is_refused(tmp_path: Path) -> None:
+    tessera.save(str(tmp_path / "c"), {"w": torch.randn(64, 512)}, options=_opts())
+    doc = _manifest(tmp_path / "c")
+    doc["files"][0]["bytes"] += 1  # the frames no longer end where the file does
+    with pytest.raises(ManifestError, match="frames end at byte"):
+        decode(json.dumps(doc).encode())
+    doc["files"][0]["bytes"] -= 1
+    doc["files"][0]["frames"]["codec"] = "lzma"
+    with pytest.raises(ManifestError, match="upgrade tessera"):
+        decode(json.dumps(doc).encode())
+    doc["version"] = 1  # frames in a manifest that claims the uncompressed format
+    doc["files"][0]["frames"]["codec"] = "blosc2-zstd"
+    with pytest.raises(ManifestError, match="version 1"):
+        decode(json.dumps(doc).encode())
+    doc["version"] = 4
+    with pytest.raises(ManifestError, match="format version 4 is newer than this tessera reads"):
+        decode(json.dumps(doc).encode())
+
+
+def test_verify_and_inspect_read_compressed_checkpoints(tmp_path: Path) -> None:
+    from tessera.tools.describe import inspect_data
+
+    state = {"w": torch.randn(128, 256) * 0.02, "b": (torch.randn(4096) * 0.02).to(torch.bfloat16)}
+    tessera.save(str(tmp_path / "c"), state, options=_opts())
+    report = tessera.verify(str(tmp_path / "c"))
+    assert report.ok, report.problems
+    assert report.bytes_checked == sum(v.numel() * v.element_size() for v in state.values())
+    data = inspect_data(str(tmp_path / "c"))
+    per = {t["name"]: t for t in data["tensors"]}
+    assert per["b"]["stored_bytes"] < per["b"]["bytes"] / 1.2  # bf16 weights: about 1.4x
+    assert data["stored_bytes"] == sum(t["stored_bytes"] for t in data["tensors"])
+    header = (tmp_path / "c" / _manifest(tmp_path / "c")["files"][0]["path"]).read_bytes()[:128]
+    assert header == file_header() and len(header) == 128
+
+
+def test_async_save_under_a_memory_budget_compresses_streamed_tiles(tmp_path: Path) -> None:
+    g = torch.Generator().manual_seed(1)
+    state = {"a": torch.randn(300, 200, generator=g) * 0.02, "b": torch.randn(50000, generator=g).to(torch.bfloat16)}
+    pending = tessera.async_save(str(tmp_path / "c"), state, options=_opts(max_staging_bytes=20000))
+    pending.wait()
+    assert _manifest(tmp_path / "c")["version"] == 3
+    _load_into_zeros(str(tmp_path / "c"), state)
+
+
+def test_convert_reads_a_compressed_checkpoint(tmp_path: Path) -> None:
+    from tessera.tools.convert import convert_checkpoint
+
+    state = {"w": torch.randn(64, 64), "n": torch.arange(100)}
+    tessera.save(str(tmp_path / "c"), state, options=_opts())
+    convert_checkpoint(str(tmp_path / "c"), str(tmp_path / "out.pt"), dst_format="torch")
+    loaded = torch.load(tmp_path / "out.pt", weights_only=True)
+    _assert_same({k: loaded[k] for k in state}, state)
+
+
+def test_convert_to_tessera_writes_compressed_with_the_knob(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from tessera.tools.convert import convert_checkpoint
+
+    state = {"w": torch.randn(128, 64) * 0.02, "n": torch.arange(100)}
+    torch.save(state, tmp_path / "in.pt")
+    monkeypatch.setenv("TESSERA_COMPRESS", "1")
+    convert_checkpoint(str(tmp_path / "in.pt"), str(tmp_path / "out"))
+    assert _manifest(tmp_path / "out")["version"] == 3
+    _load_into_zeros(str(tmp_path / "out"), state)
+    monkeypatch.setenv("TESSERA_COMPRESS", "0")
+    convert_checkpoint(str(tmp_path / "out"), str(tmp_path / "plain"), src_format="tessera", dst_format="torch")
+    _assert_same({k: v for k, v in torch.load(tmp_path / "plain", weights_only=True).items() if k in state}, state)
+
+
+def test_manager_compress_with_dedup_keeps_every_step_loadable(tmp_path: Path) -> None:
+    root = str(tmp_path / "run")
+    frozen = torch.randn(256, 256) * 0.02
+    states = {}
+    with CheckpointManager(root, dedup=True, compress=True, load_options=NO_TIMINGS) as mgr:
+        for step in (1, 2, 3):
+            states[step] = {"frozen": frozen, "moving": torch.full((1000,), float(step))}
+            mgr.save(step, states[step])
+    shutil.rmtree(os.path.join(root, "step-00000001"))  # the step whose files the others reference
+    for step in (2, 3):
+        _load_into_zeros(os.path.join(root, f"step-{step:08d}"), states[step])
+        doc = json.loads(Path(root, f"step-{step:08d}", "manifest.json").read_text())
+        assert doc["version"] == 3
+
+
+# -- Two ranks save, three load --------------------------------------------------------------
+
+ROWS, COLS = 96, 512
+
+
+def _global() -> torch.Tensor:
+    return (torch.randn(ROWS, COLS, generator=torch.Generator().manual_seed(3)) * 0.02).to(torch.float32)
+
+
+def _rows(rank: int, world: int) -> tuple[int, int]:
+    per = math.ceil(ROWS / world)
+    return rank * per, min(ROWS, (rank + 1) * per)
+
+
+def _save_rows(rank: int, world: int, path: str) -> None:
+    a, b = _rows(rank, world)
+    tessera.save(path, {"w": ShardedTensor(_global()[a:b].clone(), (ROWS, COLS), (a, 0))}, options=_opts())
+
+
+def _load_rows(rank: int, world: int, path: str) -> tuple[int, int]:
+    a, b = _rows(rank, world)
+    part = torch.zeros(b - a, COLS)
+    res = tessera.load(path, {"w": ShardedTensor(part, (ROWS, COLS), (a, 0))}, options=NO_TIMINGS)
+    assert torch.equal(part, _global()[a:b])
+    return res.decoded_bytes, part.numel() * 4
+
+
+def test_two_ranks_save_compressed_three_load_decoding_only_their_rows(tmp_path: Path) -> None:
+    path = str(tmp_path / "c")
+    run_distributed(_save_rows, 2, path)
+    results = run_distributed(_load_rows, 3, path)
+    for decoded, needed in results:
+        # whole chunks around each rank's rows: at most one extra chunk at each end of each tile
+        assert needed <= decoded <= needed + 4 * CHUNK
+
+
+@pytest.mark.s3
+def test_compressed_save_and_load_on_s3(moto_endpoint: str, s3_bucket: str) -> None:
+    opts = s3_options(moto_endpoint)
+    url = f"s3://{s3_bucket}/{uuid.uuid4().hex}/ckpt"
+    state = _every_dtype(torch.Generator().manual_seed(4))
+    tessera.save(url, state, options=_opts(), storage_options=opts)
+    target = {k: torch.zeros_like(v) for k, v in state.items()}
+    tessera.load(url, target, options=NO_TIMINGS, storage_options=opts)
+    _assert_same(target, state)
+    assert tessera.read_manifest(url, storage_options=opts).version == 3
+    assert tessera.verify(url, storage=tessera.storage.storage_for(url, storage_options=opts)).ok
+
+
+def test_frames_bound_declared_sizes_before_decoding() -> None:
+    from tessera.format.codec import FrameError, decode_chunk, encode_chunk
+
+    data = np.arange(4096, dtype=np.float32).tobytes()
+    frame = encode_chunk(data, 4)
+    assert frame is not None and len(frame) < len(data)
+    out = bytearray(len(data))
+    decode_chunk(frame, memoryview(out))
+    assert bytes(out) == data
+    with pytest.raises(FrameError, match="declares"):
+        decode_chunk(frame, memoryview(bytearray(len(data) - 4)))
+    with pytest.raises(FrameError):
+        decode_chunk(frame[:-5], memoryview(out))
+    assert encode_chunk(os.urandom(8192), 1) is None  # incompressible: stored raw
+
+
+def test_the_local_tier_keeps_compressed_steps(tmp_path: Path) -> None:
+    state = {"w": torch.randn(256, 256) * 0.02, "b": (torch.randn(5000) * 0.02).to(torch.bfloat16)}
+    local = str(tmp_path / "local" / "t-{node}")
+    with CheckpointManager(
+        str(tmp_path / "root"),
+        local_dir=local,
+        local_replicas=0,
+        durable_every=2,
+        compress=True,
+        load_options=NO_TIMINGS,
+    ) as mgr:
+        mgr.save(1, state)  # local only
+        target = {k: torch.zeros_like(v) for k, v in state.items()}
+        assert mgr.load(target).step == 1
+        _assert_same(target, state)
+    node_manifest = tmp_path / "local" / "t-0" / "step-00000001" / "manifest.json"
+    assert json.loads(node_manifest.read_text())["version"] == 3
+
+
+def test_a_compressed_manifest_stays_inline_past_the_sections_threshold(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("TESSERA_SECTIONED_MANIFEST_TILES", "0")  # would write version 2
+    state = {"w": torch.randn(64, 64)}
+    tessera.save(str(tmp_path / "c"), state, options=_opts())
+    assert _manifest(tmp_path / "c")["version"] == 3
+    _load_into_zeros(str(tmp_path / "c"), state)
+    tessera.save(str(tmp_path / "p"), state, options=SaveOptions(compress=False))
+    assert _manifest(tmp_path / "p")["version"] == 2
+
+
+def test_diff_compares_a_compressed_checkpoint_with_an_uncompressed_one(tmp_path: Path) -> None:
+    from tessera.convert.compare import diff_checkpoints
+
+    state = {"w": torch.randn(128, 64) * 0.02, "h": (torch.randn(3000) * 0.02).to(torch.bfloat16)}
+    tessera.save(str(tmp_path / "c"), state, options=_opts())
+    tessera.save(str(tmp_path / "p"), state, options=SaveOptions(compress=False))
+    same = diff_checkpoints(str(tmp_path / "c"), str(tmp_path / "p"))
+    assert not same.tensors and same.same_tensors == 2
+    state["w"][5, 5] += 1
+    tessera.save(str(tmp_path / "p"), state, options=SaveOptions(compress=False))
+    assert [d.name for d in diff_checkpoints(str(tmp_path / "c"), str(tmp_path / "p")).tensors] == ["w"]
+
+
+# -- Delta tiles (dedup=True and compress=True) ----------------------------------------------------
+
+
+def _training_like(steps: int, g: torch.Generator) -> dict[int, dict[str, torch.Tensor]]:
+    """States of a slowly moving model: every step changes every weight a little."""
+    w = torch.randn(128, 256, generator=g) * 0.02
+    m = torch.rand(8192, generator=g) * 1e-6
+    out = {}
+    for s in range(1, steps + 1):
+        w = w + torch.randn(w.shape, generator=g) * 1e-5
+        m = m * 0.999 + torch.rand(m.shape, generator=g) * 1e-9
+        out[s] = {"w": w.clone(), "exp_avg_sq": m.clone(), "bf": w.to(torch.bfloat16)[:64], "frozen": torch.ones(64)}
+    return out
+
+
+def _delta_files(root: str, step: int) -> tuple[int, int]:
+    """(files the step's manifest lists, of which with delta frames)."""
+    doc = json.loads(Path(root, f"step-{step:08d}", "manifest.json").read_text())
+    return len(doc["files"]), sum("delta" in f.get("frames", {}) for f in doc["files"])
+
+
+def test_delta_tiles_are_smaller_chains_end_and_every_step_loads_after_any_other_is_deleted(tmp_path: Path) -> None:
+    states = _training_like(11, torch.Generator().manual_seed(5))
+    root = str(tmp_path / "run")
+    written = {}
+    with CheckpointManager(root, dedup=True, compress=True, save_options=_opts(), load_options=NO_TIMINGS) as mgr:
+        for s, st in states.items():
+            written[s] = mgr.save(s, st).bytes_written
+    assert written[2] < 0.85 * written[1]  # a delta step is smaller than a whole one
+    assert _delta_files(root, 2)[1] >= 1
+    # chains end: step 9 is 8 hops from step 1, so step 10 stores whole tiles again
+    assert _delta_files(root, 9)[1] >= 1 and _delta_files(root, 10)[1] == 0
+    assert written[10] > written[9]
+    for gone in (1, 5, 9):  # the head of a chain, a middle link, its last link
+        copy = tmp_path / f"without-{gone}"
+        shutil.copytree(root, copy)
+        shutil.rmtree(copy / f"step-{gone:08d}")
+        for s, st in states.items():
+            if s != gone:
+                _load_into_zeros(str(copy / f"step-{s:08d}"), st)
+        shutil.rmtree(copy)
+    assert tessera.verify(os.path.join(root, "step-00000009")).ok
+
+
+def test_retention_keeps_the_parents_of_delta_tiles(tmp_path: Path) -> None:
+    states = _training_like(7, torch.Generator().manual_seed(6))
+    root = str(tmp_path / "run")
+    with CheckpointManager(
+        root, dedup=True, compress=True, keep_last=2, save_options=_opts(), load_options=NO_TIMINGS
+    ) as mgr:
+        for s, st in states.items():
+            mgr.save(s, st)
+        assert mgr.steps() == [6, 7]
+    files, deltas = _delta_files(root, 7)
+    assert deltas >= 1 and files > 2  # step 7 lists its parents' files: the collection kept them
+    for s in (6, 7):
+        _load_into_zeros(os.path.join(root, f"step-{s:08d}"), states[s])
+
+
+def test_every_dtype_round_trips_delta_coded(tmp_path: Path) -> None:
+    g = torch.Generator().manual_seed(7)
+    one = _every_dtype(g)
+    two = {}
+    for k, v in one.items():  # change a few elements' bits: most of each tile is unchanged
+        b = v.clone()
+        raw = b.reshape(-1).view(torch.uint8) if b.dtype is not torch.bool else None
+        if raw is not None:
+            raw[::97] ^= 0x5A
+        else:
+            b.reshape(-1)[::97] ^= True
+        two[k] = b
+    root = str(tmp_path / "run")
+    with CheckpointManager(root, dedup=True, compress=True, save_options=_opts(), load_options=NO_TIMINGS) as mgr:
+        mgr.save(1, one)
+        mgr.save(2, two)
+    assert _delta_files(root, 2)[1] >= 1
+    shutil.rmtree(os.path.join(root, "step-00000001"))
+    _load_into_zeros(os.path.join(root, "step-00000002"), two)
+
+
+def test_a_corrupt_parent_frame_fails_the_child_and_hostile_delta_columns_are_refused(tmp_path: Path) -> None:
+    states = _training_like(2, torch.Generator().manual_seed(8))
+    root = tmp_path / "run"
+    with CheckpointManager(str(root), dedup=True, compress=True, save_options=_opts(), load_options=NO_TIMINGS) as mgr:
+        for s, st in states.items():
+            mgr.save(s, st)
+    doc = _manifest(root / "step-00000002")
+    child = next(f for f in doc["files"] if "delta" in f.get("frames", {}))
+    parents = child["frames"]["delta"]["parents"]
+    hostile = json.loads(json.dumps(doc))
+    hostile["files"] = [f for f in doc["files"] if f["path"] not in parents]
+    with pytest.raises(ManifestError, match="delta frames need"):
+        decode(json.dumps(hostile).encode())
+    hostile = json.loads(json.dumps(doc))
+    entry = next(f for f in hostile["files"] if f["path"] == child["path"])
+    entry["frames"]["delta"]["parents"] = []
+    with pytest.raises(ManifestError, match="parent index past the parents"):
+        decode(json.dumps(hostile).encode())
+    # the parent's bytes damaged: the child's tiles that are differences from them fail to load
+    parent = parents[0].removeprefix("@tiles/")
+    pfile = root / ".tessera-tiles" / parent
+    data = bytearray(pfile.read_bytes())
+    for i in range(200, len(data), 997):
+        data[i] ^= 0xFF
+    pfile.write_bytes(bytes(data))
+    with pytest.raises(CorruptCheckpointError):
+        _load_into_zeros(str(root / "step-00000002"), states[2])
+
+
+def _save_delta_steps(rank: int, world: int, root: str) -> None:
+    states = _training_like(3, torch.Generator().manual_seed(9))
+    with CheckpointManager(root, dedup=True, compress=True, save_options=_opts(), load_options=NO_TIMINGS) as mgr:
+        for s, st in states.items():
+            a, b = _rows(rank, world)
+            w = st["w"]
+            mgr.save(
+                s,
+                {
+                    **st,
+                    "w": ShardedTensor(
+                        w[a * 128 // ROWS : b * 128 // ROWS].clone(), tuple(w.shape), (a * 128 // ROWS, 0)
+                    ),
+                },
+            )
+
+
+def _load_delta_step(rank: int, world: int, root: str) -> None:
+    want = _training_like(3, torch.Generator().manual_seed(9))[3]
+    a, b = _rows(rank, world)
+    lo, hi = a * 128 // ROWS, b * 128 // ROWS
+    part = torch.zeros(hi - lo, 256)
+    target = {k: torch.zeros_like(v) for k, v in want.items() if k != "w"}
+    tessera.load(
+        os.path.join(root, "step-00000003"),
+        {**target, "w": ShardedTensor(part, (128, 256), (lo, 0))},
+        options=NO_TIMINGS,
+    )
+    assert torch.equal(part, want["w"][lo:hi])
+    _assert_same(target, {k: v for k, v in want.items() if k != "w"})
+
+
+@pytest.mark.slow  # 3 steps on 2 ranks, then 3 ranks: about 10-30 s on the 2-core machine
+def test_delta_tiles_saved_on_two_ranks_load_on_three(tmp_path: Path) -> None:
+    root = str(tmp_path / "run")
+    run_distributed(_save_delta_steps, 2, root)
+    assert _delta_files(root, 3)[1] >= 1
+    shutil.rmtree(os.path.join(root, "step-00000001"))
+    run_distributed(_load_delta_step, 3, root)
+
+
+@pytest.mark.s3
+def test_delta_tiles_on_s3(moto_endpoint: str, s3_bucket: str) -> None:
+    opts = s3_options(moto_endpoint)
+    root = f"s3://{s3_bucket}/{uuid.uuid4().hex}/run"
+    states = _training_like(3, torch.Generator().manual_seed(10))
+    with CheckpointManager(
+        root, dedup=True, compress=True, storage_options=opts, save_options=_opts(), load_options=NO_TIMINGS
+    ) as mgr:
+        for s, st in states.items():
+            mgr.save(s, st)
+    m = tessera.read_manifest(f"{root}/step-00000003", storage_options=opts)
+    assert any(f.frames is not None and f.frames.delta is not None for f in m.files)
+    target = {k: torch.zeros_like(v) for k, v in states[3].items()}
+    tessera.load(f"{root}/step-00000003", target, options=NO_TIMINGS, storage_options=opts)
+    _assert_same(target, states[3])
