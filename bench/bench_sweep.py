@@ -18,7 +18,7 @@ one run, medians of ``--repeat``:
 
 The last table gives seconds per GB of each figure at each size and the ratio of the largest
 size to the smallest: cost per GB that grows shows there. Memory is kept within the machine:
-the limits use one buffer of at most 1 GiB reused (the disk sees the same bytes), and the load
+the limits use one buffer of at most 512 MiB reused (the disk sees the same bytes), and the load
 targets exist only after the saves, so a rank holds at most twice its state (the state and a
 staging copy, or the state and the load's targets).
 
@@ -48,7 +48,7 @@ from torch.distributed.tensor import Shard
 
 import tessera
 
-LIMIT_BUFFER = 1 << 30
+LIMIT_BUFFER = 512 << 20
 """The largest buffer a limit measurement allocates; larger states reuse it (same bytes on disk)."""
 
 
@@ -138,7 +138,7 @@ def worker(rank: int, world: int, store: str, args: argparse.Namespace, gb: floa
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     mesh = init_device_mesh("cpu", (world,))
     cols = 4096
-    rows = max(world, int(gb * (1 << 30) * world) // (4 * cols * args.tensors))
+    rows = max(world, int(gb * 1e9 * world) // (4 * cols * args.tensors))
     src = make_state(mesh, args.tensors, rows, cols, Shard(0), fill=True)
     rank_bytes = sum(t.to_local().numel() * 4 for t in src.values())
     rec: dict[str, list] = {"rank_bytes": [rank_bytes]}
