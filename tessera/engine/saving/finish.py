@@ -36,8 +36,9 @@ from ...errors import (
     PlanMismatchError,
     StorageError,
 )
+from ...format.manifest import EncodedSections, Manifest
 from ...format.names import DATA_DIR
-from ...format.rank_report import RankReportDoc, decode_report, encode_report, report_path
+from ...format.rank_report import RankReportDoc, decode_report, details, encode_report, report_path
 from ...options import WriterMode
 from ...results import SaveResult
 from ...storage.capabilities import PartialVisibility
@@ -50,6 +51,7 @@ from .assemble import build_manifest, check_coverage
 from .handoff import CommitOutcome, FileReport, PreparedSave, rank_report
 from .prepare import plan_mismatch, save_ballot
 from .replicas import check_replicas
+from .sectioned import build_sectioned, tile_count
 from .sources import Staged
 from .window import WindowedTiles, file_write
 from .write import WriteRequest, WrittenFile, write_tiles
@@ -248,8 +250,12 @@ def _read_report(save: PreparedSave, path: str, rank: int) -> bytes:
         raise StorageError(f"rank 0: reading the report {path} of rank {rank} failed: {type(e).__name__}: {e}") from e
 
 
-def _reports(world: World, save: PreparedSave, docs: list[RankReportDoc], blobs: list[bytes]) -> list[RankReportDoc]:
-    """Rank 0: every rank's report, by rank (they are durable: every rank voted after writing its own)."""
+def _reports(
+    world: World, save: PreparedSave, docs: list[RankReportDoc], blobs: list[bytes], *, detailed: bool = True
+) -> list[RankReportDoc]:
+    """Rank 0: every rank's report, by rank (they are durable: every rank voted after writing its own).
+
+    Without ``detailed`` only their geometry is decoded, their sections kept as written."""
     raw: dict[int, bytes]
     if _through_storage(save):
         paths = {report_path(save.save_id, r): r for r in range(1, world.size)}
@@ -260,7 +266,7 @@ def _reports(world: World, save: PreparedSave, docs: list[RankReportDoc], blobs:
     out = [docs[0]]
     for r in range(1, world.size):
         source = f"{save.path}/{report_path(save.save_id, r)}"
-        out.append(decode_report(raw[r], source=source, rank=r, save_id=save.save_id))
+        out.append(decode_report(raw[r], source=source, rank=r, save_id=save.save_id, details=detailed))
     return out
 
 
@@ -310,15 +316,25 @@ def _commit(
         CheckpointError: the commit failed (see :func:`tessera.engine.commit.commit_manifest`).
     """
     assert save.plan.metas is not None  # rank 0 holds the global tensor table
+    manifest: Manifest | EncodedSections
+    # A large save commits its ranks' own sections (format version 2) without decoding them;
+    # under dedup ranks may list one shared file twice: the manifest is assembled whole then.
+    joined = _through_storage(save) and save.dedup is None
     try:
-        reports = _reports(world, save, docs, blobs)
+        reports = _reports(world, save, docs, blobs, detailed=not joined)
         check_replicas(save.path, [d.replicas for d in reports])
-        manifest = dedup.annotate(
-            save, build_manifest(world.size, save.plan.metas, reports, save.save_id, save.options)
-        )
-        if save.plan.derived:  # no rank saw the others' boxes: check every tensor is covered once
-            check_coverage(manifest)
-        dedup.check_shared(save, manifest)
+        if joined and commit.sectioned_for(save.store, tile_count(reports)):
+            manifest = build_sectioned(
+                world.size, save.plan.metas, reports, save.save_id, save.options, check_coverage=save.plan.derived
+            )
+        else:
+            reports = [details(d, f"{save.path}/{report_path(save.save_id, r)}") for r, d in enumerate(reports)]
+            manifest = dedup.annotate(
+                save, build_manifest(world.size, save.plan.metas, reports, save.save_id, save.options)
+            )
+            if save.plan.derived:  # no rank saw the others' boxes: check every tensor is covered once
+                check_coverage(manifest)
+            dedup.check_shared(save, manifest)
     except BaseException:
         commit.abandon(save.store, claim, [], save.path)
         dedup.abandon(save)
@@ -337,5 +353,8 @@ def _commit(
         except Exception as e:
             logger.debug("could not remove the rank reports of %s: %s", save.path, e)
     timings = {r: d.timings for r, d in enumerate(reports)}
-    out.append(CommitOutcome(dedup.bytes_written(save, manifest), timings, dedup.dirs_of(save, manifest)))
+    if isinstance(manifest, EncodedSections):
+        out.append(CommitOutcome(sum(f.nbytes for f in manifest.files), timings))
+    else:
+        out.append(CommitOutcome(dedup.bytes_written(save, manifest), timings, dedup.dirs_of(save, manifest)))
     return [out[0].total_bytes]

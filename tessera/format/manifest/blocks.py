@@ -8,9 +8,14 @@ the other (``offsets`` per dimension, ``lengths`` per dimension, ``section``), e
 the difference from the row before it in the block (the block's first row as is), all as
 little-endian signed integers of one width (1, 2, 4 or 8 bytes: the inflated size says which).
 
+A tensor's sections never decrease along its rows, so each section's rows are one run; a
+row's ``k`` (its place among its section's tiles of the tensor, how the section finds it) is
+its distance from the run's start, plus the block's ``lead`` for the block's first run.
+
 Decoding is bounded and strict: a block must inflate to exactly its rows' bytes, its values
-must be in ``[0, 2**62)``, its sections below the section count, and its tiles inside the
-range the index gives for it (the range a reader trusted to skip it). See ``docs/format.md``.
+must be in ``[0, 2**62)``, its sections below the section count and never decreasing, and its
+tiles inside the range the index gives for it (the range a reader trusted to skip it). See
+``docs/format.md``.
 """
 
 from __future__ import annotations
@@ -31,9 +36,13 @@ MAX_BLOCK_TILES = 1 << 20
 """The most rows per block an index may declare (what one inflate may allocate: 8 MiB per column)."""
 
 
-def encode_blocks(parts: list[bytes], offsets: np.ndarray, lengths: np.ndarray, section: np.ndarray) -> np.ndarray:
+def encode_blocks(
+    parts: list[bytes], offsets: np.ndarray, lengths: np.ndarray, section: np.ndarray, k: np.ndarray
+) -> np.ndarray:
     """Append a ``tile_index`` object (``count``, ``block``, ``data``) to ``parts``; return its
-    block table (``first``, ``end``, ``size`` per block: rows of the index's ``tile_blocks``)."""
+    block table (``first``, ``end``, ``size``, ``lead`` per block: rows of the index's
+    ``tile_blocks``; ``lead`` is ``k`` of the block's first row, its place among its section's
+    tiles of the tensor)."""
     n, nd = offsets.shape if offsets.ndim == 2 else (len(offsets), 0)
     b = BLOCK_TILES
     rows = np.concatenate([offsets.reshape(n, nd), lengths.reshape(n, nd), section.reshape(n, 1)], axis=1)
@@ -45,7 +54,7 @@ def encode_blocks(parts: list[bytes], offsets: np.ndarray, lengths: np.ndarray, 
         delta[::b] = rows[::b]  # each block's first row as is
     blobs = [zlib.compress(_narrow(delta[i : i + b].T), 1) for i in range(0, n, b)]
     nb = len(blobs)
-    table = np.zeros((nb, 3), dtype=np.int64)
+    table = np.zeros((nb, 4), dtype=np.int64)
     if nd and n:
         starts = offsets[:, 0]
         ends = starts + lengths[:, 0]
@@ -53,6 +62,7 @@ def encode_blocks(parts: list[bytes], offsets: np.ndarray, lengths: np.ndarray, 
         table[:, 0] = np.concatenate([starts, np.full(pad, starts.max())]).reshape(nb, b).min(axis=1)
         table[:, 1] = np.concatenate([ends, np.zeros(pad, np.int64)]).reshape(nb, b).max(axis=1)
     table[:, 2] = np.fromiter((len(x) for x in blobs), dtype=np.int64, count=nb)
+    table[:, 3] = k[::b]
     parts += [b'{"count":%d,"block":%d,"data":"' % (n, b), base64.b64encode(b"".join(blobs)), b'"}']
     return table
 
@@ -93,7 +103,7 @@ class Geometry:
 
     def attach(self, table: np.ndarray) -> None:
         """Set the block table: this tensor's rows of the index's ``tile_blocks`` (first, end, size)."""
-        self.first, self.end = table[:, 0], table[:, 1]
+        self.first, self.end, self.lead = table[:, 0], table[:, 1], table[:, 3]
         self._at = np.concatenate([[0], np.cumsum(table[:, 2])]).astype(np.int64)
         self._data = b""
         self._blocks: dict[int, np.ndarray] = {}
@@ -109,11 +119,12 @@ class Geometry:
         return np.flatnonzero(meet.any(axis=0))
 
     def rows(self, blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """``(rows, offsets, lengths, section)`` of the tiles of ``blocks`` (ascending)."""
+        """``(rows, offsets, lengths, place)`` of the tiles of ``blocks`` (ascending); ``place`` is
+        ``(section, k)`` per row: its section, and its place among that section's tiles of the tensor."""
         nd = self.ndim
         if not len(blocks):
             z = np.zeros(0, dtype=np.int64)
-            return z, z.reshape(0, nd), z.reshape(0, nd), z
+            return z, z.reshape(0, nd), z.reshape(0, nd), z.reshape(0, 2)
         with self._lock:
             got = [self._inflate(int(i)) for i in blocks]
         arr = np.concatenate(got) if len(got) > 1 else got[0]
@@ -123,7 +134,7 @@ class Geometry:
             rows = np.arange(int(starts[0]), int(starts[0] + counts[0]), dtype=np.int64)
         else:
             rows = np.arange(len(arr), dtype=np.int64) + np.repeat(starts - (np.cumsum(counts) - counts), counts)
-        return rows, arr[:, :nd], arr[:, nd : 2 * nd], arr[:, 2 * nd]
+        return rows, arr[:, :nd], arr[:, nd : 2 * nd], arr[:, 2 * nd :]
 
     def pick(self, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
         """Rows of the tiles that meet any box ``[lo[k], hi[k])`` (``(boxes, ndim)`` arrays), ascending.
@@ -142,7 +153,7 @@ class Geometry:
         return rows
 
     def take(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """``(offsets, lengths, section)`` of ``rows`` (ascending, below :attr:`count`)."""
+        """``(offsets, lengths, place)`` of ``rows`` (ascending, below :attr:`count`); see :meth:`rows`."""
         picked = self.picked
         if picked is not None and picked[0] is rows:
             return picked[1], picked[2], picked[3]
@@ -152,7 +163,7 @@ class Geometry:
         return offs[pos], lens[pos], sec[pos]
 
     def _inflate(self, i: int) -> np.ndarray:
-        """Block ``i``'s rows ``(m, 2 ndim + 1)``, validated (once)."""
+        """Block ``i``'s rows ``(m, 2 ndim + 2)`` (boxes, section, k), validated (once)."""
         hit = self._blocks.get(i)
         if hit is not None:
             return hit
@@ -170,7 +181,7 @@ class Geometry:
         return arr
 
     def _raw(self, i: int) -> np.ndarray:
-        """Block ``i`` inflated and summed, unchecked but for its size: ``(2 ndim + 1, m)``."""
+        """Block ``i`` inflated and summed, unchecked but for its size and order, with each row's k: ``(2 ndim + 2, m)``."""
         what = f"tensor '{self.name}': tile_index block {i}"
         if self._text is not None:
             try:
@@ -199,7 +210,16 @@ class Geometry:
         if item == 8 and (int(delta.min()) < -(1 << 62) or int(delta.max()) >= 1 << 62):
             raise fail(f"{what}: values must be non-negative integers below 2**62")
         self.inflated += 1
-        return np.cumsum(delta, axis=1, dtype=np.int64)
+        cols = np.cumsum(delta, axis=1, dtype=np.int64)
+        # Each row's k: its place among its section's tiles of this tensor. Sections never
+        # decrease, so a section's rows are one run; the block's first run continues ``lead``.
+        sec = cols[2 * self.ndim]
+        if (sec[1:] < sec[:-1]).any():
+            raise fail(f"{what}: the sections of a tensor's rows must never decrease")
+        at = np.arange(m, dtype=np.int64)
+        start = np.maximum.accumulate(np.where(np.concatenate([[True], sec[1:] != sec[:-1]]), at, 0))
+        k = at - start + np.where(start == 0, self.lead[i], 0)
+        return np.concatenate([cols, k[None]])
 
 
 def check_rows(
@@ -211,7 +231,7 @@ def check_rows(
     end: np.ndarray,
     block_of: np.ndarray,
 ) -> None:
-    """Raise unless decoded rows ``(n, 2 nd + 1)`` are below 2**62, name sections below ``sections``
+    """Raise unless decoded rows ``(n, 2 nd + 2)`` are below 2**62, name sections below ``sections``
     and lie in their blocks' ranges (``first[block_of]``, ``end[block_of]``; padded dimensions: none)."""
     if not len(rows):
         return
@@ -266,13 +286,13 @@ def _pick_group(items: list[tuple[Geometry, np.ndarray, np.ndarray]], nd: int) -
     blocks = np.unique(pair_block)
     if not len(blocks):
         for g in geos:
-            g.picked = (z, z.reshape(0, nd), z.reshape(0, nd), z)
+            g.picked = (z, z.reshape(0, nd), z.reshape(0, nd), z.reshape(0, 2))
         return [z] * len(items)
     item_of = np.searchsorted(base, blocks, side="right") - 1
     local = blocks - base[item_of]
     cols = [geos[i]._raw(b) for i, b in zip(item_of.tolist(), local.tolist())]
     sizes = np.array([c.shape[1] for c in cols], dtype=np.int64)
-    rows = np.concatenate(cols, axis=1).T  # (n, 2 nd + 1), blocks in order
+    rows = np.concatenate(cols, axis=1).T  # (n, 2 nd + 2), blocks in order
     starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
     block_of = np.repeat(np.arange(len(blocks)), sizes)
     sections = np.array([g.sections for g in geos], dtype=np.int64)[item_of][block_of]
@@ -296,7 +316,7 @@ def _pick_group(items: list[tuple[Geometry, np.ndarray, np.ndarray]], nd: int) -
         i0, i1 = int(cut[k]), int(cut[k + 1])
         sel = keep[i0:i1]
         r = local_row[i0:i1]
-        g.picked = (r, rows[sel, :nd], rows[sel, nd : 2 * nd], rows[sel, 2 * nd])
+        g.picked = (r, rows[sel, :nd], rows[sel, nd : 2 * nd], rows[sel, 2 * nd :])
         out.append(r)
     return out
 
