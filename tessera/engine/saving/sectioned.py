@@ -11,16 +11,15 @@ decoded or encoded again at rank 0.
 
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 
 from ...errors import CheckpointError
 from ...format.geometry import check_box_coverage
 from ...format.manifest import EncodedSections, FileEntry, build_index, manifest_tail
+from ...format.manifest.sections import rank_timings
 from ...format.rank_report import RankReportDoc, report_parts
 from ...options import SaveOptions
-from .assemble import build_manifest
+from .assemble import manifest_without_tiles
 from .plan import TensorMeta
 
 
@@ -59,12 +58,14 @@ def build_sectioned(
     blobs: list[bytes] = []
     ranks: list[int] = []
     section_lists: list[int] = []
-    parts: list[tuple[np.ndarray, np.ndarray, np.ndarray, int]] = []
+    geos = []
+    known: dict[int, tuple[int, np.ndarray]] = {}
+    alive: list[tuple[str, ...]] = []
     for rank, rep in enumerate(reports):
         geo, blob = report_parts(rep)
         if geo is None or blob is None or not geo.files:
             continue
-        hit = lists.get(geo.names)
+        hit = known.get(id(geo.names))  # reports of one job share a few name tuples: hashing one costs
         if hit is None:
             unknown = [n for n in geo.names if n not in meta_index]
             if unknown:
@@ -72,33 +73,48 @@ def build_sectioned(
                     f"rank {rank} reported tiles of tensors the save did not plan: {unknown[:3]}; its state "
                     "changed between planning and writing"
                 )
-            hit = lists[geo.names] = (len(lists), np.array([meta_index[n] for n in geo.names], dtype=np.int64))
+            hit = lists.get(geo.names)
+            if hit is None:
+                hit = lists[geo.names] = (len(lists), np.array([meta_index[n] for n in geo.names], dtype=np.int64))
+            known[id(geo.names)] = hit
+            alive.append(geo.names)  # its id stays its own
         files.extend(FileEntry(p, rank, n) for p, n in geo.files)
         section_lists.append(hit[0])
         ranks.append(rank)
         blobs.append(blob)
-        if len(geo):
-            k = geo.offsets.shape[1]
-            offs = np.zeros((len(geo), nd), dtype=np.int64)
-            lens = np.ones((len(geo), nd), dtype=np.int64)
-            offs[:, :k], lens[:, :k] = geo.offsets[:, :nd], geo.lengths[:, :nd]
-            parts.append((hit[1][geo.name], offs, lens, len(blobs) - 1))
+        geos.append(geo)
+    # Every tile at once: its section, its tensor (through its section's list), its box.
     z = np.zeros(0, dtype=np.int64)
-    tensor = np.concatenate([p[0] for p in parts] or [z])
-    offs = np.concatenate([p[1] for p in parts] or [z.reshape(0, nd)])
-    lens = np.concatenate([p[2] for p in parts] or [z.reshape(0, nd)])
-    section = np.repeat(np.array([p[3] for p in parts], dtype=np.int64), [len(p[0]) for p in parts])
+    counts = np.fromiter((len(g) for g in geos), dtype=np.int64, count=len(geos))
+    section = np.repeat(np.arange(len(geos), dtype=np.int64), counts)
+    by_id = [ids for _, ids in sorted(lists.values(), key=lambda x: x[0])]
+    list_at = np.concatenate([[0], np.cumsum([len(x) for x in by_id])]).astype(np.int64)
+    name = np.concatenate([g.name for g in geos] or [z])
+    flat = np.concatenate(by_id or [z])
+    tensor = flat[list_at[np.array(section_lists, dtype=np.int64)][section] + name] if len(name) else z
+    if all(g.offsets.shape[1] == nd for g in geos):
+        offs = np.concatenate([g.offsets for g in geos] or [z.reshape(0, nd)])
+        lens = np.concatenate([g.lengths for g in geos] or [z.reshape(0, nd)])
+    else:  # ranks that hold only tensors of fewer dimensions: padded (offset 0, length 1)
+        offs = np.zeros((len(name), nd), dtype=np.int64)
+        lens = np.ones((len(name), nd), dtype=np.int64)
+        at = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64).tolist()
+        for i, g in enumerate(geos):
+            k = min(nd, g.offsets.shape[1])
+            offs[at[i] : at[i + 1], :k], lens[at[i] : at[i + 1], :k] = g.offsets[:, :k], g.lengths[:, :k]
     # Rows of each tensor: by section (rank), then in the section's order. A stable sort of
     # small integers (a radix sort in numpy): linear in the tiles.
-    order = np.argsort(tensor, kind="stable")
+    small = np.int16 if len(metas) < 1 << 15 else np.int32 if len(metas) < 1 << 31 else np.int64
+    order = np.argsort(tensor.astype(small), kind="stable")  # 16 bits: a radix sort
     tensor, offs, lens, section = tensor[order], offs[order], lens[order], section[order]
     if check_coverage:
         bounds = np.searchsorted(tensor, np.arange(len(metas) + 1))
         for i, m in enumerate(metas):
             a, b = int(bounds[i]), int(bounds[i + 1])
             check_box_coverage(m.fqn, m.shape, offs[a:b, : len(m.shape)], lens[a:b, : len(m.shape)])
-    # Values, per-rank values, timings, metadata: as version 1 assembles them (no tiles).
-    tail = build_manifest(world_size, metas, [dataclasses.replace(r, tiles=None) for r in reports], save_id, opts)
+    # Values, per-rank values, timings, metadata: as version 1 assembles them.
+    tail = manifest_tail(manifest_without_tiles(world_size, metas, reports, save_id, opts))
+    tail["timings"] = rank_timings(tail["timings"], set(ranks))[0]  # a section holds its rank's
     index = build_index(
         (save_id, world_size, opts.chunk_bytes),
         [(m.fqn, m.dtype, m.shape) for m in metas],
@@ -109,7 +125,7 @@ def build_sectioned(
         blobs,
         np.array(ranks, dtype=np.int64),
         np.array(section_lists, dtype=np.int64),
-        [ids for _, ids in sorted(lists.values(), key=lambda x: x[0])],
-        manifest_tail(tail),
+        by_id,
+        tail,
     )
     return EncodedSections(save_id, index, b"".join(blobs), tuple(files))

@@ -12,6 +12,7 @@ use unchanged. No I/O here: the caller reads the bytes (:mod:`tessera.engine.loa
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -56,6 +57,8 @@ class Section:
     byte_offset: np.ndarray
     chunks: np.ndarray
     checksums: np.ndarray
+    timings: dict | None = None
+    """The saving rank's timings of the save (``timings.save.ranks[rank]`` of the manifest read whole)."""
 
 
 @dataclass(frozen=True)
@@ -69,6 +72,7 @@ class SectionDoc:
     byte_offset: np.ndarray
     chunks: np.ndarray
     checksums: np.ndarray
+    timings: dict | None = None
 
 
 class Index:
@@ -136,7 +140,9 @@ class Index:
         k[order] = at - np.searchsorted(by, by)
         if n and (k >= self._counts[tensor]).any():
             raise fail(f"section {number} holds more tiles of a tensor than the tensor has")
-        return Section(number, doc.rank, doc.files, tensor, k, doc.file, doc.byte_offset, doc.chunks, doc.checksums)
+        return Section(
+            number, doc.rank, doc.files, tensor, k, doc.file, doc.byte_offset, doc.chunks, doc.checksums, doc.timings
+        )
 
     def rows_for(self, name: str, boxes: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> np.ndarray:
         """Rows of ``name``'s tiles that meet any of ``boxes`` (``(offsets, lengths)``), ascending.
@@ -277,7 +283,17 @@ class Index:
             except ManifestError as e:
                 raise ManifestError(f"{self.source}: {e}") from None
             tensors[name] = TensorEntry(dtype, shape, table=table)
-        return self._manifest(tensors, tuple(files))
+        m = self._manifest(tensors, tuple(files))
+        moved = {s.rank: s.timings for s in secs if s.timings is not None}
+        if rows is not None or not moved:
+            return m
+        # Read whole: the ranks' save timings where version 1 has them.
+        save = m.timings.get("save")
+        save = save if isinstance(save, dict) else {}
+        ranks = save.get("ranks")
+        ranks = {**(ranks if isinstance(ranks, dict) else {}), **{str(r): t for r, t in moved.items()}}
+        ranks = dict(sorted(ranks.items(), key=lambda kv: int(kv[0]) if kv[0].isdigit() else -1))
+        return dataclasses.replace(m, timings={**m.timings, "save": {**save, "ranks": ranks}})
 
     def shell(self, tables: Callable[[str], TileTable]) -> Manifest:
         """The manifest with each tensor's tiles from ``tables(name)`` on first use (files: none listed)."""
@@ -398,4 +414,7 @@ def parse_section(data: bytes, what: str) -> SectionDoc:
     sums = column(what, tiles, "checksums", total, total, "tiles")
     if n and int(fidx.max()) >= len(files):
         raise fail(f"{what}: a tile refers to file #{int(fidx.max())} but the section lists {len(files)}")
-    return SectionDoc(rank, tuple(files), tensor, fidx, bo, chunks, sums)
+    timings = doc.get("timings")
+    if timings is not None:
+        timings = as_dict(timings, "section timings")
+    return SectionDoc(rank, tuple(files), tensor, fidx, bo, chunks, sums, timings)

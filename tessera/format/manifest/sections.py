@@ -57,8 +57,10 @@ def encode_section(
     byte_offset: np.ndarray,
     chunks: np.ndarray,
     checksums: np.ndarray,
+    timings: dict[str, Any] | None = None,
 ) -> bytes:
-    """One section: rank ``rank``'s files (``(path, bytes)``) and its tiles' details.
+    """One section: rank ``rank``'s files (``(path, bytes)``), its tiles' details and the
+    timings of its part of the save (which version 1 keeps in ``timings.save.ranks``).
 
     ``tensor`` numbers each tile's tensor in the section's own list of tensors (the index maps
     the list to tensor positions); the tiles of one tensor must be in the order of their rows
@@ -73,8 +75,22 @@ def encode_section(
         parts.append(b',"%s":' % key.encode())
         _int_column(parts, arr)
     sums = np.ascontiguousarray(checksums, dtype="<u8").tobytes()
-    parts += [b',"checksums":{"dtype":"uint64","data":"', base64.b64encode(sums), b'"}}}']
+    parts += [b',"checksums":{"dtype":"uint64","data":"', base64.b64encode(sums), b'"}}']
+    if timings is not None:
+        parts += [b',"timings":', _dumps(timings)]
+    parts.append(b"}")
     return b"".join(parts)
+
+
+def rank_timings(timings: dict[str, Any], ranks: set[int]) -> tuple[dict[str, Any], dict[int, Any]]:
+    """``timings`` without the save timings of ``ranks`` (their sections hold them), and those."""
+    save = timings.get("save")
+    by_rank = save.get("ranks") if isinstance(save, dict) else None
+    if not isinstance(save, dict) or not isinstance(by_rank, dict):
+        return timings, {}
+    moved = {int(r): t for r, t in by_rank.items() if r.isdigit() and int(r) in ranks and isinstance(t, dict)}
+    kept = {r: t for r, t in by_rank.items() if not (r.isdigit() and int(r) in moved)}
+    return {**timings, "save": {**save, "ranks": kept}}, moved
 
 
 def build_index(
@@ -212,6 +228,8 @@ def encode_sectioned(m: Manifest) -> tuple[bytes, bytes]:
     files_of: list[list[tuple[str, int]]] = [[] for _ in section_ranks]
     for f, s in zip(files, file_section.tolist()):
         files_of[s].append((f.path, f.nbytes))
+    tail = manifest_tail(m)
+    tail["timings"], moved = rank_timings(m.timings, set(section_ranks.tolist()))
     lists: dict[tuple[int, ...], int] = {}
     section_lists = np.zeros(len(section_ranks), dtype=np.int64)
     blobs = []
@@ -222,9 +240,8 @@ def encode_sectioned(m: Manifest) -> tuple[bytes, bytes]:
         c = chunks[rows]
         first = np.concatenate([[0], np.cumsum(c)])[:-1].astype(np.int64)
         picked = sums[np.arange(int(c.sum()), dtype=np.int64) - np.repeat(first - sum_at[rows], c)]
-        blobs.append(
-            encode_section(int(section_ranks[s]), files_of[s], local.reshape(-1), file[rows], bo[rows], c, picked)
-        )
+        r = int(section_ranks[s])
+        blobs.append(encode_section(r, files_of[s], local.reshape(-1), file[rows], bo[rows], c, picked, moved.get(r)))
     index = build_index(
         (m.save_id, m.world_size, m.chunk_bytes),
         [(name, e.dtype, e.shape) for name, e in m.tensors.items()],
@@ -236,6 +253,6 @@ def encode_sectioned(m: Manifest) -> tuple[bytes, bytes]:
         section_ranks,
         section_lists,
         [np.array(x, dtype=np.int64) for x in lists],
-        manifest_tail(m),
+        tail,
     )
     return index, b"".join(blobs)
