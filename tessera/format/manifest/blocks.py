@@ -134,7 +134,10 @@ class Geometry:
             rows = np.arange(int(starts[0]), int(starts[0] + counts[0]), dtype=np.int64)
         else:
             rows = np.arange(len(arr), dtype=np.int64) + np.repeat(starts - (np.cumsum(counts) - counts), counts)
-        return rows, arr[:, :nd], arr[:, nd : 2 * nd], arr[:, 2 * nd :]
+        at = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+        block_of = np.repeat(np.arange(len(blocks)), counts)
+        k = _k(arr[:, 2 * nd], block_of, at, self.lead[blocks], np.arange(len(arr)))
+        return rows, arr[:, :nd], arr[:, nd : 2 * nd], np.stack([arr[:, 2 * nd], k], axis=1)
 
     def pick(self, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
         """Rows of the tiles that meet any box ``[lo[k], hi[k])`` (``(boxes, ndim)`` arrays), ascending.
@@ -163,7 +166,7 @@ class Geometry:
         return offs[pos], lens[pos], sec[pos]
 
     def _inflate(self, i: int) -> np.ndarray:
-        """Block ``i``'s rows ``(m, 2 ndim + 2)`` (boxes, section, k), validated (once)."""
+        """Block ``i``'s rows ``(m, 2 ndim + 1)`` (boxes, section), validated (once)."""
         hit = self._blocks.get(i)
         if hit is not None:
             return hit
@@ -175,13 +178,13 @@ class Geometry:
             self.sections,
             self.first[i : i + 1],
             self.end[i : i + 1],
-            np.zeros(1, np.int64),
+            np.zeros(cols.shape[1], np.int64),
         )
         self._blocks[i] = arr = cols.T
         return arr
 
     def _raw(self, i: int) -> np.ndarray:
-        """Block ``i`` inflated and summed, unchecked but for its size and order, with each row's k: ``(2 ndim + 2, m)``."""
+        """Block ``i`` inflated and summed, unchecked but for its size: ``(2 ndim + 1, m)``."""
         what = f"tensor '{self.name}': tile_index block {i}"
         if self._text is not None:
             try:
@@ -210,16 +213,17 @@ class Geometry:
         if item == 8 and (int(delta.min()) < -(1 << 62) or int(delta.max()) >= 1 << 62):
             raise fail(f"{what}: values must be non-negative integers below 2**62")
         self.inflated += 1
-        cols = np.cumsum(delta, axis=1, dtype=np.int64)
-        # Each row's k: its place among its section's tiles of this tensor. Sections never
-        # decrease, so a section's rows are one run; the block's first run continues ``lead``.
-        sec = cols[2 * self.ndim]
-        if (sec[1:] < sec[:-1]).any():
-            raise fail(f"{what}: the sections of a tensor's rows must never decrease")
-        at = np.arange(m, dtype=np.int64)
-        start = np.maximum.accumulate(np.where(np.concatenate([[True], sec[1:] != sec[:-1]]), at, 0))
-        k = at - start + np.where(start == 0, self.lead[i], 0)
-        return np.concatenate([cols, k[None]])
+        return np.cumsum(delta, axis=1, dtype=np.int64)
+
+
+def _k(sec: np.ndarray, block_of: np.ndarray, starts: np.ndarray, lead: np.ndarray, at: np.ndarray) -> np.ndarray:
+    """k of rows ``at`` of blocks laid one after the other (``sec``: their section column, never
+    decreasing within a block; ``starts``: where each block begins; ``lead``: each block's): the
+    distance from the first row of its section in its block, plus the lead in the block's first run."""
+    blk = block_of[at]
+    key = block_of * (1 << 32) + sec  # ascending; sections are below 2**32 (the sections file's size)
+    first = np.searchsorted(key, key[at]) - starts[blk]
+    return at - starts[blk] - first + np.where(first == 0, lead[blk], 0)
 
 
 def check_rows(
@@ -231,8 +235,8 @@ def check_rows(
     end: np.ndarray,
     block_of: np.ndarray,
 ) -> None:
-    """Raise unless decoded rows ``(n, 2 nd + 2)`` are below 2**62, name sections below ``sections``
-    and lie in their blocks' ranges (``first[block_of]``, ``end[block_of]``; padded dimensions: none)."""
+    """Raise unless decoded rows ``(n, 2 nd + 1)`` are below 2**62, name sections below ``sections``
+    (never decreasing within a block) and lie in their blocks' ranges (``first[block_of]``, ``end[block_of]``; padded dimensions: none)."""
     if not len(rows):
         return
     if int(rows.view(np.uint64).max()) >= 1 << 62:
@@ -241,6 +245,8 @@ def check_rows(
     bad = np.flatnonzero(sec >= sections)
     if len(bad):
         raise fail(f"{what}: a tile is in section #{int(sec[bad[0]])} but there are fewer")
+    if ((sec[1:] < sec[:-1]) & (block_of[1:] == block_of[:-1])).any():
+        raise fail(f"{what}: the sections of a tensor's rows must never decrease")
     if nd:
         starts, ends = rows[:, 0], rows[:, 0] + rows[:, nd]
         out = np.flatnonzero((starts < first[block_of]) | (ends > end[block_of]))
@@ -292,7 +298,7 @@ def _pick_group(items: list[tuple[Geometry, np.ndarray, np.ndarray]], nd: int) -
     local = blocks - base[item_of]
     cols = [geos[i]._raw(b) for i, b in zip(item_of.tolist(), local.tolist())]
     sizes = np.array([c.shape[1] for c in cols], dtype=np.int64)
-    rows = np.concatenate(cols, axis=1).T  # (n, 2 nd + 2), blocks in order
+    rows = np.concatenate(cols, axis=1).T  # (n, 2 nd + 1), blocks in order
     starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
     block_of = np.repeat(np.arange(len(blocks)), sizes)
     sections = np.array([g.sections for g in geos], dtype=np.int64)[item_of][block_of]
@@ -311,12 +317,14 @@ def _pick_group(items: list[tuple[Geometry, np.ndarray, np.ndarray]], nd: int) -
     blk = block_of[keep]
     local_row = local[blk] * np.array([g.block for g in geos], dtype=np.int64)[item_of[blk]] + keep - starts[blk]
     cut = np.searchsorted(item_of[blk], np.arange(len(items) + 1))
+    leads = np.concatenate([g.lead for g in geos])[blocks]
+    place = np.stack([rows[keep, 2 * nd], _k(rows[:, 2 * nd], block_of, starts, leads, keep)], axis=1)
     out = []
-    for k, g in enumerate(geos):
-        i0, i1 = int(cut[k]), int(cut[k + 1])
+    for j, g in enumerate(geos):
+        i0, i1 = int(cut[j]), int(cut[j + 1])
         sel = keep[i0:i1]
         r = local_row[i0:i1]
-        g.picked = (r, rows[sel, :nd], rows[sel, nd : 2 * nd], rows[sel, 2 * nd :])
+        g.picked = (r, rows[sel, :nd], rows[sel, nd : 2 * nd], place[i0:i1])
         out.append(r)
     return out
 
