@@ -498,7 +498,7 @@ def test_geometry_blocks_are_hostile_input(monkeypatch: pytest.MonkeyPatch) -> N
     index = decode_index(forged(lie))
     with pytest.raises(ManifestError, match="tile_index block 0: a tile lies outside the block's range"):
         index.rows_for("w", everything)
-    with pytest.raises(ManifestError, match="tile_index: a tile lies outside the block's range \\[1, "):
+    with pytest.raises(ManifestError, match="tile_index block 0: a tile lies outside the block's range \\[1, "):
         decode_index(forged(lie)).rows_for_many({"w": everything})
     # A block that inflates past its rows (bounded: never more than the widest rows + 1 byte).
     bomb = zlib.compress(b"\0" * (1 << 24))

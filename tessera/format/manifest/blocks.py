@@ -171,14 +171,8 @@ class Geometry:
         if hit is not None:
             return hit
         cols = self._raw(i)
-        check_rows(
-            f"tensor '{self.name}': tile_index block {i}",
-            cols.T,
-            self.ndim,
-            self.sections,
-            self.first[i : i + 1],
-            self.end[i : i + 1],
-            np.zeros(cols.shape[1], np.int64),
+        _check_block(
+            f"tensor '{self.name}': tile_index block {i}", cols, self.ndim, self.sections, self.first[i], self.end[i]
         )
         self._blocks[i] = arr = cols.T
         return arr
@@ -226,33 +220,20 @@ def _k(sec: np.ndarray, block_of: np.ndarray, starts: np.ndarray, lead: np.ndarr
     return at - starts[blk] - first + np.where(first == 0, lead[blk], 0)
 
 
-def check_rows(
-    what: str,
-    rows: np.ndarray,
-    nd: int,
-    sections: int | np.ndarray,
-    first: np.ndarray,
-    end: np.ndarray,
-    block_of: np.ndarray,
-) -> None:
-    """Raise unless decoded rows ``(n, 2 nd + 1)`` are below 2**62, name sections below ``sections``
-    (never decreasing within a block) and lie in their blocks' ranges (``first[block_of]``, ``end[block_of]``; padded dimensions: none)."""
-    if not len(rows):
+def _check_block(what: str, cols: np.ndarray, nd: int, sections: int, first: int, end: int) -> None:
+    """Raise unless a block's decoded columns ``(2 nd + 1, m)`` are below 2**62, name sections
+    below ``sections``, never decreasing, and lie in the block's range ``[first, end)``."""
+    if not cols.shape[1]:
         return
-    if int(rows.view(np.uint64).max()) >= 1 << 62:
+    if int(cols.view(np.uint64).max()) >= 1 << 62:
         raise fail(f"{what}: values must be non-negative integers below 2**62")
-    sec = rows[:, 2 * nd]
-    bad = np.flatnonzero(sec >= sections)
-    if len(bad):
-        raise fail(f"{what}: a tile is in section #{int(sec[bad[0]])} but there are fewer")
-    if ((sec[1:] < sec[:-1]) & (block_of[1:] == block_of[:-1])).any():
+    sec = cols[2 * nd]
+    if int(sec.max()) >= sections:
+        raise fail(f"{what}: a tile is in section #{int(sec.max())} but there are fewer")
+    if (sec[1:] < sec[:-1]).any():
         raise fail(f"{what}: the sections of a tensor's rows must never decrease")
-    if nd:
-        starts, ends = rows[:, 0], rows[:, 0] + rows[:, nd]
-        out = np.flatnonzero((starts < first[block_of]) | (ends > end[block_of]))
-        if len(out):
-            b = int(block_of[out[0]])
-            raise fail(f"{what}: a tile lies outside the block's range [{int(first[b])}, {int(end[b])})")
+    if nd and (int(cols[0].min()) < first or int((cols[0] + cols[nd]).max()) > end):
+        raise fail(f"{what}: a tile lies outside the block's range [{int(first)}, {int(end)})")
 
 
 def pick_many(items: list[tuple[Geometry, np.ndarray, np.ndarray]]) -> list[np.ndarray]:
@@ -289,62 +270,52 @@ def _pick_group(items: list[tuple[Geometry, np.ndarray, np.ndarray]], nd: int) -
     pair_block += np.repeat(base[owner], per)
     meet = (first[pair_block] < hi[pair_box, 0]) & (end[pair_block] > lo[pair_box, 0])
     pair_box, pair_block = pair_box[meet], pair_block[meet]
-    blocks = np.unique(pair_block)
-    if not len(blocks):
-        for g in geos:
-            g.picked = (z, z.reshape(0, nd), z.reshape(0, nd), z.reshape(0, 2))
-        return [z] * len(items)
+    by_block = np.argsort(pair_block, kind="stable")
+    pair_box, pair_block = pair_box[by_block], pair_block[by_block]
+    blocks, at = np.unique(pair_block, return_index=True)
+    at = np.append(at, len(pair_block)).tolist()
     item_of = np.searchsorted(base, blocks, side="right") - 1
-    local = blocks - base[item_of]
-    cols = [geos[i]._raw(b) for i, b in zip(item_of.tolist(), local.tolist())]
-    sizes = np.array([c.shape[1] for c in cols], dtype=np.int64)
-    rows = np.concatenate(cols, axis=1).T  # (n, 2 nd + 1), blocks in order
-    starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
-    block_of = np.repeat(np.arange(len(blocks)), sizes)
-    sections = np.array([g.sections for g in geos], dtype=np.int64)[item_of][block_of]
-    names = ", ".join(sorted({f"'{geos[i].name}'" for i in item_of[:3].tolist()}))
-    check_rows(f"tensor {names}...: tile_index", rows, nd, sections, first[blocks], end[blocks], block_of)
-    # Every (box, row of a block it met) pair; the rows whose boxes meet.
-    where = np.searchsorted(blocks, pair_block)
-    a, b = _near(rows, nd, starts, sizes, where, lo[pair_box, 0], hi[pair_box, 0])
-    n = b - a
-    row_pair = np.repeat(np.arange(len(where)), n)
-    row = np.arange(int(n.sum()), dtype=np.int64) - np.repeat(np.cumsum(n) - n, n) + np.repeat(a, n)
-    box = pair_box[row_pair]
-    offs, lens = rows[row, :nd], rows[row, nd : 2 * nd]
-    hit = ((offs < hi[box]) & (offs + lens > lo[box])).all(axis=1)
-    keep = np.unique(row[hit])  # ascending: by tensor, then row
-    blk = block_of[keep]
-    local_row = local[blk] * np.array([g.block for g in geos], dtype=np.int64)[item_of[blk]] + keep - starts[blk]
-    cut = np.searchsorted(item_of[blk], np.arange(len(items) + 1))
-    leads = np.concatenate([g.lead for g in geos])[blocks]
-    place = np.stack([rows[keep, 2 * nd], _k(rows[:, 2 * nd], block_of, starts, leads, keep)], axis=1)
+    found: list[list[tuple[np.ndarray, ...]]] = [[] for _ in items]
+    # Block by block (ascending: by tensor, then row): only the rows near each box are gathered.
+    for j, (i, b) in enumerate(zip(item_of.tolist(), (blocks - base[item_of]).tolist())):
+        g = geos[i]
+        cols = g._raw(b)
+        _check_block(f"tensor '{g.name}': tile_index block {b}", cols, nd, g.sections, g.first[b], g.end[b])
+        boxes = pair_box[at[j] : at[j + 1]]
+        cand, box = _near(cols, nd, lo[boxes, 0], hi[boxes, 0], boxes)
+        offs, lens = cols[:nd, cand].T, cols[nd : 2 * nd, cand].T
+        keep = np.unique(cand[((offs < hi[box]) & (offs + lens > lo[box])).all(axis=1)])
+        if not len(keep):
+            continue
+        sec = cols[2 * nd]
+        run = np.searchsorted(sec, sec[keep])  # the first row of each kept row's section in the block
+        k = keep - run + np.where(run == 0, g.lead[b], 0)
+        found[i].append((b * g.block + keep, cols[:nd, keep].T, cols[nd : 2 * nd, keep].T, np.stack([sec[keep], k], 1)))
     out = []
-    for j, g in enumerate(geos):
-        i0, i1 = int(cut[j]), int(cut[j + 1])
-        sel = keep[i0:i1]
-        r = local_row[i0:i1]
-        g.picked = (r, rows[sel, :nd], rows[sel, nd : 2 * nd], place[i0:i1])
+    for g, parts in zip(geos, found):
+        if parts:
+            r, o, ln, place = (np.concatenate(x) for x in zip(*parts))
+        else:
+            r, o, ln, place = z, z.reshape(0, nd), z.reshape(0, nd), z.reshape(0, 2)
+        g.picked = (r, o, ln, place)
         out.append(r)
     return out
 
 
 def _near(
-    rows: np.ndarray, nd: int, starts: np.ndarray, sizes: np.ndarray, where: np.ndarray, lo: np.ndarray, hi: np.ndarray
+    cols: np.ndarray, nd: int, lo: np.ndarray, hi: np.ndarray, boxes: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray]:
-    """For each (block ``where[k]``, range ``[lo[k], hi[k])``) the rows ``[a[k], b[k])`` of that block
-    that can meet the range along the first dimension: found by bisection where each block's tiles
-    are sorted by their first offset (as saves store them), else the whole block."""
-    a, b = starts[where], starts[where] + sizes[where]
-    first = rows[:, 0]
-    span = int(first.max()) + 1
-    if span * len(sizes) >= 1 << 62:
-        return a, b
-    key = np.repeat(np.arange(len(sizes), dtype=np.int64), sizes) * span + first
-    if not bool((key[1:] >= key[:-1]).all()):
-        return a, b
-    longest = np.maximum.reduceat(rows[:, nd], starts[:-1])[where]
+    """The rows of a block (``cols``, ``(2 nd + 1, m)``) that can meet ranges ``[lo[k], hi[k])``
+    along the first dimension, each with its box: found by bisection where the block's tiles are
+    sorted by their first offset (as saves store them), else every row for every box."""
+    start = cols[0]
+    m = len(start)
+    if m > 1 and (start[1:] < start[:-1]).any():
+        return np.tile(np.arange(m, dtype=np.int64), len(boxes)), np.repeat(boxes, m)
+    longest = int(cols[nd].max()) if m else 0
     # Earlier tiles end before ``lo`` (they start at or before lo - longest); later ones start after hi.
-    a = np.maximum(a, np.searchsorted(key, where * span + np.maximum(lo - longest, -1), side="right"))
-    b = np.minimum(b, np.searchsorted(key, where * span + np.minimum(hi, span), side="left"))
-    return a, np.maximum(a, b)
+    a = np.searchsorted(start, lo - longest, side="right")
+    b = np.maximum(a, np.searchsorted(start, hi, side="left"))
+    n = b - a
+    cand = np.arange(int(n.sum()), dtype=np.int64) - np.repeat(np.cumsum(n) - n, n) + np.repeat(a, n)
+    return cand, np.repeat(boxes, n)
