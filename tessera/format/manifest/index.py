@@ -37,7 +37,7 @@ from .schema import (
     TensorEntry,
     TileTable,
 )
-from .tiles import Budget, Context, as_dict, as_int, check_columns, column, fail
+from .tiles import Budget, Context, as_dict, as_int, check_columns, check_many, column, fail
 
 
 @dataclass(frozen=True)
@@ -264,7 +264,7 @@ class Index:
         gather += np.repeat(sum_starts[pos] if len(pos) else z, counts)
         all_sums = sums[gather]
         ctx = Context(self.source, tuple(files), self.chunk_bytes, Budget(1 << 62))
-        tensors: dict[str, TensorEntry] = {}
+        items = []
         at = 0
         for _, name, want, offs, lens, _ in wanted:
             p = pos[at : at + len(want)]
@@ -277,12 +277,16 @@ class Index:
                 all_sums[first[at] : first[at + len(want)]],
             )
             at += len(want)
-            dtype, shape = self.tensors[name]
+            items.append((name, self.tensors[name][1], self._sizes[name], cols))
+        tables = check_many(ctx, items)
+        if tables is None:  # something is invalid: find and name it, tensor by tensor
             try:
-                table = check_columns(ctx, name, shape, self._sizes[name], cols)
+                tables = [check_columns(ctx, *item) for item in items]
             except ManifestError as e:
                 raise ManifestError(f"{self.source}: {e}") from None
-            tensors[name] = TensorEntry(dtype, shape, table=table)
+        tensors = {
+            name: TensorEntry(self.tensors[name][0], shape, table=t) for (name, shape, _, _), t in zip(items, tables)
+        }
         m = self._manifest(tensors, tuple(files))
         moved = {s.rank: s.timings for s in secs if s.timings is not None}
         if rows is not None or not moved:
