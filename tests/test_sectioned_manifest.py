@@ -20,7 +20,15 @@ import torch
 import tessera
 from tessera.cli import EXIT_OK, main
 from tessera.errors import ManifestError
-from tessera.format.manifest import MANIFEST_NAME, SECTIONS_NAME, decode, decode_index, encode_sectioned
+from tessera.format.manifest import (
+    MANIFEST_NAME,
+    SECTIONS_NAME,
+    build_index,
+    decode,
+    decode_index,
+    encode_sectioned,
+    manifest_tail,
+)
 from tessera.storage import FileStorage
 from tests.dist_utils import run_distributed, run_ranks
 from tests.layouts import expected_local, hold, local_part, truth, zeros_like_held
@@ -95,9 +103,9 @@ def _what_was_read(store: CountingStorage, path: str) -> tuple[set[int], set[int
     return section_ranks, data_ranks, nbytes
 
 
-def _load(rank: int, world: int, root: str) -> list[tuple[str, int, int]]:
+def _load(rank: int, world: int, root: str, layouts: tuple[str, ...] = tuple(LAYOUTS)) -> list[tuple[str, int, int]]:
     out = []
-    for layout in LAYOUTS:
+    for layout in layouts:
         path = os.path.join(root, layout)
         store = CountingStorage(path)
         target = _state(layout, rank, world, zero=True)
@@ -128,6 +136,98 @@ def test_resharded_loads_read_only_their_sections(saved: str, world: int) -> Non
         full = index.sections_bytes
         read = [n for rank in results for lay, _, n in rank if lay == layout]
         assert max(read) < full, f"{layout}: some rank read every section ({read} of {full} bytes)"
+
+
+def _save_counting_sections(rank: int, world: int, root: str) -> dict[str, int]:
+    """Save two layouts, counting the sections this process encodes and decodes."""
+    from tessera.format import rank_report
+    from tessera.format.manifest import sections as sections_module
+
+    os.environ.update(SECTIONED)
+    calls = {"encoded": 0, "decoded": 0}
+    encode_section, parse_section = rank_report.encode_section, rank_report.parse_section
+
+    def counted_encode(*args, **kwargs):
+        calls["encoded"] += 1
+        return encode_section(*args, **kwargs)
+
+    def counted_parse(*args, **kwargs):
+        calls["decoded"] += 1
+        return parse_section(*args, **kwargs)
+
+    saved = (rank_report.encode_section, sections_module.encode_section, rank_report.parse_section)
+    rank_report.encode_section = sections_module.encode_section = counted_encode
+    rank_report.parse_section = counted_parse
+    try:
+        for layout in ("flat", "dt_2d"):
+            tessera.save(os.path.join(root, layout), _state(layout, rank, world, zero=False))
+    finally:
+        rank_report.encode_section, sections_module.encode_section, rank_report.parse_section = saved
+    return calls
+
+
+def test_each_rank_encodes_its_own_section_and_rank_0_only_joins_them(tmp_path) -> None:
+    root = str(tmp_path)
+    calls = run_distributed(_save_counting_sections, 4, root)
+    # Every rank encoded its own section of each save, once; rank 0 decoded none and encoded no other.
+    assert calls == [{"encoded": 2, "decoded": 0}] * 4, calls
+    for layout in ("flat", "dt_2d"):
+        path = os.path.join(root, layout)
+        index = decode_index(_bytes(os.path.join(path, MANIFEST_NAME)))
+        assert index.section_rank.tolist() == [0, 1, 2, 3]
+        blob = _bytes(os.path.join(path, index.sections_path))
+        for s in range(4):
+            section = json.loads(blob[int(index.offset[s]) : int(index.offset[s] + index.length[s])])
+            assert section["rank"] == s and all(f[1] == s for f in section["files"])
+            assert section["timings"]["write"] >= 0  # the rank's own timings travel in its section
+        # ...not in the index every loading rank reads; read whole, the manifest has them as version 1.
+        assert json.loads(_bytes(os.path.join(path, MANIFEST_NAME)))["timings"]["save"]["ranks"] == {}
+        assert sorted(tessera.read_manifest(path).timings["save"]["ranks"]) == ["0", "1", "2", "3"]
+    # Loaded N -> M (4 -> 3) bit-exact, each rank reading only the sections it needs.
+    results = run_distributed(_load, 3, root, ("flat", "dt_2d"))
+    full = decode_index(_bytes(os.path.join(root, "flat", MANIFEST_NAME))).sections_bytes
+    read = [n for rank in results for lay, _, n in rank if lay == "flat"]
+    assert max(read) < full, f"flat: some rank read every section ({read} of {full} bytes)"
+    assert tessera.verify(os.path.join(root, "dt_2d")).ok
+
+
+def test_a_report_carries_its_section_in_index_order_and_must_agree_with_it() -> None:
+    import numpy as np
+    import xxhash
+
+    from tessera.format.rank_report import RankReportDoc, ReportTiles, decode_report, encode_report
+
+    def report(names: list[int]) -> bytes:
+        tiles = ReportTiles(
+            (("data/s/1-0.safetensors", 300),),
+            ("b", "a"),
+            np.zeros(3, np.int64),
+            np.array(names),
+            np.array([[8, 0], [4, 0], [0, 0]], dtype=np.int64),
+            np.tile(np.array([[4, 3]], dtype=np.int64), (3, 1)),
+            np.array([200, 100, 0]),
+            np.ones(3, np.int64),
+            np.array([9, 8, 7], dtype=np.uint64),
+        )
+        return encode_report(RankReportDoc(1, "s", tiles, {}, {}, {}))
+
+    data = report([1, 0, 0])
+    lean = decode_report(data, source="r", rank=1, save_id="s", details=False)
+    assert lean.tiles is None and lean.section is not None and lean.geometry is not None
+    # In the section's order: by tensor (in the report's list), then by offsets.
+    assert lean.geometry.name.tolist() == [0, 0, 1]
+    assert lean.geometry.offsets[:, 0].tolist() == [0, 4, 8]
+    full = decode_report(data, source="r", rank=1, save_id="s")
+    assert full.tiles is not None and full.tiles.checksums.tolist() == [7, 8, 9]
+    assert full.tiles.byte_offset.tolist() == [0, 100, 200]
+    # A report whose section lists other tiles than its geometry (an altered, re-signed report).
+    other = decode_report(report([0, 0, 0]), source="r", rank=1, save_id="s", details=False)
+    assert lean.section in data and len(other.section) == len(lean.section)
+    forged = data.rpartition(b"\n")[0].replace(lean.section, other.section)
+    forged += b"\n" + xxhash.xxh3_64_hexdigest(forged).encode()
+    assert decode_report(forged, source="r", rank=1, save_id="s", details=False).section == other.section
+    with pytest.raises(ManifestError, match="r: invalid report of rank 1: its section and its geometry list different"):
+        decode_report(forged, source="r", rank=1, save_id="s")
 
 
 def _load_stage(rank: int, world: int, root: str) -> tuple[int, list[str]]:
@@ -287,7 +387,7 @@ def test_sections_are_hostile_input_like_the_manifest() -> None:
     # A section that holds another number of a tensor's tiles than the index says.
     doc = json.loads(first)
     doc["tiles"]["count"] = 0
-    for k in ("tensor", "row", "file", "byte_offset", "chunks"):
+    for k in ("tensor", "file", "byte_offset", "chunks"):
         doc["tiles"][k] = {"dtype": "int8", "data": ""}
     doc["tiles"]["checksums"] = {"dtype": "uint64", "data": ""}
     empty = json.dumps(doc).encode()
@@ -390,7 +490,7 @@ def test_geometry_blocks_are_hostile_input(monkeypatch: pytest.MonkeyPatch) -> N
 
     index = decode_index(idx)
     g = index.geometry["w"]
-    table = np.stack([g.first, g.end, np.diff(g._at)], axis=1)
+    table = np.stack([g.first, g.end, np.diff(g._at), g.lead], axis=1)
     everything = [((0, 0), (5000, 4))]
     # A block whose tiles lie outside the range the index gives it (a reader trusts it to skip blocks).
     lie = table.copy()
@@ -398,7 +498,7 @@ def test_geometry_blocks_are_hostile_input(monkeypatch: pytest.MonkeyPatch) -> N
     index = decode_index(forged(lie))
     with pytest.raises(ManifestError, match="tile_index block 0: a tile lies outside the block's range"):
         index.rows_for("w", everything)
-    with pytest.raises(ManifestError, match="tile_index: a tile lies outside the block's range \\[1, "):
+    with pytest.raises(ManifestError, match="tile_index block 0: a tile lies outside the block's range \\[1, "):
         decode_index(forged(lie)).rows_for_many({"w": everything})
     # A block that inflates past its rows (bounded: never more than the widest rows + 1 byte).
     bomb = zlib.compress(b"\0" * (1 << 24))
@@ -416,16 +516,49 @@ def test_geometry_blocks_are_hostile_input(monkeypatch: pytest.MonkeyPatch) -> N
         decode_index(forged(table[:4]))
     with pytest.raises(ManifestError, match="tile_index.block 4194304 is over"):
         decode_index(forged(block=1 << 22))
-    # A section whose rows are not the ones the index says it holds.
-    index = decode_index(idx)
-    first = secs[: int(index.length[0])]
-    doc = json.loads(first)
-    doc["tiles"]["row"] = col(np.arange(1, 626))  # rows 1..625 instead of 0..624
-    bad = json.dumps(doc).encode()
-    forged_index = _patched(decode_index(idx), 0, bad)
-    sec0 = forged_index.decode_section(0, bad)
-    with pytest.raises(ManifestError, match="section 0 of .* fewer of its tiles than the index says \\(not tile 0\\)"):
-        forged_index.assemble({0: sec0}, {"w": np.arange(3)})
+    # A block whose lead (the place of its first rows in their section) is not theirs: rows of
+    # block 1 (1,024..) are tiles 399.. of section 1 (625 tiles, rows 625..1,249).
+    sections = {
+        s: index.decode_section(s, secs[int(index.offset[s]) : int(index.offset[s] + index.length[s])])
+        for s in range(8)
+    }
+    assert table[1, 3] == 399
+    far = table.copy()
+    far[1, 3] = 699
+    forged_index = decode_index(forged(far))
+    with pytest.raises(
+        ManifestError, match="section 1 of .* fewer of its tiles than the index says \\(not its tile 699\\)"
+    ):
+        forged_index.assemble(sections, {"w": forged_index.rows_for("w", [((1024, 0), (1, 4))])})
+    near = table.copy()
+    near[1, 3] = 400  # each row then names the next row's tile: only a whole read can tell
+    forged_index = decode_index(forged(near))
+    with pytest.raises(
+        ManifestError, match="section 1 of .* fewer of its tiles than the index says \\(not its tile 625\\)"
+    ):
+        forged_index.assemble(sections)
+    # Sections that decrease along a tensor's rows (a section's rows would not be one run).
+    small = _small_manifest()
+    _, small_secs = encode_sectioned(small)
+    cut = decode_index(encode_sectioned(small)[0]).length
+    two = [small_secs[: int(cut[0])], small_secs[int(cut[0]) :]]
+    offs = small.tensors["w"].table.offsets
+    lens = small.tensors["w"].table.lengths
+    backwards = build_index(
+        ("s", 2, 4096),
+        [("w", "float32", (8, 3))],
+        np.zeros(2, np.int64),
+        offs,
+        lens,
+        np.array([1, 0]),
+        two,
+        np.array([0, 1]),
+        np.array([0, 0]),
+        [np.array([0])],
+        manifest_tail(small),
+    )
+    with pytest.raises(ManifestError, match="tile_index block 0: the sections of a tensor's rows must never decrease"):
+        decode_index(backwards).rows_for("w", [((0, 0), (8, 3))])
 
 
 @pytest.mark.parametrize("shuffled", [False, True])
@@ -467,5 +600,7 @@ def test_many_tensors_rows_are_found_at_once_as_one_by_one(shuffled: bool, monke
             brute |= set(
                 np.flatnonzero(((table.offsets < hi) & (table.offsets + table.lengths > lo)).all(axis=1)).tolist()
             )
-        assert many[name].tolist() == sorted(brute) == index.rows_for(name, bs).tolist()
-        assert index._take(name, many[name])[0].tolist() == table.offsets[many[name]].tolist()
+        # The index numbers a tensor's rows by section (then offsets): compare the boxes found.
+        assert many[name].tolist() == index.rows_for(name, bs).tolist()
+        found = sorted(map(tuple, index._take(name, many[name])[0].tolist()))
+        assert found == sorted(map(tuple, table.offsets[sorted(brute)].tolist()))

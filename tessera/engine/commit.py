@@ -43,7 +43,15 @@ from dataclasses import dataclass
 
 from .. import _knobs
 from ..errors import CheckpointError, CommitCheckError, ConcurrentSaveError, LocationMismatchError, StorageError
-from ..format.manifest import MANIFEST_NAME, FileEntry, Manifest, encode, encode_sectioned, sections_path
+from ..format.manifest import (
+    MANIFEST_NAME,
+    EncodedSections,
+    FileEntry,
+    Manifest,
+    encode,
+    encode_sectioned,
+    sections_path,
+)
 from ..format.names import DATA_DIR, LOAD_TIMINGS_DIR, OWNER_MARKER_DIR, is_shared_ref
 from ..storage.base import Storage
 from ..storage.capabilities import (
@@ -262,8 +270,11 @@ def may_have_committed(store: Storage, claim: Claim) -> bool:
         return True
 
 
-def commit_manifest(store: Storage, claim: Claim, manifest: Manifest, path: str) -> None:
+def commit_manifest(store: Storage, claim: Claim, manifest: Manifest | EncodedSections, path: str) -> None:
     """Rank 0 of a save: steps 3 to 5 for ``manifest``, or :func:`abandon` if they fail.
+
+    ``manifest`` is a :class:`Manifest`, or a version 2 manifest already encoded from the
+    ranks' own sections (:mod:`tessera.engine.saving.sectioned`).
 
     Checks every file ``manifest.files`` lists (:func:`check_files`), publishes the manifest
     over the version ``claim`` read (:func:`publish`), then removes what no save can commit
@@ -301,23 +312,31 @@ def sectioned(store: Storage, manifest: Manifest) -> bool:
     """Whether ``manifest`` is committed in sections (format version 2): when it has at least
     ``TESSERA_SECTIONED_MANIFEST_TILES`` tiles, and only where every rank sees the checkpoint's
     files (a node directory of the local tier keeps version 1: its peers copy ``manifest.json``)."""
-    if isinstance(store, PartialVisibility) and not store.all_files_visible:
-        return False
     tiles = sum(e.num_tiles for e in manifest.tensors.values())
     # Compressed files' frame tables are in the inline form only (format version 3).
     compressed = any(f.frames is not None for f in manifest.files)
-    return bool(manifest.files) and not compressed and tiles >= _knobs.sectioned_manifest_tiles()
+    return bool(manifest.files) and not compressed and sectioned_for(store, tiles)
 
 
-def _encoded(store: Storage, claim: Claim, manifest: Manifest) -> tuple[bytes, list[FileEntry]]:
+def sectioned_for(store: Storage, tiles: int) -> bool:
+    """:func:`sectioned` for a manifest of ``tiles`` tiles that lists files."""
+    if isinstance(store, PartialVisibility) and not store.all_files_visible:
+        return False
+    return tiles >= _knobs.sectioned_manifest_tiles()
+
+
+def _encoded(store: Storage, claim: Claim, manifest: Manifest | EncodedSections) -> tuple[bytes, list[FileEntry]]:
     """The bytes of ``manifest.json`` and the files to check before publishing them.
 
     A sectioned manifest's sections file is written (durably, under ``data/<save id>/``) first,
     and checked with the data files: the index names it, so it must be there before the index is.
     """
-    if not sectioned(store, manifest):
+    if isinstance(manifest, EncodedSections):
+        index, sections = manifest.index, manifest.sections
+    elif not sectioned(store, manifest):
         return encode(manifest), list(manifest.files)
-    index, sections = encode_sectioned(manifest)
+    else:
+        index, sections = encode_sectioned(manifest)
     path = sections_path(manifest.save_id)
     if not path.startswith(claim.data_prefix + "/"):
         raise ValueError(f"sections file {path} outside {claim.data_prefix}/ of the save")

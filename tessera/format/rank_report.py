@@ -5,14 +5,20 @@ Each rank writes its report beside its data files once they are durable
 Reports travel through storage, not collectives: the ranks of a steady-state save exchange a
 fixed few bytes whatever the number of tiles, and rank 0 reads only what it must write.
 
-A report is strict JSON (no pickle) with the tile columns as base64 of little-endian arrays,
-followed by a newline and the xxh3-64 of the JSON in hex: a torn or altered report is refused.
+A report is one line of strict JSON (no pickle), then (if the rank wrote tiles) three binary
+parts whose sizes the JSON gives, then a newline and the xxh3-64 of all that in hex: a torn
+or altered report is refused.
+Its tiles travel as the rank's **manifest section** (format version 2: files, byte offsets,
+chunks, checksums, encoded by the rank itself, :func:`~tessera.format.manifest.encode_section`)
+plus their geometry (tensor, offsets, lengths): rank 0 joins the sections' bytes as they are and
+builds the index from the geometry alone; a version 1 manifest decodes the sections.
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
+import dataclasses
 import json
 import zlib
 from dataclasses import dataclass
@@ -23,11 +29,14 @@ import xxhash
 
 from ..errors import ManifestError
 from .codec import MAX_FRAME_BYTES, FrameTable
+from .manifest.index import parse_section
+from .manifest.sections import encode_section
 from .names import DATA_DIR
 
 REPORT_FORMAT = "tessera-rank-report"
-REPORT_VERSION = 2
-"""2: integer tile columns and the names deflated (a tenth of the bytes rank 0 reads)."""
+REPORT_VERSION = 3
+"""2: integer tile columns and the names deflated (a tenth of the bytes rank 0 reads).
+3: the tiles as the rank's manifest section and one geometry table, after the JSON line."""
 REPORTS_DIR = "reports"
 MAX_REPORT_BYTES = 1 << 30
 
@@ -78,17 +87,49 @@ class RankReportDoc:
     replicas: tuple[tuple[str, ...], np.ndarray] | None = None
     """Names and uint64 digests of the rank's copies of plain (replicated) tensors, which rank 0
     compares across ranks (:mod:`tessera.engine.saving.replicas`); None when it holds none."""
+    geometry: ReportGeometry | None = None
+    """The tiles' geometry, in the order of :attr:`section` (a report read without details has
+    only this and the section, not :attr:`tiles`)."""
+    section: bytes | None = None
+    """The rank's manifest section, as it encoded it."""
+
+
+@dataclass(frozen=True, eq=False)
+class ReportGeometry:
+    """What rank 0 needs of a rank's tiles to build a version 2 index: which tensor (in
+    :attr:`names`) each tile is of and its box, in the order of the rank's section."""
+
+    files: tuple[tuple[str, int], ...]
+    names: tuple[str, ...]
+    name: np.ndarray
+    offsets: np.ndarray
+    lengths: np.ndarray
+    frames: tuple[FrameTable | None, ...] = ()
+    """As :attr:`ReportTiles.frames`."""
+
+    def __len__(self) -> int:
+        return len(self.name)
+
+
+def split_tiles(rank: int, t: ReportTiles, timings: dict[str, float] | None = None) -> tuple[ReportGeometry, bytes]:
+    """A rank's tiles as its section (encoded here, at write time) and their geometry.
+
+    The tiles are ordered by tensor, then by offsets (first dimension first): the order the
+    index lists a tensor's rows of one section in.
+    """
+    n = len(t)
+    nd = t.offsets.shape[1] if t.offsets.ndim == 2 else 0
+    order = np.lexsort((*(t.offsets[:, d] for d in reversed(range(nd))), t.name)) if n else np.zeros(0, np.int64)
+    chunks = t.chunks[order]
+    starts = np.concatenate([[0], np.cumsum(t.chunks)]).astype(np.int64)
+    first = np.concatenate([[0], np.cumsum(chunks)])[:-1].astype(np.int64)
+    sums = t.checksums[np.arange(int(chunks.sum()), dtype=np.int64) - np.repeat(first - starts[order], chunks)]
+    section = encode_section(rank, t.files, t.name[order], t.file[order], t.byte_offset[order], chunks, sums, timings)
+    return ReportGeometry(t.files, t.names, t.name[order], t.offsets[order], t.lengths[order], t.frames), section
 
 
 def _b64(arr: np.ndarray, dtype: str) -> str:
     return base64.b64encode(np.ascontiguousarray(arr, dtype=dtype).tobytes()).decode("ascii")
-
-
-def _deflated(arr: np.ndarray) -> str:
-    """An integer column: base64 of the deflated little-endian int64 values (small, repeating
-    values: a tenth of the raw size)."""
-    raw = np.ascontiguousarray(arr, dtype="<i8").tobytes()
-    return base64.b64encode(zlib.compress(raw, 1)).decode("ascii")
 
 
 def encode_report(doc: RankReportDoc) -> bytes:
@@ -105,35 +146,49 @@ def encode_report(doc: RankReportDoc) -> bytes:
     if doc.replicas is not None:
         names, digests = doc.replicas
         body["replicas"] = {"names": list(names), "digests": _b64(digests, "<u8")}
-    t = doc.tiles
-    if t is not None:
+    geo, section = report_parts(doc)
+    blobs: list[bytes] = []
+    if geo is not None and section is not None:
         body["files"] = [
-            [p, n] if not t.frames or t.frames[i] is None else [p, n, t.frames[i].to_json()]  # type: ignore[union-attr]
-            for i, (p, n) in enumerate(t.files)
+            [p, n] if not geo.frames or geo.frames[i] is None else [p, n, geo.frames[i].to_json()]  # type: ignore[union-attr]
+            for i, (p, n) in enumerate(geo.files)
         ]
         # Deflated: a rank's tensor names repeat prefixes, and ranks of one job often report the
         # very same list, which rank 0 then parses once (:func:`_names`).
-        packed = zlib.compress(json.dumps(list(t.names), separators=(",", ":")).encode(), 1)
-        body["names"] = {"zlib": base64.b64encode(packed).decode("ascii")}
-        # The columns of a manifest's tile table (rank 0 reads one report per rank: their size
-        # is what the commit waits for).
-        body["tiles"] = {
-            "count": len(t),
-            "ndim": int(t.offsets.shape[1]) if t.offsets.ndim == 2 else 0,
-            "file": _deflated(t.file),
-            "name": _deflated(t.name),
-            "offsets": _deflated(t.offsets),
-            "lengths": _deflated(t.lengths),
-            "byte_offset": _deflated(t.byte_offset),
-            "chunks": _deflated(t.chunks),
-            "checksums": _b64(t.checksums, "<u8"),
-        }
-    data = json.dumps(body, separators=(",", ":"), allow_nan=False).encode()
+        packed = zlib.compress(json.dumps(list(geo.names), separators=(",", ":")).encode(), 1)
+        # One table (tensor, offsets, lengths per tile) in its narrowest integer type, read by
+        # rank 0 without inflating; the rest of the tiles is the section, which rank 0 only copies.
+        nd = int(geo.offsets.shape[1]) if geo.offsets.ndim == 2 else 0
+        n = len(geo)
+        rows = np.concatenate([geo.name.reshape(n, 1), geo.offsets.reshape(n, nd), geo.lengths.reshape(n, nd)], axis=1)
+        width = _width(rows)
+        body["tiles"] = {"count": n, "ndim": nd, "width": width}
+        blobs = [packed, section, np.ascontiguousarray(rows, dtype=f"<i{width}").tobytes()]
+        body["parts"] = [len(b) for b in blobs]
+    data = b"\n".join([json.dumps(body, separators=(",", ":"), allow_nan=False).encode(), *blobs[:1]]) + b"".join(
+        blobs[1:]
+    )
     return data + b"\n" + xxhash.xxh3_64_hexdigest(data).encode()
 
 
-def decode_report(data: bytes, *, source: str, rank: int, save_id: str) -> RankReportDoc:
+def _width(rows: np.ndarray) -> int:
+    """Bytes per value (1, 2, 4 or 8) of the narrowest signed type that holds every value of ``rows``."""
+    top = int(rows.max()) if rows.size else 0
+    return next(w for w in (1, 2, 4, 8) if top < 1 << (8 * w - 1))
+
+
+def report_parts(doc: RankReportDoc) -> tuple[ReportGeometry | None, bytes | None]:
+    """``(geometry, section)`` of a report (encoded from its tiles if it was not read from a file)."""
+    if doc.geometry is not None or doc.tiles is None:
+        return doc.geometry, doc.section
+    return split_tiles(doc.rank, doc.tiles, doc.timings)
+
+
+def decode_report(data: bytes, *, source: str, rank: int, save_id: str, details: bool = True) -> RankReportDoc:
     """Parse and check a report file written by rank ``rank`` for save ``save_id``.
+
+    With ``details`` the section is decoded into :attr:`RankReportDoc.tiles` too; without,
+    only the geometry is (what a version 2 index needs: the section's bytes are kept as read).
 
     Raises:
         ManifestError: naming ``source`` if the report is torn, altered, or not the one expected.
@@ -147,8 +202,9 @@ def decode_report(data: bytes, *, source: str, rank: int, save_id: str) -> RankR
     body, sep, digest = data.rpartition(b"\n")
     if not sep or xxhash.xxh3_64_hexdigest(body).encode() != digest:
         raise fail("its checksum does not match (torn or altered)")
+    header, _, tail = body.partition(b"\n")
     try:
-        doc = json.loads(body)
+        doc = json.loads(header)
     except ValueError as e:
         raise fail(f"not valid JSON ({e})") from None
     if not isinstance(doc, dict) or doc.get("format") != REPORT_FORMAT or doc.get("version") != REPORT_VERSION:
@@ -160,14 +216,17 @@ def decode_report(data: bytes, *, source: str, rank: int, save_id: str) -> RankR
         raise fail("values, per_rank and timings must be objects")
     if not all(isinstance(v, list) and len(v) == 2 and isinstance(v[1], str) for v in per_rank.values()):
         raise fail("per_rank entries must be [value, policy]")
+    geo, section = _geometry(doc, tail, fail)
     return RankReportDoc(
         rank,
         save_id,
-        _tiles(doc, fail),
+        with_details(geo, section, fail) if details and geo is not None else None,
         values,
         {k: (v[0], v[1]) for k, v in per_rank.items()},
         {str(k): float(v) for k, v in timings.items() if isinstance(v, int | float)},
         _replicas(doc.get("replicas"), fail),
+        geo,
+        section,
     )
 
 
@@ -187,33 +246,32 @@ def _replicas(raw: Any, fail: Any) -> tuple[tuple[str, ...], np.ndarray] | None:
     return tuple(names), np.frombuffer(buf, dtype="<u8").astype(np.uint64)
 
 
-_NAMES: dict[str, tuple[str, ...]] = {}
-"""Name lists already decoded, by their packed text (the ranks of one save mostly share a few)."""
+_NAMES: dict[bytes, tuple[str, ...]] = {}
+"""Name lists already decoded, by their packed bytes (the ranks of one save mostly share a few)."""
 
 
-def _names(raw: Any, fail: Any) -> tuple[str, ...]:
-    text = raw.get("zlib") if isinstance(raw, dict) else None
-    if not isinstance(text, str):
-        raise fail('names must be {"zlib": base64 of a deflated JSON list of strings}')
-    hit = _NAMES.get(text)
+def _names(packed: bytes, fail: Any) -> tuple[str, ...]:
+    hit = _NAMES.get(packed)
     if hit is not None:
         return hit
     try:
-        inflated = zlib.decompressobj().decompress(base64.b64decode(text, validate=True), MAX_REPORT_BYTES)
-        names = json.loads(inflated)
-    except (binascii.Error, ValueError, zlib.error):
-        raise fail("names are not valid base64 of a deflated JSON list") from None
+        names = json.loads(zlib.decompressobj().decompress(packed, MAX_REPORT_BYTES))
+    except (ValueError, zlib.error):
+        raise fail("names are not a deflated JSON list") from None
     if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
         raise fail("names must be a list of strings")
     if len(_NAMES) >= 256:
         _NAMES.clear()
-    out = _NAMES[text] = tuple(names)
+    out = _NAMES[packed] = tuple(names)
     return out
 
 
-def _tiles(doc: dict[str, Any], fail: Any) -> ReportTiles:
-    files, raw = doc.get("files"), doc.get("tiles")
-    names = _names(doc.get("names"), fail)
+def _geometry(doc: dict[str, Any], tail: bytes, fail: Any) -> tuple[ReportGeometry | None, bytes | None]:
+    """The tiles' geometry and the section, from the parts after the report's JSON line:
+    the deflated names, the section's bytes, the geometry table (sizes in ``parts``)."""
+    files, raw, parts = doc.get("files"), doc.get("tiles"), doc.get("parts")
+    if raw is None and files is None and parts is None:
+        return None, None
     if not isinstance(files, list) or not all(
         isinstance(f, list) and len(f) in (2, 3) and isinstance(f[0], str) and type(f[1]) is int and f[1] >= 0
         for f in files
@@ -227,43 +285,61 @@ def _tiles(doc: dict[str, Any], fail: Any) -> ReportTiles:
             )
         except ValueError as e:
             raise fail(f"file {f[0]!r:.80}: {e}") from None
-    if not isinstance(raw, dict):
-        raise fail("tiles must be an object")
-    n, nd = raw.get("count"), raw.get("ndim")
-    if type(n) is not int or type(nd) is not int or n < 0 or not 0 <= nd <= 64:
-        raise fail("tiles.count and tiles.ndim must be small non-negative integers")
-
-    def column(key: str, count: int, deflated: bool = True) -> np.ndarray:
-        text = raw.get(key)
-        if not isinstance(text, str) or len(text) > 4 * MAX_REPORT_BYTES // 3 + 4:
-            raise fail(f"tiles.{key} must be a base64 string")
-        try:
-            buf = base64.b64decode(text, validate=True)
-            if deflated:  # bounded: a column cannot inflate past what ``count`` declares
-                buf = zlib.decompressobj().decompress(buf, 8 * count + 1)
-        except (binascii.Error, ValueError, zlib.error):
-            raise fail(f"tiles.{key} is not valid base64{' of zlib data' if deflated else ''}") from None
-        if len(buf) != 8 * count:
-            raise fail(f"tiles.{key} holds {len(buf)} bytes, expected {8 * count}")
-        return np.frombuffer(buf, dtype="<i8" if deflated else "<u8").astype(np.int64 if deflated else np.uint64)
-
-    cols = [column(k, c) for k, c in (("file", n), ("name", n), ("offsets", n * nd), ("lengths", n * nd))]
-    byte_offset, chunks = column("byte_offset", n), column("chunks", n)
-    ints = [*cols, byte_offset, chunks]
-    if any(len(a) and ((a < 0).any() or a.max() >= 1 << 62) for a in ints):
-        raise fail("tile columns must be non-negative integers below 2**62")
-    file, name, offs, lens = cols
-    if n and (file.max() >= len(files) or name.max() >= len(names)):
-        raise fail("a tile refers to a file or name the report does not list")
-    return ReportTiles(
+    if not isinstance(raw, dict) or not isinstance(parts, list) or len(parts) != 3:
+        raise fail("tiles must be an object and parts a list of 3 sizes")
+    n, nd, width = raw.get("count"), raw.get("ndim"), raw.get("width")
+    if type(n) is not int or type(nd) is not int or n < 0 or not 0 <= nd <= 64 or width not in (1, 2, 4, 8):
+        raise fail("tiles.count, tiles.ndim and tiles.width must be small non-negative integers")
+    cols = 1 + 2 * nd
+    if not all(type(x) is int and x >= 0 for x in parts) or sum(parts) != len(tail) or parts[2] != n * cols * width:
+        raise fail(f"its parts {parts!r:.80} do not add up to its {len(tail)} bytes for {n} tiles")
+    names = _names(tail[: parts[0]], fail)
+    section = tail[parts[0] : parts[0] + parts[1]]
+    rows = np.frombuffer(tail, dtype=f"<i{width}", count=n * cols, offset=parts[0] + parts[1])
+    rows = rows.reshape(n, cols).astype(np.int64)
+    if n and (int(rows.min()) < 0 or int(rows[:, 0].max()) >= len(names)):
+        raise fail("tile geometry must be non-negative integers naming listed tensors")
+    geo = ReportGeometry(
         tuple((f[0], f[1]) for f in files),
         names,
-        file,
-        name,
-        offs.reshape(n, nd),
-        lens.reshape(n, nd),
-        byte_offset,
-        chunks,
-        column("checksums", int(chunks.sum()), deflated=False),
+        rows[:, 0],
+        rows[:, 1 : 1 + nd],
+        rows[:, 1 + nd :],
         tuple(frames) if any(fr is not None for fr in frames) else (),
     )
+    return geo, section
+
+
+def with_details(geo: ReportGeometry, section: bytes | None, fail: Any) -> ReportTiles:
+    """The full tiles of a report: its geometry joined with its decoded section."""
+    try:
+        s = parse_section(section or b"", "the section")
+    except ManifestError as e:
+        raise fail(str(e)) from None
+    if len(s.tensor) != len(geo) or not np.array_equal(s.tensor, geo.name):
+        raise fail("its section and its geometry list different tiles")
+    if tuple((f.path, f.nbytes) for f in s.files) != geo.files:
+        raise fail("its section and its report list different files")
+    return ReportTiles(
+        geo.files,
+        geo.names,
+        s.file,
+        geo.name,
+        geo.offsets,
+        geo.lengths,
+        s.byte_offset,
+        s.chunks,
+        s.checksums,
+        geo.frames,
+    )
+
+
+def details(doc: RankReportDoc, source: str) -> RankReportDoc:
+    """``doc`` with :attr:`~RankReportDoc.tiles` decoded from its section (a no-op if it has them)."""
+    if doc.tiles is not None or doc.geometry is None:
+        return doc
+
+    def fail(what: str) -> ManifestError:
+        return ManifestError(f"{source}: invalid report of rank {doc.rank}: {what}")
+
+    return dataclasses.replace(doc, tiles=with_details(doc.geometry, doc.section, fail))

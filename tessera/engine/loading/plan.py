@@ -59,6 +59,10 @@ class ReadRequest:
         return self.stop - self.start
 
 
+_FEW_TILES = 16
+"""Up to this many tiles, a tensor's tiles are tested against a box directly (no bisection)."""
+
+
 class _TileIndex:
     """Which saved tiles of a tensor meet a box, found by binary search instead of a scan.
 
@@ -81,6 +85,11 @@ class _TileIndex:
         if not offs.shape[1] or not len(offs):  # a 0-dim tensor: its one tile is the whole of it
             idx = np.arange(len(offs))
             return idx, offs, offs
+        if len(offs) <= _FEW_TILES:  # a table narrowed to the tiles near the rank's boxes: no search
+            lo = np.maximum(offs, np.asarray(box.offsets, dtype=np.int64))
+            hi = np.minimum(offs + lens, np.asarray(box.stops, dtype=np.int64))
+            meet = (hi > lo).all(axis=1)
+            return np.flatnonzero(meet), lo[meet], hi[meet]
         key = self._sorted.get(fqn)
         if key is None:
             starts = offs[:, 0]

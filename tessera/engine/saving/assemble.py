@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any
 
@@ -62,6 +63,15 @@ def build_manifest(
         parts.append((names[t.name], fmap[t.file], offs, lens, t.byte_offset, t.chunks, t.checksums))
     paths = tuple(f.path for f in files)
     tensors = {m.fqn: TensorEntry(m.dtype, m.shape, table=t) for m, t in zip(metas, _tables(paths, metas, nd, parts))}
+    rest = manifest_without_tiles(world_size, metas, reports, save_id, opts)
+    return dataclasses.replace(rest, tensors=tensors, files=tuple(files))
+
+
+def manifest_without_tiles(
+    world_size: int, metas: tuple[TensorMeta, ...], reports: list[RankReportDoc], save_id: str, opts: SaveOptions
+) -> Manifest:
+    """The manifest of a save without its tensors and files: values, per-rank values, layout,
+    timings and metadata from the ranks' reports."""
     values: dict[str, Any] = {}
     per_rank: dict[str, list[Any]] = {}
     policies: dict[str, str] = {}
@@ -77,16 +87,16 @@ def build_manifest(
     # A container that is empty on one rank (say, a pipeline stage's share of the model) but
     # holds tensors or values on others is not a value of its own. Only an empty one: a
     # non-empty value beside dotted keys ({"ema.shadow": t, "ema": {"decay": 0.9}}) is kept.
-    parents = dotted_parents(list(tensors) + list(values) + list(per_rank))
+    parents = dotted_parents([m.fqn for m in metas] + list(values) + list(per_rank))
     values = {k: v for k, v in values.items() if k not in parents or not is_empty_container(v)}
     return Manifest(
         save_id=save_id,
         world_size=world_size,
         chunk_bytes=opts.chunk_bytes,
-        tensors=tensors,
+        tensors={},
         values=values,
         per_rank={k: PerRankEntry(policies[k], tuple(v)) for k, v in per_rank.items()},
-        files=tuple(files),
+        files=(),
         layout={"world_size": world_size, **opts.layout},
         timings={"save": {"ranks": {str(r): rep.timings for r, rep in enumerate(reports)}}},
         metadata={

@@ -26,7 +26,6 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 
 from ...errors import (
     CheckpointError,
@@ -36,8 +35,9 @@ from ...errors import (
     PlanMismatchError,
     StorageError,
 )
+from ...format.manifest import EncodedSections, Manifest
 from ...format.names import DATA_DIR
-from ...format.rank_report import RankReportDoc, decode_report, encode_report, report_path
+from ...format.rank_report import RankReportDoc, decode_report, details, encode_report, report_path
 from ...options import WriterMode
 from ...results import SaveResult
 from ...storage.capabilities import PartialVisibility
@@ -50,6 +50,7 @@ from .assemble import build_manifest, check_coverage
 from .handoff import CommitOutcome, FileReport, PreparedSave, rank_report
 from .prepare import plan_mismatch, save_ballot
 from .replicas import check_replicas
+from .sectioned import build_sectioned, tile_count
 from .sources import Staged
 from .window import WindowedTiles, file_write
 from .write import WriteRequest, WrittenFile, write_tiles
@@ -248,19 +249,48 @@ def _read_report(save: PreparedSave, path: str, rank: int) -> bytes:
         raise StorageError(f"rank 0: reading the report {path} of rank {rank} failed: {type(e).__name__}: {e}") from e
 
 
-def _reports(world: World, save: PreparedSave, docs: list[RankReportDoc], blobs: list[bytes]) -> list[RankReportDoc]:
-    """Rank 0: every rank's report, by rank (they are durable: every rank voted after writing its own)."""
+def _read_reports(save: PreparedSave, world_size: int) -> dict[int, bytes]:
+    """Every other rank's report, ``_READ_THREADS`` reads in flight (each thread reads every
+    ``_READ_THREADS``-th rank: no per-read task objects, which cost more than a read at 16k ranks)."""
+    threads = max(1, min(_READ_THREADS, world_size - 1))
+    raw: dict[int, bytes] = {}
+    errors: list[tuple[int, BaseException]] = []
+
+    def worker(first: int) -> None:
+        for r in range(first, world_size, threads):
+            if errors:
+                return
+            try:
+                raw[r] = _read_report(save, report_path(save.save_id, r), r)
+            except BaseException as e:
+                errors.append((r, e))
+                return
+
+    pool = [threading.Thread(target=worker, args=(1 + i,), name=f"tessera-reports-{i}") for i in range(threads)]
+    for t in pool:
+        t.start()
+    for t in pool:
+        t.join()
+    if errors:
+        raise min(errors, key=lambda x: x[0])[1]  # the lowest rank's, of those seen
+    return raw
+
+
+def _reports(
+    world: World, save: PreparedSave, docs: list[RankReportDoc], blobs: list[bytes], *, detailed: bool = True
+) -> list[RankReportDoc]:
+    """Rank 0: every rank's report, by rank (they are durable: every rank voted after writing its own).
+
+    Without ``detailed`` only their geometry is decoded, their sections kept as written."""
     raw: dict[int, bytes]
     if _through_storage(save):
-        paths = {report_path(save.save_id, r): r for r in range(1, world.size)}
-        with ThreadPoolExecutor(max(1, min(_READ_THREADS, len(paths))), thread_name_prefix="tessera-reports") as pool:
-            raw = dict(zip(paths.values(), pool.map(lambda p: _read_report(save, p, paths[p]), paths)))
+        raw = _read_reports(save, world.size)
     else:
         raw = dict(enumerate(blobs))
     out = [docs[0]]
     for r in range(1, world.size):
         source = f"{save.path}/{report_path(save.save_id, r)}"
-        out.append(decode_report(raw[r], source=source, rank=r, save_id=save.save_id))
+        out.append(decode_report(raw[r], source=source, rank=r, save_id=save.save_id, details=detailed))
     return out
 
 
@@ -311,15 +341,26 @@ def _commit(
         CheckpointError: the commit failed (see :func:`tessera.engine.commit.commit_manifest`).
     """
     assert save.plan.metas is not None  # rank 0 holds the global tensor table
+    manifest: Manifest | EncodedSections
+    # A large save commits its ranks' own sections (format version 2) without decoding them;
+    # under dedup ranks may list one shared file twice, and compressed files' frame tables are
+    # in the inline form only (format version 3): the manifest is assembled whole then.
+    joined = _through_storage(save) and save.dedup is None and not save.options.compress
     try:
-        reports = _reports(world, save, docs, blobs)
+        reports = _reports(world, save, docs, blobs, detailed=not joined)
         check_replicas(save.path, [d.replicas for d in reports])
-        manifest = dedup.annotate(
-            save, build_manifest(world.size, save.plan.metas, reports, save.save_id, save.options)
-        )
-        if save.plan.derived:  # no rank saw the others' boxes: check every tensor is covered once
-            check_coverage(manifest)
-        dedup.check_shared(save, manifest)
+        if joined and commit.sectioned_for(save.store, tile_count(reports)):
+            manifest = build_sectioned(
+                world.size, save.plan.metas, reports, save.save_id, save.options, check_coverage=save.plan.derived
+            )
+        else:
+            reports = [details(d, f"{save.path}/{report_path(save.save_id, r)}") for r, d in enumerate(reports)]
+            manifest = dedup.annotate(
+                save, build_manifest(world.size, save.plan.metas, reports, save.save_id, save.options)
+            )
+            if save.plan.derived:  # no rank saw the others' boxes: check every tensor is covered once
+                check_coverage(manifest)
+            dedup.check_shared(save, manifest)
     except BaseException:
         commit.abandon(save.store, claim, [], save.path)
         dedup.abandon(save)
@@ -338,5 +379,8 @@ def _commit(
         except Exception as e:
             logger.debug("could not remove the rank reports of %s: %s", save.path, e)
     timings = {r: d.timings for r, d in enumerate(reports)}
-    out.append(CommitOutcome(dedup.bytes_written(save, manifest), timings, dedup.dirs_of(save, manifest)))
+    if isinstance(manifest, EncodedSections):
+        out.append(CommitOutcome(sum(f.nbytes for f in manifest.files), timings))
+    else:
+        out.append(CommitOutcome(dedup.bytes_written(save, manifest), timings, dedup.dirs_of(save, manifest)))
     return [out[0].total_bytes]

@@ -14,7 +14,7 @@ Modules:
 """
 
 from .decoder import decode, decode_files
-from .encoder import encode
+from .encoder import encode, manifest_tail
 from .index import Index, Section, decode_index
 from .schema import (
     CHECKSUM_ALGORITHM,
@@ -34,7 +34,7 @@ from .schema import (
     Tile,
     TileTable,
 )
-from .sections import encode_sectioned, sections_path
+from .sections import EncodedSections, build_index, encode_section, encode_sectioned, sections_path
 
 __all__ = [
     "CHECKSUM_ALGORITHM",
@@ -47,6 +47,7 @@ __all__ = [
     "SECTIONS_NAME",
     "TABLE_MIN_TILES",
     "VERSION",
+    "EncodedSections",
     "FileEntry",
     "Index",
     "Manifest",
@@ -55,10 +56,13 @@ __all__ = [
     "TensorEntry",
     "Tile",
     "TileTable",
+    "build_index",
     "decode",
     "decode_files",
     "decode_index",
     "encode",
+    "encode_section",
     "encode_sectioned",
+    "manifest_tail",
     "sections_path",
 ]

@@ -8,9 +8,14 @@ the other (``offsets`` per dimension, ``lengths`` per dimension, ``section``), e
 the difference from the row before it in the block (the block's first row as is), all as
 little-endian signed integers of one width (1, 2, 4 or 8 bytes: the inflated size says which).
 
+A tensor's sections never decrease along its rows, so each section's rows are one run; a
+row's ``k`` (its place among its section's tiles of the tensor, how the section finds it) is
+its distance from the run's start, plus the block's ``lead`` for the block's first run.
+
 Decoding is bounded and strict: a block must inflate to exactly its rows' bytes, its values
-must be in ``[0, 2**62)``, its sections below the section count, and its tiles inside the
-range the index gives for it (the range a reader trusted to skip it). See ``docs/format.md``.
+must be in ``[0, 2**62)``, its sections below the section count and never decreasing, and its
+tiles inside the range the index gives for it (the range a reader trusted to skip it). See
+``docs/format.md``.
 """
 
 from __future__ import annotations
@@ -31,9 +36,13 @@ MAX_BLOCK_TILES = 1 << 20
 """The most rows per block an index may declare (what one inflate may allocate: 8 MiB per column)."""
 
 
-def encode_blocks(parts: list[bytes], offsets: np.ndarray, lengths: np.ndarray, section: np.ndarray) -> np.ndarray:
+def encode_blocks(
+    parts: list[bytes], offsets: np.ndarray, lengths: np.ndarray, section: np.ndarray, k: np.ndarray
+) -> np.ndarray:
     """Append a ``tile_index`` object (``count``, ``block``, ``data``) to ``parts``; return its
-    block table (``first``, ``end``, ``size`` per block: rows of the index's ``tile_blocks``)."""
+    block table (``first``, ``end``, ``size``, ``lead`` per block: rows of the index's
+    ``tile_blocks``; ``lead`` is ``k`` of the block's first row, its place among its section's
+    tiles of the tensor)."""
     n, nd = offsets.shape if offsets.ndim == 2 else (len(offsets), 0)
     b = BLOCK_TILES
     rows = np.concatenate([offsets.reshape(n, nd), lengths.reshape(n, nd), section.reshape(n, 1)], axis=1)
@@ -45,7 +54,7 @@ def encode_blocks(parts: list[bytes], offsets: np.ndarray, lengths: np.ndarray, 
         delta[::b] = rows[::b]  # each block's first row as is
     blobs = [zlib.compress(_narrow(delta[i : i + b].T), 1) for i in range(0, n, b)]
     nb = len(blobs)
-    table = np.zeros((nb, 3), dtype=np.int64)
+    table = np.zeros((nb, 4), dtype=np.int64)
     if nd and n:
         starts = offsets[:, 0]
         ends = starts + lengths[:, 0]
@@ -53,6 +62,7 @@ def encode_blocks(parts: list[bytes], offsets: np.ndarray, lengths: np.ndarray, 
         table[:, 0] = np.concatenate([starts, np.full(pad, starts.max())]).reshape(nb, b).min(axis=1)
         table[:, 1] = np.concatenate([ends, np.zeros(pad, np.int64)]).reshape(nb, b).max(axis=1)
     table[:, 2] = np.fromiter((len(x) for x in blobs), dtype=np.int64, count=nb)
+    table[:, 3] = k[::b]
     parts += [b'{"count":%d,"block":%d,"data":"' % (n, b), base64.b64encode(b"".join(blobs)), b'"}']
     return table
 
@@ -93,7 +103,7 @@ class Geometry:
 
     def attach(self, table: np.ndarray) -> None:
         """Set the block table: this tensor's rows of the index's ``tile_blocks`` (first, end, size)."""
-        self.first, self.end = table[:, 0], table[:, 1]
+        self.first, self.end, self.lead = table[:, 0], table[:, 1], table[:, 3]
         self._at = np.concatenate([[0], np.cumsum(table[:, 2])]).astype(np.int64)
         self._data = b""
         self._blocks: dict[int, np.ndarray] = {}
@@ -109,11 +119,12 @@ class Geometry:
         return np.flatnonzero(meet.any(axis=0))
 
     def rows(self, blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """``(rows, offsets, lengths, section)`` of the tiles of ``blocks`` (ascending)."""
+        """``(rows, offsets, lengths, place)`` of the tiles of ``blocks`` (ascending); ``place`` is
+        ``(section, k)`` per row: its section, and its place among that section's tiles of the tensor."""
         nd = self.ndim
         if not len(blocks):
             z = np.zeros(0, dtype=np.int64)
-            return z, z.reshape(0, nd), z.reshape(0, nd), z
+            return z, z.reshape(0, nd), z.reshape(0, nd), z.reshape(0, 2)
         with self._lock:
             got = [self._inflate(int(i)) for i in blocks]
         arr = np.concatenate(got) if len(got) > 1 else got[0]
@@ -123,7 +134,10 @@ class Geometry:
             rows = np.arange(int(starts[0]), int(starts[0] + counts[0]), dtype=np.int64)
         else:
             rows = np.arange(len(arr), dtype=np.int64) + np.repeat(starts - (np.cumsum(counts) - counts), counts)
-        return rows, arr[:, :nd], arr[:, nd : 2 * nd], arr[:, 2 * nd]
+        at = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+        block_of = np.repeat(np.arange(len(blocks)), counts)
+        k = _k(arr[:, 2 * nd], block_of, at, self.lead[blocks], np.arange(len(arr)))
+        return rows, arr[:, :nd], arr[:, nd : 2 * nd], np.stack([arr[:, 2 * nd], k], axis=1)
 
     def pick(self, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
         """Rows of the tiles that meet any box ``[lo[k], hi[k])`` (``(boxes, ndim)`` arrays), ascending.
@@ -142,7 +156,7 @@ class Geometry:
         return rows
 
     def take(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """``(offsets, lengths, section)`` of ``rows`` (ascending, below :attr:`count`)."""
+        """``(offsets, lengths, place)`` of ``rows`` (ascending, below :attr:`count`); see :meth:`rows`."""
         picked = self.picked
         if picked is not None and picked[0] is rows:
             return picked[1], picked[2], picked[3]
@@ -152,19 +166,13 @@ class Geometry:
         return offs[pos], lens[pos], sec[pos]
 
     def _inflate(self, i: int) -> np.ndarray:
-        """Block ``i``'s rows ``(m, 2 ndim + 1)``, validated (once)."""
+        """Block ``i``'s rows ``(m, 2 ndim + 1)`` (boxes, section), validated (once)."""
         hit = self._blocks.get(i)
         if hit is not None:
             return hit
         cols = self._raw(i)
-        check_rows(
-            f"tensor '{self.name}': tile_index block {i}",
-            cols.T,
-            self.ndim,
-            self.sections,
-            self.first[i : i + 1],
-            self.end[i : i + 1],
-            np.zeros(1, np.int64),
+        _check_block(
+            f"tensor '{self.name}': tile_index block {i}", cols, self.ndim, self.sections, self.first[i], self.end[i]
         )
         self._blocks[i] = arr = cols.T
         return arr
@@ -202,31 +210,30 @@ class Geometry:
         return np.cumsum(delta, axis=1, dtype=np.int64)
 
 
-def check_rows(
-    what: str,
-    rows: np.ndarray,
-    nd: int,
-    sections: int | np.ndarray,
-    first: np.ndarray,
-    end: np.ndarray,
-    block_of: np.ndarray,
-) -> None:
-    """Raise unless decoded rows ``(n, 2 nd + 1)`` are below 2**62, name sections below ``sections``
-    and lie in their blocks' ranges (``first[block_of]``, ``end[block_of]``; padded dimensions: none)."""
-    if not len(rows):
+def _k(sec: np.ndarray, block_of: np.ndarray, starts: np.ndarray, lead: np.ndarray, at: np.ndarray) -> np.ndarray:
+    """k of rows ``at`` of blocks laid one after the other (``sec``: their section column, never
+    decreasing within a block; ``starts``: where each block begins; ``lead``: each block's): the
+    distance from the first row of its section in its block, plus the lead in the block's first run."""
+    blk = block_of[at]
+    key = block_of * (1 << 32) + sec  # ascending; sections are below 2**32 (the sections file's size)
+    first = np.searchsorted(key, key[at]) - starts[blk]
+    return at - starts[blk] - first + np.where(first == 0, lead[blk], 0)
+
+
+def _check_block(what: str, cols: np.ndarray, nd: int, sections: int, first: int, end: int) -> None:
+    """Raise unless a block's decoded columns ``(2 nd + 1, m)`` are below 2**62, name sections
+    below ``sections``, never decreasing, and lie in the block's range ``[first, end)``."""
+    if not cols.shape[1]:
         return
-    if int(rows.view(np.uint64).max()) >= 1 << 62:
+    if int(cols.view(np.uint64).max()) >= 1 << 62:
         raise fail(f"{what}: values must be non-negative integers below 2**62")
-    sec = rows[:, 2 * nd]
-    bad = np.flatnonzero(sec >= sections)
-    if len(bad):
-        raise fail(f"{what}: a tile is in section #{int(sec[bad[0]])} but there are fewer")
-    if nd:
-        starts, ends = rows[:, 0], rows[:, 0] + rows[:, nd]
-        out = np.flatnonzero((starts < first[block_of]) | (ends > end[block_of]))
-        if len(out):
-            b = int(block_of[out[0]])
-            raise fail(f"{what}: a tile lies outside the block's range [{int(first[b])}, {int(end[b])})")
+    sec = cols[2 * nd]
+    if int(sec.max()) >= sections:
+        raise fail(f"{what}: a tile is in section #{int(sec.max())} but there are fewer")
+    if (sec[1:] < sec[:-1]).any():
+        raise fail(f"{what}: the sections of a tensor's rows must never decrease")
+    if nd and (int(cols[0].min()) < first or int((cols[0] + cols[nd]).max()) > end):
+        raise fail(f"{what}: a tile lies outside the block's range [{int(first)}, {int(end)})")
 
 
 def pick_many(items: list[tuple[Geometry, np.ndarray, np.ndarray]]) -> list[np.ndarray]:
@@ -263,60 +270,52 @@ def _pick_group(items: list[tuple[Geometry, np.ndarray, np.ndarray]], nd: int) -
     pair_block += np.repeat(base[owner], per)
     meet = (first[pair_block] < hi[pair_box, 0]) & (end[pair_block] > lo[pair_box, 0])
     pair_box, pair_block = pair_box[meet], pair_block[meet]
-    blocks = np.unique(pair_block)
-    if not len(blocks):
-        for g in geos:
-            g.picked = (z, z.reshape(0, nd), z.reshape(0, nd), z)
-        return [z] * len(items)
+    by_block = np.argsort(pair_block, kind="stable")
+    pair_box, pair_block = pair_box[by_block], pair_block[by_block]
+    blocks, at = np.unique(pair_block, return_index=True)
+    at = np.append(at, len(pair_block)).tolist()
     item_of = np.searchsorted(base, blocks, side="right") - 1
-    local = blocks - base[item_of]
-    cols = [geos[i]._raw(b) for i, b in zip(item_of.tolist(), local.tolist())]
-    sizes = np.array([c.shape[1] for c in cols], dtype=np.int64)
-    rows = np.concatenate(cols, axis=1).T  # (n, 2 nd + 1), blocks in order
-    starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
-    block_of = np.repeat(np.arange(len(blocks)), sizes)
-    sections = np.array([g.sections for g in geos], dtype=np.int64)[item_of][block_of]
-    names = ", ".join(sorted({f"'{geos[i].name}'" for i in item_of[:3].tolist()}))
-    check_rows(f"tensor {names}...: tile_index", rows, nd, sections, first[blocks], end[blocks], block_of)
-    # Every (box, row of a block it met) pair; the rows whose boxes meet.
-    where = np.searchsorted(blocks, pair_block)
-    a, b = _near(rows, nd, starts, sizes, where, lo[pair_box, 0], hi[pair_box, 0])
-    n = b - a
-    row_pair = np.repeat(np.arange(len(where)), n)
-    row = np.arange(int(n.sum()), dtype=np.int64) - np.repeat(np.cumsum(n) - n, n) + np.repeat(a, n)
-    box = pair_box[row_pair]
-    offs, lens = rows[row, :nd], rows[row, nd : 2 * nd]
-    hit = ((offs < hi[box]) & (offs + lens > lo[box])).all(axis=1)
-    keep = np.unique(row[hit])  # ascending: by tensor, then row
-    blk = block_of[keep]
-    local_row = local[blk] * np.array([g.block for g in geos], dtype=np.int64)[item_of[blk]] + keep - starts[blk]
-    cut = np.searchsorted(item_of[blk], np.arange(len(items) + 1))
+    found: list[list[tuple[np.ndarray, ...]]] = [[] for _ in items]
+    # Block by block (ascending: by tensor, then row): only the rows near each box are gathered.
+    for j, (i, b) in enumerate(zip(item_of.tolist(), (blocks - base[item_of]).tolist())):
+        g = geos[i]
+        cols = g._raw(b)
+        _check_block(f"tensor '{g.name}': tile_index block {b}", cols, nd, g.sections, g.first[b], g.end[b])
+        boxes = pair_box[at[j] : at[j + 1]]
+        cand, box = _near(cols, nd, lo[boxes, 0], hi[boxes, 0], boxes)
+        offs, lens = cols[:nd, cand].T, cols[nd : 2 * nd, cand].T
+        keep = np.unique(cand[((offs < hi[box]) & (offs + lens > lo[box])).all(axis=1)])
+        if not len(keep):
+            continue
+        sec = cols[2 * nd]
+        run = np.searchsorted(sec, sec[keep])  # the first row of each kept row's section in the block
+        k = keep - run + np.where(run == 0, g.lead[b], 0)
+        found[i].append((b * g.block + keep, cols[:nd, keep].T, cols[nd : 2 * nd, keep].T, np.stack([sec[keep], k], 1)))
     out = []
-    for k, g in enumerate(geos):
-        i0, i1 = int(cut[k]), int(cut[k + 1])
-        sel = keep[i0:i1]
-        r = local_row[i0:i1]
-        g.picked = (r, rows[sel, :nd], rows[sel, nd : 2 * nd], rows[sel, 2 * nd])
+    for g, parts in zip(geos, found):
+        if parts:
+            r, o, ln, place = (np.concatenate(x) for x in zip(*parts))
+        else:
+            r, o, ln, place = z, z.reshape(0, nd), z.reshape(0, nd), z.reshape(0, 2)
+        g.picked = (r, o, ln, place)
         out.append(r)
     return out
 
 
 def _near(
-    rows: np.ndarray, nd: int, starts: np.ndarray, sizes: np.ndarray, where: np.ndarray, lo: np.ndarray, hi: np.ndarray
+    cols: np.ndarray, nd: int, lo: np.ndarray, hi: np.ndarray, boxes: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray]:
-    """For each (block ``where[k]``, range ``[lo[k], hi[k])``) the rows ``[a[k], b[k])`` of that block
-    that can meet the range along the first dimension: found by bisection where each block's tiles
-    are sorted by their first offset (as saves store them), else the whole block."""
-    a, b = starts[where], starts[where] + sizes[where]
-    first = rows[:, 0]
-    span = int(first.max()) + 1
-    if span * len(sizes) >= 1 << 62:
-        return a, b
-    key = np.repeat(np.arange(len(sizes), dtype=np.int64), sizes) * span + first
-    if not bool((key[1:] >= key[:-1]).all()):
-        return a, b
-    longest = np.maximum.reduceat(rows[:, nd], starts[:-1])[where]
+    """The rows of a block (``cols``, ``(2 nd + 1, m)``) that can meet ranges ``[lo[k], hi[k])``
+    along the first dimension, each with its box: found by bisection where the block's tiles are
+    sorted by their first offset (as saves store them), else every row for every box."""
+    start = cols[0]
+    m = len(start)
+    if m > 1 and (start[1:] < start[:-1]).any():
+        return np.tile(np.arange(m, dtype=np.int64), len(boxes)), np.repeat(boxes, m)
+    longest = int(cols[nd].max()) if m else 0
     # Earlier tiles end before ``lo`` (they start at or before lo - longest); later ones start after hi.
-    a = np.maximum(a, np.searchsorted(key, where * span + np.maximum(lo - longest, -1), side="right"))
-    b = np.minimum(b, np.searchsorted(key, where * span + np.minimum(hi, span), side="left"))
-    return a, np.maximum(a, b)
+    a = np.searchsorted(start, lo - longest, side="right")
+    b = np.maximum(a, np.searchsorted(start, hi, side="left"))
+    n = b - a
+    cand = np.arange(int(n.sum()), dtype=np.int64) - np.repeat(np.cumsum(n) - n, n) + np.repeat(a, n)
+    return cand, np.repeat(boxes, n)

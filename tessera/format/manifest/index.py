@@ -12,6 +12,7 @@ use unchanged. No I/O here: the caller reads the bytes (:mod:`tessera.engine.loa
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -36,22 +37,42 @@ from .schema import (
     TensorEntry,
     TileTable,
 )
-from .tiles import Budget, Context, as_dict, as_int, check_columns, column, fail
+from .tiles import Budget, Context, as_dict, as_int, check_columns, check_many, column, fail
 
 
 @dataclass(frozen=True)
 class Section:
-    """One decoded section: its files and its tiles' details, in index order."""
+    """One decoded section: its files and its tiles' details, in the section's order.
+
+    ``tensor`` is each tile's tensor position in the index and ``k`` its place among the
+    section's tiles of that tensor: the tile of the index row whose place is ``(section, k)``.
+    """
 
     number: int
     rank: int
     files: tuple[FileEntry, ...]
     tensor: np.ndarray
-    row: np.ndarray
+    k: np.ndarray
     file: np.ndarray
     byte_offset: np.ndarray
     chunks: np.ndarray
     checksums: np.ndarray
+    timings: dict | None = None
+    """The saving rank's timings of the save (``timings.save.ranks[rank]`` of the manifest read whole)."""
+
+
+@dataclass(frozen=True)
+class SectionDoc:
+    """A section as its rank wrote it (tensors numbered in its own list), checked on its own."""
+
+    rank: int
+    files: tuple[FileEntry, ...]
+    tensor: np.ndarray
+    file: np.ndarray
+    byte_offset: np.ndarray
+    chunks: np.ndarray
+    checksums: np.ndarray
+    timings: dict | None = None
 
 
 class Index:
@@ -64,7 +85,8 @@ class Index:
         self.tensors: dict[str, tuple[str, tuple[int, ...]]] = tensors
         self._sizes = sizes
         self.geometry: dict[str, Geometry] = {}
-        self.sections_path, self.sections_bytes, self.offset, self.length, self.checksums = table
+        self.sections_path, self.sections_bytes, self.offset, self.length, self.checksums = table[:5]
+        self.section_rank, self.section_list, self.tensor_lists = table[5:]
         self._shell: Manifest | None = None
         self._counts = np.zeros(0, dtype=np.int64)
 
@@ -91,11 +113,36 @@ class Index:
                 "damaged or was replaced; run `tessera verify`"
             )
         try:
-            return _section(number, data, self._counts)
+            return self._section(number, data)
         except ManifestError as e:
             raise ManifestError(f"{where}: {e}") from None
         except RecursionError:
             raise ManifestError(f"{where}: invalid manifest: nested too deeply") from None
+
+    def _section(self, number: int, data: bytes) -> Section:
+        doc = parse_section(data, f"section {number}")
+        if doc.rank != int(self.section_rank[number]):
+            raise fail(
+                f"section {number} says it is rank {doc.rank}'s, the index says rank {int(self.section_rank[number])}'s"
+            )
+        tensors = self.tensor_lists[int(self.section_list[number])]
+        n = len(doc.tensor)
+        if n and int(doc.tensor.max()) >= len(tensors):
+            raise fail(
+                f"section {number}: a tile's tensor #{int(doc.tensor.max())} is not in its list of {len(tensors)}"
+            )
+        tensor = tensors[doc.tensor] if n else doc.tensor
+        # k: the place of each tile among the section's tiles of its tensor, in section order.
+        order = np.argsort(tensor, kind="stable")
+        by = tensor[order]
+        at = np.arange(n, dtype=np.int64)
+        k = np.empty(n, dtype=np.int64)
+        k[order] = at - np.searchsorted(by, by)
+        if n and (k >= self._counts[tensor]).any():
+            raise fail(f"section {number} holds more tiles of a tensor than the tensor has")
+        return Section(
+            number, doc.rank, doc.files, tensor, k, doc.file, doc.byte_offset, doc.chunks, doc.checksums, doc.timings
+        )
 
     def rows_for(self, name: str, boxes: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> np.ndarray:
         """Rows of ``name``'s tiles that meet any of ``boxes`` (``(offsets, lengths)``), ascending.
@@ -127,7 +174,7 @@ class Index:
 
     def sections_of(self, rows: Mapping[str, np.ndarray]) -> list[int]:
         """The sections that hold the given tiles (``tensor name -> rows``), ascending."""
-        found = [self._take(n, r)[2] for n, r in rows.items() if len(r)]
+        found = [self._take(n, r)[2][:, 0] for n, r in rows.items() if len(r)]
         return np.unique(np.concatenate(found)).tolist() if found else []
 
     def _take(self, name: str, rows: np.ndarray | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -161,15 +208,15 @@ class Index:
         secs = [sections[number] for number in numbers]
         z = np.zeros(0, np.int64)
         ntensors = max(1, len(self.tensors))
-        # Every entry read, keyed by (section, tensor, row): ascending, as each section is.
+        # Every entry read, keyed by (section, tensor, k), and sorted by that key.
         group = np.concatenate([number * ntensors + c.tensor for number, c in zip(numbers, secs)] or [z])
-        row = np.concatenate([c.row for c in secs] or [z])
+        k = np.concatenate([c.k for c in secs] or [z])
         fidx = np.concatenate([base[number] + c.file for number, c in zip(numbers, secs)] or [z])
         bo = np.concatenate([c.byte_offset for c in secs] or [z])
         chunks = np.concatenate([c.chunks for c in secs] or [z])
         sums = np.concatenate([c.checksums for c in secs] or [np.zeros(0, np.uint64)])
         sum_starts = np.concatenate([[0], np.cumsum(chunks)]).astype(np.int64)
-        groups, group_at = np.unique(group, return_index=True)
+        groups, group_of = np.unique(group, return_inverse=True)
         present = np.zeros(self.section_count, dtype=bool)
         present[numbers] = True
         wanted = []
@@ -178,32 +225,38 @@ class Index:
                 continue
             want = np.arange(self.geometry[name].count) if rows is None else rows[name]
             wanted.append((ti, name, want, *self._take(name, None if rows is None else want)))
-        sec = np.concatenate([w[5] for w in wanted] or [z])
+        place = np.concatenate([w[5] for w in wanted] or [z.reshape(0, 2)])
+        sec, want_k = place[:, 0], place[:, 1]
         tis = np.concatenate([np.full(len(w[2]), w[0], np.int64) for w in wanted] or [z])
         names = list(self.tensors)
         if len(sec) and not present[sec].all():
             i = int(np.flatnonzero(~present[sec])[0])
             raise ManifestError(f"{self.source}: tensor '{names[int(tis[i])]}': section {int(sec[i])} was not read")
-        want_rows = np.concatenate([w[2] for w in wanted] or [z])
-        # Rows are below their tensor's count, below 2**30 (the tiles budget): no key overflows.
-        span = max(int(row.max()) if len(row) else 0, int(want_rows.max()) if len(want_rows) else 0) + 1
-        key = np.repeat(np.arange(len(groups), dtype=np.int64), np.diff(np.append(group_at, len(group)))) * span + row
+        # k is below its tensor's count, below 2**30 (the tiles budget): no key overflows.
+        inside = want_k < self._counts[tis]
+        want_k = np.where(inside, want_k, 0)
+        span = max(int(k.max()) if len(k) else 0, int(want_k.max()) if len(want_k) else 0) + 1
+        key = group_of.reshape(-1).astype(np.int64) * span + k
+        by_key = np.argsort(key, kind="stable")
+        key = key[by_key]
         g = np.searchsorted(groups, sec * ntensors + tis)
-        ok = g < len(groups)
+        ok = (g < len(groups)) & inside
         ok[ok] = groups[g[ok]] == (sec * ntensors + tis)[ok]
-        q = np.where(ok, g, 0) * span + want_rows
-        pos = np.minimum(np.searchsorted(key, q), max(len(key) - 1, 0))
+        q = np.where(ok, g, 0) * span + want_k
+        at = np.minimum(np.searchsorted(key, q), max(len(key) - 1, 0))
         if len(key):
-            ok &= key[pos] == q
+            ok &= key[at] == q
         if not ok.all():
             i = int(np.flatnonzero(~ok)[0])
             raise ManifestError(
                 f"{self.source}: invalid manifest: tensor '{names[int(tis[i])]}': section {int(sec[i])} "
-                f"of {self.sections_path} holds fewer of its tiles than the index says (not tile {int(want_rows[i])})"
+                f"of {self.sections_path} holds fewer of its tiles than the index says (not its tile {int(want_k[i])})"
             )
-        if rows is None and len(want_rows) != len(key):
+        pos = by_key[at] if len(key) else z
+        if rows is None and (len(want_k) != len(key) or len(np.unique(pos)) != len(pos)):
             raise ManifestError(
-                f"{self.source}: invalid manifest: the sections hold {len(key)} tiles, the index {len(want_rows)}"
+                f"{self.source}: invalid manifest: the sections hold {len(key)} tiles, the index places "
+                f"{len(np.unique(pos))} of them"
             )
         counts = chunks[pos] if len(pos) else z
         first = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
@@ -211,7 +264,7 @@ class Index:
         gather += np.repeat(sum_starts[pos] if len(pos) else z, counts)
         all_sums = sums[gather]
         ctx = Context(self.source, tuple(files), self.chunk_bytes, Budget(1 << 62))
-        tensors: dict[str, TensorEntry] = {}
+        items = []
         at = 0
         for _, name, want, offs, lens, _ in wanted:
             p = pos[at : at + len(want)]
@@ -224,13 +277,27 @@ class Index:
                 all_sums[first[at] : first[at + len(want)]],
             )
             at += len(want)
-            dtype, shape = self.tensors[name]
+            items.append((name, self.tensors[name][1], self._sizes[name], cols))
+        tables = check_many(ctx, items)
+        if tables is None:  # something is invalid: find and name it, tensor by tensor
             try:
-                table = check_columns(ctx, name, shape, self._sizes[name], cols)
+                tables = [check_columns(ctx, *item) for item in items]
             except ManifestError as e:
                 raise ManifestError(f"{self.source}: {e}") from None
-            tensors[name] = TensorEntry(dtype, shape, table=table)
-        return self._manifest(tensors, tuple(files))
+        tensors = {
+            name: TensorEntry(self.tensors[name][0], shape, table=t) for (name, shape, _, _), t in zip(items, tables)
+        }
+        m = self._manifest(tensors, tuple(files))
+        moved = {s.rank: s.timings for s in secs if s.timings is not None}
+        if rows is not None or not moved:
+            return m
+        # Read whole: the ranks' save timings where version 1 has them.
+        save = m.timings.get("save")
+        save = save if isinstance(save, dict) else {}
+        ranks = save.get("ranks")
+        ranks = {**(ranks if isinstance(ranks, dict) else {}), **{str(r): t for r, t in moved.items()}}
+        ranks = dict(sorted(ranks.items(), key=lambda kv: int(kv[0]) if kv[0].isdigit() else -1))
+        return dataclasses.replace(m, timings={**m.timings, "save": {**save, "ranks": ranks}})
 
     def shell(self, tables: Callable[[str], TileTable]) -> Manifest:
         """The manifest with each tensor's tiles from ``tables(name)`` on first use (files: none listed)."""
@@ -273,6 +340,8 @@ def _decode_index(data: bytes, source: str) -> Index:
     # The geometry deflates far better than the checksums that bound version 1 tables: its
     # tiles are bounded by what the sections file the index names can describe instead.
     tiles = Budget(nbytes // MIN_SECTION_BYTES_PER_TILE)
+    ranks = column("the index", raw, "rank", count, count, "sections")
+    lists = column("the index", raw, "list", count, count, "sections")
     offset = column("the index", raw, "offset", count, count, "sections")
     length = column("the index", raw, "length", count, count, "sections")
     sums = column("the index", raw, "checksums", count, count, "sections")
@@ -281,29 +350,52 @@ def _decode_index(data: bytes, source: str) -> Index:
     tensors: dict[str, tuple[str, tuple[int, ...]]] = {}
     sizes: dict[str, int] = {}
     geometry: dict[str, Geometry] = {}
-    for name, raw_entry in as_dict(doc.get("tensors"), "tensors").items():
+    raw_tensors = as_dict(doc.get("tensors"), "tensors")
+    tensor_lists = _tensor_lists(doc, budget, len(raw_tensors))
+    if count and int(lists.max()) >= len(tensor_lists):
+        raise fail(f"sections: a section's tensor list #{int(lists.max())} is not among {len(tensor_lists)}")
+    for name, raw_entry in raw_tensors.items():
         tdoc = as_dict(raw_entry, f"tensor '{name}'")
         dtype, shape, size = tensor_header(name, tdoc)
         tensors[name], sizes[name] = (dtype, shape), size
         geometry[name] = Geometry(name, tdoc.get("tile_index"), len(shape), count, tiles)
     # Every tensor's block table (first, end, size per block), in tensor order: one column.
     nb = sum(g.block_count for g in geometry.values())
-    table = column("the index", doc, "tile_blocks", 3 * nb, nb, "index").reshape(nb, 3)
+    table = column("the index", doc, "tile_blocks", 4 * nb, nb, "index").reshape(nb, 4)
     at = 0
     for g in geometry.values():
         g.attach(table[at : at + g.block_count])
         at += g.block_count
-    index = Index(source, head, doc, tensors, sizes, (path, nbytes, offset, length, sums))
+    index = Index(source, head, doc, tensors, sizes, (path, nbytes, offset, length, sums, ranks, lists, tensor_lists))
     index.geometry = geometry
     index._counts = np.fromiter((g.count for g in geometry.values()), dtype=np.int64, count=len(geometry))
     index._manifest({}, ())  # values, per_rank and names: checked now, not on first use
     return index
 
 
-def _section(number: int, data: bytes, counts: np.ndarray) -> Section:
+def _tensor_lists(doc: dict, budget: Budget, ntensors: int) -> list[np.ndarray]:
+    """The index's ``tensor_lists``: the lists of tensor positions sections number their tensors in."""
+    raw = as_dict(doc.get("tensor_lists"), "tensor_lists")
+    count = as_int(raw.get("count"), "tensor_lists.count")
+    budget.take(8 * count, f"tensor_lists.count {count}")
+    lengths = column("the index", raw, "length", count, count, "tensor_lists")
+    total = int(lengths.sum()) if count else 0
+    budget.take(8 * total, f"tensor_lists lengths (sum {total})")
+    flat = column("the index", raw, "tensor", total, total, "tensor_lists")
+    if total and int(flat.max()) >= ntensors:
+        raise fail(f"tensor_lists: tensor #{int(flat.max())} but the index has {ntensors}")
+    cut = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64).tolist()
+    return [flat[cut[i] : cut[i + 1]] for i in range(count)]
+
+
+def parse_section(data: bytes, what: str) -> SectionDoc:
+    """A section's bytes, decoded and checked on their own (types, confined file references,
+    inflation bounded by the section's size, tiles referring to its files).
+
+    Raises:
+        ManifestError: naming ``what``.
+    """
     doc = strict_json(data, "the section")
-    if doc.get("section") != number:
-        raise fail(f"the section says it is number {doc.get('section')!r:.40}")
     rank = as_int(doc.get("rank"), "section rank")
     raw_files = doc.get("files")
     if not isinstance(raw_files, list):
@@ -317,20 +409,16 @@ def _section(number: int, data: bytes, counts: np.ndarray) -> Section:
     n = as_int(tiles.get("count"), "section tiles count")
     budget = Budget(DECODE_RATIO * len(data) + DECODE_SLACK)
     budget.take(32 * n, f"section tiles count {n}")
-    what = f"section {number}"
     tensor = column(what, tiles, "tensor", n, n, "tiles")
-    row = column(what, tiles, "row", n, n, "tiles")
     fidx = column(what, tiles, "file", n, n, "tiles")
     bo = column(what, tiles, "byte_offset", n, n, "tiles")
     chunks = column(what, tiles, "chunks", n, n, "tiles")
     total = int(chunks.sum())
     budget.take(8 * total, f"section chunks (sum {total})")
     sums = column(what, tiles, "checksums", total, total, "tiles")
-    ntensors = len(counts)
-    if n and (int(tensor.max()) >= ntensors or (np.diff(tensor) < 0).any()):
-        raise fail(f"{what}: tile tensors must be ascending indices below {ntensors}")
-    if n and ((row >= counts[tensor]).any() or ((np.diff(row) <= 0) & (np.diff(tensor) == 0)).any()):
-        raise fail(f"{what}: each tensor's tile rows must be ascending and below its tile count")
     if n and int(fidx.max()) >= len(files):
         raise fail(f"{what}: a tile refers to file #{int(fidx.max())} but the section lists {len(files)}")
-    return Section(number, rank, tuple(files), tensor, row, fidx, bo, chunks, sums)
+    timings = doc.get("timings")
+    if timings is not None:
+        timings = as_dict(timings, "section timings")
+    return SectionDoc(rank, tuple(files), tensor, fidx, bo, chunks, sums, timings)

@@ -8,15 +8,20 @@ per saving rank (the rank of the files it lists). Per tensor the index keeps the
 geometry (offsets, lengths) and the section that holds each tile's details; a section table
 gives each section's byte range and xxh3-64. See ``docs/format.md``.
 
-Linear in the tiles, without per-tile Python work: one stable sort of all tiles by section,
-then one slice per section.
+A section needs nothing only the index knows: its tensors are numbered in the section's own
+list of them (the index maps each list to tensor positions), and a tile of a tensor is the
+``k``-th of that tensor in its section, ``k`` being what the index's rows say. So each rank
+encodes its own section when it writes (:func:`encode_section`, from its rank report), and
+rank 0 only joins the sections' bytes and builds the index from the tiles' geometry
+(:func:`build_index`). :func:`encode_sectioned` does both for a whole :class:`Manifest`.
 """
 
 from __future__ import annotations
 
 import base64
 import json
-import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -24,8 +29,19 @@ import xxhash
 
 from ..names import DATA_DIR
 from .blocks import encode_blocks
-from .encoder import _WIDTHS, _dumps, _int_column, _remap, _width, manifest_tail
-from .schema import CHECKSUM_ALGORITHM, FORMAT, SECTIONED_VERSION, SECTIONS_NAME, Manifest
+from .encoder import _dumps, _int_column, _remap, manifest_tail
+from .schema import CHECKSUM_ALGORITHM, FORMAT, SECTIONED_VERSION, SECTIONS_NAME, FileEntry, Manifest
+
+
+@dataclass(frozen=True, eq=False)
+class EncodedSections:
+    """A version 2 manifest as committed: the index's bytes, the sections file's, and the data
+    files the sections list (what the commit checks before it publishes the index)."""
+
+    save_id: str
+    index: bytes
+    sections: bytes
+    files: tuple[FileEntry, ...]
 
 
 def sections_path(save_id: str) -> str:
@@ -33,11 +49,134 @@ def sections_path(save_id: str) -> str:
     return f"{DATA_DIR}/{save_id}/{SECTIONS_NAME}"
 
 
+def encode_section(
+    rank: int,
+    files: Sequence[tuple[str, int]],
+    tensor: np.ndarray,
+    file: np.ndarray,
+    byte_offset: np.ndarray,
+    chunks: np.ndarray,
+    checksums: np.ndarray,
+    timings: dict[str, Any] | None = None,
+) -> bytes:
+    """One section: rank ``rank``'s files (``(path, bytes)``), its tiles' details and the
+    timings of its part of the save (which version 1 keeps in ``timings.save.ranks``).
+
+    ``tensor`` numbers each tile's tensor in the section's own list of tensors (the index maps
+    the list to tensor positions); the tiles of one tensor must be in the order of their rows
+    in the index (a rank orders its tiles of a tensor by offsets, as the index does).
+    """
+    parts = [
+        b'{"rank":%d,"files":' % rank,
+        json.dumps([[p, rank, n] for p, n in files], separators=(",", ":")).encode(),
+        b',"tiles":{"count":%d' % len(tensor),
+    ]
+    for key, arr in (("tensor", tensor), ("file", file), ("byte_offset", byte_offset), ("chunks", chunks)):
+        parts.append(b',"%s":' % key.encode())
+        _int_column(parts, arr)
+    sums = np.ascontiguousarray(checksums, dtype="<u8").tobytes()
+    parts += [b',"checksums":{"dtype":"uint64","data":"', base64.b64encode(sums), b'"}}']
+    if timings is not None:
+        parts += [b',"timings":', _dumps(timings)]
+    parts.append(b"}")
+    return b"".join(parts)
+
+
+def rank_timings(timings: dict[str, Any], ranks: set[int]) -> tuple[dict[str, Any], dict[int, Any]]:
+    """``timings`` without the save timings of ``ranks`` (their sections hold them), and those."""
+    save = timings.get("save")
+    by_rank = save.get("ranks") if isinstance(save, dict) else None
+    if not isinstance(save, dict) or not isinstance(by_rank, dict):
+        return timings, {}
+    moved = {int(r): t for r, t in by_rank.items() if r.isdigit() and int(r) in ranks and isinstance(t, dict)}
+    kept = {r: t for r, t in by_rank.items() if not (r.isdigit() and int(r) in moved)}
+    return {**timings, "save": {**save, "ranks": kept}}, moved
+
+
+def build_index(
+    head: tuple[str, int, int],
+    tensors: Sequence[tuple[str, str, tuple[int, ...]]],
+    tile_tensor: np.ndarray,
+    offsets: np.ndarray,
+    lengths: np.ndarray,
+    section: np.ndarray,
+    sections: Sequence[bytes],
+    section_ranks: np.ndarray,
+    section_lists: np.ndarray,
+    name_lists: Sequence[np.ndarray],
+    tail: dict[str, Any],
+) -> bytes:
+    """The bytes of a version 2 ``manifest.json``.
+
+    Args:
+        head: ``(save_id, world_size, chunk_bytes)``.
+        tensors: ``(name, dtype, shape)`` in index order.
+        tile_tensor: every tile's tensor position, ascending (the rows of each tensor in order).
+        offsets, lengths: ``(tiles, ndim)`` boxes (padded beyond a tensor's dimensions).
+        section: each tile's section; within a tensor never decreasing, and the rows of one
+            section in the order the section lists that tensor's tiles.
+        sections: every section's bytes (the sections file is their concatenation).
+        section_ranks: the rank of each section.
+        section_lists: each section's list of tensors, as an index into ``name_lists``.
+        name_lists: the distinct lists of tensor positions the sections number their tensors in.
+        tail: values, per-rank values, layout, timings, metadata (:func:`manifest_tail`).
+    """
+    save_id, world_size, chunk_bytes = head
+    n = len(tile_tensor)
+    at = np.arange(n, dtype=np.int64)
+    # Each tile's k: its place among the tiles of its tensor in its section (runs of rows).
+    change = np.ones(n, dtype=bool)
+    if n:
+        change[1:] = (tile_tensor[1:] != tile_tensor[:-1]) | (section[1:] != section[:-1])
+    k = at - np.maximum.accumulate(np.where(change, at, 0)) if n else at
+    bounds = np.searchsorted(tile_tensor, np.arange(len(tensors) + 1))
+    parts = [b'"tensors":{']
+    blocks = [np.zeros((0, 4), dtype=np.int64)]
+    for ti, (name, dtype, shape) in enumerate(tensors):
+        a, b = int(bounds[ti]), int(bounds[ti + 1])
+        nd = len(shape)
+        if ti:
+            parts.append(b",")
+        parts += [_dumps(name), b':{"dtype":', _dumps(dtype), b',"shape":', _dumps(list(shape)), b',"tile_index":']
+        blocks.append(encode_blocks(parts, offsets[a:b, :nd], lengths[a:b, :nd], section[a:b], k[a:b]))
+        parts.append(b"}")
+    parts.append(b'},"tile_blocks":')
+    _int_column(parts, np.concatenate(blocks))
+    sizes = np.fromiter((len(s) for s in sections), dtype=np.int64, count=len(sections))
+    starts = np.concatenate([[0], np.cumsum(sizes)])[:-1].astype(np.int64)
+    digests = np.fromiter((xxhash.xxh3_64_intdigest(s) for s in sections), dtype=np.uint64, count=len(sections))
+    doc_head = {
+        "format": FORMAT,
+        "version": SECTIONED_VERSION,
+        "save_id": save_id,
+        "world_size": world_size,
+        "checksum": {"algorithm": CHECKSUM_ALGORITHM, "chunk_bytes": chunk_bytes},
+    }
+    table = [
+        _dumps(doc_head)[:-1],
+        b',"sections":{"path":',
+        _dumps(sections_path(save_id)),
+        b',"bytes":%d,"count":%d' % (int(sizes.sum()), len(sections)),
+    ]
+    for key, arr in (("rank", section_ranks), ("list", section_lists), ("offset", starts), ("length", sizes)):
+        table.append(b',"%s":' % key.encode())
+        _int_column(table, np.asarray(arr, dtype=np.int64))
+    table += [b',"checksums":{"dtype":"uint64","data":"', base64.b64encode(digests.astype("<u8").tobytes()), b'"}}']
+    lens = np.fromiter((len(x) for x in name_lists), dtype=np.int64, count=len(name_lists))
+    table.append(b',"tensor_lists":{"count":%d,"length":' % len(name_lists))
+    _int_column(table, lens)
+    table.append(b',"tensor":')
+    _int_column(table, np.concatenate([np.asarray(x, dtype=np.int64) for x in name_lists] or [at[:0]]))
+    table.append(b"},")
+    return b"".join([*table, *parts, b",", _dumps(tail)[1:]])
+
+
 def encode_sectioned(m: Manifest) -> tuple[bytes, bytes]:
-    """Serialize a manifest as format version 2: ``(index, sections)``.
+    """Serialize a whole manifest as format version 2: ``(index, sections)``.
 
     ``index`` is the bytes of ``manifest.json``, ``sections`` those of the file at
-    :func:`sections_path` (written, and durable, before the index is published).
+    :func:`sections_path` (written, and durable, before the index is published). A save's
+    commit does not use this: its ranks encoded their sections themselves.
 
     Example:
         >>> index, sections = encode_sectioned(manifest)
@@ -54,145 +193,66 @@ def encode_sectioned(m: Manifest) -> tuple[bytes, bytes]:
     counts = np.bincount(file_section, minlength=len(section_ranks))
     firsts = np.concatenate([[0], np.cumsum(counts)])[:-1]
     file_local[file_order] = np.arange(len(files)) - np.repeat(firsts, counts)
-
+    nd = max((len(e.shape) for e in m.tensors.values()), default=0)
     remaps: dict[int, Any] = {}
-    tensor_ids, row_cols, sec_cols, local_cols, bo_cols, chunk_cols, sum_cols = [], [], [], [], [], [], []
-    parts = [b'"tensors":{']
-    blocks = [np.zeros((0, 3), dtype=np.int64)]
-    for ti, (name, e) in enumerate(m.tensors.items()):
+    cols: dict[str, list[np.ndarray]] = {k: [] for k in ("t", "offs", "lens", "sec", "file", "bo", "chunks", "sums")}
+    for ti, e in enumerate(m.tensors.values()):
         t = e.table
         n = len(t)
+        if not n:
+            continue
         remap = _remap(t.paths, file_index, remaps)
-        g = t.file if remap is None or not n else remap[t.file]
-        sec = file_section[g] if n else np.zeros(0, dtype=np.int64)
-        if ti:
-            parts.append(b",")
-        parts += [_dumps(name), b':{"dtype":', _dumps(e.dtype), b',"shape":', _dumps(list(e.shape))]
-        parts.append(b',"tile_index":')
-        blocks.append(encode_blocks(parts, t.offsets, t.lengths, sec))
-        parts.append(b"}")
-        if n:
-            tensor_ids.append(np.full(n, ti, dtype=np.int64))
-            row_cols.append(np.arange(n, dtype=np.int64))
-            sec_cols.append(sec)
-            local_cols.append(file_local[g])
-            bo_cols.append(t.byte_offset)
-            chunk_cols.append(t.chunks)
-            sum_cols.append(t.checksums)
-    parts.append(b'},"tile_blocks":')
-    _int_column(parts, np.concatenate(blocks))
-    blobs = _sections(
-        m, section_ranks, file_section, tensor_ids, row_cols, sec_cols, local_cols, bo_cols, chunk_cols, sum_cols
-    )
-    sizes = np.fromiter((len(b) for b in blobs), dtype=np.int64, count=len(blobs))
-    offsets = np.concatenate([[0], np.cumsum(sizes)])[:-1].astype(np.int64)
-    digests = np.fromiter((xxhash.xxh3_64_intdigest(b) for b in blobs), dtype=np.uint64, count=len(blobs))
-    head = {
-        "format": FORMAT,
-        "version": SECTIONED_VERSION,
-        "save_id": m.save_id,
-        "world_size": m.world_size,
-        "checksum": {"algorithm": CHECKSUM_ALGORITHM, "chunk_bytes": m.chunk_bytes},
-    }
-    table = [
-        _dumps(head)[:-1],
-        b',"sections":{"path":',
-        _dumps(sections_path(m.save_id)),
-        b',"bytes":%d,"count":%d,"offset":' % (int(sizes.sum()), len(blobs)),
-    ]
-    _int_column(table, offsets)
-    table.append(b',"length":')
-    _int_column(table, sizes)
-    table += [b',"checksums":{"dtype":"uint64","data":"', base64.b64encode(digests.astype("<u8").tobytes()), b'"}},']
-    index = b"".join([*table, *parts, b",", _dumps(manifest_tail(m))[1:]])
-    return index, b"".join(blobs)
-
-
-def _sections(
-    m: Manifest,
-    section_ranks: np.ndarray,
-    file_section: np.ndarray,
-    tensor_ids: list[np.ndarray],
-    row_cols: list[np.ndarray],
-    sec_cols: list[np.ndarray],
-    local_cols: list[np.ndarray],
-    bo_cols: list[np.ndarray],
-    chunk_cols: list[np.ndarray],
-    sum_cols: list[np.ndarray],
-) -> list[bytes]:
-    """Each section's bytes: its files, then its tiles (in index order) as columns."""
+        g = t.file if remap is None else remap[t.file]
+        sec = file_section[g]
+        order = np.argsort(sec, kind="stable")  # rows by section, offsets order within one
+        offs = np.zeros((n, nd), dtype=np.int64)
+        lens = np.ones((n, nd), dtype=np.int64)
+        k = t.offsets.shape[1]
+        offs[:, :k], lens[:, :k] = t.offsets[order], t.lengths[order]
+        starts = np.concatenate([[0], np.cumsum(t.chunks)]).astype(np.int64)
+        c = t.chunks[order]
+        first = np.concatenate([[0], np.cumsum(c)])[:-1].astype(np.int64)
+        cols["sums"].append(t.checksums[np.arange(int(c.sum()), dtype=np.int64) - np.repeat(first - starts[order], c)])
+        cols["t"].append(np.full(n, ti, dtype=np.int64))
+        for key, arr in (("offs", offs), ("lens", lens), ("sec", sec[order])):
+            cols[key].append(arr)
+        for key, arr in (("file", file_local[g][order]), ("bo", t.byte_offset[order]), ("chunks", c)):
+            cols[key].append(arr)
     z = np.zeros(0, dtype=np.int64)
-    tensor = np.concatenate(tensor_ids) if tensor_ids else z
-    row = np.concatenate(row_cols) if row_cols else z
-    sec = np.concatenate(sec_cols) if sec_cols else z
-    local = np.concatenate(local_cols) if local_cols else z
-    bo = np.concatenate(bo_cols) if bo_cols else z
-    chunks = np.concatenate(chunk_cols) if chunk_cols else z
-    sums = np.concatenate(sum_cols) if sum_cols else np.zeros(0, dtype=np.uint64)
-    starts = np.concatenate([[0], np.cumsum(chunks)]).astype(np.int64)
-    order = np.argsort(sec, kind="stable")  # within a section: tensor order, then tile order
-    bounds = np.searchsorted(sec[order], np.arange(len(section_ranks) + 1))
-    counts = chunks[order]
-    # Every tile's checksums, in section order (one per tile, the common case: no gather).
-    if len(counts) and int(counts.max()) == 1 == int(counts.min()):
-        sorted_sums = sums[starts[order]]
-    else:
-        first = np.concatenate([[0], np.cumsum(counts)])[:-1].astype(np.int64)
-        idx = np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(first, counts) + np.repeat(starts[order], counts)
-        sorted_sums = sums[idx]
-    sum_bounds = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)[bounds]
-    sum_bytes = sorted_sums.astype("<u8").tobytes()
-    # Each integer column coded once for all sections (one width, delta-coded within each
-    # section), then cut: per section only slicing, deflating and base64 remain.
-    columns = [_column_for_sections(c[order], bounds) for c in (tensor, row, local, bo, chunks)]
-    files_of: list[list[list[Any]]] = [[] for _ in section_ranks]
-    for f, s in zip(m.files, file_section.tolist()):
-        files_of[s].append([f.path, f.rank, f.nbytes])
-    out = []
-    b = bounds.tolist()
-    sb = sum_bounds.tolist()
+    tile_tensor, sec, file, bo, chunks = (np.concatenate(cols[k] or [z]) for k in ("t", "sec", "file", "bo", "chunks"))
+    offs, lens = (np.concatenate(cols[k] or [z.reshape(0, nd)]) for k in ("offs", "lens"))
+    sums = np.concatenate(cols["sums"] or [np.zeros(0, dtype=np.uint64)])
+    sum_at = np.concatenate([[0], np.cumsum(chunks)]).astype(np.int64)
+    by_sec = np.argsort(sec, kind="stable")  # a section's tiles: by tensor, then row
+    cut = np.searchsorted(sec[by_sec], np.arange(len(section_ranks) + 1))
+    files_of: list[list[tuple[str, int]]] = [[] for _ in section_ranks]
+    for f, s in zip(files, file_section.tolist()):
+        files_of[s].append((f.path, f.nbytes))
+    tail = manifest_tail(m)
+    tail["timings"], moved = rank_timings(m.timings, set(section_ranks.tolist()))
+    lists: dict[tuple[int, ...], int] = {}
+    section_lists = np.zeros(len(section_ranks), dtype=np.int64)
+    blobs = []
     for s in range(len(section_ranks)):
-        parts = [
-            b'{"section":%d,"rank":%d,"files":' % (s, int(section_ranks[s])),
-            json.dumps(files_of[s], separators=(",", ":")).encode(),
-            b',"tiles":{"count":%d' % (b[s + 1] - b[s]),
-        ]
-        for key, (head, data, size) in zip((b"tensor", b"row", b"file", b"byte_offset", b"chunks"), columns):
-            parts += [
-                b',"',
-                key,
-                b'":',
-                head,
-                base64.b64encode(zlib.compress(data[b[s] * size : b[s + 1] * size], 1)),
-                b'"}',
-            ]
-        parts += [
-            b',"checksums":{"dtype":"uint64","data":"',
-            base64.b64encode(sum_bytes[sb[s] * 8 : sb[s + 1] * 8]),
-            b'"}}}',
-        ]
-        out.append(b"".join(parts))
-    return out
-
-
-def _column_for_sections(values: np.ndarray, bounds: np.ndarray) -> tuple[bytes, bytes, int]:
-    """``(column object head, little-endian bytes, item size)`` of a non-negative column cut into
-    sections at ``bounds``: delta-coded within each section where that is no wider."""
-    width = _width(values)
-    delta = False
-    if len(values) > 1 and width > 0:
-        diff = np.empty_like(values)
-        diff[0] = values[0]
-        np.subtract(values[1:], values[:-1], out=diff[1:])
-        firsts = bounds[:-1][bounds[:-1] < len(values)]
-        diff[firsts] = values[firsts]  # each section's first row as is
-        diff_width = _width(diff)
-        if diff_width <= width:
-            delta, values, width = True, diff, diff_width
-    dtype, name = _WIDTHS[width]
-    head = b'{"dtype":"%s",%s"zlib":true,"data":"' % (name.encode(), b'"delta":true,' if delta else b"")
-    return (
-        head,
-        np.ascontiguousarray(values, dtype=np.dtype(dtype).newbyteorder("<")).tobytes(),
-        np.dtype(dtype).itemsize,
+        rows = by_sec[cut[s] : cut[s + 1]]
+        present, local = np.unique(tile_tensor[rows], return_inverse=True)
+        section_lists[s] = lists.setdefault(tuple(present.tolist()), len(lists))
+        c = chunks[rows]
+        first = np.concatenate([[0], np.cumsum(c)])[:-1].astype(np.int64)
+        picked = sums[np.arange(int(c.sum()), dtype=np.int64) - np.repeat(first - sum_at[rows], c)]
+        r = int(section_ranks[s])
+        blobs.append(encode_section(r, files_of[s], local.reshape(-1), file[rows], bo[rows], c, picked, moved.get(r)))
+    index = build_index(
+        (m.save_id, m.world_size, m.chunk_bytes),
+        [(name, e.dtype, e.shape) for name, e in m.tensors.items()],
+        tile_tensor,
+        offs,
+        lens,
+        sec,
+        blobs,
+        section_ranks,
+        section_lists,
+        [np.array(x, dtype=np.int64) for x in lists],
+        tail,
     )
+    return index, b"".join(blobs)

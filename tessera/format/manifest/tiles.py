@@ -13,6 +13,7 @@ import binascii
 import sys
 import threading
 import zlib
+from collections.abc import Sequence
 from itertools import chain
 from typing import Any
 
@@ -220,6 +221,55 @@ def check_columns(
         expected = -(-nbytes // chunk)
         raise fail(f"{what}: expected {expected.tolist()[:5]} chunk checksums per tile, found {counts.tolist()[:5]}")
     return TileTable(ctx.paths, fidx, offs, lens, byte_offsets, nbytes, counts, sums)
+
+
+def check_many(ctx: Context, items: Sequence[tuple[str, tuple[int, ...], int, Any]]) -> list[TileTable] | None:
+    """:func:`check_columns` of many tensors' columns (``(name, shape, item size, columns)``) with
+    whole-array work per number of dimensions: their tables, or None if any is invalid (then
+    :func:`check_columns` of each, which names the tensor and the problem)."""
+    out: list[TileTable | None] = [None] * len(items)
+    by_nd: dict[int, list[int]] = {}
+    for i, (_, shape, _, cols) in enumerate(items):
+        if len(cols[0]):
+            by_nd.setdefault(len(shape), []).append(i)
+        else:
+            out[i] = check_columns(ctx, items[i][0], shape, items[i][2], cols)
+    chunk = ctx.chunk_bytes
+    for nd, ks in by_nd.items():
+        n = np.array([len(items[k][3][0]) for k in ks], dtype=np.int64)
+        fidx, offs, lens, bo, counts, sums = (np.concatenate([items[k][3][c] for k in ks]) for c in range(6))
+        size = np.repeat(np.array([items[k][2] for k in ks], dtype=np.int64), n)
+        if int(fidx.max()) >= len(ctx.files):
+            return None
+        nbytes = size.copy()
+        if nd:
+            bound = np.repeat(np.array([items[k][1] for k in ks], dtype=np.int64).reshape(len(ks), nd), n, axis=0)
+            if (offs + lens > bound).any() or not lens.all():
+                return None
+            for d in range(nd):  # inside the tensor: below prod(shape) * size < 2**62
+                nbytes *= lens[:, d]
+        if (bo + nbytes > ctx.file_sizes[fidx]).any() or (bo & (size - 1)).any() or (size & (size - 1)).any():
+            return None
+        if int(nbytes.max()) <= chunk:
+            if int(counts.min()) != 1 or int(counts.max()) != 1 or len(sums) != len(fidx):
+                return None
+        elif not np.array_equal(counts, -(-nbytes // chunk)) or len(sums) != int(counts.sum()):
+            return None
+        at = np.concatenate([[0], np.cumsum(n)]).tolist()
+        sum_at = np.concatenate([[0], np.cumsum(counts)])[at].tolist()
+        for j, k in enumerate(ks):
+            a, b = at[j], at[j + 1]
+            out[k] = TileTable(
+                ctx.paths,
+                fidx[a:b],
+                offs[a:b],
+                lens[a:b],
+                bo[a:b],
+                nbytes[a:b],
+                counts[a:b],
+                sums[sum_at[j] : sum_at[j + 1]],
+            )
+    return [t for t in out if t is not None]
 
 
 _EMPTY: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
