@@ -167,10 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="List the steps of ROOT held in this node's local-tier directory: committed or not, "
         "replicas or parity (k+m), the bytes of data files (the node's own and replicas) and of parity blocks.",
     )
-    s.add_argument("root", help="the manager root (tier::URL or URL)")
-    s.add_argument("--local-dir", help="the manager's local_dir (default: the one of a tier:: root)")
-    s.add_argument("--node", type=int, help="the node index for {node} in --local-dir (default: from torchrun's env)")
-    s.add_argument("--json", action="store_true")
+    _local_tier_arguments(s)
     s.set_defaults(func=cmd_local, checkpoints=())
 
     s = verb(
@@ -180,10 +177,7 @@ def build_parser() -> argparse.ArgumentParser:
         "steps of other roots stay). Run it on each node once the job is over; the durable steps under ROOT "
         "are not touched.",
     )
-    s.add_argument("root", help="the manager root (tier::URL or URL)")
-    s.add_argument("--local-dir", help="the manager's local_dir (default: the one of a tier:: root)")
-    s.add_argument("--node", type=int, help="the node index for {node} in --local-dir (default: from torchrun's env)")
-    s.add_argument("--json", action="store_true")
+    _local_tier_arguments(s)
     s.set_defaults(func=cmd_remove_local, checkpoints=())
     p.set_defaults(root_means_latest=True)
     return p
@@ -242,3 +236,11 @@ def _resolve_checkpoints(args: argparse.Namespace, err: Console) -> None:
         if resolved.note is not None:
             err.print(f"tessera {args.command}: {resolved.note}")
         setattr(args, name, resolved.path)
+
+
+def _local_tier_arguments(s: argparse.ArgumentParser) -> None:
+    """The arguments of the commands that read one node's local tier: ROOT, --local-dir, --node, --json."""
+    s.add_argument("root", help="the manager root (tier::URL or URL)")
+    s.add_argument("--local-dir", help="the manager's local_dir (default: the one of a tier:: root)")
+    s.add_argument("--node", type=int, help="the node index for {node} in --local-dir (default: from torchrun's env)")
+    s.add_argument("--json", action="store_true")

@@ -43,12 +43,7 @@ def build_manifest(
             continue
         names = name_maps.get(t.names)
         if names is None:
-            unknown = [n for n in t.names if n not in meta_index]
-            if unknown:
-                raise CheckpointError(
-                    f"rank {rank} reported tiles of tensors the save did not plan: {unknown[:3]}; its state "
-                    "changed between planning and writing"
-                )
+            check_planned(rank, t.names, meta_index)
             names = name_maps[t.names] = np.array([meta_index[n] for n in t.names], dtype=np.int64)
         fmap = np.empty(len(t.files), dtype=np.int64)
         for j, (path, nbytes) in enumerate(t.files):
@@ -151,3 +146,13 @@ def check_coverage(manifest: Manifest) -> None:
     for fqn, entry in manifest.tensors.items():
         t = entry.table
         check_box_coverage(fqn, entry.shape, t.offsets, t.lengths)
+
+
+def check_planned(rank: int, names: tuple[str, ...], meta_index: dict[str, int]) -> None:
+    """Raise if ``rank`` reported tiles of a tensor the save's plan does not hold."""
+    unknown = [n for n in names if n not in meta_index]
+    if unknown:
+        raise CheckpointError(
+            f"rank {rank} reported tiles of tensors the save did not plan: {unknown[:3]}; its state "
+            "changed between planning and writing"
+        )

@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from ...errors import CheckpointError
 from ...format.geometry import check_box_coverage
 from ...format.manifest import EncodedSections, FileEntry, build_index, manifest_tail
 from ...format.manifest.sections import rank_timings
 from ...format.rank_report import RankReportDoc, report_parts
 from ...options import SaveOptions
-from .assemble import manifest_without_tiles
+from .assemble import check_planned, manifest_without_tiles
 from .plan import TensorMeta
 
 
@@ -67,12 +66,7 @@ def build_sectioned(
             continue
         hit = known.get(id(geo.names))  # reports of one job share a few name tuples: hashing one costs
         if hit is None:
-            unknown = [n for n in geo.names if n not in meta_index]
-            if unknown:
-                raise CheckpointError(
-                    f"rank {rank} reported tiles of tensors the save did not plan: {unknown[:3]}; its state "
-                    "changed between planning and writing"
-                )
+            check_planned(rank, geo.names, meta_index)
             hit = lists.get(geo.names)
             if hit is None:
                 hit = lists[geo.names] = (len(lists), np.array([meta_index[n] for n in geo.names], dtype=np.int64))

@@ -342,41 +342,26 @@ def write_tiles(storage: Storage, request: WriteRequest, progress: Progress | No
     if not files:
         return []
     try:
+
+        def one(f: FileWrite) -> WrittenFile:
+            return _write_one(
+                storage,
+                f.path,
+                f.layout,
+                f.tiles,
+                chunk_bytes,
+                progress,
+                f.known_sums,
+                f.pieces,
+                request.compress,
+                f.bases,
+            )
+
         if len(files) == 1 or threads == 1:
-            written = [
-                _write_one(
-                    storage,
-                    f.path,
-                    f.layout,
-                    f.tiles,
-                    chunk_bytes,
-                    progress,
-                    f.known_sums,
-                    f.pieces,
-                    request.compress,
-                    f.bases,
-                )
-                for f in files
-            ]
+            written = [one(f) for f in files]
         else:
             with ThreadPoolExecutor(max_workers=min(threads, len(files)), thread_name_prefix="tessera-write") as pool:
-                futures = [
-                    pool.submit(
-                        _write_one,
-                        storage,
-                        f.path,
-                        f.layout,
-                        f.tiles,
-                        chunk_bytes,
-                        progress,
-                        f.known_sums,
-                        f.pieces,
-                        request.compress,
-                        f.bases,
-                    )
-                    for f in files
-                ]
-                written = [f.result() for f in futures]
+                written = list(pool.map(one, files))  # the first failure, once every file was attempted
         if isinstance(storage, SyncsDirs):
             storage.sync_dirs([w.path for w in written])
     except BaseException:
