@@ -11,13 +11,15 @@ import itertools
 import json
 import os
 import shutil
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from tessera.manager import CheckpointManager
 from tessera.manager.local_tier import NodeInventory, StepHolding, choose_step
-from tessera.manager.local_tier.codec import Codec
+from tessera.manager.local_tier.codec import ISAL, SLICE, XOR, Codec, codec_for
 from tessera.manager.local_tier.inventory import MARKER_NAME
 from tessera.manager.local_tier.stripes import ParityLayout, effective
 from tests.crash_worker import run_ranks, start_ranks
@@ -64,16 +66,38 @@ def _bytes(node_dir: str, step: int, part: str) -> int:
 # The layout and the code (pure)
 
 
-def test_codec_rebuilds_every_choice_of_m_lost_blocks() -> None:
+@pytest.mark.parametrize("size", [1001, 2 * SLICE + 17])
+def test_codec_rebuilds_every_choice_of_m_lost_blocks(size: int) -> None:
     rng = np.random.default_rng(0)
-    for k, m in ((4, 2), (5, 1), (2, 1), (1, 1), (1, 2)):
-        codec = Codec(k, m)
-        data = [rng.integers(0, 256, 1001, dtype=np.uint8) for _ in range(k)]
-        blocks = dict(enumerate(data + codec.encode(data)))
+    for k, m in ((4, 2), (5, 1), (2, 1), (1, 1), (1, 2), (3, 3)):
+        codec = Codec(k, m, codec_for(m))
+        data = [rng.integers(0, 256, size, dtype=np.uint8) for _ in range(k)]
+        parity = codec.encode(data)
+        assert all(p.shape == (size,) and p.dtype == np.uint8 for p in parity)
+        blocks = dict(enumerate(data + parity))
         for lost in itertools.combinations(range(k + m), m):
             left = dict(list((n, b) for n, b in blocks.items() if n not in lost)[:k])
             got = codec.decode(left, list(range(k)))
-            assert all(np.array_equal(got[t], data[t]) for t in range(k)), (k, m, lost)
+            assert all(np.array_equal(got[t], data[t]) and got[t].flags.writeable for t in range(k)), (k, m, lost)
+
+
+def test_parity_codec_is_recorded_and_only_the_encoding_code_decodes() -> None:
+    layout = ParityLayout.build(4, 2, list(range(6)), [(r, 4000) for r in range(6)])
+    assert layout is not None and layout.codec == ISAL
+    doc = layout.with_crc({(i, p): 0 for i in range(6) for p in range(2)}).to_doc()
+    assert ParityLayout.from_doc(doc).codec == ISAL
+    # Parity from another code (an older tessera's zfec) is never decoded by this one.
+    with pytest.raises(ValueError, match="encoded with 'zfec', which this tessera does not decode"):
+        ParityLayout.from_doc({**doc, "codec": "zfec"})
+    with pytest.raises(ValueError, match="not one this tessera decodes"):
+        Codec(4, 2, XOR)
+
+
+def test_m_of_two_or_more_without_pyeclib_is_refused_saying_what_to_install(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setitem(sys.modules, "pyeclib.ec_iface", None)  # as if not installed
+    with pytest.raises(ValueError, match=r"local_parity=\(4, 2\) needs pyeclib .*pip install pyeclib"):
+        CheckpointManager(str(tmp_path / "root"), local_dir=str(tmp_path / "local"), local_parity=(4, 2))
+    CheckpointManager(str(tmp_path / "root"), local_dir=str(tmp_path / "local"), local_parity=(5, 1))  # XOR: numpy
 
 
 def test_stripes_rotate_so_every_node_keeps_m_over_k_and_any_m_losses_leave_k() -> None:

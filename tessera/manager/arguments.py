@@ -14,6 +14,7 @@ from typing import Any, Generic, NamedTuple, TypeVar, cast, overload
 from ..options import SaveOptions
 from ..storage.host_memory import TIER_PREFIX, default_memory_root
 from .local_tier import LocalTier
+from .local_tier.codec import check_available
 
 __all__ = ["Kept", "LocalTierArguments", "check_arguments", "local_tier_of"]
 
@@ -78,6 +79,10 @@ def check_arguments(
                 f"do not also give local_replicas={local_replicas!r}"
             )
         local_parity, local_replicas = (int(local_parity[0]), int(local_parity[1])), 0
+        try:
+            check_available(*local_parity)
+        except ValueError as e:
+            raise ValueError(f"CheckpointManager({root!r}): {e}") from None
     if local_replicas is None:
         local_replicas = 1
     if type(local_replicas) is not int or local_replicas < 0:

@@ -169,8 +169,8 @@ def scan_node(
             layout = ParityLayout.from_doc(doc["parity"]) if "parity" in doc else None
             if layout is not None and len(layout.owner) != len(files):
                 raise ValueError("the parity layout does not match the files")
-        except (KeyError, TypeError, ValueError):
-            logger.warning("ignoring the local step at %s: malformed %s", step_dir, MARKER_NAME)
+        except (KeyError, TypeError, ValueError) as e:
+            logger.warning("ignoring the local step at %s: malformed %s (%s)", step_dir, MARKER_NAME, e)
             continue
         try:
             manifest_bytes = os.stat(os.path.join(step_dir, "manifest.json")).st_size

@@ -89,7 +89,7 @@ def encode(
     reader: StreamReader | None = None
     sinks: dict[tuple[int, int], FileSink] = {}
     crc: dict[tuple[int, int], Any] = {}
-    codec = Codec(layout.k, layout.m)
+    codec = Codec(layout.k, layout.m, layout.codec)
     try:
         if mine is not None:
             reader = StreamReader(root, [files[i] for i in layout.files_of(mine)])
@@ -267,7 +267,7 @@ def rebuild(
                     readers[pos] = StreamReader(root, [files[f] for f in layout.files_of(pos)])
     except Exception as e:
         error = e
-    codec = Codec(layout.k, layout.m)
+    codec = Codec(layout.k, layout.m, layout.codec)
     rounds = max((-(-layout.block(i) // CHUNK) for i, _, _, _ in jobs), default=0)
     got: dict[Any, torch.Tensor] = {}  # receive buffers, reused from round to round
     try:

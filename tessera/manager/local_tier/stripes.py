@@ -25,6 +25,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from .codec import CODECS, codec_for
+
 __all__ = ["CHUNK", "ParityLayout", "effective", "parity_path"]
 
 CHUNK = 4 << 20
@@ -61,6 +63,7 @@ class ParityLayout:
         lengths: the stream length of each position.
         owner: the position whose stream each of the manifest's files is part of.
         crc: per stripe, the xxh3-64 checksum of each parity block (empty before encoding).
+        codec: the erasure code of the parity (:mod:`.codec`).
     """
 
     k: int
@@ -69,6 +72,11 @@ class ParityLayout:
     lengths: tuple[int, ...]
     owner: tuple[int, ...]
     crc: tuple[tuple[int, ...], ...] = ()
+    codec: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.codec:
+            object.__setattr__(self, "codec", codec_for(self.m))
 
     @staticmethod
     def build(k: int, m: int, node_of_rank: Sequence[int], files: Sequence[tuple[int, int]]) -> ParityLayout | None:
@@ -125,7 +133,7 @@ class ParityLayout:
     def with_crc(self, crc: dict[tuple[int, int], int]) -> ParityLayout:
         """This layout with the parity blocks' checksums."""
         table = tuple(tuple(int(crc[(i, p)]) for p in range(self.m)) for i in range(self.n))
-        return ParityLayout(self.k, self.m, self.order, self.lengths, self.owner, table)
+        return ParityLayout(self.k, self.m, self.order, self.lengths, self.owner, table, self.codec)
 
     def to_doc(self) -> dict:
         """The layout as a commit marker records it (JSON)."""
@@ -136,6 +144,7 @@ class ParityLayout:
             "lengths": list(self.lengths),
             "owner": list(self.owner),
             "crc": [list(c) for c in self.crc],
+            "codec": self.codec,
         }
 
     @staticmethod
@@ -152,7 +161,10 @@ class ParityLayout:
             tuple(int(n) for n in doc["lengths"]),
             tuple(int(n) for n in doc["owner"]),
             tuple(tuple(int(c) for c in row) for row in doc["crc"]),
+            str(doc["codec"]),
         )
+        if out.codec not in CODECS:
+            raise ValueError(f"its parity was encoded with {out.codec!r}, which this tessera does not decode")
         if not (out.k >= 1 and out.m >= 1 and out.k + out.m <= out.n == len(out.lengths) == len(out.crc)):
             raise ValueError(f"inconsistent parity layout {doc!r:.200}")
         if any(not 0 <= o < out.n for o in out.owner) or any(len(c) != out.m for c in out.crc):
