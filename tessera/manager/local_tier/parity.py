@@ -216,12 +216,15 @@ def rebuild(
     root: str,
     save_id: str,
     files: Sequence[tuple[str, int]],
+    needs: Mapping[int, set[int]] | None = None,
 ) -> tuple[dict[int, int], int, BaseException | None]:
     """Collective: rebuild the streams no node holds from the rest of their stripes.
 
     Args:
         held: per node of the job, the indices of the manifest's files it holds.
         blocks: per node, the parity blocks it holds (checked: :func:`check_parity`).
+        needs: per node, the indices of the files its ranks' load reads: a stream whose node
+            is not in the job is rebuilt on the node that reads most of its bytes (no second move).
 
     Returns:
         the node that now holds each rebuilt position (its own node if in the job, else a
@@ -238,7 +241,15 @@ def rebuild(
     for n in order:
         for b in sorted(blocks.get(n, ())):
             holder.setdefault(b, n)
-    host = {j: layout.order[j] if layout.order[j] in placement.nodes else nodes[j % len(nodes)] for j in lost}
+
+    def host_of(j: int) -> int:
+        if layout.order[j] in placement.nodes:
+            return layout.order[j]
+        reads = {n: sum(files[f][1] for f in layout.files_of(j) if f in (needs or {}).get(n, ())) for n in nodes}
+        most = [n for n in nodes if reads[n] == max(reads.values())]  # ties (or nobody): rotate
+        return most[j % len(most)]
+
+    host = {j: host_of(j) for j in lost}
     # One job per stripe that lost a segment: its decoder receives k blocks, decodes the lost
     # segments and sends each to its host. The decoder is a host holding one of the k blocks if
     # any, else one of the holders, rotating with the stripe: decoding is spread over the nodes

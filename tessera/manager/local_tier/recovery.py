@@ -194,7 +194,7 @@ class RecoveryAttempt:
             needs.setdefault(placement.node_of[rank], set()).update(np.flatnonzero(mask).tolist())
         layout = next((h.layout for h in holdings.values() if h.layout is not None), None)
         if layout is not None and len(set().union(*(h.held for h in holdings.values()))) < len(files):
-            received += self._rebuild(step, save_id, layout, files)
+            received += self._rebuild(step, save_id, layout, files, needs)
             inventories = self.inventories = self.tier.inventory(world)
             holdings = holdings_of(inventories, step, save_id)
         transfers = choose_fetches(inventories, placement, step, save_id, files, needs)
@@ -213,7 +213,9 @@ class RecoveryAttempt:
         )  # fmt: skip
         return m, received
 
-    def _rebuild(self, step: int, save_id: str, layout: ParityLayout, files: list[tuple[str, int]]) -> int:
+    def _rebuild(
+        self, step: int, save_id: str, layout: ParityLayout, files: list[tuple[str, int]], needs: dict[int, set[int]]
+    ) -> int:
         """Collective: check the parity blocks of the stripes that lost a stream (a bad one is
         removed and :class:`_BadParity` raised: the step is chosen again), then rebuild the lost
         streams on their nodes (or survivors) and commit the step there; the bytes received."""
@@ -241,7 +243,7 @@ class RecoveryAttempt:
             raise _BadParity()
         held = {n: h.held for n, h in holdings.items()}
         blocks = {n: h.parity for n, h in holdings.items()}
-        host, received, error = rebuild(world, placement, layout, held, blocks, store.root, save_id, files)
+        host, received, error = rebuild(world, placement, layout, held, blocks, store.root, save_id, files, needs)
         what = f"step {step}: rebuilding from parity"
         dist.exchange(
             world, None if error is None else as_storage_error(error, f"rank {world.rank}: {what}"), None, what
