@@ -58,11 +58,18 @@ def save_steps(
     async_save: bool = False,
     max_staging_bytes: int | None = None,
     chunk: int | None = None,
+    compress: bool = False,
 ) -> dict[str, Any]:
     """Save ``make_rank_state(k)`` for each step (each rank holds a piece of 'a'), then close."""
     _chunk(chunk)
     mgr = _manager(
-        root, local_dir, parity, durable_every=durable_every, async_save=async_save, max_staging_bytes=max_staging_bytes
+        root,
+        local_dir,
+        parity,
+        durable_every=durable_every,
+        async_save=async_save,
+        max_staging_bytes=max_staging_bytes,
+        compress=compress,
     )
     for k in steps:
         mgr.save(k, make_rank_state(k, rank, world))
