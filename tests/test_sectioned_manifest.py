@@ -561,10 +561,14 @@ def test_geometry_blocks_are_hostile_input(monkeypatch: pytest.MonkeyPatch) -> N
         decode_index(backwards).rows_for("w", [((0, 0), (8, 3))])
 
 
+@pytest.mark.parametrize("batch", [16384, 600])
 @pytest.mark.parametrize("shuffled", [False, True])
-def test_many_tensors_rows_are_found_at_once_as_one_by_one(shuffled: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    """``rows_for_many`` (one pass over every tensor's boxes, bisection inside sorted blocks)
-    finds the rows ``rows_for`` and a brute-force scan find, sorted or not, 1-D and 2-D."""
+def test_many_tensors_rows_are_found_at_once_as_one_by_one(
+    shuffled: bool, batch: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``rows_for_many`` (one pass over every tensor's boxes, bisection inside sorted blocks, met
+    blocks searched side by side in batches of ``batch`` rows) finds the rows ``rows_for`` and a
+    brute-force scan find, sorted or not, 1-D and 2-D."""
     import dataclasses
 
     import numpy as np
@@ -572,6 +576,7 @@ def test_many_tensors_rows_are_found_at_once_as_one_by_one(shuffled: bool, monke
     from tessera.format.manifest import TensorEntry, TileTable
 
     monkeypatch.setattr("tessera.format.manifest.blocks.BLOCK_TILES", 256)  # many blocks per tensor
+    monkeypatch.setattr("tessera.format.manifest.blocks.BATCH_ROWS", batch)
 
     m = _many_tiles_manifest(3000, 6)
     t = m.tensors["w"].table
@@ -592,6 +597,7 @@ def test_many_tensors_rows_are_found_at_once_as_one_by_one(shuffled: bool, monke
         "v": [((17,), (40,)), ((5000,), (1,))],
     }
     many = index.rows_for_many(boxes)
+    places = {name: index._take(name, rows)[2] for name, rows in many.items()}  # as the pick gave them
     for name, bs in boxes.items():
         table = tensors[name].table
         brute = set()
@@ -604,3 +610,7 @@ def test_many_tensors_rows_are_found_at_once_as_one_by_one(shuffled: bool, monke
         assert many[name].tolist() == index.rows_for(name, bs).tolist()
         found = sorted(map(tuple, index._take(name, many[name])[0].tolist()))
         assert found == sorted(map(tuple, table.offsets[sorted(brute)].tolist()))
+        # Each row's place (section, k) as reading the tensor's every block gives it.
+        g = index.geometry[name]
+        rows, _, _, place = g.rows(np.arange(g.block_count))
+        assert places[name].tolist() == place[np.searchsorted(rows, many[name])].tolist()

@@ -303,8 +303,10 @@ def plan_reads(
             tile = entry.tile(i)
             inter = Box(tuple(lo[k].tolist()), tuple((hi[k] - lo[k]).tolist()))
             tile_box = Box(tile.offsets, tile.lengths)
-            rel_target = inter.relative_to(t.box)
-            view = t.data[rel_target.slices()] if t.data.dim() else t.data
+            if inter == t.box or not t.data.dim():  # the whole target (no view to cut: a few us each)
+                view = t.data
+            else:
+                view = t.data[inter.relative_to(t.box).slices()]
             rel = inter.relative_to(tile_box)
             whole = inter == tile_box
             if (

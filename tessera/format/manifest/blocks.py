@@ -30,9 +30,13 @@ import numpy as np
 
 from .tiles import Budget, as_dict, as_int, fail
 
-BLOCK_TILES = 4096
-"""Rows of a tensor's geometry per block (the last block may hold fewer)."""
+BLOCK_TILES = 1024
+"""Rows of a tensor's geometry per block (the last block may hold fewer). Measured at 16,384
+ranks x 1,000 tensors (``bench/plan_scale.py``): 4,096 rows make a 0.82 MB index and a load plan
+that inflates 4 M rows; 1,024 rows a 1.08 MB index and a plan 0.1 s faster."""
 MAX_BLOCK_TILES = 1 << 20
+BATCH_ROWS = 16384
+"""Rows of geometry a load plan searches at once (several blocks side by side)."""
 """The most rows per block an index may declare (what one inflate may allocate: 8 MiB per column)."""
 
 
@@ -179,6 +183,10 @@ class Geometry:
 
     def _raw(self, i: int) -> np.ndarray:
         """Block ``i`` inflated and summed, unchecked but for its size: ``(2 ndim + 1, m)``."""
+        return np.cumsum(self._delta(i), axis=1, dtype=np.int64)
+
+    def _delta(self, i: int) -> np.ndarray:
+        """Block ``i`` inflated, its differences not yet summed, unchecked but for its size and range."""
         what = f"tensor '{self.name}': tile_index block {i}"
         if self._text is not None:
             try:
@@ -207,7 +215,7 @@ class Geometry:
         if item == 8 and (int(delta.min()) < -(1 << 62) or int(delta.max()) >= 1 << 62):
             raise fail(f"{what}: values must be non-negative integers below 2**62")
         self.inflated += 1
-        return np.cumsum(delta, axis=1, dtype=np.int64)
+        return delta
 
 
 def _k(sec: np.ndarray, block_of: np.ndarray, starts: np.ndarray, lead: np.ndarray, at: np.ndarray) -> np.ndarray:
@@ -272,50 +280,122 @@ def _pick_group(items: list[tuple[Geometry, np.ndarray, np.ndarray]], nd: int) -
     pair_box, pair_block = pair_box[meet], pair_block[meet]
     by_block = np.argsort(pair_block, kind="stable")
     pair_box, pair_block = pair_box[by_block], pair_block[by_block]
-    blocks, at = np.unique(pair_block, return_index=True)
-    at = np.append(at, len(pair_block)).tolist()
+    blocks, pair_of = np.unique(pair_block, return_inverse=True)
     item_of = np.searchsorted(base, blocks, side="right") - 1
-    found: list[list[tuple[np.ndarray, ...]]] = [[] for _ in items]
-    # Block by block (ascending: by tensor, then row): only the rows near each box are gathered.
-    for j, (i, b) in enumerate(zip(item_of.tolist(), (blocks - base[item_of]).tolist())):
-        g = geos[i]
-        cols = g._raw(b)
-        _check_block(f"tensor '{g.name}': tile_index block {b}", cols, nd, g.sections, g.first[b], g.end[b])
-        boxes = pair_box[at[j] : at[j + 1]]
-        cand, box = _near(cols, nd, lo[boxes, 0], hi[boxes, 0], boxes)
-        offs, lens = cols[:nd, cand].T, cols[nd : 2 * nd, cand].T
-        keep = np.unique(cand[((offs < hi[box]) & (offs + lens > lo[box])).all(axis=1)])
-        if not len(keep):
+    local = blocks - base[item_of]
+    deltas = [geos[i]._delta(b) for i, b in zip(item_of.tolist(), local.tolist())]
+    if not deltas:
+        for g in geos:
+            g.picked = (z, z.reshape(0, nd), z.reshape(0, nd), z.reshape(0, 2))
+        return [g.picked[0] for g in geos]
+    # Blocks side by side in batches of about BATCH_ROWS rows (whole-array work that stays in
+    # cache), each searched at once unless one of its blocks needs a block-by-block search (tiles
+    # not sorted by their first offset, or offsets too large to share one sorted key).
+    rows_at = np.concatenate([[0], np.cumsum([d.shape[1] for d in deltas])]).astype(np.int64)
+    cuts = np.unique(np.searchsorted(rows_at, np.arange(0, int(rows_at[-1]), BATCH_ROWS), side="right") - 1)
+    spans = list(zip(cuts.tolist(), [*cuts[1:].tolist(), len(deltas)]))
+    hits = []
+    while spans:
+        j0, j1 = spans.pop(0)
+        batch = _Blocks(geos, item_of[j0:j1], local[j0:j1], deltas[j0:j1], nd)
+        if j1 - j0 > 1 and not batch.searchable():
+            spans[:0] = [(j, j + 1) for j in range(j0, j1)]
             continue
-        sec = cols[2 * nd]
-        run = np.searchsorted(sec, sec[keep])  # the first row of each kept row's section in the block
-        k = keep - run + np.where(run == 0, g.lead[b], 0)
-        found[i].append((b * g.block + keep, cols[:nd, keep].T, cols[nd : 2 * nd, keep].T, np.stack([sec[keep], k], 1)))
+        a, b = np.searchsorted(pair_of, [j0, j1]).tolist()
+        hits.append(batch.pick(pair_of[a:b] - j0, pair_box[a:b], lo, hi, j0))
+    blk, rows, offs, lens, place = (np.concatenate(x) for x in zip(*hits))
+    # Hits come block by block, ascending, so each tensor's are one run.
+    item = item_of[blk]
+    bounds = np.searchsorted(item, np.arange(len(items) + 1)).tolist()
     out = []
-    for g, parts in zip(geos, found):
-        if parts:
-            r, o, ln, place = (np.concatenate(x) for x in zip(*parts))
-        else:
-            r, o, ln, place = z, z.reshape(0, nd), z.reshape(0, nd), z.reshape(0, 2)
-        g.picked = (r, o, ln, place)
-        out.append(r)
+    for i, g in enumerate(geos):
+        a, b = bounds[i], bounds[i + 1]
+        g.picked = (rows[a:b], offs[a:b], lens[a:b], place[a:b])
+        out.append(g.picked[0])
     return out
 
 
-def _near(
-    cols: np.ndarray, nd: int, lo: np.ndarray, hi: np.ndarray, boxes: np.ndarray
-) -> tuple[np.ndarray, np.ndarray]:
-    """The rows of a block (``cols``, ``(2 nd + 1, m)``) that can meet ranges ``[lo[k], hi[k])``
-    along the first dimension, each with its box: found by bisection where the block's tiles are
-    sorted by their first offset (as saves store them), else every row for every box."""
-    start = cols[0]
-    m = len(start)
-    if m > 1 and (start[1:] < start[:-1]).any():
-        return np.tile(np.arange(m, dtype=np.int64), len(boxes)), np.repeat(boxes, m)
-    longest = int(cols[nd].max()) if m else 0
-    # Earlier tiles end before ``lo`` (they start at or before lo - longest); later ones start after hi.
-    a = np.searchsorted(start, lo - longest, side="right")
-    b = np.maximum(a, np.searchsorted(start, hi, side="left"))
-    n = b - a
-    cand = np.arange(int(n.sum()), dtype=np.int64) - np.repeat(np.cumsum(n) - n, n) + np.repeat(a, n)
-    return cand, np.repeat(boxes, n)
+class _Blocks:
+    """Blocks of several tensors' geometry of ``nd`` >= 1 dimensions, inflated side by side: one
+    ``(2 nd + 1, rows)`` array, so that summing, checking and searching them is whole-array work."""
+
+    def __init__(
+        self, geos: list[Geometry], item_of: np.ndarray, local: np.ndarray, deltas: list[np.ndarray], nd: int
+    ) -> None:
+        self.geos, self.item_of, self.local, self.nd = geos, item_of, local, nd
+        counts = np.array([d.shape[1] for d in deltas], dtype=np.int64)
+        self.at = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+        self.block_of = np.repeat(np.arange(len(deltas), dtype=np.int64), counts)
+        flat = np.concatenate([d.astype(np.int64, copy=False) for d in deltas], axis=1)
+        # A running sum per block: the running sum of all, less its value before the block (int64
+        # arithmetic wraps alike either way, so each block sums exactly as it would alone).
+        run = np.cumsum(flat, axis=1)
+        before = np.concatenate([np.zeros((flat.shape[0], 1), np.int64), run[:, self.at[1:-1] - 1]], axis=1)
+        self.cols = run - np.repeat(before, counts, axis=1)
+        self._check()
+
+    def _check(self) -> None:
+        """Every block as :func:`_check_block` checks it; the first bad block raises its error."""
+        cols, nd, blk = self.cols, self.nd, self.block_of
+        first = np.array([g.first[b] for g, b in self._blocks()], dtype=np.int64)
+        end = np.array([g.end[b] for g, b in self._blocks()], dtype=np.int64)
+        sections = self.geos[0].sections
+        sec = cols[2 * nd]
+        bad = (cols.view(np.uint64) >= 1 << 62).any(axis=0) | (sec >= sections)
+        bad[1:] |= (sec[1:] < sec[:-1]) & (blk[1:] == blk[:-1])
+        bad |= (cols[0] < first[blk]) | (cols[0] + cols[nd] > end[blk])
+        if bad.any():
+            j = int(blk[int(np.argmax(bad))])
+            g, b = self._blocks()[j]
+            cols_j = cols[:, self.at[j] : self.at[j + 1]]
+            _check_block(f"tensor '{g.name}': tile_index block {b}", cols_j, nd, g.sections, g.first[b], g.end[b])
+
+    def _blocks(self) -> list[tuple[Geometry, int]]:
+        return [(self.geos[i], b) for i, b in zip(self.item_of.tolist(), self.local.tolist())]
+
+    def searchable(self) -> bool:
+        """Whether every block's tiles are sorted by their first offset and the blocks' offsets
+        fit one sorted key (block, offset) in int64."""
+        start = self.cols[0]
+        if ((start[1:] < start[:-1]) & (self.block_of[1:] == self.block_of[:-1])).any():
+            return False
+        return int(start.max(initial=0)) + 2 < (1 << 62) // max(1, len(self.at))
+
+    def pick(
+        self, pair_of: np.ndarray, pair_box: np.ndarray, lo: np.ndarray, hi: np.ndarray, tag: int = 0
+    ) -> tuple[np.ndarray, ...]:
+        """``(block, rows, offsets, lengths, place)`` of the tiles meeting their blocks' boxes
+        (``pair_of[p]``: a block here, ``pair_box[p]``: a box meeting it along the first
+        dimension); ``block`` is ``tag`` plus the block's position here."""
+        cols, nd, at, blk = self.cols, self.nd, self.at, self.block_of
+        start = cols[0]
+        if self.searchable():
+            # The rows that can meet a box: one run of a block's rows found by bisection, with
+            # (block, first offset) as one sorted key. Earlier tiles end before lo; later ones
+            # start after hi.
+            span = int(start.max(initial=0)) + 2
+            key = blk * span + start
+            longest = np.maximum.reduceat(cols[nd], at[:-1])
+            lo0 = np.clip(lo[pair_box, 0] - longest[pair_of], -1, span - 1) + pair_of * span
+            hi0 = np.clip(hi[pair_box, 0], 0, span - 1) + pair_of * span
+            a = np.searchsorted(key, lo0, side="right")
+            n = np.maximum(a, np.searchsorted(key, hi0, side="left")) - a
+        else:  # one block whose tiles are not sorted: every row for every box
+            a = at[pair_of]
+            n = at[pair_of + 1] - a
+        cand = np.arange(int(n.sum()), dtype=np.int64) - np.repeat(np.cumsum(n) - n, n) + np.repeat(a, n)
+        box = np.repeat(pair_box, n)
+        offs, lens = cols[:nd, cand].T, cols[nd : 2 * nd, cand].T
+        keep = np.unique(cand[((offs < hi[box]) & (offs + lens > lo[box])).all(axis=1)])
+        b = blk[keep]
+        sec = cols[2 * nd]
+        # k: the distance from the first row of the kept row's section in its block, plus the
+        # block's lead in the block's first run.
+        sec_key = blk * (int(sec.max(initial=0)) + 1) + sec
+        run = np.searchsorted(sec_key, sec_key[keep]) - at[b]
+        leads = np.array([g.lead[j] for g, j in self._blocks()], dtype=np.int64)
+        k = keep - at[b] - run + np.where(run == 0, leads[b], 0)
+        block_rows = np.array([g.block for g, _ in self._blocks()], dtype=np.int64) * self.local
+        rows = block_rows[b] + keep - at[b]
+        place = np.stack([sec[keep], k], axis=1)
+        return b + tag, rows, cols[:nd, keep].T, cols[nd : 2 * nd, keep].T, place
