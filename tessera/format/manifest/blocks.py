@@ -287,7 +287,7 @@ def _pick_group(items: list[tuple[Geometry, np.ndarray, np.ndarray]], nd: int) -
     if not deltas:
         for g in geos:
             g.picked = (z, z.reshape(0, nd), z.reshape(0, nd), z.reshape(0, 2))
-        return [g.picked[0] for g in geos]
+        return [z] * len(geos)
     # Blocks side by side in batches of about BATCH_ROWS rows (whole-array work that stays in
     # cache), each searched at once unless one of its blocks needs a block-by-block search (tiles
     # not sorted by their first offset, or offsets too large to share one sorted key).
