@@ -532,7 +532,13 @@ def main() -> None:
         )
     if "commit_s" in r:
         print(
-            f"| commit on rank 0: {args.ranks - 1} reports ({r['commit_report_mb']:.0f} MB), {r['commit_read_threads']} reads in flight "
+            f"| commit on rank 0: {args.ranks - 1} reports ({r['commit_report_mb']:.0f} MB)"
+            + (
+                f" in groups of {r['commit_group']} (leaders done after {r['commit_leader_s']:.2f} s)"
+                if r["commit_group"]
+                else ""
+            )
+            + f", {r['commit_read_threads']} reads in flight "
             f"| {r['commit_bytes_read_mb']:.0f} MB | {r['commit_requests']} | {r['commit_modelled_s']:.2f} s modelled ({r['commit_cpu_s']:.2f} s CPU; "
             f"wall {r['commit_s']:.2f} s: reports {r['commit_reports_s']:.2f} s, assemble {r['commit_assemble_s']:.2f} s, "
             f"encode + write {r['commit_encode_write_s']:.2f} s) |"

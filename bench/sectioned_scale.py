@@ -9,8 +9,11 @@
   all ranks read together.
 - ``commit``: rank 0 of a save by ``--ranks`` ranks: every rank's report, with the section it
   encodes itself, written to a local directory (not timed on rank 0: each rank's own work at
-  write time; its median is reported), then read through :class:`SlowStorage` with the
-  commit's bounded parallelism (``tessera.engine.saving.finish._reports``, geometry only), the
+  write time; its median is reported), combined by each group's leader (``TESSERA_REPORT_GROUP``,
+  default 64: their files appear when a leader would have finished, its CPU plus two requests),
+  then read through :class:`SlowStorage` with the commit's bounded parallelism
+  (``tessera.engine.saving.finish._reports``, geometry only; a group file not there yet is a
+  request too, then a pause), the
   index built and the sections joined (``tessera.engine.saving.sectioned.build_sectioned``),
   written (sections, then index): requests, CPU and wall time.
 """
@@ -39,16 +42,25 @@ class SlowStorage:
         self.url = inner.url
         self.requests = 0
         self.bytes = 0
+        self.thread_s: dict[int, float] = {}
+        """Storage time (latency and bytes) each thread waited for."""
         self._lock = threading.Lock()
 
     def _cost(self, nbytes: int) -> None:
+        cost = LATENCY_S + nbytes / BANDWIDTH
+        key = threading.get_ident()
         with self._lock:
             self.requests += 1
             self.bytes += nbytes
-        time.sleep(LATENCY_S + nbytes / BANDWIDTH)
+            self.thread_s[key] = self.thread_s.get(key, 0.0) + cost
+        time.sleep(cost)
 
     def read_file(self, path: str) -> bytes:
-        data = self.inner.read_file(path)
+        try:
+            data = self.inner.read_file(path)
+        except FileNotFoundError:
+            self._cost(0)  # a miss is a request too
+            raise
         self._cost(len(data))
         return data
 
@@ -201,10 +213,11 @@ def step_commit(args: argparse.Namespace) -> dict:
 
     from tessera.engine import commit
     from tessera.engine.commit import Claim, _encoded, publish
-    from tessera.engine.saving import finish
+    from tessera.engine.saving import finish, report_groups
     from tessera.engine.saving.plan import TensorMeta
     from tessera.engine.saving.sectioned import build_sectioned, tile_count
     from tessera.format.rank_report import encode_report, report_path
+    from tessera.format.report_group import encode_group, group_path, members
     from tessera.options import SaveOptions
 
     params = ps.llama_params(args.tensors)
@@ -213,6 +226,7 @@ def step_commit(args: argparse.Namespace) -> dict:
     docs = []
     report_bytes = 0
     rank_encode_s = []  # each rank's own work at write time: its section and report
+    reports: dict[int, bytes] = {}
     for doc in _reports(params, args.ranks, args.layout):
         if doc.rank == 0:
             docs.append(doc)
@@ -222,34 +236,64 @@ def step_commit(args: argparse.Namespace) -> dict:
             rank_encode_s.append(time.process_time() - t0)
             report_bytes += len(data)
             store.write_atomic(report_path(doc.save_id, doc.rank), data)
+            reports[doc.rank] = data
     save_id = docs[0].save_id
     metas = tuple(TensorMeta(p.fqn, ps.DTYPE, p.shape) for p in params)
     finish._READ_THREADS = int(os.environ.get("TESSERA_BENCH_REPORT_THREADS", finish._READ_THREADS))
+    # The leaders' work after the vote (on their own ranks, not rank 0's): each reads its members'
+    # reports in one round of parallel requests and writes its group file. Their files are encoded
+    # here, untimed, and appear under their names when a leader would have finished: its CPU (one
+    # leader's, measured) plus two requests and its bytes.
+    group = report_groups.group_size(args.ranks)
+    staged: list[tuple[str, str]] = []
+    leader_s = 0.0
+    for leader in range(group, args.ranks, group) if group else ():
+        t0 = time.process_time()
+        data = encode_group(save_id, leader, {r: reports[r] for r in members(leader, group, args.ranks)})
+        cpu = time.process_time() - t0
+        leader_s = max(leader_s, cpu + 2 * LATENCY_S + 2 * len(data) / BANDWIDTH)
+        store.write_atomic(group_path(save_id, leader) + ".staged", data)
+        staged.append((group_path(save_id, leader) + ".staged", group_path(save_id, leader)))
+    del reports
     out = {
         "commit_report_mb": report_bytes / 1e6,
         "commit_read_threads": finish._READ_THREADS,
         "commit_rank_report_encode_ms": 1e3 * float(np.median(rank_encode_s)),
+        "commit_group": group,
+        "commit_leader_s": leader_s,
     }
     slow = SlowStorage(store)
     save = SimpleNamespace(store=slow, save_id=save_id, path=root, dedup=None)
     world = SimpleNamespace(size=args.ranks)
+    paused = _PauseClock()
+    report_groups.time = paused  # type: ignore[attr-defined]  # rank 0's polling pauses, counted per thread
+
+    def leaders_finish() -> None:
+        time.sleep(leader_s)
+        for a, b in staged:
+            os.replace(os.path.join(root, a), os.path.join(root, b))
+
+    publisher = threading.Thread(target=leaders_finish)
     # What ``finish._commit`` does on rank 0 for a save in sections (its ranks' sections joined).
     t0, c0 = time.perf_counter(), time.process_time()
-    reports = finish._reports(world, save, docs, [], detailed=False)
+    publisher.start()
+    got = finish._reports(world, save, docs, [], detailed=False)
     t1, c1 = time.perf_counter(), time.process_time()
-    assert commit.sectioned_for(slow, tile_count(reports))
-    encoded = build_sectioned(args.ranks, metas, reports, save_id, SaveOptions(chunk_bytes=ps.CHUNK_BYTES))
+    publisher.join()
+    assert commit.sectioned_for(slow, tile_count(got))
+    encoded = build_sectioned(args.ranks, metas, got, save_id, SaveOptions(chunk_bytes=ps.CHUNK_BYTES))
     t2 = time.perf_counter()
     claim = Claim(save_id, None, False)
     data, _ = _encoded(slow, claim, encoded)
     publish(slow, claim, data, root)
     t3, c3 = time.perf_counter(), time.process_time()
-    # Modelled: CPU seconds plus the storage's time on the critical path: the reports in rounds
-    # of READ_THREADS requests (20 ms each, bytes at 1 GB/s shared), then two writes.
-    rounds = -(-(args.ranks - 1) // finish._READ_THREADS)
+    # Modelled: CPU seconds plus the storage's time on the critical path: the reading thread
+    # with the most storage time (its requests at 20 ms each and its bytes at 1 GB/s, plus the
+    # pauses it slept waiting for group files), then the two writes.
+    path_s = max(slow.thread_s[k] + paused.slept.get(k, 0.0) for k in slow.thread_s)
     out["commit_cpu_s"] = c3 - c0
     out["commit_reports_cpu_s"] = c1 - c0
-    out["commit_modelled_s"] = (c3 - c0) + rounds * LATENCY_S + slow.bytes / BANDWIDTH + 2 * LATENCY_S
+    out["commit_modelled_s"] = (c3 - c0) + path_s + 2 * LATENCY_S
     out.update(
         {
             "commit_reports_s": t1 - t0,
@@ -263,3 +307,16 @@ def step_commit(args: argparse.Namespace) -> dict:
         }
     )
     return out
+
+
+class _PauseClock:
+    """``time`` for :mod:`tessera.engine.saving.report_groups`: its sleeps counted per thread."""
+
+    def __init__(self) -> None:
+        self.slept: dict[int, float] = {}
+        self.monotonic = time.monotonic
+
+    def sleep(self, seconds: float) -> None:
+        key = threading.get_ident()
+        self.slept[key] = self.slept.get(key, 0.0) + seconds
+        time.sleep(seconds)

@@ -106,3 +106,9 @@ def sectioned_manifest_tiles() -> int:
     loading rank reads only its part (``TESSERA_SECTIONED_MANIFEST_TILES``, default 262144; 0:
     always). Smaller manifests stay version 1, read whole."""
     return max(0, _int("TESSERA_SECTIONED_MANIFEST_TILES", 1 << 18))
+
+
+def report_group() -> int:
+    """Ranks whose reports one leader combines for the commit (``TESSERA_REPORT_GROUP``, default
+    64; 0 or 1: none, rank 0 reads every report). Groups form only in jobs of more ranks than this."""
+    return _int("TESSERA_REPORT_GROUP", 64)

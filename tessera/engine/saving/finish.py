@@ -12,7 +12,8 @@
    ranks agree on the plan and the location. A rank that failed, or
    had to plan in the foreground, voted already (:mod:`.prepare`). If the vote fails, every rank
    removes what it wrote (rank 0 also the marker) and raises.
-4. **commit** (rank 0, then one broadcast): rank 0 reads the reports, assembles and commits the
+4. **commit** (rank 0, then one broadcast): rank 0 reads the reports (in a large job mostly as
+   the report groups their leaders write after the vote, :mod:`.report_groups`), assembles and commits the
    manifest (:func:`tessera.engine.commit.commit_manifest`); one fixed-size broadcast tells every
    rank the outcome (a failure's records follow in a second one).
 
@@ -45,7 +46,7 @@ from .. import commit, dist
 from ..commit import Claim
 from ..dist import World
 from ..timing import PhaseTimer
-from . import dedup
+from . import dedup, report_groups
 from .assemble import build_manifest, check_coverage
 from .handoff import CommitOutcome, FileReport, PreparedSave, rank_report
 from .prepare import plan_mismatch, save_ballot
@@ -58,7 +59,7 @@ from .writer_process import write_tiles_in_process
 
 logger = logging.getLogger(__name__)
 _READ_THREADS = 128
-"""Reports read at once by rank 0 at the commit: 16,384 ranks at 20 ms per request take 2.6 s."""
+"""Reports (or report groups) read at once by rank 0 at the commit."""
 
 
 def finish_save(
@@ -130,7 +131,8 @@ def finish_save(
         elif _through_storage(save):
             path = report_path(save.save_id, world.rank)
             try:
-                save.store.write_atomic(path, encode_report(doc))
+                own.append(encode_report(doc))
+                save.store.write_atomic(path, own[0])
             except CheckpointError:
                 raise
             except Exception as e:
@@ -145,6 +147,7 @@ def finish_save(
 
     docs: list[RankReportDoc] = []
     blobs: list[bytes] = []
+    own: list[bytes] = []  # this rank's report as written
     claim_of = lambda: claims[0] if claims else Claim(save.save_id, None, False)  # noqa: E731
 
     removed: list[bool] = []
@@ -176,9 +179,20 @@ def finish_save(
         gathered = dist.gather(world, blobs[0] if blobs else b"", what)
         if gathered is not None:
             blobs[:] = gathered
+    group = report_groups.group_size(world.size) if _through_storage(save) else 0
+    group_file = None
+    if group and own and world.rank % group == 0:  # a group's leader (rank 0 reads its group itself)
+        group_file = report_groups.combine(save, world.rank, own[0], world.size, group)
     outcome: list[CommitOutcome] = []
     decide = (lambda: _commit(world, save, claim_of(), docs, blobs, outcome)) if world.is_coordinator else None
-    total_bytes = dist.announce(world, what, decide, 1)[0]
+    try:
+        total_bytes = dist.announce(world, what, decide, 1)[0]
+    finally:
+        if group_file is not None:  # read by rank 0 or not, it is of no use now
+            try:
+                save.store.delete([group_file])
+            except Exception as e:
+                logger.debug("rank %d: could not remove %s: %s", world.rank, group_file, e)
     timer.mark("commit")
     result = outcome[0] if outcome else CommitOutcome(total_bytes, {})
     dedup.committed(save, reports, result)
@@ -250,30 +264,10 @@ def _read_report(save: PreparedSave, path: str, rank: int) -> bytes:
 
 
 def _read_reports(save: PreparedSave, world_size: int) -> dict[int, bytes]:
-    """Every other rank's report, ``_READ_THREADS`` reads in flight (each thread reads every
-    ``_READ_THREADS``-th rank: no per-read task objects, which cost more than a read at 16k ranks)."""
-    threads = max(1, min(_READ_THREADS, world_size - 1))
-    raw: dict[int, bytes] = {}
-    errors: list[tuple[int, BaseException]] = []
-
-    def worker(first: int) -> None:
-        for r in range(first, world_size, threads):
-            if errors:
-                return
-            try:
-                raw[r] = _read_report(save, report_path(save.save_id, r), r)
-            except BaseException as e:
-                errors.append((r, e))
-                return
-
-    pool = [threading.Thread(target=worker, args=(1 + i,), name=f"tessera-reports-{i}") for i in range(threads)]
-    for t in pool:
-        t.start()
-    for t in pool:
-        t.join()
-    if errors:
-        raise min(errors, key=lambda x: x[0])[1]  # the lowest rank's, of those seen
-    return raw
+    """Every other rank's report, ``_READ_THREADS`` reads in flight (from report groups in a large job)."""
+    return report_groups.read_all(
+        save, world_size, lambda r: _read_report(save, report_path(save.save_id, r), r), _READ_THREADS
+    )
 
 
 def _reports(
