@@ -146,7 +146,13 @@ if __name__ == "__main__":
         run(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), "env://", args)
     elif args.nproc > 1:
         with tempfile.TemporaryDirectory() as tmp:
-            mp.spawn(run, args=(args.nproc, f"file://{tmp}/store", args), nprocs=args.nproc)
+            # The ranks fork from one server that imported these once (spawn: once per rank).
+            mp.get_context("forkserver").set_forkserver_preload(
+                ["torch.distributed.checkpoint.state_dict", "torch.distributed.fsdp", "torch._dynamo"]
+            )
+            mp.start_processes(
+                run, args=(args.nproc, f"file://{tmp}/store", args), nprocs=args.nproc, start_method="forkserver"
+            )
     else:
         torch.set_num_threads(1)
         main(args)

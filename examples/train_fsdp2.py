@@ -34,4 +34,4 @@ def main(args) -> None:
 
 
 if __name__ == "__main__":
-    common.launch(main, common.parser(__doc__.splitlines()[0]).parse_args())
+    common.launch(main, common.parser(__doc__.splitlines()[0]).parse_args(), preload=["torch.distributed.fsdp"])

@@ -60,4 +60,6 @@ def main(args) -> None:
 if __name__ == "__main__":
     parser = common.parser(__doc__.splitlines()[0])
     parser.set_defaults(ckpt="/tmp/tessera-hf-example")
-    common.launch(main, parser.parse_args())
+    common.launch(
+        main, parser.parse_args(), preload=["torch.distributed.fsdp", "transformers.models.llama.modeling_llama"]
+    )

@@ -53,4 +53,4 @@ def main(args) -> None:
 if __name__ == "__main__":
     parser = common.parser(__doc__.splitlines()[0])
     parser.add_argument("--dp", type=int, default=1, help="FSDP2 degree (the rest is TP)")
-    common.launch(main, parser.parse_args())
+    common.launch(main, parser.parse_args(), preload=["torch.distributed.fsdp", "torch.distributed.tensor.parallel"])

@@ -188,9 +188,21 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+STEPS = 20  # the job's length: past the kills at step 13 and the signal at step 7
+
+
 def _torchrun(
-    tmp: Path, name: str, *extra: str, nproc: int = 2, port: int | None = None, ckpt: str | None = None
+    tmp: Path,
+    name: str,
+    *extra: str,
+    nproc: int = 2,
+    nnodes: str = "1",
+    port: int | None = None,
+    ckpt: str | None = None,
 ) -> tuple[subprocess.Popen, Path, Path]:
+    """torchrun of examples/elastic_train.py: ``nnodes`` agents ("1:2": elastic, one or two
+    nodes), ``nproc`` workers each, one restart allowed. A single agent started with "1:2"
+    would wait ``last_call_timeout`` at every rendezvous for a second node that never comes."""
     status = tmp / f"{name}-status"
     status.mkdir()
     result = tmp / f"{name}-result.json"
@@ -198,18 +210,21 @@ def _torchrun(
         sys.executable,
         "-m",
         "torch.distributed.run",
-        "--nnodes=1:2",
+        f"--nnodes={nnodes}",
         f"--nproc-per-node={nproc}",
         "--max-restarts=1",
         "--rdzv-backend=c10d",
         f"--rdzv-endpoint=127.0.0.1:{port or _free_port()}",
         f"--rdzv-id={port or name}",
-        "--rdzv-conf=last_call_timeout=2",
+        # An agent that stops sending heartbeats (every keep_alive_interval seconds) is dead after
+        # keep_alive_max_attempt of them: torchrun's default, 5 s x 3, made the restart on the
+        # surviving node wait 10-15 s for the dead node.
+        "--rdzv-conf=last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=4",
         EXAMPLE,
         "--ckpt",
         ckpt or str(tmp / f"{name}-ckpt"),
         "--steps",
-        "30",
+        str(STEPS),
         "--save-every",
         "5",
         "--status-dir",
@@ -251,13 +266,13 @@ def _read_status(status: Path, rank: int) -> dict | None:
 
 @pytest.fixture(scope="module")
 def reference_run(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    """The job of the elastic tests, never interrupted: 2 workers, 30 steps."""
+    """The job of the elastic tests, never interrupted: 2 workers, STEPS steps."""
     tmp = tmp_path_factory.mktemp("reference")
     proc, _, ref_result = _torchrun(tmp, "ref")
     log = _finish(proc, tmp, "ref")
     assert proc.returncode == 0, log
     ref = json.loads(ref_result.read_text())
-    assert ref["step"] == 30 and ref["restart"] == 0 and ref["resumed_from"] is None and ref["world"] == 2
+    assert ref["step"] == STEPS and ref["restart"] == 0 and ref["resumed_from"] is None and ref["world"] == 2
     return ref
 
 
@@ -282,7 +297,7 @@ def test_elastic_restart_resumes_from_the_last_checkpoint(tmp_path, reference_ru
     assert out["restart"] == 1, (out, log)  # the job was restarted once ...
     assert out["resumed_from"] is not None and 10 <= out["resumed_from"] <= killed_at, (out, killed_at, log)
     assert out["resumed_from"] % 5 == 0  # ... from the last checkpoint, not from step 0
-    assert out["step"] == 30 and out["world"] == 2
+    assert out["step"] == STEPS and out["world"] == 2
     assert out["final_loss"] == ref["final_loss"], (out, ref)  # the same loss curve, bit for bit
     assert "start 1: 2 workers, training from step" in log
 
@@ -305,7 +320,7 @@ def test_sigterm_to_torchrun_writes_a_last_checkpoint(tmp_path) -> None:
     mgr = tessera.CheckpointManager(str(tmp_path / "pre-ckpt"))
     last = mgr.latest_step()
     # Saved at the first step boundary after the signal, not at the next multiple of 5.
-    assert last is not None and sent_at <= last < 30, (last, sent_at, log)
+    assert last is not None and sent_at <= last < STEPS, (last, sent_at, log)
     assert f"preempted: saved step {last}, exiting" in log, log
     # Both workers, not only the one that printed, left their loop at that step.
     assert [(_read_status(status, r) or {}).get("preempted_at") for r in (0, 1)] == [last, last], log
@@ -329,7 +344,9 @@ def test_elastic_restart_continues_on_the_surviving_node(tmp_path, reference_run
             return ()
         return ("--local-tier", "--local-dir", str(tmp_path / "shm-{node}"), "--durable-every", "1000")
 
-    node_a, _, result = _torchrun(tmp_path, "a", "--step-sleep", "0.15", *local("a"), nproc=1, port=port, ckpt=ckpt)
+    node_a, _, result = _torchrun(
+        tmp_path, "a", "--step-sleep", "0.15", *local("a"), nproc=1, nnodes="1:2", port=port, ckpt=ckpt
+    )
     # Node A must host the rendezvous store (torchrun's c10d rendezvous does not survive the
     # loss of its host): start B once A listens on the endpoint.
     deadline = time.monotonic() + 120
@@ -340,7 +357,9 @@ def test_elastic_restart_continues_on_the_surviving_node(tmp_path, reference_run
             break
         except OSError:
             time.sleep(0.05)
-    node_b, status_b, _ = _torchrun(tmp_path, "b", "--step-sleep", "0.15", *local("b"), nproc=1, port=port, ckpt=ckpt)
+    node_b, status_b, _ = _torchrun(
+        tmp_path, "b", "--step-sleep", "0.15", *local("b"), nproc=1, nnodes="1:2", port=port, ckpt=ckpt
+    )
     killed_at = None
     deadline = time.monotonic() + 240
     try:
@@ -363,6 +382,6 @@ def test_elastic_restart_continues_on_the_surviving_node(tmp_path, reference_run
     if tier == "local":
         assert out["source"] == "local", out  # node A's directory held both workers' files
         assert not list((tmp_path / "ckpt").glob("step*")), "a local-tier run wrote a durable step"
-    assert out["step"] == 30
+    assert out["step"] == STEPS
     # The same global batch on one worker instead of two: the same loss up to float summation order.
     assert out["final_loss"] == pytest.approx(ref_loss := reference_run["final_loss"], rel=1e-5), (out, ref_loss)
