@@ -128,6 +128,10 @@ def _rank_main(
     with open(tmp, "wb") as f:
         pickle.dump((out, seconds), f)
     os.replace(tmp, result_path)
+    # Processes the rank started through multiprocessing (a framework's manager server, such as
+    # megatron-core's async checkpoint writer's) would outlive an exit that skips their shutdown.
+    for child in multiprocessing.active_children():
+        child.kill()
     # Skip gloo teardown: with a dead peer it can block; the parent only needs the file.
     os._exit(0)
 
