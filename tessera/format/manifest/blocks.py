@@ -298,7 +298,7 @@ def _pick_group(items: list[tuple[Geometry, np.ndarray, np.ndarray]], nd: int) -
     while spans:
         j0, j1 = spans.pop(0)
         batch = _Blocks(geos, item_of[j0:j1], local[j0:j1], deltas[j0:j1], nd)
-        if j1 - j0 > 1 and not batch.searchable():
+        if j1 - j0 > 1 and not batch.searchable:
             spans[:0] = [(j, j + 1) for j in range(j0, j1)]
             continue
         a, b = np.searchsorted(pair_of, [j0, j1]).tolist()
@@ -322,7 +322,7 @@ class _Blocks:
     def __init__(
         self, geos: list[Geometry], item_of: np.ndarray, local: np.ndarray, deltas: list[np.ndarray], nd: int
     ) -> None:
-        self.geos, self.item_of, self.local, self.nd = geos, item_of, local, nd
+        self.geos, self.local, self.nd = geos, local, nd
         counts = np.array([d.shape[1] for d in deltas], dtype=np.int64)
         self.at = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
         self.block_of = np.repeat(np.arange(len(deltas), dtype=np.int64), counts)
@@ -332,13 +332,20 @@ class _Blocks:
         run = np.cumsum(flat, axis=1)
         before = np.concatenate([np.zeros((flat.shape[0], 1), np.int64), run[:, self.at[1:-1] - 1]], axis=1)
         self.cols = run - np.repeat(before, counts, axis=1)
+        self.blocks = [(geos[i], b) for i, b in zip(item_of.tolist(), local.tolist())]
+        """Each block's tensor geometry and its number there."""
         self._check()
+        start = self.cols[0]
+        sorted_ = not ((start[1:] < start[:-1]) & (self.block_of[1:] == self.block_of[:-1])).any()
+        self.searchable = sorted_ and int(start.max(initial=0)) + 2 < (1 << 62) // max(1, len(self.at))
+        """Whether every block's tiles are sorted by their first offset and the blocks' offsets
+        fit one sorted key (block, offset) in int64."""
 
     def _check(self) -> None:
         """Every block as :func:`_check_block` checks it; the first bad block raises its error."""
         cols, nd, blk = self.cols, self.nd, self.block_of
-        first = np.array([g.first[b] for g, b in self._blocks()], dtype=np.int64)
-        end = np.array([g.end[b] for g, b in self._blocks()], dtype=np.int64)
+        first = np.array([g.first[b] for g, b in self.blocks], dtype=np.int64)
+        end = np.array([g.end[b] for g, b in self.blocks], dtype=np.int64)
         sections = self.geos[0].sections
         sec = cols[2 * nd]
         bad = (cols.view(np.uint64) >= 1 << 62).any(axis=0) | (sec >= sections)
@@ -346,20 +353,9 @@ class _Blocks:
         bad |= (cols[0] < first[blk]) | (cols[0] + cols[nd] > end[blk])
         if bad.any():
             j = int(blk[int(np.argmax(bad))])
-            g, b = self._blocks()[j]
+            g, b = self.blocks[j]
             cols_j = cols[:, self.at[j] : self.at[j + 1]]
             _check_block(f"tensor '{g.name}': tile_index block {b}", cols_j, nd, g.sections, g.first[b], g.end[b])
-
-    def _blocks(self) -> list[tuple[Geometry, int]]:
-        return [(self.geos[i], b) for i, b in zip(self.item_of.tolist(), self.local.tolist())]
-
-    def searchable(self) -> bool:
-        """Whether every block's tiles are sorted by their first offset and the blocks' offsets
-        fit one sorted key (block, offset) in int64."""
-        start = self.cols[0]
-        if ((start[1:] < start[:-1]) & (self.block_of[1:] == self.block_of[:-1])).any():
-            return False
-        return int(start.max(initial=0)) + 2 < (1 << 62) // max(1, len(self.at))
 
     def pick(
         self, pair_of: np.ndarray, pair_box: np.ndarray, lo: np.ndarray, hi: np.ndarray, tag: int = 0
@@ -369,7 +365,7 @@ class _Blocks:
         dimension); ``block`` is ``tag`` plus the block's position here."""
         cols, nd, at, blk = self.cols, self.nd, self.at, self.block_of
         start = cols[0]
-        if self.searchable():
+        if self.searchable:
             # The rows that can meet a box: one run of a block's rows found by bisection, with
             # (block, first offset) as one sorted key. Earlier tiles end before lo; later ones
             # start after hi.
@@ -393,9 +389,9 @@ class _Blocks:
         # block's lead in the block's first run.
         sec_key = blk * (int(sec.max(initial=0)) + 1) + sec
         run = np.searchsorted(sec_key, sec_key[keep]) - at[b]
-        leads = np.array([g.lead[j] for g, j in self._blocks()], dtype=np.int64)
+        leads = np.array([g.lead[j] for g, j in self.blocks], dtype=np.int64)
         k = keep - at[b] - run + np.where(run == 0, leads[b], 0)
-        block_rows = np.array([g.block for g, _ in self._blocks()], dtype=np.int64) * self.local
+        block_rows = np.array([g.block for g, _ in self.blocks], dtype=np.int64) * self.local
         rows = block_rows[b] + keep - at[b]
         place = np.stack([sec[keep], k], axis=1)
         return b + tag, rows, cols[:nd, keep].T, cols[nd : 2 * nd, keep].T, place

@@ -246,7 +246,8 @@ def rebuild(
         if layout.order[j] in placement.nodes:
             return layout.order[j]
         reads = {n: sum(files[f][1] for f in layout.files_of(j) if f in (needs or {}).get(n, ())) for n in nodes}
-        most = [n for n in nodes if reads[n] == max(reads.values())]  # ties (or nobody): rotate
+        best = max(reads.values())
+        most = [n for n in nodes if reads[n] == best]  # ties (or nobody): rotate
         return most[j % len(most)]
 
     host = {j: host_of(j) for j in lost}
