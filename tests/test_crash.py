@@ -392,3 +392,32 @@ def test_two_process_groups_one_path(tmp_path) -> None:
         tessera.save(path, make_state(3))
         assert _load_path(path) == 3
         _no_leftovers(path)
+
+
+def test_a_report_group_leader_killed_at_random_never_breaks_the_path(tmp_path) -> None:
+    """Four ranks in report groups of 2 ({0, 1} and {2, 3}, ``TESSERA_REPORT_GROUP=2``): rank 2, the
+    leader of the second group, is killed at random moments of a save loop (before, during or after
+    the vote, while it combines its group's reports). The survivors fail; what the path holds
+    verifies and loads the last committed or the last begun iteration."""
+    rng = random.Random(21)
+    outcomes = []
+    for trial in range(3):
+        target = str(tmp_path / f"t{trial}")
+        progress_dir = str(tmp_path / f"t{trial}.progress")
+        os.makedirs(progress_dir)
+        env = {"TESSERA_TIMEOUT_S": str(TWO_RANK_TIMEOUT_S), "TESSERA_REPORT_GROUP": "2"}
+        group = start_ranks(rank_save_loop, 4, target, progress_dir, "path", env=env)
+        for r in range(4):
+            wait_for_line(os.path.join(progress_dir, str(r)), "ready")
+        group.procs[2].join(rng.uniform(0.0, 1.5))
+        group.kill(2)
+        out = group.collect(TWO_RANK_TIMEOUT_S + 20)
+        assert out[2].status == "died", out[2].value
+        for survivor in (out[0], out[1], out[3]):
+            assert survivor.status == "error" and survivor.error_is("DistributedError"), survivor
+        progress = [read_progress(os.path.join(progress_dir, str(r))) for r in range(4)]
+        merged = os.path.join(progress_dir, "merged")
+        with open(merged, "w") as f:
+            f.write(f"begin {max(p[0] for p in progress)}\ndone {max(p[1] for p in progress)}\n")
+        outcomes.append(_check_path_after_kill(target, merged))
+    assert "nothing committed" not in outcomes, outcomes  # each trial committed through the groups
