@@ -299,6 +299,7 @@ def measure_gated(src: dict, path: str, add: Callable[[str, float], None]) -> No
 
 def worker(rank: int, world: int, store: str, args: argparse.Namespace, results: dict) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ["LOCAL_WORLD_SIZE"] = str(world)  # every rank on this machine, as torchrun says it
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     mesh = init_device_mesh("cpu", (world,))
     total = int(args.gb * (1 << 30))

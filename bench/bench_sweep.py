@@ -13,8 +13,10 @@ one run, medians of ``--repeat``:
   against a sync save of the same state run just before it; DCP's ``async_save`` beside them;
 - **peak extra host memory** (RSS above the level before, sampled every 2 ms) of each async
   save and of the loads;
-- **load resharded** Shard(0) -> Shard(1): the first load after the save, warm (after an
-  untimed read) and cold (after ``posix_fadvise(DONTNEED)``), against the cold read limit.
+- **load resharded** Shard(0) -> Shard(1): the first load after the save (right after each
+  library's sync save, into targets allocated then, as an evaluation job or a restart on the same
+  nodes reads it), warm (after an untimed read) and cold (after ``posix_fadvise(DONTNEED)``),
+  against the cold read limit.
 
 The last table gives seconds per GB of each figure at each size and the ratio of the largest
 size to the smallest: cost per GB that grows shows there. Memory is kept within the machine:
@@ -135,6 +137,7 @@ def model_and_optimizer(src: dict) -> tuple[torch.nn.Module, torch.optim.Optimiz
 
 def worker(rank: int, world: int, store: str, args: argparse.Namespace, gb: float) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ["LOCAL_WORLD_SIZE"] = str(world)  # every rank on this machine, as torchrun says it
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     mesh = init_device_mesh("cpu", (world,))
     cols = 4096
@@ -154,10 +157,34 @@ def worker(rank: int, world: int, store: str, args: argparse.Namespace, gb: floa
     if rank == 0:
         shutil.rmtree(os.path.join(args.dir, "warmup"), ignore_errors=True)
     d = args.dir
+
+    def fresh_target() -> dict:
+        target = make_state(mesh, args.tensors, rows, cols, Shard(1), fill=False)
+        for t in target.values():  # fault the target's pages in: the load is timed, not the allocator
+            t.to_local().zero_()
+        return target
+
+    def load(lib: str, path: str, target: dict) -> None:
+        if lib == "tessera":
+            tessera.load(path, target)
+        else:
+            dcp.load(target, checkpoint_id=path)
+
+    def first_load(lib: str, path: str) -> None:
+        target = fresh_target()
+        with PeakRSS() as mem:
+            add(f"load_fresh_{lib}", timed(lambda t=target: load(lib, path, t)))
+        add(f"load_mem_{lib}", mem.extra)
+        del target
+
     for trial in range(args.repeat):
         tdir, ddir = f"{d}/tessera-{trial}", f"{d}/dcp-{trial}"
+        # Each library's sync save, then at once the first load of that checkpoint (an evaluation
+        # job, a verify, a restart on the same nodes), resharded, with whatever the save left cached.
         add("save_tessera", timed(lambda p=tdir: tessera.save(p, src)))
+        first_load("tessera", tdir)
         add("save_dcp", timed(lambda p=ddir: dcp.save(src, checkpoint_id=p)))
+        first_load("dcp", ddir)
         for arm, state in (("raw", src), ("gated", gated), ("dcp", src)):
             if arm == "dcp":
                 # tessera keeps its staging buffer for its next save; DCP's copy and the loads
@@ -198,27 +225,18 @@ def worker(rank: int, world: int, store: str, args: argparse.Namespace, gb: floa
             add(f"async_mem_{arm}", mem.extra)
             if rank == 0:
                 shutil.rmtree(adir, ignore_errors=True)
-        target = make_state(mesh, args.tensors, rows, cols, Shard(1), fill=False)
-        for t in target.values():  # fault the target's pages in: the load is timed, not the allocator
-            t.to_local().zero_()
-        for cache in ("fresh", "warm", "cold"):
+        target = fresh_target()
+        for cache in ("warm", "cold"):
             for lib, path in (("tessera", tdir), ("dcp", ddir)):
-
-                def load(t: dict = target, p: str = path, lib: str = lib) -> None:
-                    if lib == "tessera":
-                        tessera.load(p, t)
-                    else:
-                        dcp.load(t, checkpoint_id=p)
-
                 if cache == "cold":
                     dist.barrier()
                     if rank == 0:
                         evict(path)
                     dist.barrier()
-                elif cache == "warm":
-                    load()
+                else:
+                    load(lib, path, target)
                 with PeakRSS() as mem:
-                    add(f"load_{cache}_{lib}", timed(load))
+                    add(f"load_{cache}_{lib}", timed(lambda lib=lib, path=path, t=target: load(lib, path, t)))
                 add(f"load_mem_{lib}", mem.extra)
                 if cache == "cold" and trial == 0:
                     for k in list(src)[:1]:

@@ -58,6 +58,18 @@ def direct_io() -> bool:
     return os.environ.get("TESSERA_DIRECT_IO", "1") not in ("0", "false", "no")
 
 
+def recache() -> str:
+    """Whether committed local files written around the page cache are read back into it
+    (``TESSERA_RECACHE``: ``auto`` (default: local filesystems, within half of ``MemAvailable``),
+    ``0`` off, ``1`` always)."""
+    raw = os.environ.get("TESSERA_RECACHE", "auto").strip().lower()
+    if raw in ("0", "false", "no", "off"):
+        return "off"
+    if raw in ("1", "true", "yes", "on", "always"):
+        return "always"
+    return "auto"
+
+
 def verify_checksums() -> bool:
     """Whether loads verify checksums (``TESSERA_VERIFY=0`` turns it off; default on)."""
     return os.environ.get("TESSERA_VERIFY", "1") not in ("0", "false", "no")

@@ -15,6 +15,8 @@ Who uses what, in the order a save and a load meet them:
   tier, which cannot see every rank's files (the tier checks them itself).
 - :class:`RemovesEmptyDirs` (rank 0, clean-up): directories of saves killed early removed.
 - :class:`Uncommits` (rank 0, manager retention): withdraw a manifest under the fence.
+- :class:`Recaches` (every rank, after the commit): the files it wrote brought back into the page
+  cache for the first load after the save (local files written around it).
 - :class:`MapsRanges` (every rank, load): zero-copy reads from a memory map.
 - :class:`Closable` (manager, CLI): release descriptors.
 - :class:`~tessera.storage.base.Reopens` (saves and loads of steps that share tiles): the shared
@@ -36,6 +38,7 @@ __all__ = [
     "Locatable",
     "MapsRanges",
     "PartialVisibility",
+    "Recaches",
     "RemovesEmptyDirs",
     "SyncsDirs",
     "Uncommits",
@@ -134,6 +137,16 @@ class MapsRanges(Protocol):
 
     def release_range(self, path: str, offset: int, length: int) -> None:
         """Drop this process's hold on a range returned by :meth:`map_range`."""
+        ...
+
+
+@runtime_checkable
+class Recaches(Protocol):
+    """A backend whose writes bypass a cache that a first read after the save would want filled."""
+
+    def recache(self, paths: Iterable[str]) -> None:
+        """Start filling the cache with ``paths`` (written by this rank, committed) in the
+        background; return at once. Never raises for a file that is gone."""
         ...
 
 

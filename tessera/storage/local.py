@@ -22,6 +22,7 @@ from collections.abc import Iterable
 from .. import _knobs
 from ..errors import ConcurrentSaveError, StorageError
 from ..format.names import check_relpath
+from . import recache
 from ._direct_io import _set_direct, _write_all, _write_direct
 from ._local_files import LOCK_NAME as LOCK_NAME
 from ._local_files import LocalFiles, typed_errors
@@ -58,6 +59,7 @@ class FileStorage(LocalFiles):
             StorageError: if the file cannot be created or written (ENOSPC included).
         """
         full = self._abs(path)
+        recache.yield_to_writes()
         try:
             fd = self._create(full)
             target = full
@@ -92,6 +94,19 @@ class FileStorage(LocalFiles):
             except OSError as e:
                 self._unlink_quietly(target)
                 raise StorageError(f"replacing {full} failed: {e}") from e
+
+    def recache(self, paths: Iterable[str]) -> None:
+        """:class:`~tessera.storage.capabilities.Recaches`: bring files of a committed save back into
+        the page cache in the background (:mod:`.recache`), where ``O_DIRECT`` writes left them out."""
+        if not (self.durable and _knobs.direct_io()):
+            return  # buffered writes: the page cache has them already
+        full = [self._abs(p) for p in paths]
+        try:
+            nbytes = sum(os.path.getsize(f) for f in full)
+        except OSError:
+            return  # removed meanwhile (retention, another save's cleanup): nothing to keep
+        if recache.wanted(self.root, nbytes):
+            recache.schedule(full)
 
     def sync_dirs(self, paths: Iterable[str]) -> None:
         """Make the directory entries of ``paths`` durable: one fsync per distinct directory.

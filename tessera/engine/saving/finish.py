@@ -41,7 +41,8 @@ from ...format.names import DATA_DIR
 from ...format.rank_report import RankReportDoc, decode_report, details, encode_report, report_path
 from ...options import WriterMode
 from ...results import SaveResult
-from ...storage.capabilities import PartialVisibility
+from ...storage import recache
+from ...storage.capabilities import PartialVisibility, Recaches
 from .. import commit, dist
 from ..commit import Claim
 from ..dist import World
@@ -196,6 +197,7 @@ def finish_save(
     timer.mark("commit")
     result = outcome[0] if outcome else CommitOutcome(total_bytes, {})
     dedup.committed(save, reports, result)
+    _recache(save, written)
     my_bytes = sum(w.nbytes for w in written)
     if world.is_coordinator:
         logger.info(
@@ -204,6 +206,18 @@ def finish_save(
     return SaveResult(
         save.path, save.save_id, my_bytes, total_bytes, timer.total(), save.plan_cached, result.rank_timings
     )
+
+
+def _recache(save: PreparedSave, written: list[WrittenFile]) -> None:
+    """The committed files this rank wrote, back into the page cache for the first load after the
+    save, where the backend wrote around it (:mod:`tessera.storage.recache`). Never fails the save."""
+    store = save.dedup.tiles if save.dedup is not None else save.store
+    if not written or not isinstance(store, Recaches):
+        return
+    try:
+        store.recache([w.path for w in written])
+    except Exception as e:
+        logger.debug("re-caching the files of %s: %s", save.path, e)
 
 
 def _disagreement(tally: dist.Tally, path: str) -> CheckpointError | None:
@@ -295,6 +309,7 @@ def _write(
 
     Raises StorageError naming the rank for any non-tessera error.
     """
+    recache.yield_to_writes()  # the disk is this save's now (also where a writer process writes)
     windowed = any(isinstance(st, WindowedTiles) for st in staged)
     # A memory budget's copies run in the writing threads, so it writes from this process.
     process = save.options.writer is WriterMode.PROCESS and not windowed

@@ -1,0 +1,153 @@
+"""A committed save's files come back into the page cache (tessera.storage.recache), off the save's path."""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+import tessera
+from tessera.storage import recache
+
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def resident_fraction(path: Path) -> float:
+    """The share of ``path``'s pages in the page cache (``mincore`` of a mapping of it)."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+    try:
+        pages = -(-size // mmap.PAGESIZE)
+        vec = (ctypes.c_ubyte * pages)()
+        addr = ctypes.addressof(ctypes.c_char.from_buffer(m))
+        if _libc.mincore(ctypes.c_void_p(addr), ctypes.c_size_t(size), vec) != 0:
+            raise OSError(ctypes.get_errno(), "mincore")
+        return sum(v & 1 for v in vec) / pages
+    finally:
+        del addr
+        m.close()
+
+
+def evict(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)  # dirty pages are not dropped
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def data_files(root: Path) -> list[Path]:
+    return [p for p in (root / "data").rglob("*") if p.is_file()]
+
+
+def settle() -> None:
+    assert recache.drain(timeout=30)
+
+
+def state() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return {f"w{i}": torch.randn(512, 1024, generator=g) for i in range(4)}  # 8 MiB
+
+
+def test_a_committed_save_is_read_back_into_the_page_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TESSERA_RECACHE", "0")
+    tessera.save(str(tmp_path / "off"), state())
+    settle()
+    files = data_files(tmp_path / "off")
+    assert files
+    if min(resident_fraction(f) for f in files) > 0.5:
+        pytest.skip("this filesystem keeps direct writes in the page cache (no O_DIRECT): nothing to re-cache")
+
+    monkeypatch.setenv("TESSERA_RECACHE", "1")
+    before = recache.stats()["bytes"]
+    tessera.save(str(tmp_path / "on"), state())
+    settle()
+    files = data_files(tmp_path / "on")
+    assert all(resident_fraction(f) == 1.0 for f in files)
+    assert recache.stats()["bytes"] - before >= sum(f.stat().st_size for f in files)
+    out = {k: torch.empty_like(v) for k, v in state().items()}
+    tessera.load(str(tmp_path / "on"), out)
+    assert all(torch.equal(out[k], v) for k, v in state().items())
+
+
+def test_a_file_gone_before_it_is_read_back_stops_nothing_else(tmp_path: Path) -> None:
+    real = tmp_path / "real.bin"
+    real.write_bytes(os.urandom(3 << 20))
+    evict(real)
+    recache.schedule([str(tmp_path / "gone.bin")])  # deleted by retention meanwhile, say
+    settle()
+    recache.schedule([str(real)])
+    settle()
+    assert resident_fraction(real) == 1.0
+
+
+def test_work_queued_before_a_write_is_dropped(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    old, new = tmp_path / "old.bin", tmp_path / "new.bin"
+    for f in (old, new):
+        f.write_bytes(os.urandom(2 << 20))
+        evict(f)
+    settle()
+    busy, release = threading.Event(), threading.Event()
+    read_through = recache._read_through
+
+    def held(path: str, generation: int) -> None:  # the thread is busy with an earlier save's file
+        if path == "held":
+            busy.set()
+            release.wait(10)
+            return
+        read_through(path, generation)
+
+    monkeypatch.setattr(recache, "_read_through", held)
+    dropped = recache.stats()["dropped"]
+    recache.schedule(["held"])
+    assert busy.wait(10)
+    recache.schedule([str(old)])  # queued by a save ...
+    recache.yield_to_writes()  # ... before the next save wrote (FileStorage.write_file, every write stage)
+    recache.schedule([str(new)])  # queued after it: read
+    release.set()
+    settle()
+    assert recache.stats()["dropped"] == dropped + 1
+    assert resident_fraction(old) < 0.5
+    assert resident_fraction(new) == 1.0
+    read_through(str(old), recache._generation - 1)  # a read under way stops at its next step
+    assert resident_fraction(old) < 0.5
+
+
+def test_a_save_gives_way_to_later_writes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TESSERA_RECACHE", "0")
+    generation = recache._generation
+    tessera.save(str(tmp_path / "s"), state())
+    assert recache._generation > generation
+
+
+def test_when_it_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    gib = 1 << 30
+    monkeypatch.setattr(recache, "filesystem_type", lambda root: "ext4")
+    monkeypatch.setattr(recache, "available_bytes", lambda: 16 * gib)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    monkeypatch.delenv("TESSERA_RECACHE", raising=False)
+    assert recache.wanted(str(tmp_path), 8 * gib)  # half of what is available
+    assert not recache.wanted(str(tmp_path), 8 * gib + 1)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")  # the node's eight ranks each re-cache theirs
+    assert recache.wanted(str(tmp_path), 1 * gib)
+    assert not recache.wanted(str(tmp_path), 1 * gib + 1)
+    monkeypatch.setattr(recache, "filesystem_type", lambda root: "nfs4")  # the bytes would cross the network
+    assert not recache.wanted(str(tmp_path), 1)
+    monkeypatch.setenv("TESSERA_RECACHE", "1")
+    assert recache.wanted(str(tmp_path), 100 * gib)
+    monkeypatch.setenv("TESSERA_RECACHE", "0")
+    monkeypatch.setattr(recache, "filesystem_type", lambda root: "ext4")
+    assert not recache.wanted(str(tmp_path), 1)
+    assert not recache.wanted(str(tmp_path), 0)
+
+
+def test_filesystem_type_reads_the_mount_table() -> None:
+    assert recache.filesystem_type("/proc/self") == "proc"
+    assert recache.filesystem_type("/") is not None
