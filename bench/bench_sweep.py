@@ -24,7 +24,10 @@ the limits use one buffer of at most 512 MiB reused (the disk sees the same byte
 targets exist only after the saves, so a rank holds at most twice its state (the state and a
 staging copy, or the state and the load's targets).
 
-    python bench/bench_sweep.py --sizes 0.5,2,4 --repeat 3
+    python bench/bench_sweep.py --sizes 0.5,2,4 --repeat 3 [--recache] [--train-stall]
+
+``--recache`` turns on reading committed files back into the page cache (``TESSERA_RECACHE=auto``,
+off by default; docs/storage.md).
 """
 
 from __future__ import annotations
@@ -330,9 +333,14 @@ def main() -> None:
     ap.add_argument("--tensors", type=int, default=8)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--train-stall", action="store_true", help="also run bench_train_stall.py at each size")
+    ap.add_argument(
+        "--recache", action="store_true", help="TESSERA_RECACHE=auto: committed files read back into the page cache"
+    )
     ap.add_argument("--dir", default=None, help="where to write (default: a temporary directory)")
     args = ap.parse_args()
     args.dir = args.dir or tempfile.mkdtemp(prefix="tessera-sweep-")
+    if args.recache:
+        os.environ["TESSERA_RECACHE"] = "auto"  # inherited by the ranks and bench_train_stall.py
     os.makedirs(args.dir, exist_ok=True)
     results = {}
     for gb in (float(s) for s in args.sizes.split(",")):

@@ -60,14 +60,16 @@ def direct_io() -> bool:
 
 def recache() -> str:
     """Whether committed local files written around the page cache are read back into it
-    (``TESSERA_RECACHE``: ``auto`` (default: local filesystems, within half of ``MemAvailable``),
-    ``0`` off, ``1`` always)."""
-    raw = os.environ.get("TESSERA_RECACHE", "auto").strip().lower()
-    if raw in ("0", "false", "no", "off"):
+    (``TESSERA_RECACHE``: ``0`` off (default: it slows the training steps that run beside it),
+    ``auto`` on local filesystems within half of ``MemAvailable``, ``1`` always)."""
+    raw = os.environ.get("TESSERA_RECACHE", "0").strip().lower()
+    if raw in ("", "0", "false", "no", "off"):
         return "off"
     if raw in ("1", "true", "yes", "on", "always"):
         return "always"
-    return "auto"
+    if raw == "auto":
+        return "auto"
+    raise ValueError(f"environment variable TESSERA_RECACHE={raw!r} must be 0, auto or 1")
 
 
 def verify_checksums() -> bool:

@@ -133,6 +133,8 @@ def test_when_it_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(recache, "available_bytes", lambda: 16 * gib)
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     monkeypatch.delenv("TESSERA_RECACHE", raising=False)
+    assert not recache.wanted(str(tmp_path), 1)  # off by default: it slows the steps beside it
+    monkeypatch.setenv("TESSERA_RECACHE", "auto")
     assert recache.wanted(str(tmp_path), 8 * gib)  # half of what is available
     assert not recache.wanted(str(tmp_path), 8 * gib + 1)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")  # the node's eight ranks each re-cache theirs
@@ -146,6 +148,9 @@ def test_when_it_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(recache, "filesystem_type", lambda root: "ext4")
     assert not recache.wanted(str(tmp_path), 1)
     assert not recache.wanted(str(tmp_path), 0)
+    monkeypatch.setenv("TESSERA_RECACHE", "sometimes")
+    with pytest.raises(ValueError, match="TESSERA_RECACHE"):
+        recache.wanted(str(tmp_path), 1)
 
 
 def test_filesystem_type_reads_the_mount_table() -> None:

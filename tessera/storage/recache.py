@@ -10,11 +10,15 @@ copied to user space (about 0.02 CPU-seconds per 512 MB on the 2-core VM of
 ``docs/benchmarks.md``, against 0.3-0.6 s for a ``pread`` into a buffer and up to 1.5 s for the
 buffered write itself).
 
-When it runs (:func:`wanted`): only for files on a local filesystem (a network filesystem would
-move the bytes over the network again) and only while this node's share fits in half of the
-memory the kernel reports available (``MemAvailable``: the cache must not push out what the job
-itself needs). The node's share is this rank's bytes times ``LOCAL_WORLD_SIZE`` (set by torchrun;
-1 when unset). ``TESSERA_RECACHE=0`` turns it off, ``=1`` skips the memory check.
+It is **off by default** (``TESSERA_RECACHE=auto`` turns it on): on the 2-core VM of
+``docs/benchmarks.md`` the training steps that ran beside it took twice as long (16.2 ms against
+7.8 ms), which costs a training loop more than the first load after a save gains, unless that
+load is part of the job (an evaluation on the same nodes right after each save). With ``auto``
+it runs only for files on a local filesystem (a network filesystem would move the bytes over
+the network again) and only while this node's share fits in half of the memory the kernel
+reports available (``MemAvailable``: the cache must not push out what the job itself needs).
+The node's share is this rank's bytes times ``LOCAL_WORLD_SIZE`` (set by torchrun; 1 when
+unset). ``TESSERA_RECACHE=1`` skips both checks.
 
 What it never does: delay or fail a save. It starts after the commit, gives way as soon as this
 process writes data files again (:func:`yield_to_writes`: a new save's writes must not share the
@@ -117,11 +121,10 @@ def yield_to_writes() -> None:
 
 def schedule(paths: Sequence[str]) -> None:
     """Read ``paths`` (absolute) back into the page cache in the background thread."""
-    global _thread
+    global _thread, _pending
     if not paths:
         return
     with _lock:
-        global _pending
         _pending += 1
         _queue.put((_generation, tuple(paths)))
         if _thread is None or not _thread.is_alive():
@@ -146,6 +149,8 @@ def _run() -> None:
         generation, paths = _queue.get()
         try:
             _read_batch(generation, paths)
+        except Exception as e:  # never a traceback from a helper thread for a cache hint
+            logger.debug("re-caching stopped: %s: %s", type(e).__name__, e)
         finally:
             with _done:
                 _pending -= 1
