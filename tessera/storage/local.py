@@ -100,13 +100,7 @@ class FileStorage(LocalFiles):
         the page cache in the background (:mod:`.recache`), where ``O_DIRECT`` writes left them out."""
         if not (self.durable and _knobs.direct_io()):
             return  # buffered writes: the page cache has them already
-        full = [self._abs(p) for p in paths]
-        try:
-            nbytes = sum(os.path.getsize(f) for f in full)
-        except OSError:
-            return  # removed meanwhile (retention, another save's cleanup): nothing to keep
-        if recache.wanted(self.root, nbytes):
-            recache.schedule(full)
+        recache.offer(self.root, [self._abs(p) for p in paths])
 
     def sync_dirs(self, paths: Iterable[str]) -> None:
         """Make the directory entries of ``paths`` durable: one fsync per distinct directory.

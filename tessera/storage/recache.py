@@ -113,6 +113,18 @@ def wanted(root: str, nbytes: int) -> bool:
     return free is not None and nbytes * _ranks_on_node() <= MEMORY_SHARE * free
 
 
+def offer(root: str, paths: Sequence[str]) -> None:
+    """Schedule ``paths`` (absolute, under ``root``) if :func:`wanted`; nothing is looked at when off."""
+    if _knobs.recache() == "off" or not paths:
+        return
+    try:
+        nbytes = sum(os.path.getsize(p) for p in paths)
+    except OSError:
+        return  # removed meanwhile (retention, another save's cleanup): nothing to keep
+    if wanted(root, nbytes):
+        schedule(paths)
+
+
 def yield_to_writes() -> None:
     """A data file is about to be written: drop the re-caching queued or running before it."""
     global _generation

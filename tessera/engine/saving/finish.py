@@ -197,7 +197,7 @@ def finish_save(
     timer.mark("commit")
     result = outcome[0] if outcome else CommitOutcome(total_bytes, {})
     dedup.committed(save, reports, result)
-    _recache(save, written)
+    _recache(save, written, world.rank)
     my_bytes = sum(w.nbytes for w in written)
     if world.is_coordinator:
         logger.info(
@@ -208,7 +208,7 @@ def finish_save(
     )
 
 
-def _recache(save: PreparedSave, written: list[WrittenFile]) -> None:
+def _recache(save: PreparedSave, written: list[WrittenFile], rank: int) -> None:
     """The committed files this rank wrote, back into the page cache for the first load after the
     save, where the backend wrote around it (:mod:`tessera.storage.recache`). Never fails the save."""
     store = save.dedup.tiles if save.dedup is not None else save.store
@@ -216,8 +216,8 @@ def _recache(save: PreparedSave, written: list[WrittenFile]) -> None:
         return
     try:
         store.recache([w.path for w in written])
-    except Exception as e:
-        logger.debug("re-caching the files of %s: %s", save.path, e)
+    except Exception as e:  # a bad TESSERA_RECACHE included: said, not swallowed
+        logger.warning("rank %d: not re-caching the files of %s: %s", rank, save.path, e)
 
 
 def _disagreement(tally: dist.Tally, path: str) -> CheckpointError | None:
