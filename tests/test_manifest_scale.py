@@ -441,6 +441,38 @@ def test_plan_reads_refuses_an_overlap_inside_a_box_and_ignores_one_outside() ->
     assert plan_reads(bad, [elsewhere])  # this box is covered exactly once: the load may go on
 
 
+def test_plan_reads_checks_a_table_of_a_few_tiles_as_a_large_one() -> None:
+    """A table narrowed to a few tiles is searched in plain Python: the same hits, and the same
+    refusals of a gap and of an overlap, as the bisection of a large table."""
+    rng = np.random.default_rng(1)
+    paths = ("data/s/0-0.safetensors",)
+    offs, lens = _grid((12, 8), 4, 4)  # 6 tiles of 4 x 4
+    m = Manifest(
+        "s",
+        1,
+        CHUNK,
+        {"g": TensorEntry("float32", (12, 8), table=_table(paths, offs, lens, 4, rng))},
+        files=(FileEntry(paths[0], 0, 1 << 20),),
+    )
+    box = Box((2, 3), (7, 4))
+    reqs = plan_reads(m, [ReadTarget("g", box, torch.empty(7, 4))], max_read_bytes=1 << 30)
+    got = sorted((c.tile.offsets, c.rel.offsets, c.rel.lengths) for r in reqs for c in r.copies)
+    assert got == [
+        ((0, 0), (2, 3), (2, 1)),
+        ((0, 4), (2, 0), (2, 3)),
+        ((4, 0), (0, 3), (4, 1)),
+        ((4, 4), (0, 0), (4, 3)),
+        ((8, 0), (0, 3), (1, 1)),
+        ((8, 4), (0, 0), (1, 3)),
+    ]
+    moved = _edited(m, "g", 3, (4, 3))  # columns 3..6 of rows 4..7: column 3 twice, column 7 never
+    with pytest.raises(CorruptCheckpointError, match=r"tensor 'g'.*rank 2 loads.*\[4, 2\]\.\.\[8, 4\] and \[4, 3\]"):
+        plan_reads(moved, [ReadTarget("g", Box((4, 2), (4, 6)), torch.empty(4, 6))], rank=2)  # volume right
+    with pytest.raises(CorruptCheckpointError, match="tensor 'g'.*cover 4 of the 8 elements.*rank 2"):
+        plan_reads(moved, [ReadTarget("g", Box((4, 6), (4, 2)), torch.empty(4, 2))], rank=2)
+    assert plan_reads(moved, [ReadTarget("g", Box((0, 0), (4, 8)), torch.empty(4, 8))])  # rows 0..3 are fine
+
+
 def test_plan_reads_refuses_an_overlap_in_shuffled_tiles() -> None:
     m = _big_manifest(shuffle=True)
     t = m.tensors["vec"].table

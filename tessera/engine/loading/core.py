@@ -28,6 +28,7 @@ from ...storage.shared_tiles import with_shared_tiles
 from .. import dist
 from ..dist import World
 from ..flat_state import FlatState, flatten, restore_values
+from ..gc_pause import gc_paused_call
 from ..inflight import wait_pending
 from ..timing import PhaseTimer
 from .broadcast import Broadcast, run_broadcasts, split_replicated
@@ -201,6 +202,7 @@ class LoadPlan:
     """Checkpoint keys no rank wants (the same on every rank)."""
 
 
+@gc_paused_call
 def _plan_load(
     world: World,
     manifest: Manifest,

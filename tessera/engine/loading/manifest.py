@@ -23,6 +23,7 @@ from ...format.manifest import (
     decode_index,
 )
 from ...storage import Storage, storage_for
+from ..gc_pause import gc_paused_call
 from .path_report import examine_path
 from .sections import SectionedLoad, read_all_sections
 
@@ -93,6 +94,7 @@ def read_manifest_files(store: Storage, path: str) -> tuple[str, tuple[FileEntry
     return m.save_id, m.files
 
 
+@gc_paused_call
 def open_manifest(store: Storage, path: str, rank: int) -> tuple[Manifest, SectionedLoad | None]:
     """What a loading rank reads first: a version 1 manifest (decoded lazily) and None, or a
     version 2 index's manifest (dtypes and shapes; tiles read when asked) and the

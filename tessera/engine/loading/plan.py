@@ -11,6 +11,8 @@ save-side counterpart is :mod:`tessera.engine.saving.plan`.
 from __future__ import annotations
 
 import logging
+import math
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -21,6 +23,7 @@ from ...errors import CorruptCheckpointError, CoverageError, StateMismatchError
 from ...format.dtypes import dtype_from_name, itemsize
 from ...format.geometry import Box, check_box_coverage, row_major_strides, split_box
 from ...format.manifest import Manifest, Tile
+from ..gc_pause import gc_paused_call
 
 logger = logging.getLogger(__name__)
 
@@ -77,19 +80,29 @@ class _TileIndex:
     def __init__(self, manifest: Manifest) -> None:
         self.manifest = manifest
         self._sorted: dict[str, tuple[np.ndarray | None, np.ndarray, int]] = {}
+        self._few: dict[str, tuple[list[list[int]], list[list[int]]]] = {}
 
-    def overlaps(self, fqn: str, box: Box) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Indices of the tiles that meet ``box`` (ascending) and their intersections' ``lo`` / ``hi`` corners."""
+    def overlaps(self, fqn: str, box: Box) -> list[tuple[int, tuple[int, ...], tuple[int, ...]]]:
+        """``(tile index, lo, hi)`` of each tile that meets ``box`` (ascending): the
+        intersection's corners in global coordinates."""
         table = self.manifest.tensors[fqn].table
         offs, lens = table.offsets, table.lengths
         if not offs.shape[1] or not len(offs):  # a 0-dim tensor: its one tile is the whole of it
-            idx = np.arange(len(offs))
-            return idx, offs, offs
-        if len(offs) <= _FEW_TILES:  # a table narrowed to the tiles near the rank's boxes: no search
-            lo = np.maximum(offs, np.asarray(box.offsets, dtype=np.int64))
-            hi = np.minimum(offs + lens, np.asarray(box.stops, dtype=np.int64))
-            meet = (hi > lo).all(axis=1)
-            return np.flatnonzero(meet), lo[meet], hi[meet]
+            return [(i, (), ()) for i in range(len(offs))]
+        if len(offs) <= _FEW_TILES:
+            # A table narrowed to the tiles near the rank's boxes: plain Python over a few
+            # tiles costs less than the numpy calls of a search (a load plan makes thousands).
+            few = self._few.get(fqn)
+            if few is None:
+                few = self._few[fqn] = (offs.tolist(), (offs + lens).tolist())
+            box_lo, box_hi = box.offsets, box.stops
+            out = []
+            for i, (o, e) in enumerate(zip(*few)):
+                lo_i = tuple(map(max, o, box_lo))
+                hi_i = tuple(map(min, e, box_hi))
+                if all(map(operator.lt, lo_i, hi_i)):
+                    out.append((i, lo_i, hi_i))
+            return out
         key = self._sorted.get(fqn)
         if key is None:
             starts = offs[:, 0]
@@ -105,17 +118,32 @@ class _TileIndex:
         lo = np.maximum(near, np.asarray(box.offsets, dtype=np.int64))
         hi = np.minimum(near + lens[idx], np.asarray(box.stops, dtype=np.int64))
         meet = (hi > lo).all(axis=1)
-        return idx[meet], lo[meet], hi[meet]
+        return list(zip(idx[meet].tolist(), map(tuple, lo[meet].tolist()), map(tuple, hi[meet].tolist())))
 
 
-def _check_disjoint(fqn: str, box: Box, lo: np.ndarray, hi: np.ndarray, rank: int) -> None:
-    """Raise unless the tiles' parts ``[lo, hi)`` inside ``box`` are pairwise disjoint.
+def _check_disjoint(fqn: str, box: Box, hits: list[tuple[int, tuple[int, ...], tuple[int, ...]]], rank: int) -> None:
+    """Raise unless the tiles' parts ``[lo, hi)`` inside ``box`` (of ``hits``, see
+    :meth:`_TileIndex.overlaps`) are pairwise disjoint.
 
     With their volumes adding up to the box's, this proves the box is covered exactly once,
     whatever the rest of the tensor looks like (a load reads only this box).
     """
+    if len(hits) <= 8:  # a few pairs: plain Python
+        for x in range(len(hits)):
+            _, lo_i, hi_i = hits[x]
+            for y in range(x + 1, len(hits)):
+                _, lo_j, hi_j = hits[y]
+                if all(map(operator.lt, map(max, lo_i, lo_j), map(min, hi_i, hi_j))):
+                    raise CorruptCheckpointError(
+                        f"tensor '{fqn}': in box {box} that rank {rank} loads, the checkpoint's tiles meeting it at "
+                        f"{list(lo_i)}..{list(hi_i)} and {list(lo_j)}..{list(hi_j)} overlap; "
+                        "the manifest is inconsistent (run `tessera verify`)"
+                    )
+        return
+    lo = np.array([h[1] for h in hits], dtype=np.int64)
+    hi = np.array([h[2] for h in hits], dtype=np.int64)
     if len(lo) <= 64:
-        meet = (np.maximum(lo[:, None], lo[None]) < np.minimum(hi[:, None], hi[None])).all(axis=2)
+        meet = np.asarray((np.maximum(lo[:, None], lo[None]) < np.minimum(hi[:, None], hi[None])).all(axis=2))
         np.fill_diagonal(meet, False)
         if not meet.any():
             return
@@ -261,6 +289,7 @@ def _dense(t: torch.Tensor) -> bool:
     return True
 
 
+@gc_paused_call
 def plan_reads(
     manifest: Manifest,
     targets: Sequence[ReadTarget],
@@ -289,8 +318,8 @@ def plan_reads(
         entry = manifest.tensors[t.fqn]
         dtype = dtype_from_name(entry.dtype)
         size = itemsize(dtype)
-        hits, lo, hi = index.overlaps(t.fqn, t.box)
-        covered = int((hi - lo).prod(axis=1).sum()) if lo.shape[1] else len(hits)
+        hits = index.overlaps(t.fqn, t.box)
+        covered = sum(math.prod(map(operator.sub, hi, lo)) for _, lo, hi in hits)
         if covered != t.box.numel:
             raise CorruptCheckpointError(
                 f"tensor '{t.fqn}': the checkpoint's tiles cover {covered} of the {t.box.numel} elements of box "
@@ -298,10 +327,10 @@ def plan_reads(
             )
         if len(hits) > 1:
             # Volumes prove coverage only if the tiles are disjoint (within the box).
-            _check_disjoint(t.fqn, t.box, lo, hi, rank)
-        for k, i in enumerate(hits.tolist()):
+            _check_disjoint(t.fqn, t.box, hits, rank)
+        for i, lo, hi in hits:
             tile = entry.tile(i)
-            inter = Box(tuple(lo[k].tolist()), tuple((hi[k] - lo[k]).tolist()))
+            inter = Box(lo, tuple(map(operator.sub, hi, lo)))
             tile_box = Box(tile.offsets, tile.lengths)
             if inter == t.box or not t.data.dim():  # the whole target (no view to cut: a few us each)
                 view = t.data

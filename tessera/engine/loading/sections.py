@@ -20,6 +20,7 @@ from ...errors import CheckpointError, ManifestError, StorageError
 from ...format.manifest import Index, Manifest, Section, TileTable
 from ...format.manifest.schema import MAX_SECTIONS_BYTES
 from ...storage import Storage
+from ..gc_pause import gc_paused_call
 from .plan import ReadTarget
 
 logger = logging.getLogger(__name__)
@@ -132,6 +133,7 @@ class SectionedLoad:
         sections = read_sections(self.store, self.index, self.index.sections_of(rows), rank=self.rank)
         return self.index.assemble(sections, rows).tensors[name].table
 
+    @gc_paused_call
     def narrow(self, targets: Sequence[ReadTarget]) -> Manifest:
         """The manifest with only the tiles that meet ``targets``: their sections read, verified."""
         boxes: dict[str, list[tuple[tuple[int, ...], tuple[int, ...]]]] = {}

@@ -30,14 +30,19 @@ import numpy as np
 
 from .tiles import Budget, as_dict, as_int, fail
 
-BLOCK_TILES = 1024
-"""Rows of a tensor's geometry per block (the last block may hold fewer). Measured at 16,384
-ranks x 1,000 tensors (``bench/plan_scale.py``): 4,096 rows make a 0.82 MB index and a load plan
-that inflates 4 M rows; 1,024 rows a 1.08 MB index and a plan 0.1 s faster."""
+BLOCK_TILES = 512
+"""The fewest rows of a tensor's geometry per block (the last block may hold fewer): what a
+load inflates per tensor it loads. Measured at 16,384 ranks x 1,000 tensors
+(``bench/plan_scale.py``): 4,096 rows make a 0.82 MB index, 1,024 rows 1.08 MB and a plan
+0.1 s faster, 512 rows 1.43 MB and a plan 0.03-0.04 s faster again."""
+MAX_BLOCKS = 64
+"""A tensor of more than ``BLOCK_TILES x MAX_BLOCKS`` tiles gets longer blocks (a power of two
+times :data:`BLOCK_TILES`): the index holds at most this many blocks per tensor, so its size
+grows with the job's ranks only as the tiles' deflated geometry does."""
 MAX_BLOCK_TILES = 1 << 20
+"""The most rows per block an index may declare (what one inflate may allocate: 8 MiB per column)."""
 BATCH_ROWS = 16384
 """Rows of geometry a load plan searches at once (several blocks side by side)."""
-"""The most rows per block an index may declare (what one inflate may allocate: 8 MiB per column)."""
 
 
 def encode_blocks(
@@ -48,7 +53,7 @@ def encode_blocks(
     ``tile_blocks``; ``lead`` is ``k`` of the block's first row, its place among its section's
     tiles of the tensor)."""
     n, nd = offsets.shape if offsets.ndim == 2 else (len(offsets), 0)
-    b = BLOCK_TILES
+    b = block_rows(n)
     rows = np.concatenate([offsets.reshape(n, nd), lengths.reshape(n, nd), section.reshape(n, 1)], axis=1)
     rows = np.ascontiguousarray(rows, dtype=np.int64)
     delta = np.empty_like(rows)
@@ -69,6 +74,14 @@ def encode_blocks(
     table[:, 3] = k[::b]
     parts += [b'{"count":%d,"block":%d,"data":"' % (n, b), base64.b64encode(b"".join(blobs)), b'"}']
     return table
+
+
+def block_rows(count: int) -> int:
+    """Rows per geometry block of a tensor of ``count`` tiles (:data:`BLOCK_TILES`, :data:`MAX_BLOCKS`)."""
+    b = BLOCK_TILES
+    while b * MAX_BLOCKS < count:
+        b *= 2
+    return b
 
 
 def _narrow(values: np.ndarray) -> bytes:

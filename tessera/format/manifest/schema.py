@@ -195,6 +195,9 @@ class TensorEntry:
         if self._tiles is not None:
             return self._tiles[i]
         t = self.table
+        if len(t) <= 16:  # a few tiles (a narrowed table): all at once, with a few numpy calls
+            self._tiles = t.tiles()
+            return self._tiles[i]
         if self._starts is None:  # an array, not a list: one int64 per tile, not a Python int
             self._starts = np.concatenate([np.zeros(1, dtype=np.int64), np.cumsum(t.chunks)])
         start = int(self._starts[i])
