@@ -59,6 +59,11 @@ class CountingStorage(FileStorage):
         super().read_into(path, offset, out)
         self._note(path, offset, len(out))
 
+    def read_bounded(self, path: str, limit: int) -> bytes | int:
+        got = super().read_bounded(path, limit)
+        self._note(path, 0, 0 if isinstance(got, int) else len(got))
+        return got
+
     def map_range(self, path: str, offset: int, length: int) -> memoryview:
         self._note(path, offset, length)
         return super().map_range(path, offset, length)

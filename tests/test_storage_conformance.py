@@ -409,3 +409,35 @@ def test_file_storage_raises_storage_errors_not_raw_os_errors(tmp_path) -> None:
     with pytest.raises(FileNotFoundError):
         store.read_file("missing")
     assert store.read_file("d/x") == b"12" and store.list("d") == ["d/x"]
+
+
+def test_read_bounded_reads_small_files_in_one_request_and_sizes_long_ones(backend: Storage) -> None:
+    from tessera.storage.capabilities import ReadsBounded
+
+    assert isinstance(backend, ReadsBounded)
+    data = _payload(1000, 3)
+    backend.write_atomic("m.json", data)
+    assert backend.read_bounded("m.json", 1000) == data  # exactly at the limit
+    assert backend.read_bounded("m.json", 5000) == data
+    assert backend.read_bounded("m.json", 999) == 1000  # one byte over: its size, not its bytes
+    assert backend.read_bounded("m.json", 10) == 1000
+    backend.write_atomic("empty.json", b"")
+    assert backend.read_bounded("empty.json", 10) == b""
+    with pytest.raises(FileNotFoundError):
+        backend.read_bounded("absent.json", 10)
+
+
+def test_an_oversized_manifest_is_refused_without_being_read(tmp_path: Path) -> None:
+    """A sparse 8 GiB ``manifest.json``: refused from its size, none of it read or held."""
+    from tessera.engine.loading.manifest import read_bytes
+
+    store = FileStorage(str(tmp_path))
+    with open(tmp_path / "manifest.json", "wb") as f:
+        f.truncate(8 << 30)
+    tracemalloc.start()
+    try:
+        with pytest.raises(ManifestError, match=r"size 8589934592 bytes is over the \d+-byte limit"):
+            read_bytes(store, "ckpt/manifest.json")
+        assert tracemalloc.get_traced_memory()[1] < 16 << 20
+    finally:
+        tracemalloc.stop()

@@ -317,6 +317,30 @@ class S3Objects(S3Requests):
 
         return self._run(self._retrying, "reading", rel, get)
 
+    def read_bounded(self, rel: str, limit: int) -> bytes | int:
+        """One ranged GET of the first ``limit + 1`` bytes; the object's size from its
+        ``Content-Range`` when it is longer (see ``ReadsBounded``)."""
+        key = self._key(rel)
+
+        async def get() -> bytes | int:
+            try:
+                resp = await self._call("get_object", Key=key, Range=f"bytes=0-{limit}")
+            except Exception as e:
+                if error_code(e)[0] == "InvalidRange":  # an empty object: no byte 0
+                    return b""
+                raise
+            body = resp["Body"]
+            try:
+                total = str(resp.get("ContentRange", "")).rpartition("/")[2]
+                if total.isdigit() and int(total) > limit:
+                    return int(total)  # refused from its size: the body is not read
+                data = await body.read()
+            finally:
+                body.close()
+            return len(data) if len(data) > limit else data
+
+        return self._run(self._retrying, "reading", rel, get)
+
     def read_into(self, rel: str, offset: int, view: memoryview) -> None:
         """Ranged GETs of ``part_size`` bytes, ``max_concurrency`` at a time, into ``view``.
 

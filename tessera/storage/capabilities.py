@@ -17,6 +17,7 @@ Who uses what, in the order a save and a load meet them:
 - :class:`Uncommits` (rank 0, manager retention): withdraw a manifest under the fence.
 - :class:`Recaches` (every rank, after the commit): the files it wrote brought back into the page
   cache for the first load after the save (local files written around it).
+- :class:`ReadsBounded` (every rank, load): the manifest in one request, no ``size`` first.
 - :class:`MapsRanges` (every rank, load): zero-copy reads from a memory map.
 - :class:`Closable` (manager, CLI): release descriptors.
 - :class:`~tessera.storage.base.Reopens` (saves and loads of steps that share tiles): the shared
@@ -38,6 +39,7 @@ __all__ = [
     "Locatable",
     "MapsRanges",
     "PartialVisibility",
+    "ReadsBounded",
     "Recaches",
     "RemovesEmptyDirs",
     "SyncsDirs",
@@ -137,6 +139,22 @@ class MapsRanges(Protocol):
 
     def release_range(self, path: str, offset: int, length: int) -> None:
         """Drop this process's hold on a range returned by :meth:`map_range`."""
+        ...
+
+
+@runtime_checkable
+class ReadsBounded(Protocol):
+    """A backend that reads a small file whole in one request and stops past a size limit, so
+    that a reader refusing oversized files needs no ``size`` request first (every rank's first
+    read of a load: the manifest)."""
+
+    def read_bounded(self, path: str, limit: int) -> bytes | int:
+        """The bytes of ``path``, or its size (an ``int``, over ``limit``) if it is longer than
+        ``limit`` bytes; at most ``limit + 1`` bytes are read either way.
+
+        Raises:
+            FileNotFoundError: if ``path`` does not exist.
+        """
         ...
 
 

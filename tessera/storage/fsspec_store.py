@@ -307,6 +307,19 @@ class FsspecStorage:
         full = self._full(rel)
         return self._retry("reading", rel, lambda: self.fs.cat_file(full))
 
+    def read_bounded(self, path: str, limit: int) -> bytes | int:
+        """:class:`~tessera.storage.capabilities.ReadsBounded`: on S3 one ranged GET; elsewhere a
+        size request, then the read (a ranged read of ``limit + 1`` bytes may allocate them all,
+        as fsspec's local files do)."""
+        rel = check_relpath(path)
+        if self._s3 is not None:
+            return self._s3.read_bounded(rel, limit)
+        size = self.size(path)
+        if size > limit:
+            return size
+        data = self.read_file(path)
+        return len(data) if len(data) > limit else data
+
     def read_into(self, path: str, offset: int, out: memoryview) -> None:
         """Fill ``out`` with bytes ``[offset, offset + len(out))`` of ``path``.
 

@@ -274,6 +274,22 @@ class FileStorage(LocalFiles):
             return f.read()
 
     @typed_errors
+    def read_bounded(self, path: str, limit: int) -> bytes | int:
+        """:class:`~tessera.storage.capabilities.ReadsBounded`: one open, its size from ``fstat``."""
+        with open(self._abs(path), "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size > limit:
+                return size
+            # read(n) allocates n bytes up front: ask for what fstat saw (and one more, to see
+            # whether the file grew since), never for the limit itself.
+            parts = [f.read(size + 1)]
+            got = len(parts[0])
+            while got > size and got <= limit and (more := f.read(min(1 << 20, limit + 1 - got))):
+                parts.append(more)
+                got += len(more)
+        return got if got > limit else b"".join(parts)
+
+    @typed_errors
     def read_into(self, path: str, offset: int, out: memoryview) -> None:
         full = self._abs(path)
         fd = self._fd(full)

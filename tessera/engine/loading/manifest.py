@@ -23,6 +23,7 @@ from ...format.manifest import (
     decode_index,
 )
 from ...storage import Storage, storage_for
+from ...storage.capabilities import ReadsBounded
 from ..gc_pause import gc_paused_call
 from .path_report import examine_path
 from .sections import SectionedLoad, read_all_sections
@@ -160,18 +161,23 @@ def manifest_bytes(store: Storage, path: str) -> bytes:
 def read_bytes(store: Storage, source: str) -> bytes:
     """The bytes of ``manifest.json`` in ``store``, refusing an oversized file before reading it.
 
-    The size is checked with a stat (a HEAD on object stores) first, so a huge or sparse
-    file is never read whole, and again on the bytes read (the file may have been replaced
-    in between).
+    A backend that :class:`~tessera.storage.capabilities.ReadsBounded` reads it in one request
+    that stops past the limit; any other is asked its size first (a HEAD on object stores), so
+    a huge or sparse file is never read whole. The bytes read are checked again (the file may
+    have been replaced in between).
 
     Raises:
         FileNotFoundError: if there is no manifest.
         ManifestError: naming ``source`` if it is over :data:`MAX_MANIFEST_BYTES`.
     """
     try:
-        size = store.size(MANIFEST_NAME)
-        if size <= MAX_MANIFEST_BYTES:
-            data = store.read_file(MANIFEST_NAME)
+        if isinstance(store, ReadsBounded):  # one request, not a size and a read
+            got = store.read_bounded(MANIFEST_NAME, MAX_MANIFEST_BYTES)
+            size, data = (got, b"") if isinstance(got, int) else (len(got), got)
+        else:
+            size = store.size(MANIFEST_NAME)
+            if size <= MAX_MANIFEST_BYTES:
+                data = store.read_file(MANIFEST_NAME)
     except (IsADirectoryError, NotADirectoryError) as e:
         raise ManifestError(f"{source}: invalid manifest: not a regular file ({type(e).__name__})") from None
     if size > MAX_MANIFEST_BYTES:
