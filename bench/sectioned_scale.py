@@ -223,6 +223,7 @@ def step_commit(args: argparse.Namespace) -> dict:
 
     from tessera.engine import commit
     from tessera.engine.commit import Claim, _encoded, publish
+    from tessera.engine.gc_pause import gc_paused
     from tessera.engine.saving import finish, report_groups
     from tessera.engine.saving.plan import TensorMeta
     from tessera.engine.saving.sectioned import build_sectioned, tile_count
@@ -284,14 +285,16 @@ def step_commit(args: argparse.Namespace) -> dict:
             os.replace(os.path.join(root, a), os.path.join(root, b))
 
     publisher = threading.Thread(target=leaders_finish)
-    # What ``finish._commit`` does on rank 0 for a save in sections (its ranks' sections joined).
+    # What ``finish._commit`` does on rank 0 for a save in sections (its ranks' sections joined),
+    # with the cyclic collector paused as there (``finish._assemble``).
     t0, c0 = time.perf_counter(), time.process_time()
     publisher.start()
-    got = finish._reports(world, save, docs, [], detailed=False)
-    t1, c1 = time.perf_counter(), time.process_time()
-    publisher.join()
-    assert commit.sectioned_for(slow, tile_count(got))
-    encoded = build_sectioned(args.ranks, metas, got, save_id, SaveOptions(chunk_bytes=ps.CHUNK_BYTES))
+    with gc_paused():
+        got = finish._reports(world, save, docs, [], detailed=False)
+        t1, c1 = time.perf_counter(), time.process_time()
+        publisher.join()
+        assert commit.sectioned_for(slow, tile_count(got))
+        encoded = build_sectioned(args.ranks, metas, got, save_id, SaveOptions(chunk_bytes=ps.CHUNK_BYTES))
     t2 = time.perf_counter()
     claim = Claim(save_id, None, False)
     data, _ = _encoded(slow, claim, encoded)

@@ -46,6 +46,7 @@ from ...storage.capabilities import PartialVisibility, Recaches
 from .. import commit, dist
 from ..commit import Claim
 from ..dist import World
+from ..gc_pause import gc_paused
 from ..timing import PhaseTimer
 from . import dedup, report_groups
 from .assemble import build_manifest, check_coverage
@@ -356,20 +357,8 @@ def _commit(
     # in the inline form only (format version 3): the manifest is assembled whole then.
     joined = _through_storage(save) and save.dedup is None and not save.options.compress
     try:
-        reports = _reports(world, save, docs, blobs, detailed=not joined)
-        check_replicas(save.path, [d.replicas for d in reports])
-        if joined and commit.sectioned_for(save.store, tile_count(reports)):
-            manifest = build_sectioned(
-                world.size, save.plan.metas, reports, save.save_id, save.options, check_coverage=save.plan.derived
-            )
-        else:
-            reports = [details(d, f"{save.path}/{report_path(save.save_id, r)}") for r, d in enumerate(reports)]
-            manifest = dedup.annotate(
-                save, build_manifest(world.size, save.plan.metas, reports, save.save_id, save.options)
-            )
-            if save.plan.derived:  # no rank saw the others' boxes: check every tensor is covered once
-                check_coverage(manifest)
-            dedup.check_shared(save, manifest)
+        with gc_paused():  # N reports decoded and joined: no full collections in between
+            manifest, reports = _assemble(world, save, docs, blobs, joined)
     except BaseException:
         commit.abandon(save.store, claim, [], save.path)
         dedup.abandon(save)
@@ -393,3 +382,24 @@ def _commit(
     else:
         out.append(CommitOutcome(dedup.bytes_written(save, manifest), timings, dedup.dirs_of(save, manifest)))
     return [out[0].total_bytes]
+
+
+def _assemble(
+    world: World, save: PreparedSave, docs: list[RankReportDoc], blobs: list[bytes], joined: bool
+) -> tuple[Manifest | EncodedSections, list]:
+    """Rank 0: the manifest of every rank's report (their sections joined as they are when
+    ``joined``, or the whole manifest assembled), and the reports."""
+    assert save.plan.metas is not None  # rank 0 holds the global tensor table
+    reports: list = _reports(world, save, docs, blobs, detailed=not joined)
+    check_replicas(save.path, [d.replicas for d in reports])
+    if joined and commit.sectioned_for(save.store, tile_count(reports)):
+        sections = build_sectioned(
+            world.size, save.plan.metas, reports, save.save_id, save.options, check_coverage=save.plan.derived
+        )
+        return sections, reports
+    reports = [details(d, f"{save.path}/{report_path(save.save_id, r)}") for r, d in enumerate(reports)]
+    manifest = dedup.annotate(save, build_manifest(world.size, save.plan.metas, reports, save.save_id, save.options))
+    if save.plan.derived:  # no rank saw the others' boxes: check every tensor is covered once
+        check_coverage(manifest)
+    dedup.check_shared(save, manifest)
+    return manifest, reports
