@@ -147,10 +147,14 @@ def pytest_make_collect_report(collector: pytest.Collector) -> Iterator[None]:
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    # The CLI sizes its tables to the terminal (COLUMNS first): as in a pipe, whatever terminal
+    # or pytest-xdist worker runs the tests.
+    os.environ["COLUMNS"] = "140"
     if LeftoverCheck is None:
         return
-    if os.environ.get("TESSERA_LEFTOVER_CHECK", "1") != "0" and not hasattr(config, "workerinput"):
-        config.stash[_LEFTOVERS] = LeftoverCheck()  # before any test creates a temporary file
+    if os.environ.get("TESSERA_LEFTOVER_CHECK", "1") != "0":
+        worker = getattr(config, "workerinput", {}).get("workerid")  # a pytest-xdist worker
+        config.stash[_LEFTOVERS] = LeftoverCheck(worker=worker)  # before any test creates a temporary file
 
 
 @pytest.fixture(autouse=True)

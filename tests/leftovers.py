@@ -13,6 +13,12 @@ sessions create and delete temporary files at the same time, so:
   (``/dev/shm/tessera/local/<path>``) of this session's ``basetemp`` and private directory.
 
 Each test's new top-level entries are noted with its node id, so the report names the test.
+
+Under pytest-xdist each worker runs a check of its own (its own private directory and mirrors,
+each test attributed) and hands its report lines to the controller through a file in the
+controller's private directory (:data:`REPORT_PREFIX`); the controller checks ``/dev/shm``
+as a whole, once every worker is done (workers share it, so a worker cannot tell whose a new
+entry is).
 """
 
 from __future__ import annotations
@@ -27,7 +33,9 @@ from pathlib import Path
 from tessera.storage.host_memory import default_memory_root
 
 SHM = Path("/dev/shm")
-CACHES = ("torchinductor_",)
+REPORT_PREFIX = ".leftovers-"
+"""A worker's report lines, in the controller's private directory (not a leftover)."""
+CACHES = ("torchinductor_", REPORT_PREFIX)
 """Names in the temporary directory that are caches meant to outlive a process, not leftovers
 (torch puts its compile cache at ``<tmp>/torchinductor_<user>``)."""
 
@@ -78,7 +86,10 @@ def describe(path: Path) -> str:
 class LeftoverCheck:
     """Snapshot at the start, per-test attribution, and the comparison at the end."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, worker: str | None = None) -> None:
+        # The controller's private directory, where a worker (``worker``: its id) reports.
+        self.report_to = Path(os.environ["TMPDIR"]) / f"{REPORT_PREFIX}{worker}" if worker else None
+        self.check_shm = worker is None
         # A session started by a test of another session inherits its TMPDIR: the usual
         # temporary directory is then the one the outer session recorded.
         real_tmp = Path(os.environ.get("PYTEST_DEBUG_TEMPROOT") or tempfile.gettempdir()).resolve()
@@ -107,7 +118,7 @@ class LeftoverCheck:
         return {p for p in self.private.iterdir() if not p.name.startswith(CACHES)}
 
     def _top(self) -> tuple[set[Path], set[Path]]:
-        shm = _shm_tessera_entries(self.skip)
+        shm = _shm_tessera_entries(self.skip) if self.check_shm else set()
         for mirror in self._mirrors():
             if mirror.is_dir():
                 shm.update(mirror.iterdir())
@@ -125,7 +136,7 @@ class LeftoverCheck:
         """The leftovers as report lines (empty: none); removes what is this session's own."""
         found: list[tuple[Path, bool]] = []  # (path, ours to remove)
         found += [(p, True) for p in sorted(self._tmp_entries())]
-        new = _shm_tessera_entries(self.skip) - self.shm_start
+        new = _shm_tessera_entries(self.skip) - self.shm_start if self.check_shm else set()
         found += [(p, False) for p in sorted(new) if not any(q in new for q in p.parents)]  # topmost only
         mirrors = self._mirrors()
         for mirror in mirrors:
@@ -137,6 +148,8 @@ class LeftoverCheck:
                 (t for p, t in self.by_test.items() if str(path).startswith(str(p))), None
             )
             lines.append(describe(path) + (f"  <- {test}" if test else ""))
+        for report in sorted(self.private.glob(f"{REPORT_PREFIX}*")):  # the workers' lines
+            lines += report.read_text().splitlines()
         # This session's own directories go, leftovers included (they are reported above);
         # entries another process may still use (a live writer's arena) are only reported.
         shutil.rmtree(self.private, ignore_errors=True)
@@ -145,6 +158,8 @@ class LeftoverCheck:
             _remove_empty_parents(mirror.parent, stop=SHM / "tessera" / "local")
         if not self.shm_root_existed:
             _remove_empty_parents(SHM / "tessera" / "local", stop=SHM / "tessera")
+        if self.report_to is not None and lines:
+            self.report_to.write_text("".join(f"{line}\n" for line in lines))
         return lines
 
 

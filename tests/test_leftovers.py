@@ -7,6 +7,8 @@ import shutil
 import subprocess
 from pathlib import Path
 
+import pytest
+
 from tessera.storage.host_memory import default_memory_root
 from tests.dist_utils import run_script
 
@@ -36,7 +38,7 @@ def test_leaks_host_memory_steps(tmp_path_factory):
 """
 
 
-def _session(tmp_path: Path, body: str) -> subprocess.CompletedProcess[str]:
+def _session(tmp_path: Path, body: str, *extra: str) -> subprocess.CompletedProcess[str]:
     work = tmp_path / "work"
     work.mkdir()
     shutil.copy(REPO / "tests" / "conftest.py", work / "conftest.py")  # imports tests.leftovers from REPO
@@ -44,15 +46,17 @@ def _session(tmp_path: Path, body: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     env.pop("TESSERA_LEFTOVER_CHECK", None)
     # python -m pytest, in a process forked from the preloaded server (tests/dist_utils.py).
-    args = ["-q", "-p", "no:cacheprovider", "--basetemp", str(tmp_path / "base")]
+    args = ["-q", "-p", "no:cacheprovider", "--basetemp", str(tmp_path / "base"), *extra]
     script = tmp_path / "run_pytest.py"
     script.write_text(f"import sys\nimport pytest\n\nsys.exit(pytest.main({args!r}))\n")
     return run_script(script, cwd=work, env=env, timeout=300)
 
 
-def test_a_session_that_leaves_files_fails_and_names_them(tmp_path: Path) -> None:
+@pytest.mark.parametrize("workers", [0, 2], ids=["serial", "xdist"])
+def test_a_session_that_leaves_files_fails_and_names_them(tmp_path: Path, workers: int) -> None:
     before = set(os.listdir(os.environ.get("TMPDIR") or "/tmp"))
-    proc = _session(tmp_path, LEAKY)
+    # Under pytest-xdist each worker checks its own tests and the controller reports them all.
+    proc = _session(tmp_path, LEAKY, *(["-n", str(workers)] if workers else []))
     out = proc.stdout
     assert proc.returncode == 1, out + proc.stderr
     assert "3 passed" in out and "leftovers: this session left these behind" in out

@@ -202,9 +202,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     level = logging.WARNING if args.verbose == 0 else logging.INFO if args.verbose == 1 else logging.DEBUG
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("tessera").setLevel(level)
-    width = shutil.get_terminal_size((140, 24)).columns if not sys.stdout.isatty() else None
-    # No markup: names, values and paths are printed as they are (brackets included).
-    out = Console(width=width, highlight=False, markup=False)
+    piped = not sys.stdout.isatty()
+    width = shutil.get_terminal_size((140, 24)).columns if piped else None
+    # No markup: names, values and paths are printed as they are (brackets included). Into a
+    # pipe or a file, lines stay whole (a long path wrapped at the width breaks grep and jq).
+    out = Console(width=width, highlight=False, markup=False, soft_wrap=piped)
     err = Console(stderr=True, highlight=False, markup=False, soft_wrap=True)  # messages stay whole lines
     try:
         _resolve_checkpoints(args, err)

@@ -43,7 +43,7 @@ def cmd_local(args: argparse.Namespace, out: Console) -> int:
         rows.append({"step": step, "committed": doc is not None, "protection": code, "data_bytes": sizes["data"],
                      "parity_bytes": sizes["parity"]})  # fmt: skip
     if args.json:
-        out.print(to_json({"root": root, "directory": directory, "steps": rows}))
+        print(to_json({"root": root, "directory": directory, "steps": rows}))  # never wrapped
     elif not rows:
         out.print(f"no local step of {root} in {directory}")
     else:

@@ -118,10 +118,12 @@ class Geometry:
         self.picked: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None
         """The last rows :meth:`pick` returned, with their geometry (``take`` of them is free)."""
 
-    def attach(self, table: np.ndarray) -> None:
-        """Set the block table: this tensor's rows of the index's ``tile_blocks`` (first, end, size)."""
+    def attach(self, table: np.ndarray, at: np.ndarray) -> None:
+        """Set the block table: this tensor's rows of the index's ``tile_blocks`` (first, end,
+        size, lead), and where each block starts in its data (``at``: the sizes' running sum
+        from 0, one more than the blocks)."""
         self.first, self.end, self.lead = table[:, 0], table[:, 1], table[:, 3]
-        self._at = np.concatenate([[0], np.cumsum(table[:, 2])]).astype(np.int64)
+        self._at = at
         self._data = b""
         self._blocks: dict[int, np.ndarray] = {}
         self._lock = threading.Lock()

@@ -362,9 +362,10 @@ def _decode_index(data: bytes, source: str) -> Index:
     # Every tensor's block table (first, end, size per block), in tensor order: one column.
     nb = sum(g.block_count for g in geometry.values())
     table = column("the index", doc, "tile_blocks", 4 * nb, nb, "index").reshape(nb, 4)
+    ends = np.concatenate([[0], np.cumsum(table[:, 2])]).astype(np.int64)  # each block's end in its tensor's data
     at = 0
     for g in geometry.values():
-        g.attach(table[at : at + g.block_count])
+        g.attach(table[at : at + g.block_count], ends[at : at + g.block_count + 1] - ends[at])
         at += g.block_count
     index = Index(source, head, doc, tensors, sizes, (path, nbytes, offset, length, sums, ranks, lists, tensor_lists))
     index.geometry = geometry
