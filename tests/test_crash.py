@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import random
 import signal
+import time
 import warnings
 
 import pytest
@@ -409,6 +410,10 @@ def test_a_report_group_leader_killed_at_random_never_breaks_the_path(tmp_path) 
         group = start_ranks(rank_save_loop, 4, target, progress_dir, "path", env=env)
         for r in range(4):
             wait_for_line(os.path.join(progress_dir, str(r)), "ready")
+        # The first save committed (through the groups) before the kill, however loaded the machine.
+        deadline = time.monotonic() + 60
+        while read_progress(os.path.join(progress_dir, "0"))[1] < 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
         group.procs[2].join(rng.uniform(0.0, 1.5))
         group.kill(2)
         out = group.collect(TWO_RANK_TIMEOUT_S + 20)
