@@ -35,10 +35,11 @@ BLOCK_TILES = 512
 load inflates per tensor it loads. Measured at 16,384 ranks x 1,000 tensors
 (``bench/plan_scale.py``): 4,096 rows make a 0.82 MB index, 1,024 rows 1.08 MB and a plan
 0.1 s faster, 512 rows 1.43 MB and a plan 0.03-0.04 s faster again."""
-MAX_BLOCKS = 64
+MAX_BLOCKS = 32
 """A tensor of more than ``BLOCK_TILES x MAX_BLOCKS`` tiles gets longer blocks (a power of two
 times :data:`BLOCK_TILES`): the index holds at most this many blocks per tensor, so its size
-grows with the job's ranks only as the tiles' deflated geometry does."""
+grows with the job's ranks only as the tiles' deflated geometry does (at 65,536 ranks: 2.44 MB
+with at most 64 blocks per tensor, over what a loading rank should read)."""
 MAX_BLOCK_TILES = 1 << 20
 """The most rows per block an index may declare (what one inflate may allocate: 8 MiB per column)."""
 BATCH_ROWS = 16384
@@ -61,7 +62,7 @@ def encode_blocks(
         delta[0] = rows[0]
         np.subtract(rows[1:], rows[:-1], out=delta[1:])
         delta[::b] = rows[::b]  # each block's first row as is
-    blobs = [zlib.compress(_narrow(delta[i : i + b].T), 1) for i in range(0, n, b)]
+    blobs = [zlib.compress(x, 1) for x in _narrowed_blocks(delta, b)]
     nb = len(blobs)
     table = np.zeros((nb, 4), dtype=np.int64)
     if nd and n:
@@ -82,6 +83,29 @@ def block_rows(count: int) -> int:
     while b * MAX_BLOCKS < count:
         b *= 2
     return b
+
+
+def _narrowed_blocks(delta: np.ndarray, b: int) -> list[bytes]:
+    """Each block of ``b`` rows of ``delta`` (``(n, w)``), its columns one after the other, as
+    :func:`_narrow` writes them: the widths chosen for all blocks at once, each block cut from
+    one conversion per width (a commit encodes tens of thousands of blocks)."""
+    n = len(delta)
+    if not n:
+        return []
+    nb = -(-n // b)
+    pad = np.concatenate([delta, np.repeat(delta[-1:], nb * b - n, axis=0)]).reshape(nb, -1)
+    lo, hi = pad.min(axis=1), pad.max(axis=1)
+    width = np.zeros(nb, dtype=np.int64)
+    for w, t in enumerate(_TYPES[:-1]):  # the narrowest type that holds the block's range
+        info = np.iinfo(t)
+        width[(width == w) & ((lo < info.min) | (hi > info.max))] = w + 1
+    out: list[bytes] = []
+    cast: dict[int, np.ndarray] = {}
+    for i, w in enumerate(width.tolist()):
+        if w not in cast:
+            cast[w] = delta.astype(_TYPES[w])
+        out.append(cast[w][i * b : (i + 1) * b].T.tobytes())
+    return out
 
 
 def _narrow(values: np.ndarray) -> bytes:
