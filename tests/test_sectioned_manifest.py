@@ -624,6 +624,8 @@ def test_many_tensors_rows_are_found_at_once_as_one_by_one(
 def test_blocks_narrowed_at_once_are_the_bytes_narrowed_one_by_one() -> None:
     """The commit narrows all of a tensor's geometry blocks in one pass per width: each block's
     bytes are what narrowing it alone gives (widths 1, 2, 4 and 8 mixed, a short last block)."""
+    import numpy as np
+
     from tessera.format.manifest import blocks
 
     rng = np.random.default_rng(0)
