@@ -96,9 +96,8 @@ def _narrowed_blocks(delta: np.ndarray, b: int) -> list[bytes]:
     pad = np.concatenate([delta, np.repeat(delta[-1:], nb * b - n, axis=0)]).reshape(nb, -1)
     lo, hi = pad.min(axis=1), pad.max(axis=1)
     width = np.zeros(nb, dtype=np.int64)
-    for w, t in enumerate(_TYPES[:-1]):  # the narrowest type that holds the block's range
-        info = np.iinfo(t)
-        width[(width == w) & ((lo < info.min) | (hi > info.max))] = w + 1
+    for w, (least, most) in enumerate(_RANGES):  # the narrowest type that holds the block's range
+        width[(width == w) & ((lo < least) | (hi > most))] = w + 1
     out: list[bytes] = []
     cast: dict[int, np.ndarray] = {}
     for i, w in enumerate(width.tolist()):
@@ -119,6 +118,8 @@ def _narrow(values: np.ndarray) -> bytes:
 
 
 _TYPES = (np.dtype("<i1"), np.dtype("<i2"), np.dtype("<i4"), np.dtype("<i8"))
+_RANGES = [(-(1 << (8 * n - 1)), (1 << (8 * n - 1)) - 1) for n in (1, 2, 4)]
+"""The values int8, int16 and int32 hold."""
 
 
 class Geometry:
