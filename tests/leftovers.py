@@ -95,7 +95,10 @@ class LeftoverCheck:
         real_tmp = Path(os.environ.get("PYTEST_DEBUG_TEMPROOT") or tempfile.gettempdir()).resolve()
         os.environ.setdefault("PYTEST_DEBUG_TEMPROOT", str(real_tmp))  # basetemp stays put
         # multiprocessing's own directory of this process is removed at its exit, after the
-        # session's end: created now, it stays in the usual place.
+        # session's end (a worker's after its controller's): created now, in the usual place
+        # (a worker inherited its controller's private directory as TMPDIR).
+        os.environ["TMPDIR"] = str(real_tmp)
+        tempfile.tempdir = None
         multiprocessing.util.get_temp_dir()
         self.private = Path(tempfile.mkdtemp(prefix="tessera-tests-", dir=real_tmp))
         self.skip = Path(default_memory_root(str(real_tmp)))
