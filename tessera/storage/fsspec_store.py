@@ -308,17 +308,12 @@ class FsspecStorage:
         return self._retry("reading", rel, lambda: self.fs.cat_file(full))
 
     def read_bounded(self, path: str, limit: int) -> bytes | int:
-        """:class:`~tessera.storage.capabilities.ReadsBounded`: on S3 one ranged GET; elsewhere a
-        size request, then the read (a ranged read of ``limit + 1`` bytes may allocate them all,
-        as fsspec's local files do)."""
-        rel = check_relpath(path)
+        """``ReadsBounded``: one ranged GET on S3; elsewhere its size first (a ranged read of
+        ``limit + 1`` bytes may allocate them all, as fsspec's local files do)."""
         if self._s3 is not None:
-            return self._s3.read_bounded(rel, limit)
+            return self._s3.read_bounded(check_relpath(path), limit)
         size = self.size(path)
-        if size > limit:
-            return size
-        data = self.read_file(path)
-        return len(data) if len(data) > limit else data
+        return size if size > limit else self.read_file(path)  # the caller checks the bytes read again
 
     def read_into(self, path: str, offset: int, out: memoryview) -> None:
         """Fill ``out`` with bytes ``[offset, offset + len(out))`` of ``path``.
