@@ -14,6 +14,7 @@ import json
 import os
 import threading
 
+import numpy as np
 import pytest
 import torch
 
@@ -624,8 +625,6 @@ def test_many_tensors_rows_are_found_at_once_as_one_by_one(
 def test_blocks_narrowed_at_once_are_the_bytes_narrowed_one_by_one() -> None:
     """The commit narrows all of a tensor's geometry blocks in one pass per width: each block's
     bytes are what narrowing it alone gives (widths 1, 2, 4 and 8 mixed, a short last block)."""
-    import numpy as np
-
     from tessera.format.manifest import blocks
 
     rng = np.random.default_rng(0)
@@ -634,4 +633,11 @@ def test_blocks_narrowed_at_once_are_the_bytes_narrowed_one_by_one() -> None:
             d = rng.integers(-scale, scale, (n, w))
             d[::97] *= 1 << 20  # some blocks wider than the rest
             for b in (1, 7, 512):
-                assert blocks._narrowed_blocks(d, b) == [blocks._narrow(d[i : i + b].T) for i in range(0, n, b)]
+                assert blocks._narrowed_blocks(d, b) == [_narrow(d[i : i + b].T) for i in range(0, n, b)]
+
+
+def _narrow(values: np.ndarray) -> bytes:
+    """One block's columns in the narrowest of int8, int16, int32, int64 that holds them."""
+    lo, hi = int(values.min()), int(values.max())
+    t = next(t for t in ("<i1", "<i2", "<i4", "<i8") if np.iinfo(t).min <= lo and hi <= np.iinfo(t).max)
+    return np.ascontiguousarray(values, dtype=t).tobytes()

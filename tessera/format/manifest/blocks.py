@@ -86,8 +86,8 @@ def block_rows(count: int) -> int:
 
 
 def _narrowed_blocks(delta: np.ndarray, b: int) -> list[bytes]:
-    """Each block of ``b`` rows of ``delta`` (``(n, w)``), its columns one after the other, as
-    :func:`_narrow` writes them: the widths chosen for all blocks at once, each block cut from
+    """Each block of ``b`` rows of ``delta`` (``(n, w)``), its columns one after the other, in
+    the narrowest of int8, int16, int32, int64 that holds the block's values, little-endian: the widths chosen for all blocks at once, each block cut from
     one conversion per width (a commit encodes tens of thousands of blocks)."""
     n = len(delta)
     if not n:
@@ -105,16 +105,6 @@ def _narrowed_blocks(delta: np.ndarray, b: int) -> list[bytes]:
             cast[w] = delta.astype(_TYPES[w])
         out.append(cast[w][i * b : (i + 1) * b].T.tobytes())
     return out
-
-
-def _narrow(values: np.ndarray) -> bytes:
-    """``values`` in the narrowest of int8, int16, int32, int64 that holds them all, little-endian."""
-    lo, hi = (int(values.min()), int(values.max())) if values.size else (0, 0)
-    for t in _TYPES:
-        info = np.iinfo(t)
-        if info.min <= lo and hi <= info.max:
-            break
-    return np.ascontiguousarray(values, dtype=t).tobytes()
 
 
 _TYPES = (np.dtype("<i1"), np.dtype("<i2"), np.dtype("<i4"), np.dtype("<i8"))
