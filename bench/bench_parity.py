@@ -11,11 +11,16 @@ in the same processes, one after the other: ``replicas=1``, ``parity 4+2``, ``pa
   the last step over its own files' bytes (max over nodes); ``peak RSS``: the growth of the
   process's peak resident set during the timed saves (``/proc/self/clear_refs`` 5 resets the
   peak first), max over ranks, in MB.
-* ``recover, same job``: the directories of the lost nodes are emptied (``m`` nodes: 2 for
-  4+2, 1 for 5+1 and for replicas, whose ring survives any one loss), then ``manager.load``
+* ``recover, same job``: the directories of the lost nodes are emptied, then ``manager.load``
   on all 6 ranks with a new manager; ``source == "peers"``, checked bit for bit.
 * ``recover, survivors``: the same losses, then a new manager over a process group of the
   survivors alone (``dist.new_group``).
+* Losses: ``m`` nodes for parity (nodes 1 and 4 for 4+2, node 3 for 5+1). The replicated ring
+  (each node's files on the next node) is measured on both: node 3 alone, and nodes 1 and 4
+  (not neighbours, so it survives them too). Each ratio compares a loss with the replicas'
+  recovery from the same loss; ``x repl 1`` compares with the replicas' one-node loss.
+  Every recovery is timed ``--repeat`` times (the local directories restored from a copy in
+  between) and the median is reported.
 
 No step is ever written under the durable root (``durable_every`` far away), so recovery
 reads 0 durable bytes (the script asserts the root holds no step).
@@ -45,8 +50,8 @@ from tessera.manager import CheckpointManager
 
 WORLD = 6
 TENSORS = 4
-CONFIGS = [("replicas=1", {"local_replicas": 1}, [3]), ("parity 4+2", {"local_parity": (4, 2)}, [1, 4])]
-CONFIGS += [("parity 5+1", {"local_parity": (5, 1)}, [3])]
+CONFIGS = [("replicas=1", {"local_replicas": 1}, [[3], [1, 4]]), ("parity 4+2", {"local_parity": (4, 2)}, [[1, 4]])]
+CONFIGS += [("parity 5+1", {"local_parity": (5, 1)}, [[3]])]
 
 
 def _state(rank: int, mb: float, step: int, empty: bool = False) -> dict:
@@ -106,8 +111,8 @@ def worker(rank: int, store: str, args: argparse.Namespace) -> None:
     os.environ.update({"LOCAL_WORLD_SIZE": "1", "OMP_NUM_THREADS": "1"})
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD)
-    results: dict[str, dict[str, float]] = {}
-    for name, kwargs, lost in CONFIGS:
+    results: dict[str, dict] = {}
+    for name, kwargs, losses in CONFIGS:
         local = os.path.join(args.shm, name.replace(" ", "").replace("=", "") + "-{node}")
         root = os.path.join(args.disk, name.replace(" ", ""))
         mgr = CheckpointManager(root, local_dir=local, durable_every=10**6, **kwargs)
@@ -132,37 +137,42 @@ def worker(rank: int, store: str, args: argparse.Namespace) -> None:
         row = {"save": statistics.median(times), "extra": extra / own, "rss": _hwm_mb() - base}
         pristine = local.replace("{node}", "pristine-{node}")
         shutil.copytree(local.format(node=rank), pristine.format(node=rank))
-        for job in ("same job", "survivors"):
-            shutil.rmtree(local.format(node=rank), ignore_errors=True)
-            if rank not in lost:
-                shutil.copytree(pristine.format(node=rank), local.format(node=rank))
+        for lost in losses:
             survivors = [r for r in range(WORLD) if r not in lost]
-            group = dist.new_group(survivors) if job == "survivors" else None
-            if job == "survivors" and rank in lost:
-                results.setdefault(name, row)
-                dist.barrier()
-                continue
-            size = len(survivors) if group is not None else WORLD
-            me = survivors.index(rank) if group is not None else rank
-            mgr = CheckpointManager(root, local_dir=local, durable_every=10**6, process_group=group, **kwargs)
-            target = _even(me, size, args.mb, True)
-            got: list = []
-            row[job] = _timed(lambda m=mgr, t=target, g=got: g.append(m.load(t)), group)
-            assert got[0].source == "peers" and got[0].step == last, (got[0].source, got[0].step)
-            _check(target, last, survivors)
-            mgr.close()
-            dist.barrier()
+            survivors_group = dist.new_group(survivors)
+            for job in ("same job", "survivors"):
+                times = []
+                for _ in range(args.repeat):
+                    shutil.rmtree(local.format(node=rank), ignore_errors=True)
+                    if rank not in lost:
+                        shutil.copytree(pristine.format(node=rank), local.format(node=rank))
+                    group = survivors_group if job == "survivors" else None
+                    if job == "survivors" and rank in lost:
+                        dist.barrier()
+                        continue
+                    size = len(survivors) if group is not None else WORLD
+                    me = survivors.index(rank) if group is not None else rank
+                    mgr = CheckpointManager(root, local_dir=local, durable_every=10**6, process_group=group, **kwargs)
+                    target = _even(me, size, args.mb, True)
+                    got: list = []
+                    times.append(_timed(lambda m=mgr, t=target, g=got: g.append(m.load(t)), group))
+                    assert got[0].source == "peers" and got[0].step == last, (got[0].source, got[0].step)
+                    _check(target, last, survivors)
+                    mgr.close()
+                    dist.barrier()
+                if times:
+                    row[f"{job} {lost}"] = statistics.median(times)
         assert not [n for n in os.listdir(root) if n.startswith("step-")], "a step reached the durable root"
         results[name] = row
-        all_rows = [None] * WORLD
+        all_rows: list = [None] * WORLD
         dist.all_gather_object(all_rows, row)
         if rank == 0:
             results[name] = {
+                **{k: max(r[k] for r in all_rows if k in r) for k in row if k.startswith(("same", "survivors"))},
                 "save": row["save"],
-                "extra": max(r["extra"] for r in all_rows),  # type: ignore[index]
-                "rss": max(r["rss"] for r in all_rows),  # type: ignore[index]
-                "same job": row["same job"],
-                "survivors": row["survivors"],
+                "extra": max(r["extra"] for r in all_rows),
+                "rss": max(r["rss"] for r in all_rows),
+                "losses": [str(lost) for lost in losses],
             }
         dist.barrier()
         shutil.rmtree(local.format(node=rank), ignore_errors=True)
@@ -190,16 +200,26 @@ def main() -> None:
     finally:
         shutil.rmtree(args.shm, ignore_errors=True)
         shutil.rmtree(args.disk, ignore_errors=True)
-    print(f"{args.mb:g} MB fp32 per rank, 6 nodes x 1 rank (gloo on one machine), median of {args.repeat} saves")
-    print(f"{'':12s} {'save s':>7s} {'x repl':>7s} {'extra files':>12s} {'peak RSS MB':>12s} {'recover s':>10s} "
-          f"{'x repl':>7s} {'survivors s':>12s} {'x repl':>7s}")  # fmt: skip
+    print(
+        f"{args.mb:g} MB fp32 per rank, 6 nodes x 1 rank (gloo on one machine), medians of {args.repeat} saves "
+        f"and of {args.repeat} recoveries"
+    )
+    print(f"{'':12s} {'save s':>7s} {'x repl':>7s} {'extra files':>12s} {'peak RSS MB':>12s} {'lost':>7s} "
+          f"{'recover s':>10s} {'x repl':>7s} {'x repl 1':>9s} {'survivors s':>12s} {'x repl':>7s} {'x repl 1':>9s}")  # fmt: skip
     ref = results["replicas=1"]
+    one = ref["losses"][0]
     for name, row in results.items():
-        print(
-            f"{name:12s} {row['save']:7.3f} {row['save'] / ref['save']:7.2f} {row['extra']:12.3f} {row['rss']:12.1f} "
-            f"{row['same job']:10.3f} {row['same job'] / ref['same job']:7.2f} {row['survivors']:12.3f} "
-            f"{row['survivors'] / ref['survivors']:7.2f}"
-        )
+        for i, lost in enumerate(row["losses"]):
+            head = (
+                f"{name:12s} {row['save']:7.3f} {row['save'] / ref['save']:7.2f} {row['extra']:12.3f} {row['rss']:12.1f}"
+                if i == 0
+                else " " * 52
+            )
+            cells = []
+            for job in ("same job", "survivors"):
+                t = row[f"{job} {lost}"]
+                cells.append(f"{t:10.3f} {t / ref[f'{job} {lost}']:7.2f} {t / ref[f'{job} {one}']:9.2f}")
+            print(f"{head} {lost.replace(' ', ''):>7s} {cells[0]}   {cells[1]}")
 
 
 if __name__ == "__main__":

@@ -326,10 +326,22 @@ def rebuild(
                 chunk = decoded.get(key)
                 return chunk[:n] if chunk is not None else torch.zeros(n, dtype=torch.uint8)
 
-            _exchange(world, segments, give, lambda key, n: into(("segment", key), n), f"{what} (segments, round {r})")
+            landed: set[Any] = set()  # segments received straight into their file's mapping
+
+            def land(key: Any, n: int, r: int = r, landed: set = landed) -> torch.Tensor:
+                x, t = key
+                pos = layout.data_pos(jobs[x][0], t)
+                w = writers.get(pos)
+                view = w.view(t * layout.segment(pos) + r * CHUNK, n) if w is not None else None
+                if view is None:
+                    return into(("segment", key), n)
+                landed.add(key)
+                return view
+
+            _exchange(world, segments, give, land, f"{what} (segments, round {r})")
             received += sum(n for src, dst, n, _ in segments if dst == me and src != me)
             for _, dst, n, (x, t) in segments:
-                if dst == me and n and error is None:
+                if dst == me and n and error is None and (x, t) not in landed:
                     pos = layout.data_pos(jobs[x][0], t)
                     seg = layout.segment(pos)
                     writers[pos].write(t * seg + r * CHUNK, got[("segment", (x, t))][:n].numpy())

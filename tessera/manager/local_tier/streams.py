@@ -98,6 +98,14 @@ class StreamWriter:
             self.sinks[i].buffer[pos - self.starts[i] : upto - self.starts[i]] = chunk
             pos = upto
 
+    def view(self, offset: int, n: int) -> torch.Tensor | None:
+        """The ``n`` bytes at ``offset`` as a view of one file's mapping (a receive lands there with
+        no copy), or None where they span files or pass the stream's end (:meth:`write` them)."""
+        i = bisect.bisect_right(self.starts, offset) - 1
+        if n <= 0 or i >= len(self.sinks) or offset + n > self.starts[i + 1]:
+            return None
+        return self.sinks[i].buffer[offset - self.starts[i] : offset - self.starts[i] + n]
+
     def commit(self) -> None:
         """Rename every file into place."""
         for sink in self.sinks:
