@@ -47,9 +47,13 @@ def chunk_bytes() -> int:
     return max(4096, _int("TESSERA_CHUNK_BYTES", 4 << 20))
 
 
-def compress() -> bool:
-    """Whether saves store tiles compressed (``TESSERA_COMPRESS=1``; default off)."""
-    return os.environ.get("TESSERA_COMPRESS", "0") not in ("0", "false", "no", "")
+def compress() -> bool | str:
+    """Whether saves store tiles compressed (``TESSERA_COMPRESS=1``, or ``auto``: where the codec
+    is measured faster than the storage; default off)."""
+    raw = os.environ.get("TESSERA_COMPRESS", "0").strip().lower()
+    if raw == "auto":
+        return "auto"
+    return raw not in ("0", "false", "no", "off", "")
 
 
 def direct_io() -> bool:

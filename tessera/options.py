@@ -132,10 +132,13 @@ class SaveOptions:
     mutations stay held until their last byte has been copied; for tensors nothing holds back
     (a raw ``state_dict()``), the call itself returns only then (docs/manager.md, "Async saves
     in a memory budget"). None: one full copy, as fast as the copy allows."""
-    compress: bool = field(default_factory=_knobs.compress)
+    compress: bool | str = field(default_factory=_knobs.compress)
     """Store tiles compressed, losslessly (knob ``TESSERA_COMPRESS``, default off): each checksum
     chunk byte-shuffled by item size and coded with zstd (blosc2), or kept raw where that does
-    not shrink it; a load decodes only the chunks it reads (docs/compression.md)."""
+    not shrink it; a load decodes only the chunks it reads (docs/compression.md). ``"auto"``: each
+    rank codes its files where its writes measured the codec faster than the storage (object
+    stores, network filesystems), and writes them plain where the storage is faster (a local
+    NVMe disk); a rank's first save to a root is plain, to measure it."""
 
     def __post_init__(self) -> None:
         if self.max_staging_bytes is not None:
@@ -148,6 +151,8 @@ class SaveOptions:
         object.__setattr__(self, "staging", _staging_mode(self.staging))
         object.__setattr__(self, "check_staging", _staging_check(self.check_staging))
         object.__setattr__(self, "writer", _writer_mode(self.writer))
+        if self.compress not in (True, False, "auto"):
+            raise ValueError(f"SaveOptions.compress must be True, False or 'auto', got {self.compress!r}")
         if self.io_threads < 1:
             raise ValueError(f"SaveOptions.io_threads must be >= 1, got {self.io_threads}")
         if self.chunk_bytes < 4096:

@@ -68,7 +68,7 @@ class CheckpointWriter:
         file_bytes: int = 256 << 20,
         chunk_bytes: int | None = None,
         io_threads: int = 2,
-        compress: bool | None = None,
+        compress: bool | str | None = None,
     ) -> None:
         self.path = path
         self.storage = storage_for(path, storage)

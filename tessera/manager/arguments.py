@@ -148,7 +148,7 @@ class Kept(Generic[T]):
 
 
 def with_budget(
-    options: SaveOptions | None, max_staging_bytes: int | str | None, compress: bool | None = None
+    options: SaveOptions | None, max_staging_bytes: int | str | None, compress: bool | str | None = None
 ) -> SaveOptions | None:
     """``options`` with ``CheckpointManager(max_staging_bytes=..., compress=...)`` set in them (where given)."""
     if max_staging_bytes is not None:

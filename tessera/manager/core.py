@@ -121,7 +121,7 @@ class CheckpointManager:
         preemption_signal: int = signal.SIGTERM,
         dedup: bool = False,
         max_staging_bytes: int | str | None = None,
-        compress: bool | None = None,
+        compress: bool | str | None = None,
     ) -> None:
         args = check_arguments(
             root,

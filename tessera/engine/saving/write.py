@@ -6,10 +6,13 @@ release the GIL, so a rank's files stream in parallel at close to the device's b
 
 from __future__ import annotations
 
+import collections
 import logging
+import os
+import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -22,6 +25,7 @@ from ...format.geometry import Box
 from ...format.tilefile import FileLayout
 from ...storage.base import Storage
 from ...storage.capabilities import SyncsDirs
+from . import compress_choice
 
 logger = logging.getLogger(__name__)
 
@@ -67,8 +71,9 @@ class WriteRequest:
     """Checksum granularity."""
     threads: int
     """Files written in parallel."""
-    compress: bool = False
-    """Store each chunk as a frame (:mod:`tessera.format.codec`) instead of the safetensors layout."""
+    compress: bool | str = False
+    """Store each chunk as a frame (:mod:`tessera.format.codec`) instead of the safetensors layout;
+    ``"auto"``: where :mod:`.compress_choice` measured the codec faster than the storage."""
 
 
 @dataclass(frozen=True)
@@ -150,12 +155,14 @@ def _write_one(
     pieces: Callable[[int], Iterator[memoryview]] | None = None,
     compress: bool = False,
     bases: Mapping[int, DeltaBase] | None = None,
+    coders: int = 1,
+    stats: CodingStats | None = None,
 ) -> WrittenFile:
     t0 = time.monotonic()
     tiles: list[WrittenTile] = []
     known = known_sums or {}
     if compress:
-        return _write_framed(storage, path, layout, staged, chunk_bytes, progress, pieces, bases or {})
+        return _write_framed(storage, path, layout, staged, chunk_bytes, progress, pieces, bases or {}, coders, stats)
 
     def streamed() -> Iterator[memoryview | bytes]:
         """The tiles' bytes from ``pieces``, checksummed across piece boundaries."""
@@ -200,7 +207,7 @@ def _write_one(
 def _whole_chunks(parts: Iterator[memoryview], chunk_bytes: int) -> Iterator[memoryview]:
     """``parts`` (each valid until the next is asked for) regrouped into whole chunks (the last
     may be shorter); parts that already hold whole chunks are passed through without a copy."""
-    buf = bytearray(chunk_bytes)
+    buf: bytearray | None = None  # made when first needed: most tiles need none
     filled = 0
     for part in parts:
         pos = 0
@@ -209,6 +216,7 @@ def _whole_chunks(parts: Iterator[memoryview], chunk_bytes: int) -> Iterator[mem
                 yield part[pos : pos + chunk_bytes]
                 pos += chunk_bytes
                 continue
+            buf = buf if buf is not None else bytearray(chunk_bytes)
             n = min(chunk_bytes - filled, len(part) - pos)
             buf[filled : filled + n] = part[pos : pos + n]
             filled += n
@@ -217,7 +225,91 @@ def _whole_chunks(parts: Iterator[memoryview], chunk_bytes: int) -> Iterator[mem
                 yield memoryview(buf)
                 filled = 0
     if filled:
+        assert buf is not None
         yield memoryview(buf)[:filled]
+
+
+def _slices(view: memoryview, chunk_bytes: int) -> Iterator[memoryview]:
+    """A tile staged whole, chunk by chunk (views: no copy)."""
+    for j in range(0, len(view), chunk_bytes):
+        yield view[j : j + chunk_bytes]
+
+
+class CodingStats:
+    """What the coded writes of one write stage spent (thread-safe): the coding threads' seconds,
+    and the seconds the backend waited for frames (the rest of its time it was writing)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.logical = 0
+        self.coding_s = 0.0
+        self.waited_s = 0.0
+
+    def coded(self, nbytes: int, seconds: float) -> None:
+        with self._lock:
+            self.logical += nbytes
+            self.coding_s += seconds
+
+    def waited(self, seconds: float) -> None:
+        with self._lock:
+            self.waited_s += seconds
+
+
+@dataclass(frozen=True)
+class _Frame:
+    """One chunk of a compressed file as an encoder left it."""
+
+    slot: int
+    """The tile (its index in the file's layout) the chunk is of."""
+    checksum: int
+    """xxh3-64 of the chunk's logical bytes."""
+    logical: int
+    data: memoryview | bytes
+    """What is stored: a frame, the chunk as it is, or a delta frame."""
+    parent: str | None = None
+    """The manifest reference of the file a delta frame is a difference from."""
+    delta: tuple[int, int, int] = (0, 0, 0)
+    """A delta frame's parent offset, depth and lanes."""
+
+
+def _in_order(
+    fn: Callable[[int, int, memoryview | bytes], _Frame],
+    todo: Iterator[tuple[int, int, memoryview | bytes]],
+    coders: ThreadPoolExecutor | None,
+    ahead: int,
+    stats: CodingStats,
+    *,
+    copy: bool,
+) -> Iterator[_Frame]:
+    """``fn`` over ``todo``, in order; with ``coders``, a few chunks ahead of the one yielded, so
+    that coding runs on several cores while the backend writes. ``copy``: the chunks are only
+    valid until the next is asked for (a memory budget's pieces), so each is copied before it is
+    handed on; at most ``ahead`` chunks (and their frames) are in flight either way."""
+    if coders is None:
+        for args in todo:
+            t = time.perf_counter()
+            frame = fn(*args)
+            stats.waited(time.perf_counter() - t)
+            yield frame
+        return
+    pending: collections.deque[Future[_Frame]] = collections.deque()
+
+    def oldest() -> _Frame:
+        t = time.perf_counter()
+        frame = pending.popleft().result()
+        stats.waited(time.perf_counter() - t)
+        return frame
+
+    try:
+        for i, k, c in todo:
+            pending.append(coders.submit(fn, i, k, bytes(c) if copy else c))
+            if len(pending) >= ahead:
+                yield oldest()
+        while pending:
+            yield oldest()
+    finally:
+        for f in pending:
+            f.cancel()
 
 
 def _write_framed(
@@ -229,14 +321,19 @@ def _write_framed(
     progress: Progress | None,
     pieces: Callable[[int], Iterator[memoryview]] | None,
     bases: Mapping[int, DeltaBase],
+    coders: int = 1,
+    stats: CodingStats | None = None,
 ) -> WrittenFile:
     """Write a compressed data file: its header, then one frame per checksum chunk of each tile.
 
     The tiles keep their logical byte offsets (``layout``'s); the returned frame table says where
     each chunk is stored. Checksums are of the logical bytes. A chunk of a tile with a base in
-    ``bases`` is stored as its difference from the base's chunk where that is smaller.
+    ``bases`` is stored as its difference from the base's chunk where that is smaller. ``coders``
+    threads code chunks side by side (blosc2 and xxhash release the GIL), up to ``coders + 1``
+    chunks ahead of the one the backend is writing.
     """
     t0 = time.monotonic()
+    stats = stats if stats is not None else CodingStats()
     tiles: list[WrittenTile] = []
     header = file_header()
     logical: list[int] = []
@@ -244,36 +341,48 @@ def _write_framed(
     parents: dict[str, int] = {}
     delta_cols: list[tuple[int, int, int, int]] = []  # per frame: parent + 1, offset, depth, lanes
 
-    def tile_parts(i: int) -> Iterator[memoryview]:
+    def tile_chunks(i: int) -> Iterator[memoryview]:
         if pieces is not None:
-            yield from pieces(i)
-        elif staged[i].numel():
-            yield staged[i].numpy().data
+            return _whole_chunks(pieces(i), chunk_bytes)
+        return _slices(staged[i].numpy().data if staged[i].numel() else memoryview(b""), chunk_bytes)
+
+    def encode(i: int, k: int, c: memoryview | bytes) -> _Frame:
+        """Chunk ``k`` of slot ``i`` as stored: whole (coded or raw) or as a difference from its base."""
+        size = layout.slots[i].dtype.itemsize
+        t = time.perf_counter()
+        frame = encode_chunk(c, size)
+        stats.coded(len(c), time.perf_counter() - t)
+        out = c if frame is None else frame
+        base = bases.get(i)
+        diff = None if base is None else _delta_frame(base, k, c, chunk_bytes, size)
+        if base is not None and diff is not None and len(diff[0]) < len(out):
+            return _Frame(i, xxhash.xxh3_64_intdigest(c), len(c), diff[0], base.ref, diff[1:])
+        return _Frame(i, xxhash.xxh3_64_intdigest(c), len(c), out)
 
     def frames() -> Iterator[memoryview | bytes]:
         yield header
-        for i, slot in enumerate(layout.slots):
-            size = slot.dtype.itemsize
-            sums = []
-            for c in _whole_chunks(tile_parts(i), chunk_bytes):
-                sums.append(xxhash.xxh3_64_intdigest(c))
-                frame = encode_chunk(c, size)
-                out = c if frame is None else frame
-                base = bases.get(i)
-                diff = None if base is None else _delta_frame(base, len(sums) - 1, c, chunk_bytes, size)
-                if diff is not None and len(diff[0]) < len(out):
-                    out = diff[0]
-                    delta_cols.append((parents.setdefault(base.ref, len(parents)) + 1, *diff[1:]))  # type: ignore[union-attr]
-                else:
-                    delta_cols.append((0, 0, 0, 0))
-                logical.append(len(c))
-                stored.append(len(out))
-                yield out
-                if progress is not None:
-                    progress(len(out))
-            tiles.append(WrittenTile(slot.fqn, slot.box, slot.byte_offset, slot.nbytes, tuple(sums)))
+        sums: list[list[int]] = [[] for _ in layout.slots]
+        todo = ((i, k, c) for i in range(len(layout.slots)) for k, c in enumerate(tile_chunks(i)))
+        for f in _in_order(encode, todo, pool, coders + 1, stats, copy=pieces is not None):
+            sums[f.slot].append(f.checksum)
+            if f.parent is None:
+                delta_cols.append((0, 0, 0, 0))
+            else:
+                delta_cols.append((parents.setdefault(f.parent, len(parents)) + 1, *f.delta))
+            logical.append(f.logical)
+            stored.append(len(f.data))
+            yield f.data
+            if progress is not None:
+                progress(len(f.data))
+        for slot, got in zip(layout.slots, sums):
+            tiles.append(WrittenTile(slot.fqn, slot.box, slot.byte_offset, slot.nbytes, tuple(got)))
 
-    storage.write_file(path, frames())
+    pool = ThreadPoolExecutor(coders, thread_name_prefix="tessera-code") if coders > 1 else None
+    try:
+        storage.write_file(path, frames())
+    finally:
+        if pool is not None:
+            pool.shutdown(cancel_futures=True)
     if progress is not None:
         progress(0)
     if len(tiles) != len(layout.slots):
@@ -289,7 +398,7 @@ def _write_framed(
 
 
 def _delta_frame(
-    base: DeltaBase, k: int, chunk: memoryview, chunk_bytes: int, itemsize: int
+    base: DeltaBase, k: int, chunk: memoryview | bytes, chunk_bytes: int, itemsize: int
 ) -> tuple[bytes, int, int, int] | None:
     """Chunk ``k``'s frame as a difference from the base's chunk ``k``: (frame, parent offset, depth,
     lanes), or None where it cannot be one (the base's chunk is cut otherwise, or its chain is full)."""
@@ -314,7 +423,7 @@ def write_files(
     chunk_bytes: int,
     threads: int,
     progress: Progress | None = None,
-    compress: bool = False,
+    compress: bool | str = False,
 ) -> list[WrittenFile]:
     """Write every ``(path, layout, staged tile bytes)``: :func:`write_tiles` for callers with tuples."""
     request = WriteRequest(tuple(FileWrite(p, lay, st) for p, lay, st in files), chunk_bytes, threads, compress)
@@ -341,6 +450,14 @@ def write_tiles(storage: Storage, request: WriteRequest, progress: Progress | No
     files, chunk_bytes, threads = request.files, request.chunk_bytes, request.threads
     if not files:
         return []
+    parallel = min(threads, os.cpu_count() or 1)  # the rank's files and coders share its cores
+    # A compressed file is coded by the threads the rank writes with, however many files it has.
+    coders = max(1, parallel // min(threads, len(files)))
+    compress = request.compress
+    if compress == "auto":
+        compress = compress_choice.CHOICE.should_code(storage.url, parallel, *_sample(files, chunk_bytes))
+    stats = CodingStats()
+    t0 = time.perf_counter()
     try:
 
         def one(f: FileWrite) -> WrittenFile:
@@ -353,8 +470,10 @@ def write_tiles(storage: Storage, request: WriteRequest, progress: Progress | No
                 progress,
                 f.known_sums,
                 f.pieces,
-                request.compress,
+                bool(compress),
                 f.bases,
+                coders,
+                stats,
             )
 
         if len(files) == 1 or threads == 1:
@@ -370,4 +489,28 @@ def write_tiles(storage: Storage, request: WriteRequest, progress: Progress | No
         except Exception as e:
             logger.warning("could not remove the files of a failed write under %s: %s", storage.url, e)
         raise
+    _measure(storage.url, written, stats, time.perf_counter() - t0, min(threads, len(files)))
     return written
+
+
+def _sample(files: Sequence[FileWrite], chunk_bytes: int) -> tuple[memoryview | None, int]:
+    """A chunk of the write (and its item size) to time the codec on: the first of a tile staged
+    whole that holds at least a MiB (shorter codings are timed by their overheads)."""
+    for f in files:
+        if f.pieces is None:
+            for slot, t in zip(f.layout.slots, f.tiles):
+                if t.numel() >= 1 << 20:
+                    return t.numpy().data[:chunk_bytes], slot.dtype.itemsize
+    return None, 1
+
+
+def _measure(url: str, written: Sequence[WrittenFile], stats: CodingStats, seconds: float, lanes: int) -> None:
+    """Feed ``compress="auto"`` what this write stage showed of the storage and the codec."""
+    stored = sum(w.nbytes for w in written)
+    coded = any(w.frames is not None for w in written)
+    if coded:
+        if stats.coding_s > 0:
+            compress_choice.CHOICE.record_codec(url, stats.logical, stats.coding_s)
+        # The backend's own time: the stage's, less what each file's writer waited for frames.
+        seconds -= stats.waited_s / max(1, lanes)
+    compress_choice.CHOICE.record_storage(url, stored, seconds)

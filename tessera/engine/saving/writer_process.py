@@ -163,7 +163,7 @@ class ProcessWriter:
         *,
         chunk_bytes: int,
         threads: int,
-        compress: bool = False,
+        compress: bool | str = False,
     ) -> list[WrittenFile]:
         """:func:`tessera.engine.saving.write.write_files`, run in the writer process (same contract)."""
         what = f"writing {len(files)} data file(s) under {storage.url}"
@@ -256,7 +256,7 @@ def write_files_in_process(
     *,
     chunk_bytes: int,
     threads: int,
-    compress: bool = False,
+    compress: bool | str = False,
 ) -> list[WrittenFile]:
     """Write like :func:`tessera.engine.saving.write.write_files`, from this process's writer process.
 

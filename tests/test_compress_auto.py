@@ -1,0 +1,138 @@
+"""``SaveOptions(compress="auto")``: a rank codes its files only where its writes measured the
+codec faster than the storage (tessera/engine/saving/compress_choice.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+
+import tessera
+from tessera.engine.saving import compress_choice
+from tessera.engine.saving.compress_choice import CompressChoice, place
+from tessera.manager import CheckpointManager
+from tessera.options import SaveOptions, WriterMode
+from tests.s3_server import moto_endpoint, s3_bucket, s3_options  # noqa: F401 - fixtures
+
+MB = 1 << 20
+
+
+@pytest.fixture
+def choice(monkeypatch: pytest.MonkeyPatch) -> CompressChoice:
+    """A fresh measurement registry for the test (the process's one is shared by every test)."""
+    fresh = CompressChoice()
+    monkeypatch.setattr(compress_choice, "CHOICE", fresh)
+    return fresh
+
+
+def _state() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return {f"w{i}": torch.randn(512, 1024, generator=g) * 0.02 for i in range(4)}  # 8 MiB, trained-like
+
+
+def _coded(path: Path) -> list[bool]:
+    return ["frames" in f for f in json.loads((path / "manifest.json").read_text())["files"]]
+
+
+def _loads_bit_exact(path: Path, state: dict[str, torch.Tensor]) -> None:
+    target = {k: torch.zeros_like(v) for k, v in state.items()}
+    tessera.load(str(path), target)
+    assert all(torch.equal(target[k], v) for k, v in state.items())
+
+
+def test_place_is_the_device_or_the_bucket(tmp_path: Path) -> None:
+    assert place("s3://bucket/run1/step-5") == place("s3://bucket/other") == "s3://bucket"
+    assert place("gs://b2/x") != place("s3://bucket/x")
+    # A path that does not exist yet belongs to the device of its nearest existing directory.
+    assert place(str(tmp_path / "not" / "yet")) == place(str(tmp_path)) == f"dev:{os.stat(tmp_path).st_dev}"
+    assert place(f"file://{tmp_path}") == place(str(tmp_path))
+
+
+def test_the_decision_is_codec_against_storage_and_plain_until_the_storage_is_known() -> None:
+    c = CompressChoice()
+    sample = memoryview((torch.randn(MB) * 0.02).numpy().tobytes())
+    assert c.should_code("s3://b/x", 2, sample, 4) is False  # nothing known of the storage: measure it first
+    assert c.rates("s3://b/y") == (None, None)
+    c.record_storage("s3://b/x", 64 * MB, 1.0)  # 64 MiB/s: slower than any codec
+    assert c.should_code("s3://b/other-step", 2, sample, 4) is True  # the codec was timed on the sample
+    storage, codec = c.rates("s3://b/z")
+    assert storage == 64 * MB and codec is not None and codec > 64 * MB / 2
+    for _ in range(20):
+        c.record_storage("s3://b/x", 1 << 40, 1.0)  # a terabyte a second: faster than any codec
+    assert c.should_code("s3://b/x", 2, sample, 4) is False
+    c.record_storage("s3://b/x", 1000, 1e-9)  # writes under 1 MiB are latency: not measured
+    assert c.rates("s3://b/x")[0] == pytest.approx(1 << 40, rel=1e-3)
+
+
+def test_save_options_take_auto_and_refuse_other_values(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert SaveOptions(compress="auto").compress == "auto"
+    monkeypatch.setenv("TESSERA_COMPRESS", "auto")
+    assert SaveOptions().compress == "auto"
+    with pytest.raises(ValueError, match="compress must be True, False or 'auto'"):
+        SaveOptions(compress="zstd")
+
+
+@pytest.mark.parametrize("writer", [WriterMode.THREAD, WriterMode.PROCESS])
+def test_auto_writes_plain_first_then_codes_where_the_storage_is_slower(
+    tmp_path: Path, choice: CompressChoice, writer: WriterMode
+) -> None:
+    state = _state()
+    opts = SaveOptions(compress="auto", writer=writer)
+    tessera.save(str(tmp_path / "first"), state, options=opts)
+    assert _coded(tmp_path / "first") == [False]
+    _loads_bit_exact(tmp_path / "first", state)
+    if writer is WriterMode.PROCESS:
+        return  # the writer process measures in its own registry; the decisions below are the thread writer's
+    assert choice.rates(str(tmp_path))[0] is not None  # the plain write measured the disk
+    choice.record_storage(str(tmp_path), 1 << 30, 64.0)  # as if the disk were a 16 MiB/s network share
+    choice.record_storage(str(tmp_path), 1 << 30, 64.0)
+    tessera.save(str(tmp_path / "slow"), state, options=opts)
+    assert _coded(tmp_path / "slow") == [True]
+    assert json.loads((tmp_path / "slow" / "manifest.json").read_text())["version"] == 3
+    _loads_bit_exact(tmp_path / "slow", state)
+    for _ in range(30):
+        choice.record_storage(str(tmp_path), 1 << 40, 1.0)
+    tessera.save(str(tmp_path / "fast"), state, options=opts)
+    assert _coded(tmp_path / "fast") == [False]
+
+
+def test_a_coded_write_measures_the_codec_and_the_storage(tmp_path: Path, choice: CompressChoice) -> None:
+    tessera.save(str(tmp_path / "a"), _state(), options=SaveOptions(compress=True))
+    storage, codec = choice.rates(str(tmp_path))
+    assert storage is not None and codec is not None and codec > MB  # logical bytes per second of one thread
+
+
+def test_a_manager_with_auto_keeps_every_step_loadable(tmp_path: Path, choice: CompressChoice) -> None:
+    state = _state()
+    with CheckpointManager(str(tmp_path / "run"), compress="auto", keep_last=2) as mgr:
+        mgr.save(1, state)
+        choice.record_storage(str(tmp_path), 1 << 30, 64.0)
+        choice.record_storage(str(tmp_path), 1 << 30, 64.0)
+        mgr.save(2, state)
+    coded = {step: _coded(tmp_path / "run" / f"step-{step:08d}") for step in (1, 2)}
+    assert coded == {1: [False], 2: [True]}
+    for step in (1, 2):
+        _loads_bit_exact(tmp_path / "run" / f"step-{step:08d}", state)
+
+
+def test_auto_on_s3_codes_once_the_endpoint_is_measured_slow(
+    moto_endpoint: str, s3_bucket: str, choice: CompressChoice
+) -> None:
+    opts = s3_options(moto_endpoint)
+    state = _state()
+    first, second = (f"s3://{s3_bucket}/{uuid.uuid4().hex}/ckpt" for _ in range(2))
+    tessera.save(first, state, options=SaveOptions(compress="auto"), storage_options=opts)
+    assert tessera.read_manifest(first, storage_options=opts).version == 1
+    storage, _ = choice.rates(first)
+    assert storage is not None  # the loopback endpoint, measured by the first save
+    choice.record_storage(first, 1 << 30, 64.0)
+    choice.record_storage(first, 1 << 30, 64.0)
+    tessera.save(second, state, options=SaveOptions(compress="auto"), storage_options=opts)
+    assert tessera.read_manifest(second, storage_options=opts).version == 3
+    target = {k: torch.zeros_like(v) for k, v in state.items()}
+    tessera.load(second, target, storage_options=opts)
+    assert all(torch.equal(target[k], v) for k, v in state.items())
