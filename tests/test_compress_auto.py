@@ -16,6 +16,7 @@ from tessera.engine.saving import compress_choice
 from tessera.engine.saving.compress_choice import CompressChoice, place
 from tessera.manager import CheckpointManager
 from tessera.options import SaveOptions, WriterMode
+from tests.dist_utils import run_distributed
 from tests.s3_server import moto_endpoint, s3_bucket, s3_options  # noqa: F401 - fixtures
 
 MB = 1 << 20
@@ -136,3 +137,58 @@ def test_auto_on_s3_codes_once_the_endpoint_is_measured_slow(
     target = {k: torch.zeros_like(v) for k, v in state.items()}
     tessera.load(second, target, storage_options=opts)
     assert all(torch.equal(target[k], v) for k, v in state.items())
+
+
+def test_auto_saves_that_code_nothing_keep_the_sectioned_manifest(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, choice: CompressChoice
+) -> None:
+    monkeypatch.setenv("TESSERA_SECTIONED_MANIFEST_TILES", "0")  # every save large enough for sections
+    state = _state()
+    tessera.save(str(tmp_path / "plain"), state, options=SaveOptions(compress="auto"))
+    assert json.loads((tmp_path / "plain" / "manifest.json").read_text())["version"] == 2
+    _loads_bit_exact(tmp_path / "plain", state)
+    choice.record_storage(str(tmp_path), 1 << 30, 64.0)
+    choice.record_storage(str(tmp_path), 1 << 30, 64.0)
+    tessera.save(str(tmp_path / "coded"), state, options=SaveOptions(compress="auto"))
+    assert json.loads((tmp_path / "coded" / "manifest.json").read_text())["version"] == 3  # frames: inline
+    _loads_bit_exact(tmp_path / "coded", state)
+
+
+ROWS, COLS = 1024, 1024
+
+
+def _global() -> torch.Tensor:
+    return torch.randn(ROWS, COLS, generator=torch.Generator().manual_seed(5)) * 0.02
+
+
+def _save_rows_deciding_alone(rank: int, world: int, path: str, sections: str) -> list[bool]:
+    """Each rank's own measurements decide: rank 1 has seen a slow disk, rank 0 nothing yet."""
+    os.environ["TESSERA_SECTIONED_MANIFEST_TILES"] = sections
+    if rank == 1:
+        compress_choice.CHOICE.record_storage(path, 1 << 30, 64.0)
+    per = ROWS // world
+    part = _global()[rank * per : (rank + 1) * per].clone()
+    tessera.save(
+        path, {"w": tessera.ShardedTensor(part, (ROWS, COLS), (rank * per, 0))}, options=SaveOptions(compress="auto")
+    )
+    m = tessera.read_manifest(path)
+    return [f.frames is not None for f in m.files if f.rank == rank]
+
+
+def _load_rows(rank: int, world: int, path: str) -> None:
+    per = -(-ROWS // world)
+    a, b = rank * per, min(ROWS, (rank + 1) * per)
+    part = torch.zeros(b - a, COLS)
+    tessera.load(path, {"w": tessera.ShardedTensor(part, (ROWS, COLS), (a, 0))})
+    assert torch.equal(part, _global()[a:b])
+
+
+@pytest.mark.parametrize("sections", ["0", "1000000"], ids=["sectioned", "inline"])
+def test_ranks_decide_alone_and_a_mixed_checkpoint_loads_into_other_layouts(tmp_path: Path, sections: str) -> None:
+    path = str(tmp_path / "mixed")
+    coded = run_distributed(_save_rows_deciding_alone, 2, path, sections)
+    assert coded == [[False], [True]]
+    assert tessera.read_manifest(path).version == 3  # one coded file: the inline form, whatever the size
+    for world in (1, 3):
+        run_distributed(_load_rows, world, path)
+    assert tessera.verify(path).ok
