@@ -192,12 +192,17 @@ def main() -> None:
     full = ("fp32 weights", "exp_avg", "exp_avg_sq")
     nbytes = {r: after[r].nbytes for r in after}
     print(f"\nratio / compress MB/s / decompress MB/s per core; chunks of {args.chunk >> 10} KiB")
-    print(f"{'candidate':26s}" + "".join(f"{r:>24s}" for r in after) + f"{'fp32 state':>12s}")
+    print(f"{'candidate':26s}" + "".join(f"{r:>24s}" for r in after) + f"{'fp32 state':>12s}{'whole state':>24s}")
+    roles = list(after)
     for name, by_role in results.items():
         state = sum(nbytes[r] for r in full) / sum(nbytes[r] / by_role[r][0] for r in full)
+        # The whole state (every role) coded by one core: logical bytes over the summed seconds.
+        total = sum(nbytes[r] for r in roles)
+        whole = [total / sum(nbytes[r] / by_role[r][k] for r in roles) for k in (0, 1, 2)]
         cells = "".join(f"{by_role[r][0]:>8.3f}{by_role[r][1]:>8.0f}{by_role[r][2]:>8.0f}" for r in after)
-        print(f"{name:26s}{cells}{state:>12.3f}")
+        print(f"{name:26s}{cells}{state:>12.3f}{whole[0]:>8.3f}{whole[1]:>8.0f}{whole[2]:>8.0f}")
         by_role["fp32 state"] = [round(state, 3)]
+        by_role["whole state"] = [round(x, 3) for x in whole]
     saves = save_checkpoints(after, args.save, args.repeat, before) if args.save else None
     print(json.dumps({"args": vars(args), "results": results, "saves": saves}))
 
