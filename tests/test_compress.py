@@ -21,8 +21,10 @@ import pytest
 import torch
 
 import tessera
+from tessera.engine.loading.plan import ReadTarget
 from tessera.errors import CorruptCheckpointError, ManifestError
 from tessera.format.codec import file_header
+from tessera.format.geometry import Box
 from tessera.format.manifest import decode
 from tessera.manager import CheckpointManager
 from tessera.options import SaveOptions, WriterMode
@@ -189,8 +191,11 @@ def test_a_manifest_whose_frames_lie_about_the_file_is_refused(tmp_path: Path) -
     doc["files"][0]["frames"]["codec"] = "blosc2-zstd"
     with pytest.raises(ManifestError, match="version 1"):
         decode(json.dumps(doc).encode())
-    doc["version"] = 4
-    with pytest.raises(ManifestError, match="format version 4 is newer than this tessera reads"):
+    doc["version"] = 4  # the sectioned form: an index, not an inline manifest
+    with pytest.raises(ManifestError, match="format version 4: an index whose tiles are in sections"):
+        decode(json.dumps(doc).encode())
+    doc["version"] = 5
+    with pytest.raises(ManifestError, match=r"format version 5 is newer than this tessera reads \(4\); upgrade"):
         decode(json.dumps(doc).encode())
 
 
@@ -342,16 +347,90 @@ def test_the_local_tier_keeps_compressed_steps(tmp_path: Path) -> None:
     assert json.loads(node_manifest.read_text())["version"] == 3
 
 
-def test_a_compressed_manifest_stays_inline_past_the_sections_threshold(
+def test_a_compressed_manifest_past_the_sections_threshold_is_sectioned_as_version_4(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    monkeypatch.setenv("TESSERA_SECTIONED_MANIFEST_TILES", "0")  # would write version 2
-    state = {"w": torch.randn(64, 64)}
+    monkeypatch.setenv("TESSERA_SECTIONED_MANIFEST_TILES", "0")  # every save large enough for sections
+    state = _every_dtype(torch.Generator().manual_seed(6))
     tessera.save(str(tmp_path / "c"), state, options=_opts())
-    assert _manifest(tmp_path / "c")["version"] == 3
+    doc = _manifest(tmp_path / "c")
+    assert doc["version"] == 4 and "files" not in doc  # an index: the frame tables are in the sections
     _load_into_zeros(str(tmp_path / "c"), state)
+    m = tessera.read_manifest(str(tmp_path / "c"))
+    assert m.version == 4 and all(f.frames is not None for f in m.files)
+    assert tessera.verify(str(tmp_path / "c")).ok
     tessera.save(str(tmp_path / "p"), state, options=SaveOptions(compress=False))
     assert _manifest(tmp_path / "p")["version"] == 2
+
+
+def test_frame_columns_of_a_hostile_file_size_are_bounded_by_the_document(tmp_path: Path) -> None:
+    """A file that declares a huge size cannot make its frame columns a decompression bomb: each
+    frame is a checksum chunk whose checksum the document holds, so it declares at most len/8."""
+    import base64
+    import zlib
+
+    tessera.save(str(tmp_path / "c"), {"w": torch.randn(64, 512)}, options=_opts())
+    doc = _manifest(tmp_path / "c")
+    bomb = base64.b64encode(zlib.compress(bytes(64 << 20), 9)).decode()  # 64 MiB of zeros in ~90 KB
+    doc["files"][0]["bytes"] = 1 << 60
+    doc["files"][0]["frames"]["logical"] = bomb
+    with pytest.raises(ManifestError, match="frames.logical holds"):
+        decode(json.dumps(doc).encode())
+
+
+def _sections_run(rank: int, world: int, path: str, save: bool) -> tuple[int, int]:
+    os.environ["TESSERA_SECTIONED_MANIFEST_TILES"] = "0"
+    if save:
+        _save_rows(rank, world, path)
+        return 0, 0
+    from tessera.engine.loading.manifest import open_manifest
+
+    _, part = open_manifest(tessera.storage.storage_for(path), path, rank)
+    assert part is not None
+    a, b = _rows(rank, world)
+    part.narrow([ReadTarget("w", Box((a, 0), (b - a, COLS)), torch.zeros(b - a, COLS))])
+    decoded, needed = _load_rows(rank, world, path)
+    assert needed <= decoded <= needed + 4 * CHUNK
+    return part.sections_read, part.index.section_count
+
+
+def test_a_sectioned_compressed_load_reads_only_the_sections_it_needs(tmp_path: Path) -> None:
+    path = str(tmp_path / "c")
+    run_distributed(_sections_run, 4, path, True)
+    assert tessera.read_manifest(path).version == 4
+    # 2 loading ranks of 4 saving ones: each rank's rows are two saving ranks' rows.
+    assert run_distributed(_sections_run, 2, path, False) == [(2, 4), (2, 4)]
+
+
+def test_a_version_2_index_whose_section_lists_frames_is_refused(tmp_path: Path) -> None:
+    """A frame table in a section of a version 2 index (which older readers would read as plain
+    bytes) is refused, naming the section; as is a lying frame table in a version 4 one."""
+    import xxhash
+
+    monkey = pytest.MonkeyPatch()
+    monkey.setenv("TESSERA_SECTIONED_MANIFEST_TILES", "0")
+    try:
+        tessera.save(str(tmp_path / "c"), {"w": _global()}, options=_opts())
+    finally:
+        monkey.undo()
+    doc = _manifest(tmp_path / "c")
+    sections = tmp_path / "c" / doc["sections"]["path"]
+    original = sections.read_bytes()
+    (tmp_path / "c" / "manifest.json").write_text(json.dumps({**doc, "version": 2}))
+    with pytest.raises(ManifestError, match=r"section 0 .*\[path, rank, bytes\] \(version 2\)"):
+        tessera.load(str(tmp_path / "c"), {"w": torch.zeros(ROWS, COLS)})
+    (tmp_path / "c" / "manifest.json").write_text(json.dumps(doc))
+    lying = original.replace(b'"start":128', b'"start":129', 1)
+    assert lying != original
+    sections.write_bytes(lying)
+    digest = np.frombuffer(np.array([xxhash.xxh3_64_intdigest(lying)], dtype="<u8").tobytes(), dtype=np.uint8)
+    table = dict(
+        doc["sections"],
+        checksums={"dtype": "uint64", "data": __import__("base64").b64encode(digest.tobytes()).decode()},
+    )
+    (tmp_path / "c" / "manifest.json").write_text(json.dumps({**doc, "sections": table}))
+    with pytest.raises(ManifestError, match=r"section 0 .*files\[0\].*frames"):
+        tessera.load(str(tmp_path / "c"), {"w": torch.zeros(ROWS, COLS)})
 
 
 def test_diff_compares_a_compressed_checkpoint_with_an_uncompressed_one(tmp_path: Path) -> None:

@@ -309,13 +309,15 @@ def commit_manifest(store: Storage, claim: Claim, manifest: Manifest | EncodedSe
 
 
 def sectioned(store: Storage, manifest: Manifest) -> bool:
-    """Whether ``manifest`` is committed in sections (format version 2): when it has at least
-    ``TESSERA_SECTIONED_MANIFEST_TILES`` tiles, and only where every rank sees the checkpoint's
-    files (a node directory of the local tier keeps version 1: its peers copy ``manifest.json``)."""
+    """Whether ``manifest`` is committed in sections (format version 2, or 4 with compressed
+    files): when it has at least ``TESSERA_SECTIONED_MANIFEST_TILES`` tiles, and only where every
+    rank sees the checkpoint's files (a node directory of the local tier keeps version 1: its peers
+    copy ``manifest.json``)."""
     tiles = sum(e.num_tiles for e in manifest.tensors.values())
-    # Compressed files' frame tables are in the inline form only (format version 3).
-    compressed = any(f.frames is not None for f in manifest.files)
-    return bool(manifest.files) and not compressed and sectioned_for(store, tiles)
+    # A delta frame is decoded with its parent file's frame table, which may be in another
+    # rank's section (or another step's): delta-coded manifests stay inline (version 3).
+    delta = any(f.frames is not None and f.frames.delta is not None for f in manifest.files)
+    return bool(manifest.files) and not delta and sectioned_for(store, tiles)
 
 
 def sectioned_for(store: Storage, tiles: int) -> bool:

@@ -19,7 +19,7 @@ from ..errors import MissingTilesError
 from ..format.codec import FrameError, file_header
 from ..format.dtypes import dtype_from_name
 from ..format.geometry import Box
-from ..format.manifest import SECTIONED_VERSION, FileEntry, Manifest, TensorEntry, Tile, sections_path
+from ..format.manifest import SECTIONED_VERSIONS, FileEntry, Manifest, TensorEntry, Tile, sections_path
 from ..format.safetensors_header import parse_header
 from ..format.tilefile import tile_header_entry, tile_key
 from ..results import Problem, ProblemKind
@@ -319,7 +319,7 @@ def _check_checksums(
 
 def unreferenced_files(store: Storage, manifest: Manifest) -> list[str]:
     referenced = {f.path for f in manifest.files}
-    if manifest.version == SECTIONED_VERSION:  # the index refers to its sections file
+    if manifest.version in SECTIONED_VERSIONS:  # the index refers to its sections file
         referenced.add(sections_path(manifest.save_id))
     try:
         return [p for p in store.list("data") if p not in referenced]

@@ -237,8 +237,12 @@ class FrameTable:
         }
 
     @classmethod
-    def from_json(cls, raw: Any, *, file_bytes: int, chunk_bytes: int) -> FrameTable:
+    def from_json(cls, raw: Any, *, file_bytes: int, chunk_bytes: int, max_frames: int | None = None) -> FrameTable:
         """Parse and check a ``frames`` object against its file's stored size.
+
+        ``max_frames`` bounds the frames before anything is inflated: every frame is a checksum
+        chunk of a tile, whose 8-byte checksum the same document holds, so a document of ``n``
+        bytes declares at most ``n // 8`` (a hostile file size cannot make the columns a bomb).
 
         Raises:
             ValueError: naming the field that is wrong (the caller names the manifest and file).
@@ -256,6 +260,7 @@ class FrameTable:
         assert isinstance(start, int) and isinstance(lstart, int)
         # At most one frame per stored byte: the columns cannot declare more than the file holds.
         most = max(0, file_bytes - start)
+        most = most if max_frames is None else min(most, max_frames)
         logical = _parse_column(raw.get("logical"), "logical", most)
         stored = _parse_column(raw.get("stored"), "stored", most)
         if len(logical) != len(stored):

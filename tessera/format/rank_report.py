@@ -124,7 +124,9 @@ def split_tiles(rank: int, t: ReportTiles, timings: dict[str, float] | None = No
     starts = np.concatenate([[0], np.cumsum(t.chunks)]).astype(np.int64)
     first = np.concatenate([[0], np.cumsum(chunks)])[:-1].astype(np.int64)
     sums = t.checksums[np.arange(int(chunks.sum()), dtype=np.int64) - np.repeat(first - starts[order], chunks)]
-    section = encode_section(rank, t.files, t.name[order], t.file[order], t.byte_offset[order], chunks, sums, timings)
+    section = encode_section(
+        rank, t.files, t.name[order], t.file[order], t.byte_offset[order], chunks, sums, timings, t.frames
+    )
     return ReportGeometry(t.files, t.names, t.name[order], t.offsets[order], t.lengths[order], t.frames), section
 
 
@@ -281,7 +283,9 @@ def _geometry(doc: dict[str, Any], tail: bytes, fail: Any) -> tuple[ReportGeomet
     for f in files:
         try:
             frames.append(
-                None if len(f) == 2 else FrameTable.from_json(f[2], file_bytes=f[1], chunk_bytes=MAX_FRAME_BYTES)
+                None
+                if len(f) == 2
+                else FrameTable.from_json(f[2], file_bytes=f[1], chunk_bytes=MAX_FRAME_BYTES, max_frames=len(tail) // 8)
             )
         except ValueError as e:
             raise fail(f"file {f[0]!r:.80}: {e}") from None
@@ -313,12 +317,13 @@ def _geometry(doc: dict[str, Any], tail: bytes, fail: Any) -> tuple[ReportGeomet
 def with_details(geo: ReportGeometry, section: bytes | None, fail: Any) -> ReportTiles:
     """The full tiles of a report: its geometry joined with its decoded section."""
     try:
-        s = parse_section(section or b"", "the section")
+        s = parse_section(section or b"", "the section", frames_chunk_bytes=MAX_FRAME_BYTES)
     except ManifestError as e:
         raise fail(str(e)) from None
     if len(s.tensor) != len(geo) or not np.array_equal(s.tensor, geo.name):
         raise fail("its section and its geometry list different tiles")
-    if tuple((f.path, f.nbytes) for f in s.files) != geo.files:
+    framed = [fr is not None for fr in geo.frames] if geo.frames else [False] * len(geo.files)
+    if tuple((f.path, f.nbytes) for f in s.files) != geo.files or [f.frames is not None for f in s.files] != framed:
         raise fail("its section and its report list different files")
     return ReportTiles(
         geo.files,

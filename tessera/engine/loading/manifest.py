@@ -15,7 +15,7 @@ from ...errors import CheckpointError, CheckpointNotFoundError, ManifestError, S
 from ...format.manifest import (
     MANIFEST_NAME,
     MAX_MANIFEST_BYTES,
-    SECTIONED_VERSION,
+    SECTIONED_VERSIONS,
     FileEntry,
     Manifest,
     decode,
@@ -112,13 +112,13 @@ def open_manifest(store: Storage, path: str, rank: int) -> tuple[Manifest, Secti
     return part.manifest, part
 
 
-_INDEX_PREFIX = b'{"format":"tessera","version":%d,' % SECTIONED_VERSION
+_INDEX_PREFIXES = tuple(b'{"format":"tessera","version":%d,' % v for v in SECTIONED_VERSIONS)
 
 
 def is_index(data: bytes) -> bool:
-    """Whether ``manifest.json`` bytes are a version 2 index (the head tessera writes first; any
-    other order is parsed to find out)."""
-    if data.startswith(_INDEX_PREFIX):
+    """Whether ``manifest.json`` bytes are an index (format version 2 or 4; the head tessera
+    writes first; any other order is parsed to find out)."""
+    if data.startswith(_INDEX_PREFIXES):
         return True
     if data.startswith(b'{"format":"tessera","version":'):
         return False
@@ -126,7 +126,7 @@ def is_index(data: bytes) -> bool:
         doc = json.loads(data)
     except (ValueError, UnicodeDecodeError, RecursionError):
         return False  # the decoder says what is wrong with it
-    return isinstance(doc, dict) and doc.get("version") == SECTIONED_VERSION
+    return isinstance(doc, dict) and doc.get("version") in SECTIONED_VERSIONS
 
 
 def read_manifest_bytes(store: Storage, path: str) -> bytes:

@@ -352,11 +352,10 @@ def _commit(
     """
     assert save.plan.metas is not None  # rank 0 holds the global tensor table
     manifest: Manifest | EncodedSections
-    # A large save commits its ranks' own sections (format version 2) without decoding them;
-    # under dedup ranks may list one shared file twice, and compressed files' frame tables are
-    # in the inline form only (format version 3): the manifest is assembled whole then (with
-    # compress="auto", where a rank's report shows it coded a file).
-    joined = _through_storage(save) and save.dedup is None and save.options.compress is not True
+    # A large save commits its ranks' own sections (format version 2, or 4 with compressed
+    # files) without decoding them; under dedup ranks may list one shared file twice (and delta
+    # frames name files of other steps): the manifest is assembled whole then.
+    joined = _through_storage(save) and save.dedup is None
     try:
         with gc_paused():  # N reports decoded and joined: no full collections in between
             manifest, reports = _assemble(world, save, docs, blobs, joined)
@@ -385,12 +384,6 @@ def _commit(
     return [out[0].total_bytes]
 
 
-def _coded(doc: RankReportDoc) -> bool:
-    """Whether a rank's report lists a compressed file (its frame table)."""
-    frames = doc.geometry.frames if doc.geometry is not None else doc.tiles.frames if doc.tiles is not None else ()
-    return any(f is not None for f in frames)
-
-
 def _assemble(
     world: World, save: PreparedSave, docs: list[RankReportDoc], blobs: list[bytes], joined: bool
 ) -> tuple[Manifest | EncodedSections, list]:
@@ -399,7 +392,7 @@ def _assemble(
     assert save.plan.metas is not None  # rank 0 holds the global tensor table
     reports: list = _reports(world, save, docs, blobs, detailed=not joined)
     check_replicas(save.path, [d.replicas for d in reports])
-    if joined and not any(_coded(d) for d in reports) and commit.sectioned_for(save.store, tile_count(reports)):
+    if joined and commit.sectioned_for(save.store, tile_count(reports)):
         sections = build_sectioned(
             world.size, save.plan.metas, reports, save.save_id, save.options, check_coverage=save.plan.derived
         )

@@ -40,7 +40,8 @@ def build_sectioned(
     *,
     check_coverage: bool = False,
 ) -> EncodedSections:
-    """The version 2 manifest of a save whose ranks reported ``reports`` (rank ``r`` at index ``r``).
+    """The version 2 manifest (4 where a rank wrote compressed files) of a save whose ranks
+    reported ``reports`` (rank ``r`` at index ``r``).
 
     Args:
         check_coverage: check that every tensor's tiles cover it exactly once (for plans no
@@ -72,7 +73,8 @@ def build_sectioned(
                 hit = lists[geo.names] = (len(lists), np.array([meta_index[n] for n in geo.names], dtype=np.int64))
             known[id(geo.names)] = hit
             alive.append(geo.names)  # its id stays its own
-        files.extend(FileEntry(p, rank, n) for p, n in geo.files)
+        framed = geo.frames or (None,) * len(geo.files)
+        files.extend(FileEntry(p, rank, n, fr) for (p, n), fr in zip(geo.files, framed))
         section_lists.append(hit[0])
         ranks.append(rank)
         blobs.append(blob)
@@ -121,5 +123,6 @@ def build_sectioned(
         np.array(section_lists, dtype=np.int64),
         by_id,
         tail,
+        compressed=any(f.frames is not None for f in files),
     )
     return EncodedSections(save_id, index, b"".join(blobs), tuple(files))

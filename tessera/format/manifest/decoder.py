@@ -27,6 +27,8 @@ from .schema import (
     FORMAT,
     MANIFEST_NAME,
     MAX_MANIFEST_BYTES,
+    NEWEST_VERSION,
+    SECTIONED_COMPRESSED_VERSION,
     SECTIONED_VERSION,
     VERSION,
     FileEntry,
@@ -102,7 +104,7 @@ class _Head(NamedTuple):
 def _head(data: bytes) -> _Head:
     """The top level of a manifest: everything but tensors, values and the informational fields."""
     doc, version, save_id, world_size, chunk_bytes = head_fields(data, VERSION)
-    return _Head(doc, version, save_id, world_size, chunk_bytes, _files(doc, version, chunk_bytes))
+    return _Head(doc, version, save_id, world_size, chunk_bytes, _files(doc, version, chunk_bytes, len(data) // 8))
 
 
 def head_fields(data: bytes, expected: int) -> tuple[dict, int, str, int, int]:
@@ -112,15 +114,16 @@ def head_fields(data: bytes, expected: int) -> tuple[dict, int, str, int, int]:
     if doc.get("format") != FORMAT:
         raise fail(f"format is {doc.get('format')!r:.40}, expected {FORMAT!r}")
     version = as_int(doc.get("version"), "version", 1)
-    if version > COMPRESSED_VERSION:
-        raise fail(f"format version {version} is newer than this tessera reads ({COMPRESSED_VERSION}); upgrade tessera")
-    # Version 3 is the inline form (version 1) with compressed files.
-    if (VERSION if version == COMPRESSED_VERSION else version) != expected:
+    if version > NEWEST_VERSION:
+        raise fail(f"format version {version} is newer than this tessera reads ({NEWEST_VERSION}); upgrade tessera")
+    # Version 3 is the inline form (version 1) with compressed files, version 4 the sectioned one (2).
+    form = {COMPRESSED_VERSION: VERSION, SECTIONED_COMPRESSED_VERSION: SECTIONED_VERSION}.get(version, version)
+    if form != expected:
         raise fail(
             f"format version {version}: "
             + (
                 "an index whose tiles are in sections; read it with tessera.read_manifest (not decode)"
-                if version == SECTIONED_VERSION
+                if form == SECTIONED_VERSION
                 else "not an index; read it with tessera.read_manifest"
             )
         )
@@ -135,7 +138,7 @@ def head_fields(data: bytes, expected: int) -> tuple[dict, int, str, int, int]:
     return doc, version, save_id, world_size, chunk_bytes
 
 
-def _files(doc: dict, version: int, chunk_bytes: int) -> tuple[FileEntry, ...]:
+def _files(doc: dict, version: int, chunk_bytes: int, max_frames: int) -> tuple[FileEntry, ...]:
     raw_files = doc.get("files")
     if not isinstance(raw_files, list):
         raise fail("files must be a list")
@@ -153,7 +156,9 @@ def _files(doc: dict, version: int, chunk_bytes: int) -> tuple[FileEntry, ...]:
             if version != COMPRESSED_VERSION:
                 raise fail(f"files[{i}]: a compressed file (frames) in a version {version} manifest")
             try:
-                frames = FrameTable.from_json(f["frames"], file_bytes=nbytes, chunk_bytes=chunk_bytes)
+                frames = FrameTable.from_json(
+                    f["frames"], file_bytes=nbytes, chunk_bytes=chunk_bytes, max_frames=max_frames
+                )
             except ValueError as e:
                 raise fail(f"files[{i}] ({path}): {e}") from None
         entry = FileEntry(path, as_int(f.get("rank"), "file rank"), nbytes, frames)

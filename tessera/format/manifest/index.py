@@ -21,6 +21,7 @@ import numpy as np
 import xxhash
 
 from ...errors import ManifestError
+from ..codec import FrameTable
 from ..names import check_relpath
 from .blocks import Geometry, pick_many
 from .decoder import head_fields, manifest_from, strict_json, tensor_header
@@ -31,6 +32,7 @@ from .schema import (
     MAX_MANIFEST_BYTES,
     MAX_SECTIONS_BYTES,
     MIN_SECTION_BYTES_PER_TILE,
+    SECTIONED_COMPRESSED_VERSION,
     SECTIONED_VERSION,
     FileEntry,
     Manifest,
@@ -120,7 +122,8 @@ class Index:
             raise ManifestError(f"{where}: invalid manifest: nested too deeply") from None
 
     def _section(self, number: int, data: bytes) -> Section:
-        doc = parse_section(data, f"section {number}")
+        framed = self.chunk_bytes if self.version == SECTIONED_COMPRESSED_VERSION else None
+        doc = parse_section(data, f"section {number}", frames_chunk_bytes=framed)
         if doc.rank != int(self.section_rank[number]):
             raise fail(
                 f"section {number} says it is rank {doc.rank}'s, the index says rank {int(self.section_rank[number])}'s"
@@ -309,7 +312,7 @@ class Index:
 
     def _manifest(self, tensors: dict[str, TensorEntry], files: tuple[FileEntry, ...]) -> Manifest:
         head = self._head
-        return manifest_from(self._doc, SECTIONED_VERSION, head[2], head[3], head[4], files, tensors)
+        return manifest_from(self._doc, self.version, head[2], head[3], head[4], files, tensors)
 
 
 def decode_index(data: bytes, *, source: str = MANIFEST_NAME) -> Index:
@@ -389,9 +392,14 @@ def _tensor_lists(doc: dict, budget: Budget, ntensors: int) -> list[np.ndarray]:
     return [flat[cut[i] : cut[i + 1]] for i in range(count)]
 
 
-def parse_section(data: bytes, what: str) -> SectionDoc:
+def parse_section(data: bytes, what: str, *, frames_chunk_bytes: int | None = None) -> SectionDoc:
     """A section's bytes, decoded and checked on their own (types, confined file references,
     inflation bounded by the section's size, tiles referring to its files).
+
+    Args:
+        frames_chunk_bytes: the checksum chunk size of a version 4 manifest, whose sections may
+            list compressed files (``[path, rank, bytes, frames]``); None: a version 2 one, whose
+            may not.
 
     Raises:
         ManifestError: naming ``what``.
@@ -403,9 +411,23 @@ def parse_section(data: bytes, what: str) -> SectionDoc:
         raise fail("section files must be a list")
     files = []
     for i, f in enumerate(raw_files):
-        if not isinstance(f, list) or len(f) != 3:
-            raise fail(f"section files[{i}] must be [path, rank, bytes]")
-        files.append(FileEntry(check_relpath(f[0]), as_int(f[1], "file rank"), as_int(f[2], "file bytes")))
+        framed = isinstance(f, list) and len(f) == 4
+        if not isinstance(f, list) or not (len(f) == 3 or (framed and frames_chunk_bytes is not None)):
+            raise fail(
+                f"section files[{i}] must be [path, rank, bytes]"
+                + (" or [path, rank, bytes, frames]" if frames_chunk_bytes is not None else " (version 2)")
+            )
+        path, nbytes = check_relpath(f[0]), as_int(f[2], "file bytes")
+        table = None
+        if framed:
+            assert frames_chunk_bytes is not None
+            try:
+                table = FrameTable.from_json(
+                    f[3], file_bytes=nbytes, chunk_bytes=frames_chunk_bytes, max_frames=len(data) // 8
+                )
+            except ValueError as e:
+                raise fail(f"section files[{i}] ({path}): {e}") from None
+        files.append(FileEntry(path, as_int(f[1], "file rank"), nbytes, table))
     tiles = as_dict(doc.get("tiles"), "section tiles")
     n = as_int(tiles.get("count"), "section tiles count")
     budget = Budget(DECODE_RATIO * len(data) + DECODE_SLACK)

@@ -24,6 +24,12 @@ SECTIONS_NAME = "manifest.sections"
 COMPRESSED_VERSION = 3
 """The inline form with compressed data files (a ``frames`` object on their ``files`` entries);
 readers of versions 1 and 2 refuse it."""
+SECTIONED_COMPRESSED_VERSION = 4
+"""The sectioned form (version 2) whose sections list compressed data files (a frame table as
+the fourth element of a section's file entry); readers of versions 1 to 3 refuse it."""
+SECTIONED_VERSIONS = (SECTIONED_VERSION, SECTIONED_COMPRESSED_VERSION)
+"""The versions whose ``manifest.json`` is an index."""
+NEWEST_VERSION = SECTIONED_COMPRESSED_VERSION
 MAX_SECTIONS_BYTES = 4 << 30
 """The largest sections file a version 2 index may declare."""
 MIN_SECTION_BYTES_PER_TILE = 10

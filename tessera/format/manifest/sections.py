@@ -27,10 +27,19 @@ from typing import Any
 import numpy as np
 import xxhash
 
+from ..codec import FrameTable
 from ..names import DATA_DIR
 from .blocks import encode_blocks
 from .encoder import _dumps, _int_column, _remap, manifest_tail
-from .schema import CHECKSUM_ALGORITHM, FORMAT, SECTIONED_VERSION, SECTIONS_NAME, FileEntry, Manifest
+from .schema import (
+    CHECKSUM_ALGORITHM,
+    FORMAT,
+    SECTIONED_COMPRESSED_VERSION,
+    SECTIONED_VERSION,
+    SECTIONS_NAME,
+    FileEntry,
+    Manifest,
+)
 
 
 @dataclass(frozen=True, eq=False)
@@ -58,9 +67,11 @@ def encode_section(
     chunks: np.ndarray,
     checksums: np.ndarray,
     timings: dict[str, Any] | None = None,
+    frames: Sequence[FrameTable | None] = (),
 ) -> bytes:
     """One section: rank ``rank``'s files (``(path, bytes)``), its tiles' details and the
     timings of its part of the save (which version 1 keeps in ``timings.save.ranks``).
+    ``frames``: each file's frame table where it is compressed (a version 4 manifest's section).
 
     ``tensor`` numbers each tile's tensor in the section's own list of tensors (the index maps
     the list to tensor positions); the tiles of one tensor must be in the order of their rows
@@ -68,7 +79,13 @@ def encode_section(
     """
     parts = [
         b'{"rank":%d,"files":' % rank,
-        json.dumps([[p, rank, n] for p, n in files], separators=(",", ":")).encode(),
+        json.dumps(
+            [
+                [p, rank, n] if i >= len(frames) or frames[i] is None else [p, rank, n, frames[i].to_json()]  # type: ignore[union-attr]
+                for i, (p, n) in enumerate(files)
+            ],
+            separators=(",", ":"),
+        ).encode(),
         b',"tiles":{"count":%d' % len(tensor),
     ]
     for key, arr in (("tensor", tensor), ("file", file), ("byte_offset", byte_offset), ("chunks", chunks)):
@@ -105,8 +122,11 @@ def build_index(
     section_lists: np.ndarray,
     name_lists: Sequence[np.ndarray],
     tail: dict[str, Any],
+    *,
+    compressed: bool = False,
 ) -> bytes:
-    """The bytes of a version 2 ``manifest.json``.
+    """The bytes of a version 2 ``manifest.json`` (version 4 where ``compressed``: a section lists
+    a compressed file).
 
     Args:
         head: ``(save_id, world_size, chunk_bytes)``.
@@ -147,7 +167,7 @@ def build_index(
     digests = np.fromiter((xxhash.xxh3_64_intdigest(s) for s in sections), dtype=np.uint64, count=len(sections))
     doc_head = {
         "format": FORMAT,
-        "version": SECTIONED_VERSION,
+        "version": SECTIONED_COMPRESSED_VERSION if compressed else SECTIONED_VERSION,
         "save_id": save_id,
         "world_size": world_size,
         "checksum": {"algorithm": CHECKSUM_ALGORITHM, "chunk_bytes": chunk_bytes},
@@ -172,7 +192,7 @@ def build_index(
 
 
 def encode_sectioned(m: Manifest) -> tuple[bytes, bytes]:
-    """Serialize a whole manifest as format version 2: ``(index, sections)``.
+    """Serialize a whole manifest as format version 2 (4 with compressed files): ``(index, sections)``.
 
     ``index`` is the bytes of ``manifest.json``, ``sections`` those of the file at
     :func:`sections_path` (written, and durable, before the index is published). A save's
@@ -226,8 +246,10 @@ def encode_sectioned(m: Manifest) -> tuple[bytes, bytes]:
     by_sec = np.argsort(sec, kind="stable")  # a section's tiles: by tensor, then row
     cut = np.searchsorted(sec[by_sec], np.arange(len(section_ranks) + 1))
     files_of: list[list[tuple[str, int]]] = [[] for _ in section_ranks]
+    frames_of: list[list[FrameTable | None]] = [[] for _ in section_ranks]
     for f, s in zip(files, file_section.tolist()):
         files_of[s].append((f.path, f.nbytes))
+        frames_of[s].append(f.frames)
     tail = manifest_tail(m)
     tail["timings"], moved = rank_timings(m.timings, set(section_ranks.tolist()))
     lists: dict[tuple[int, ...], int] = {}
@@ -241,7 +263,11 @@ def encode_sectioned(m: Manifest) -> tuple[bytes, bytes]:
         first = np.concatenate([[0], np.cumsum(c)])[:-1].astype(np.int64)
         picked = sums[np.arange(int(c.sum()), dtype=np.int64) - np.repeat(first - sum_at[rows], c)]
         r = int(section_ranks[s])
-        blobs.append(encode_section(r, files_of[s], local.reshape(-1), file[rows], bo[rows], c, picked, moved.get(r)))
+        blobs.append(
+            encode_section(
+                r, files_of[s], local.reshape(-1), file[rows], bo[rows], c, picked, moved.get(r), frames_of[s]
+            )
+        )
     index = build_index(
         (m.save_id, m.world_size, m.chunk_bytes),
         [(name, e.dtype, e.shape) for name, e in m.tensors.items()],
@@ -254,5 +280,6 @@ def encode_sectioned(m: Manifest) -> tuple[bytes, bytes]:
         section_lists,
         [np.array(x, dtype=np.int64) for x in lists],
         tail,
+        compressed=any(f.frames is not None for f in files),
     )
     return index, b"".join(blobs)
