@@ -364,18 +364,23 @@ def test_a_compressed_manifest_past_the_sections_threshold_is_sectioned_as_versi
 
 
 def test_frame_columns_of_a_hostile_file_size_are_bounded_by_the_document(tmp_path: Path) -> None:
-    """A file that declares a huge size cannot make its frame columns a decompression bomb: each
-    frame is a checksum chunk whose checksum the document holds, so it declares at most len/8."""
+    """A file that declares a huge size cannot make its frame columns a decompression bomb: the
+    frame tables of one document inflate to at most 256 times its size plus 16 MiB, all together."""
     import base64
     import zlib
 
+    from tessera.format.codec import FRAME_COLUMN_RATIO, FRAME_COLUMN_SLACK
+
     tessera.save(str(tmp_path / "c"), {"w": torch.randn(64, 512)}, options=_opts())
     doc = _manifest(tmp_path / "c")
-    bomb = base64.b64encode(zlib.compress(bytes(64 << 20), 9)).decode()  # 64 MiB of zeros in ~90 KB
+    z = zlib.compressobj(9)
+    bomb = b"".join(z.compress(bytes(1 << 20)) for _ in range(256)) + z.flush()  # 256 MiB of zeros in ~250 KB
     doc["files"][0]["bytes"] = 1 << 60
-    doc["files"][0]["frames"]["logical"] = bomb
-    with pytest.raises(ManifestError, match="frames.logical holds"):
-        decode(json.dumps(doc).encode())
+    doc["files"][0]["frames"]["logical"] = base64.b64encode(bomb).decode()
+    data = json.dumps(doc).encode()
+    assert FRAME_COLUMN_RATIO * len(data) + FRAME_COLUMN_SLACK < 256 << 20
+    with pytest.raises(ManifestError, match="frame tables inflate past 256x the document's size"):
+        decode(data)
 
 
 def _sections_run(rank: int, world: int, path: str, save: bool) -> tuple[int, int]:
@@ -611,3 +616,20 @@ def test_delta_tiles_on_s3(moto_endpoint: str, s3_bucket: str) -> None:
     target = {k: torch.zeros_like(v) for k, v in states[3].items()}
     tessera.load(f"{root}/step-00000003", target, options=NO_TIMINGS, storage_options=opts)
     _assert_same(target, states[3])
+
+
+def test_a_copy_of_a_compressed_delta_coded_step_is_self_contained(tmp_path: Path) -> None:
+    from tessera.tools.copy import copy_checkpoint
+
+    g = torch.Generator().manual_seed(9)
+    state = {"w": torch.randn(256, 256, generator=g) * 0.02, "b": torch.randn(4096, generator=g) * 0.02}
+    with CheckpointManager(str(tmp_path / "run"), dedup=True, compress=True, keep_last=3) as mgr:
+        mgr.save(1, state)
+        state["w"].add_(1e-4)
+        mgr.save(2, state)
+    src = str(tmp_path / "run" / "step-00000002")
+    assert any(f.frames is not None and f.frames.delta is not None for f in tessera.read_manifest(src).files)
+    copy_checkpoint(src, str(tmp_path / "copy"))
+    shutil.rmtree(tmp_path / "run")  # the copy needs nothing of the root
+    _load_into_zeros(str(tmp_path / "copy"), state)
+    assert tessera.verify(str(tmp_path / "copy")).ok

@@ -34,6 +34,29 @@ with spaces to 128 bytes in all): it declares no tensors, so a safetensors reade
 instead of misreading frames as tensors."""
 
 
+class ColumnBudget:
+    """The bytes the frame tables of one document (a manifest, a section, a rank report) may
+    inflate to, all their files together: ``FRAME_COLUMN_RATIO`` times the document's size plus
+    ``FRAME_COLUMN_SLACK``. A column is inflated only up to what is left, so a document of a few
+    bytes cannot declare gigabytes of frames, whatever file sizes it claims (not thread-safe: one
+    per decoding)."""
+
+    def __init__(self, document_bytes: int) -> None:
+        self.left = FRAME_COLUMN_RATIO * document_bytes + FRAME_COLUMN_SLACK
+
+    def take(self, n: int, what: str) -> None:
+        if n > self.left:
+            raise ValueError(f"{what}: the frame tables inflate past {FRAME_COLUMN_RATIO}x the document's size")
+        self.left -= n
+
+
+FRAME_COLUMN_RATIO = 256
+"""A document's frame columns inflate to at most this many times its size (plus the slack): a
+column of equal chunk lengths deflates about 1,000 to 1, so the bound is on the document, not on
+each column (and a delta-coded step's manifest lists whole frame tables of files it shares)."""
+FRAME_COLUMN_SLACK = 16 << 20
+
+
 class FrameError(ValueError):
     """A frame that does not decode to what the frame table declares (the caller names the tensor,
     file and rank)."""
@@ -153,13 +176,13 @@ class DeltaColumns:
         }
 
     @classmethod
-    def from_json(cls, raw: Any, n: int) -> DeltaColumns:
+    def from_json(cls, raw: Any, n: int, budget: ColumnBudget | None = None) -> DeltaColumns:
         if not isinstance(raw, dict) or not isinstance(raw.get("parents"), list):
             raise ValueError("frames.delta must be an object with a list of parents")
         parents = raw["parents"]
         if not all(isinstance(p, str) for p in parents) or len(parents) > n:
             raise ValueError("frames.delta.parents must be at most one file reference per frame")
-        cols = {k: _parse_column(raw.get(k), f"delta.{k}", n) for k in ("parent", "offset", "depth", "lanes")}
+        cols = {k: _parse_column(raw.get(k), f"delta.{k}", n, budget) for k in ("parent", "offset", "depth", "lanes")}
         if any(len(c) != n for c in cols.values()):
             raise ValueError(f"frames.delta columns must hold one value per frame ({n})")
         parent, depth, lanes = cols["parent"], cols["depth"], cols["lanes"]
@@ -237,12 +260,13 @@ class FrameTable:
         }
 
     @classmethod
-    def from_json(cls, raw: Any, *, file_bytes: int, chunk_bytes: int, max_frames: int | None = None) -> FrameTable:
+    def from_json(
+        cls, raw: Any, *, file_bytes: int, chunk_bytes: int, budget: ColumnBudget | None = None
+    ) -> FrameTable:
         """Parse and check a ``frames`` object against its file's stored size.
 
-        ``max_frames`` bounds the frames before anything is inflated: every frame is a checksum
-        chunk of a tile, whose 8-byte checksum the same document holds, so a document of ``n``
-        bytes declares at most ``n // 8`` (a hostile file size cannot make the columns a bomb).
+        ``budget``: what the columns of the document it is part of may still inflate to (None:
+        only this file's size bounds them); the columns are inflated no further than that.
 
         Raises:
             ValueError: naming the field that is wrong (the caller names the manifest and file).
@@ -260,9 +284,8 @@ class FrameTable:
         assert isinstance(start, int) and isinstance(lstart, int)
         # At most one frame per stored byte: the columns cannot declare more than the file holds.
         most = max(0, file_bytes - start)
-        most = most if max_frames is None else min(most, max_frames)
-        logical = _parse_column(raw.get("logical"), "logical", most)
-        stored = _parse_column(raw.get("stored"), "stored", most)
+        logical = _parse_column(raw.get("logical"), "logical", most, budget)
+        stored = _parse_column(raw.get("stored"), "stored", most, budget)
         if len(logical) != len(stored):
             raise ValueError(f"frames: {len(logical)} logical lengths but {len(stored)} stored lengths")
         if len(logical) and (
@@ -271,7 +294,7 @@ class FrameTable:
             raise ValueError(f"frames: every chunk must hold 1 to {min(chunk_bytes, MAX_FRAME_BYTES)} bytes")
         if (stored > logical).any():
             raise ValueError("frames: a frame is stored larger than its chunk")
-        delta = DeltaColumns.from_json(raw["delta"], len(logical)) if "delta" in raw else None
+        delta = DeltaColumns.from_json(raw["delta"], len(logical), budget) if "delta" in raw else None
         if delta is not None and (stored[delta.depth > 0] >= logical[delta.depth > 0]).any():
             raise ValueError("frames: a delta frame is not smaller than its chunk (it would read as raw)")
         table = cls(start, lstart, logical, stored, delta)
@@ -287,15 +310,20 @@ def _column(a: np.ndarray) -> str:
     return base64.b64encode(zlib.compress(np.ascontiguousarray(a, dtype="<i8").tobytes(), 1)).decode("ascii")
 
 
-def _parse_column(text: Any, key: str, most: int) -> np.ndarray:
+def _parse_column(text: Any, key: str, most: int, budget: ColumnBudget | None = None) -> np.ndarray:
     if not isinstance(text, str):
         raise ValueError(f"frames.{key} must be a base64 string")
-    try:  # bounded: no more values than the file has stored bytes
-        buf = zlib.decompressobj().decompress(base64.b64decode(text, validate=True), 8 * most + 1)
+    limit = 8 * most if budget is None else min(8 * most, budget.left)
+    try:  # bounded: no more values than the file has stored bytes, nor than the document may declare
+        buf = zlib.decompressobj().decompress(base64.b64decode(text, validate=True), limit + 1)
     except (binascii.Error, ValueError, zlib.error):
         raise ValueError(f"frames.{key} is not valid base64 of zlib data") from None
+    if budget is not None and len(buf) > limit and limit < 8 * most:
+        budget.take(len(buf), f"frames.{key}")  # raises: past what the document may declare
     if len(buf) % 8 or len(buf) > 8 * most:
         raise ValueError(f"frames.{key} holds {len(buf)} bytes: not a column of at most {most} int64 values")
+    if budget is not None:
+        budget.take(len(buf), f"frames.{key}")
     a = np.frombuffer(buf, dtype="<i8").astype(np.int64)
     if len(a) and (int(a.min()) < 0 or int(a.max()) >= 1 << 62):
         raise ValueError(f"frames.{key} values must be non-negative integers below 2**62")

@@ -28,7 +28,7 @@ import numpy as np
 import xxhash
 
 from ..errors import ManifestError
-from .codec import MAX_FRAME_BYTES, FrameTable
+from .codec import MAX_FRAME_BYTES, ColumnBudget, FrameTable
 from .manifest.index import parse_section
 from .manifest.sections import encode_section
 from .names import DATA_DIR
@@ -218,7 +218,7 @@ def decode_report(data: bytes, *, source: str, rank: int, save_id: str, details:
         raise fail("values, per_rank and timings must be objects")
     if not all(isinstance(v, list) and len(v) == 2 and isinstance(v[1], str) for v in per_rank.values()):
         raise fail("per_rank entries must be [value, policy]")
-    geo, section = _geometry(doc, tail, fail)
+    geo, section = _geometry(doc, tail, fail, len(data))
     return RankReportDoc(
         rank,
         save_id,
@@ -268,7 +268,9 @@ def _names(packed: bytes, fail: Any) -> tuple[str, ...]:
     return out
 
 
-def _geometry(doc: dict[str, Any], tail: bytes, fail: Any) -> tuple[ReportGeometry | None, bytes | None]:
+def _geometry(
+    doc: dict[str, Any], tail: bytes, fail: Any, report_bytes: int
+) -> tuple[ReportGeometry | None, bytes | None]:
     """The tiles' geometry and the section, from the parts after the report's JSON line:
     the deflated names, the section's bytes, the geometry table (sizes in ``parts``)."""
     files, raw, parts = doc.get("files"), doc.get("tiles"), doc.get("parts")
@@ -280,12 +282,13 @@ def _geometry(doc: dict[str, Any], tail: bytes, fail: Any) -> tuple[ReportGeomet
     ):
         raise fail("files must be [[path, bytes] or [path, bytes, frames], ...]")
     frames: list[FrameTable | None] = []
+    budget = ColumnBudget(report_bytes)  # the report's frame tables together
     for f in files:
         try:
             frames.append(
                 None
                 if len(f) == 2
-                else FrameTable.from_json(f[2], file_bytes=f[1], chunk_bytes=MAX_FRAME_BYTES, max_frames=len(tail) // 8)
+                else FrameTable.from_json(f[2], file_bytes=f[1], chunk_bytes=MAX_FRAME_BYTES, budget=budget)
             )
         except ValueError as e:
             raise fail(f"file {f[0]!r:.80}: {e}") from None
@@ -317,7 +320,7 @@ def _geometry(doc: dict[str, Any], tail: bytes, fail: Any) -> tuple[ReportGeomet
 def with_details(geo: ReportGeometry, section: bytes | None, fail: Any) -> ReportTiles:
     """The full tiles of a report: its geometry joined with its decoded section."""
     try:
-        s = parse_section(section or b"", "the section", frames_chunk_bytes=MAX_FRAME_BYTES)
+        s = parse_section(section or b"", "the section", frames_chunk_bytes=MAX_FRAME_BYTES, delta_frames=True)
     except ManifestError as e:
         raise fail(str(e)) from None
     if len(s.tensor) != len(geo) or not np.array_equal(s.tensor, geo.name):

@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from ..convert._common import ConvertResult
 from ..engine import commit
 from ..engine.loading.manifest import read_manifest
+from ..format.codec import FrameTable
 from ..format.manifest import FileEntry, Manifest, TensorEntry
 from ..storage import Storage, storage_for
 from ..storage.shared_tiles import with_shared_tiles
@@ -84,6 +85,14 @@ def _relocated(manifest: Manifest, save_id: str, renamed: dict[str, str]) -> Man
         tensors[fqn] = TensorEntry(
             entry.dtype, entry.shape, table=dataclasses.replace(table, paths=tuple(renamed[p] for p in table.paths))
         )
-    files = tuple(FileEntry(renamed[f.path], f.rank, f.nbytes) for f in manifest.files)
+    files = tuple(FileEntry(renamed[f.path], f.rank, f.nbytes, _moved(f.frames, renamed)) for f in manifest.files)
     metadata = {k: v for k, v in manifest.metadata.items() if k != "saved_at"}
     return dataclasses.replace(manifest, save_id=save_id, tensors=tensors, files=files, metadata=metadata)
+
+
+def _moved(frames: FrameTable | None, renamed: dict[str, str]) -> FrameTable | None:
+    """A compressed file's frame table with its delta frames' parents at their new paths."""
+    if frames is None or frames.delta is None:
+        return frames
+    parents = tuple(renamed.get(p, p) for p in frames.delta.parents)
+    return dataclasses.replace(frames, delta=dataclasses.replace(frames.delta, parents=parents))

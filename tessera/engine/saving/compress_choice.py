@@ -4,16 +4,18 @@ A write that codes its chunks takes about ``max(B / C, (B / ratio) / W)`` for ``
 bytes, ``C`` the rate the rank's coder threads code at and ``W`` the rate its storage takes bytes
 at; a plain write takes ``B / W``. So coding pays exactly where ``C > W``: object stores, network
 filesystems, a disk shared by many ranks; not on a local disk faster than the codec (the 2-core
-development machine's NVMe takes ~1 GB/s, its two cores code ~0.6 GB/s: docs/compression.md).
+development machine's NVMe takes 1.1-1.7 GB/s, its two cores code 0.65-1.1 GB/s:
+docs/compression.md).
 
-Both rates are measured by the writes themselves, per process (the writer process keeps its own)
-and per place: a local filesystem (its device), or an object store's bucket (scheme and host),
-whatever the checkpoint's path under it, as moving averages:
+Both rates are measured by the writes themselves, per process (the writer process keeps its
+own), as moving averages:
 
-* ``W``: from plain writes, bytes over the write stage's wall time; from coded writes, stored
-  bytes over the time the backend was not waiting for frames.
-* ``C``: from coded writes, logical bytes over the seconds spent coding, per thread; before any,
-  from coding the first chunk of the write being decided (a few milliseconds).
+* ``W`` per place: a local filesystem (its device) or an object store's bucket (scheme and
+  host), whatever the checkpoint's path under it. Bytes stored over the write stage's time less
+  the time the backend waited for its next bytes (staging pieces, checksums, frames).
+* ``C`` per thread, for the process: logical bytes over the seconds spent coding; before any
+  coded write, from coding one chunk of the write being decided (or a MiB of trained-like fp32
+  values where it has none of a MiB: a memory budget's pieces, small tiles), a few milliseconds.
 
 The first write to a place is plain (nothing is known of ``W``). The decision is each rank's own:
 a checkpoint may hold coded and plain files side by side (each file says which it is).
@@ -27,7 +29,6 @@ import os
 import threading
 import time
 import urllib.parse
-from dataclasses import dataclass
 
 logger = logging.getLogger(__name__)
 
@@ -35,14 +36,6 @@ _WEIGHT = 0.5
 """Weight of the newest measurement in each moving average."""
 _MIN_BYTES = 1 << 20
 """Writes smaller than this are not measured (their time is latency, not bandwidth)."""
-
-
-@dataclass
-class _Rates:
-    storage_bps: float | None = None
-    """Bytes per second the rank's writes to this root took, all threads together."""
-    codec_bps: float | None = None
-    """Logical bytes per second one coder thread codes."""
 
 
 def _mix(old: float | None, new: float) -> float:
@@ -71,36 +64,53 @@ def place(url: str) -> str:
             path = parent
 
 
+_SAMPLE: bytes | None = None
+
+
+def _sample() -> bytes:
+    """A MiB of trained-like fp32 values (normal, scale 0.02), to time the codec where a write
+    has no chunk of its own to offer (a memory budget's pieces, tiles under a MiB)."""
+    global _SAMPLE
+    if _SAMPLE is None:
+        import numpy as np
+
+        _SAMPLE = (np.random.default_rng(0).standard_normal(1 << 18, dtype=np.float32) * 0.02).tobytes()
+    return _SAMPLE
+
+
 class CompressChoice:
-    """The measured rates of one process, by :func:`place`."""
+    """The measured rates of one process: the storage's by :func:`place`, the codec's (a property
+    of the machine's cores, whatever the place)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._rates: dict[str, _Rates] = {}
+        self._storage: dict[str, float] = {}
+        self._codec: float | None = None
 
     def rates(self, url: str) -> tuple[float | None, float | None]:
         """``(storage bytes/s, codec bytes/s per thread)`` measured for ``url``'s place so far."""
         key = place(url)
         with self._lock:
-            r = self._rates.get(key, _Rates())
-            return r.storage_bps, r.codec_bps
+            return self._storage.get(key), self._codec
 
     def should_code(self, url: str, coders: int, sample: memoryview | None, itemsize: int) -> bool:
         """Whether the next write to ``url`` with ``coders`` coder threads codes its chunks.
 
-        ``sample`` (a chunk of that write) is coded once to measure the codec where no coded
-        write has measured it yet.
+        Where the codec was not measured yet, ``sample`` (a chunk of that write of at least a MiB;
+        else a MiB of trained-like fp32 values) is coded once to measure it.
         """
         storage, codec = self.rates(url)
         if storage is None:
             return False
-        if codec is None and sample is not None and len(sample) >= _MIN_BYTES:
+        if codec is None:
             from ...format.codec import encode_chunk
 
+            if sample is None or len(sample) < _MIN_BYTES:
+                sample, itemsize = memoryview(_sample()), 4
             encode_chunk(sample[: 64 << 10], itemsize)  # loads the codec: not part of its rate
             t0 = time.perf_counter()
             encode_chunk(sample, itemsize)
-            codec = self.record_codec(url, len(sample), time.perf_counter() - t0)
+            codec = self.record_codec(len(sample), time.perf_counter() - t0)
         if codec is None:
             return False
         code = codec * coders > storage
@@ -115,17 +125,14 @@ class CompressChoice:
         if nbytes >= _MIN_BYTES and seconds > 0:
             key = place(url)
             with self._lock:
-                r = self._rates.setdefault(key, _Rates())
-                r.storage_bps = _mix(r.storage_bps, nbytes / seconds)
+                self._storage[key] = _mix(self._storage.get(key), nbytes / seconds)
 
-    def record_codec(self, url: str, nbytes: int, seconds: float) -> float | None:
-        """One thread coded ``nbytes`` in ``seconds``; the codec's rate for ``url`` now."""
-        key = place(url)
+    def record_codec(self, nbytes: int, seconds: float) -> float | None:
+        """Threads coded ``nbytes`` in ``seconds`` of their time in all; the codec's rate now."""
         with self._lock:
-            r = self._rates.setdefault(key, _Rates())
             if nbytes >= _MIN_BYTES and seconds > 0:
-                r.codec_bps = _mix(r.codec_bps, nbytes / seconds)
-            return r.codec_bps
+                self._codec = _mix(self._codec, nbytes / seconds)
+            return self._codec
 
 
 CHOICE = CompressChoice()

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import os
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -32,6 +33,7 @@ from ...storage import Storage
 from ...storage.capabilities import ListsSizes
 from ..frames import read_logical
 from ..tile_pins import PIN_LEASE_S, read_pins, remove_pin, write_pin
+from . import compress_choice
 from .handoff import CommitOutcome, FileReport, PreparedSave
 from .tile_index import Dedup, StoredTile, TileIndex, TileKey, shared_dir
 from .window import file_write
@@ -215,13 +217,15 @@ def write_shared(
     d = save.dedup
     assert d is not None
     index = d.index if share else None
-    delta = d.tiles if save.options.compress else None
+    compress = save.options.compress
+    if compress == "auto":  # decided here: only a coded write builds on delta bases
+        threads = min(save.options.io_threads, os.cpu_count() or 1)
+        compress = compress_choice.CHOICE.should_code(d.tiles.url, threads, None, 1)
+    delta = d.tiles if compress else None
     split = split_writes(save.save_id, save.plan.layouts, staged, index, save.options.chunk_bytes, delta)
     if any(f.bases for f in split.files):
         write = write_tiles  # delta bases are read through this process's storage
-    written = write(
-        d.tiles, WriteRequest(split.files, save.options.chunk_bytes, save.options.io_threads, save.options.compress)
-    )
+    written = write(d.tiles, WriteRequest(split.files, save.options.chunk_bytes, save.options.io_threads, compress))
     mine = [*shared_reports(written), *split.referenced]
     reports.extend(mine)
     reports.extend(parent_reports(mine, index))

@@ -195,7 +195,7 @@ def _write_one(
                     progress(len(c))
             tiles.append(WrittenTile(slot.fqn, slot.box, slot.byte_offset, slot.nbytes, tuple(sums)))
 
-    storage.write_file(path, chunks() if pieces is None else streamed())
+    storage.write_file(path, _producing(chunks() if pieces is None else streamed(), stats or CodingStats()))
     if progress is not None:
         progress(0)
     if len(tiles) != len(layout.slots):
@@ -236,8 +236,9 @@ def _slices(view: memoryview, chunk_bytes: int) -> Iterator[memoryview]:
 
 
 class CodingStats:
-    """What the coded writes of one write stage spent (thread-safe): the coding threads' seconds,
-    and the seconds the backend waited for frames (the rest of its time it was writing)."""
+    """What the writes of one write stage spent (thread-safe): the coding threads' seconds, and
+    the seconds the backend waited for its next bytes (staging pieces, checksums, frames; the rest
+    of its time it was writing)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -253,6 +254,25 @@ class CodingStats:
     def waited(self, seconds: float) -> None:
         with self._lock:
             self.waited_s += seconds
+
+
+def _producing(chunks: Iterator[memoryview | bytes], stats: CodingStats) -> Iterator[memoryview | bytes]:
+    """``chunks`` as the backend takes them, the time spent making each counted as waited, so
+    that what is left of a write's time is the storage's own (``compress="auto"`` measures it)."""
+    try:
+        while True:
+            t = time.perf_counter()
+            try:
+                chunk = next(chunks)
+            except StopIteration:
+                return
+            finally:
+                stats.waited(time.perf_counter() - t)
+            yield chunk
+    finally:
+        close = getattr(chunks, "close", None)
+        if close is not None:
+            close()  # a backend that stopped early: the producer's own clean-up runs now
 
 
 @dataclass(frozen=True)
@@ -277,7 +297,6 @@ def _in_order(
     todo: Iterator[tuple[int, int, memoryview | bytes]],
     coders: ThreadPoolExecutor | None,
     ahead: int,
-    stats: CodingStats,
     *,
     copy: bool,
 ) -> Iterator[_Frame]:
@@ -287,26 +306,16 @@ def _in_order(
     handed on; at most ``ahead`` chunks (and their frames) are in flight either way."""
     if coders is None:
         for args in todo:
-            t = time.perf_counter()
-            frame = fn(*args)
-            stats.waited(time.perf_counter() - t)
-            yield frame
+            yield fn(*args)
         return
     pending: collections.deque[Future[_Frame]] = collections.deque()
-
-    def oldest() -> _Frame:
-        t = time.perf_counter()
-        frame = pending.popleft().result()
-        stats.waited(time.perf_counter() - t)
-        return frame
-
     try:
         for i, k, c in todo:
             pending.append(coders.submit(fn, i, k, bytes(c) if copy else c))
             if len(pending) >= ahead:
-                yield oldest()
+                yield pending.popleft().result()
         while pending:
-            yield oldest()
+            yield pending.popleft().result()
     finally:
         for f in pending:
             f.cancel()
@@ -363,7 +372,7 @@ def _write_framed(
         yield header
         sums: list[list[int]] = [[] for _ in layout.slots]
         todo = ((i, k, c) for i in range(len(layout.slots)) for k, c in enumerate(tile_chunks(i)))
-        for f in _in_order(encode, todo, pool, coders + 1, stats, copy=pieces is not None):
+        for f in _in_order(encode, todo, pool, coders + 1, copy=pieces is not None):
             sums[f.slot].append(f.checksum)
             if f.parent is None:
                 delta_cols.append((0, 0, 0, 0))
@@ -379,7 +388,7 @@ def _write_framed(
 
     pool = ThreadPoolExecutor(coders, thread_name_prefix="tessera-code") if coders > 1 else None
     try:
-        storage.write_file(path, frames())
+        storage.write_file(path, _producing(frames(), stats))
     finally:
         if pool is not None:
             pool.shutdown(cancel_futures=True)
@@ -506,11 +515,9 @@ def _sample(files: Sequence[FileWrite], chunk_bytes: int) -> tuple[memoryview | 
 
 def _measure(url: str, written: Sequence[WrittenFile], stats: CodingStats, seconds: float, lanes: int) -> None:
     """Feed ``compress="auto"`` what this write stage showed of the storage and the codec."""
-    stored = sum(w.nbytes for w in written)
-    coded = any(w.frames is not None for w in written)
-    if coded:
-        if stats.coding_s > 0:
-            compress_choice.CHOICE.record_codec(url, stats.logical, stats.coding_s)
-        # The backend's own time: the stage's, less what each file's writer waited for frames.
-        seconds -= stats.waited_s / max(1, lanes)
-    compress_choice.CHOICE.record_storage(url, stored, seconds)
+    if stats.coding_s > 0:
+        compress_choice.CHOICE.record_codec(stats.logical, stats.coding_s)
+    # The backend's own time: the stage's, less what the files' writers (``lanes`` at once)
+    # waited for their next bytes.
+    seconds -= stats.waited_s / max(1, lanes)
+    compress_choice.CHOICE.record_storage(url, sum(w.nbytes for w in written), seconds)

@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 import torch
 
 from ...errors import ManifestError
-from ..codec import FrameTable
+from ..codec import ColumnBudget, FrameTable
 from ..dtypes import dtype_from_name, itemsize
 from ..names import check_reference
 from .schema import (
@@ -104,7 +104,7 @@ class _Head(NamedTuple):
 def _head(data: bytes) -> _Head:
     """The top level of a manifest: everything but tensors, values and the informational fields."""
     doc, version, save_id, world_size, chunk_bytes = head_fields(data, VERSION)
-    return _Head(doc, version, save_id, world_size, chunk_bytes, _files(doc, version, chunk_bytes, len(data) // 8))
+    return _Head(doc, version, save_id, world_size, chunk_bytes, _files(doc, version, chunk_bytes, len(data)))
 
 
 def head_fields(data: bytes, expected: int) -> tuple[dict, int, str, int, int]:
@@ -138,12 +138,13 @@ def head_fields(data: bytes, expected: int) -> tuple[dict, int, str, int, int]:
     return doc, version, save_id, world_size, chunk_bytes
 
 
-def _files(doc: dict, version: int, chunk_bytes: int, max_frames: int) -> tuple[FileEntry, ...]:
+def _files(doc: dict, version: int, chunk_bytes: int, doc_bytes: int) -> tuple[FileEntry, ...]:
     raw_files = doc.get("files")
     if not isinstance(raw_files, list):
         raise fail("files must be a list")
     files = []
     seen_paths: set[str] = set()
+    budget = ColumnBudget(doc_bytes)  # all files' frame tables together
     for i, raw_file in enumerate(raw_files):
         f = as_dict(raw_file, f"files[{i}]")
         try:
@@ -156,9 +157,7 @@ def _files(doc: dict, version: int, chunk_bytes: int, max_frames: int) -> tuple[
             if version != COMPRESSED_VERSION:
                 raise fail(f"files[{i}]: a compressed file (frames) in a version {version} manifest")
             try:
-                frames = FrameTable.from_json(
-                    f["frames"], file_bytes=nbytes, chunk_bytes=chunk_bytes, max_frames=max_frames
-                )
+                frames = FrameTable.from_json(f["frames"], file_bytes=nbytes, chunk_bytes=chunk_bytes, budget=budget)
             except ValueError as e:
                 raise fail(f"files[{i}] ({path}): {e}") from None
         entry = FileEntry(path, as_int(f.get("rank"), "file rank"), nbytes, frames)

@@ -21,7 +21,7 @@ import numpy as np
 import xxhash
 
 from ...errors import ManifestError
-from ..codec import FrameTable
+from ..codec import ColumnBudget, FrameTable
 from ..names import check_relpath
 from .blocks import Geometry, pick_many
 from .decoder import head_fields, manifest_from, strict_json, tensor_header
@@ -392,7 +392,9 @@ def _tensor_lists(doc: dict, budget: Budget, ntensors: int) -> list[np.ndarray]:
     return [flat[cut[i] : cut[i + 1]] for i in range(count)]
 
 
-def parse_section(data: bytes, what: str, *, frames_chunk_bytes: int | None = None) -> SectionDoc:
+def parse_section(
+    data: bytes, what: str, *, frames_chunk_bytes: int | None = None, delta_frames: bool = False
+) -> SectionDoc:
     """A section's bytes, decoded and checked on their own (types, confined file references,
     inflation bounded by the section's size, tiles referring to its files).
 
@@ -400,6 +402,8 @@ def parse_section(data: bytes, what: str, *, frames_chunk_bytes: int | None = No
         frames_chunk_bytes: the checksum chunk size of a version 4 manifest, whose sections may
             list compressed files (``[path, rank, bytes, frames]``); None: a version 2 one, whose
             may not.
+        delta_frames: whether those frame tables may hold delta frames (a rank report's section
+            may; a committed index's may not: a delta frame's parent can be in another section).
 
     Raises:
         ManifestError: naming ``what``.
@@ -410,6 +414,7 @@ def parse_section(data: bytes, what: str, *, frames_chunk_bytes: int | None = No
     if not isinstance(raw_files, list):
         raise fail("section files must be a list")
     files = []
+    frame_budget = ColumnBudget(len(data))  # all the section's frame tables together
     for i, f in enumerate(raw_files):
         framed = isinstance(f, list) and len(f) == 4
         if not isinstance(f, list) or not (len(f) == 3 or (framed and frames_chunk_bytes is not None)):
@@ -422,8 +427,11 @@ def parse_section(data: bytes, what: str, *, frames_chunk_bytes: int | None = No
         if framed:
             assert frames_chunk_bytes is not None
             try:
+                if not delta_frames and isinstance(f[3], dict) and "delta" in f[3]:
+                    # Its parents' frame tables may be in other sections: a delta-coded manifest stays inline.
+                    raise ValueError("delta frames in a section (a delta-coded manifest is inline, version 3)")
                 table = FrameTable.from_json(
-                    f[3], file_bytes=nbytes, chunk_bytes=frames_chunk_bytes, max_frames=len(data) // 8
+                    f[3], file_bytes=nbytes, chunk_bytes=frames_chunk_bytes, budget=frame_budget
                 )
             except ValueError as e:
                 raise fail(f"section files[{i}] ({path}): {e}") from None
