@@ -1,4 +1,5 @@
-"""The on-disk manifest (format versions 1 and 2): frozen dataclasses, encoders and strict decoders.
+"""The on-disk manifest (format versions 1 to 4: inline or sectioned, each with or without
+compressed files): frozen dataclasses, encoders and strict decoders.
 
 ``manifest.json`` is written last and atomically; its presence commits a checkpoint. The
 decoder treats the file as hostile: size limit, strict types, dtype whitelist, file
