@@ -312,6 +312,22 @@ def test_compressed_save_and_load_on_s3(moto_endpoint: str, s3_bucket: str) -> N
     assert tessera.verify(url, storage=tessera.storage.storage_for(url, storage_options=opts)).ok
 
 
+@pytest.mark.s3
+def test_a_sectioned_compressed_checkpoint_on_s3(
+    moto_endpoint: str, s3_bucket: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TESSERA_SECTIONED_MANIFEST_TILES", "0")
+    opts = s3_options(moto_endpoint)
+    url = f"s3://{s3_bucket}/{uuid.uuid4().hex}/ckpt"
+    state = _every_dtype(torch.Generator().manual_seed(8))
+    tessera.save(url, state, options=_opts(), storage_options=opts)
+    assert tessera.read_manifest(url, storage_options=opts).version == 4
+    target = {k: torch.zeros_like(v) for k, v in state.items()}
+    tessera.load(url, target, options=NO_TIMINGS, storage_options=opts)
+    _assert_same(target, state)
+    assert tessera.verify(url, storage=tessera.storage.storage_for(url, storage_options=opts)).ok
+
+
 def test_frames_bound_declared_sizes_before_decoding() -> None:
     from tessera.format.codec import FrameError, decode_chunk, encode_chunk
 
