@@ -66,16 +66,16 @@ def read_logical(
     frames = table.frames(start, stop)
     s0 = table.stored_span(frames[0])[0]
     s1 = table.stored_span(frames[-1])[1]
-    stored = bytearray(s1 - s0)
-    storage.read_into(path if locate is None else locate(path), s0, memoryview(stored))
+    stored = _scratch(s1 - s0)  # filled by the read whole: no need to zero it first
+    storage.read_into(path if locate is None else locate(path), s0, stored)
     decoded = 0
     delta = table.delta
     for k in frames:
         a, b = table.logical_span(k)
         fa, fb = table.stored_span(k)
-        frame = memoryview(stored)[fa - s0 : fb - s0]
+        frame = stored[fa - s0 : fb - s0]
         partial = not (start <= a and b <= stop)
-        dest = memoryview(bytearray(b - a)) if partial else out[a - start : b - start]
+        dest = _scratch(b - a) if partial else out[a - start : b - start]
         if fb - fa == b - a:  # stored raw
             dest[:] = frame
         else:
@@ -91,6 +91,12 @@ def read_logical(
             out[lo - start : hi - start] = dest[lo - a : hi - a]
     if stats is not None:
         stats.add(decoded, s1 - s0)
+
+
+def _scratch(n: int) -> memoryview:
+    """``n`` bytes of uninitialised memory (``bytearray(n)`` zeroes them: a pass over every
+    stored byte a load reads, for bytes the read or the decoder overwrites at once)."""
+    return np.empty(n, dtype=np.uint8).data
 
 
 def _add_parent(
@@ -117,6 +123,6 @@ def _add_parent(
             f"frame {k} is a difference from logical bytes [{at}, {at + len(dest)}) of {parent!r}, which is not one "
             f"frame {depth - 1} hops from a whole one"
         )
-    base = bytearray(len(dest))
-    read_logical(storage, parent, ptable, at, memoryview(base), tables=tables, locate=locate)
+    base = _scratch(len(dest))
+    read_logical(storage, parent, ptable, at, base, tables=tables, locate=locate)
     add_into(dest, base, np.dtype(f"<u{int(delta.lanes[k])}"))
