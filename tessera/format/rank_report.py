@@ -29,7 +29,7 @@ import xxhash
 
 from ..errors import ManifestError
 from .codec import MAX_FRAME_BYTES, ColumnBudget, FrameTable
-from .manifest.index import parse_section
+from .manifest.section_doc import parse_section
 from .manifest.sections import encode_section
 from .names import DATA_DIR
 

@@ -34,10 +34,11 @@ from ...storage.capabilities import ListsSizes
 from ..frames import read_logical
 from ..tile_pins import PIN_LEASE_S, read_pins, remove_pin, write_pin
 from . import compress_choice
+from .coded_files import DeltaBase
 from .handoff import CommitOutcome, FileReport, PreparedSave
 from .tile_index import Dedup, StoredTile, TileIndex, TileKey, shared_dir
 from .window import file_write
-from .write import DeltaBase, FileWrite, WriteRequest, WrittenFile, checksum_chunks, write_tiles
+from .write import FileWrite, WriteRequest, WrittenFile, checksum_chunks, write_tiles
 
 __all__ = ["SharedWrites", "next_index", "shared_reports", "split_writes"]
 
