@@ -128,13 +128,10 @@ def _in_order(
     todo: Iterator[tuple[int, int, memoryview | bytes]],
     coders: ThreadPoolExecutor | None,
     ahead: int,
-    *,
-    copy: bool,
 ) -> Iterator[_Frame]:
-    """``fn`` over ``todo``, in order; with ``coders``, a few chunks ahead of the one yielded, so
-    that coding runs on several cores while the backend writes. ``copy``: the chunks are only
-    valid until the next is asked for (a memory budget's pieces), so each is copied before it is
-    handed on; at most ``ahead`` chunks (and their frames) are in flight either way."""
+    """``fn`` over ``todo``, in order; with ``coders``, up to ``ahead`` chunks (and their frames)
+    ahead of the one yielded, so that coding runs on several cores while the backend writes. The
+    chunks must stay valid while in flight (views of tiles staged whole)."""
     if coders is None:
         for args in todo:
             yield fn(*args)
@@ -142,7 +139,7 @@ def _in_order(
     pending: collections.deque[Future[_Frame]] = collections.deque()
     try:
         for i, k, c in todo:
-            pending.append(coders.submit(fn, i, k, bytes(c) if copy else c))
+            pending.append(coders.submit(fn, i, k, c))
             if len(pending) >= ahead:
                 yield pending.popleft().result()
         while pending:
@@ -168,10 +165,13 @@ def write_coded(
 
     Returns each tile's chunk checksums (fewer tiles than the layout's if the backend stopped
     early: the caller refuses that) and the file's frame table. The tiles keep their logical byte
-    offsets (``layout``'s); the frame table says where each chunk is stored. Checksums are of the logical bytes. A chunk of a tile with a base in
-    ``bases`` is stored as its difference from the base's chunk where that is smaller. ``coders``
-    threads code chunks side by side (blosc2 and xxhash release the GIL), up to ``coders + 1``
-    chunks ahead of the one the backend is writing.
+    offsets (``layout``'s); the frame table says where each chunk is stored. Checksums are of the
+    logical bytes. A chunk of a tile with a base in ``bases`` is stored as its difference from the
+    base's chunk where that is smaller. ``coders`` threads code chunks side by side (blosc2 and
+    xxhash release the GIL), up to ``coders + 1`` chunks ahead of the one the backend is writing.
+    Under a memory budget (``pieces``) chunks are coded one at a time, as they come: a window's
+    pieces are valid only until the next is asked for, and holding copies of several would take
+    host memory beyond the budget.
     """
     sums_of: list[tuple[int, ...]] = []
     header = file_header()
@@ -202,7 +202,7 @@ def write_coded(
         yield header
         sums: list[list[int]] = [[] for _ in layout.slots]
         todo = ((i, k, c) for i in range(len(layout.slots)) for k, c in enumerate(tile_chunks(i)))
-        for f in _in_order(encode, todo, pool, coders + 1, copy=pieces is not None):
+        for f in _in_order(encode, todo, pool, coders + 1):
             sums[f.slot].append(f.checksum)
             if f.parent is None:
                 delta_cols.append((0, 0, 0, 0))
@@ -215,7 +215,7 @@ def write_coded(
                 progress(len(f.data))
         sums_of.extend(tuple(got) for got in sums)
 
-    pool = ThreadPoolExecutor(coders, thread_name_prefix="tessera-code") if coders > 1 else None
+    pool = ThreadPoolExecutor(coders, thread_name_prefix="tessera-code") if coders > 1 and pieces is None else None
     try:
         storage.write_file(path, timed_chunks(frames(), stats))
     finally:
