@@ -107,8 +107,16 @@ def test_auto_writes_plain_first_then_codes_where_the_storage_is_slower(
     assert _coded(tmp_path / "fast") == [False]
 
 
-def test_a_coded_write_measures_the_codec_and_the_storage(tmp_path: Path, choice: CompressChoice) -> None:
-    tessera.save(str(tmp_path / "a"), _state(), options=SaveOptions(compress=True))
+def test_writes_without_auto_measure_nothing(tmp_path: Path, choice: CompressChoice) -> None:
+    tessera.save(str(tmp_path / "plain"), _state())
+    tessera.save(str(tmp_path / "coded"), _state(), options=SaveOptions(compress=True))
+    assert choice.rates(str(tmp_path)) == (None, None)
+
+
+def test_an_auto_write_measures_the_codec_and_the_storage(tmp_path: Path, choice: CompressChoice) -> None:
+    _slow(choice, str(tmp_path))
+    tessera.save(str(tmp_path / "a"), _state(), options=SaveOptions(compress="auto"))
+    assert _coded(tmp_path / "a") == [True]
     storage, codec = choice.rates(str(tmp_path))
     assert storage is not None and codec is not None and codec > MB  # logical bytes per second of one thread
 
@@ -219,6 +227,7 @@ def test_auto_under_dedup_builds_delta_tiles_only_where_it_codes(tmp_path: Path,
     state = _state()
     with CheckpointManager(str(tmp_path / "run"), dedup=True, compress="auto", keep_last=4) as mgr:
         mgr.save(1, state)  # nothing known of the disk: plain
+        assert choice.rates(str(tmp_path))[0] is not None  # and measured, where auto decides
         for step in (2, 3):
             for _ in range(60):
                 choice.record_storage(str(tmp_path), 1 << 40, 1.0)  # a fast disk: plain

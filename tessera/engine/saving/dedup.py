@@ -224,9 +224,18 @@ def write_shared(
         compress = compress_choice.CHOICE.should_code(d.tiles.url, threads, None, 1)
     delta = d.tiles if compress else None
     split = split_writes(save.save_id, save.plan.layouts, staged, index, save.options.chunk_bytes, delta)
-    if any(f.bases for f in split.files):
-        write = write_tiles  # delta bases are read through this process's storage
-    written = write(d.tiles, WriteRequest(split.files, save.options.chunk_bytes, save.options.io_threads, compress))
+    if any(f.bases for f in split.files) or save.options.compress == "auto":
+        # Delta bases are read through this process's storage; and compress="auto" was decided
+        # from this process's measurements, which this write must feed (a writer process keeps its own).
+        write = write_tiles
+    request = WriteRequest(
+        split.files,
+        save.options.chunk_bytes,
+        save.options.io_threads,
+        compress,
+        measure=save.options.compress == "auto",
+    )
+    written = write(d.tiles, request)
     mine = [*shared_reports(written), *split.referenced]
     reports.extend(mine)
     reports.extend(parent_reports(mine, index))

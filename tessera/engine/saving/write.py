@@ -58,6 +58,9 @@ class WriteRequest:
     compress: bool | str = False
     """Store each chunk as a frame (:mod:`tessera.format.codec`) instead of the safetensors layout;
     ``"auto"``: where :mod:`.compress_choice` measured the codec faster than the storage."""
+    measure: bool = False
+    """Measure the storage and the codec for ``compress="auto"`` (implied by ``compress="auto"``;
+    a caller that decided auto itself, as dedup does, sets it). Other writes measure nothing."""
 
 
 @dataclass(frozen=True)
@@ -145,7 +148,6 @@ def _write_one(
     t0 = time.monotonic()
     tiles: list[WrittenTile] = []
     known = known_sums or {}
-    stats = stats or CodingStats()
 
     def streamed() -> Iterator[memoryview | bytes]:
         """The tiles' bytes from ``pieces``, checksummed across piece boundaries."""
@@ -181,11 +183,12 @@ def _write_one(
     table = None
     if compress:
         sums_of, table = write_coded(
-            storage, path, layout, staged, chunk_bytes, progress, pieces, bases or {}, coders, stats
+            storage, path, layout, staged, chunk_bytes, progress, pieces, bases or {}, coders, stats or CodingStats()
         )
         tiles.extend(WrittenTile(t.fqn, t.box, t.byte_offset, t.nbytes, sums) for t, sums in zip(layout.slots, sums_of))
     else:
-        storage.write_file(path, timed_chunks(chunks() if pieces is None else streamed(), stats))
+        stream = chunks() if pieces is None else streamed()
+        storage.write_file(path, stream if stats is None else timed_chunks(stream, stats))
     if progress is not None:
         progress(0)
     if len(tiles) != len(layout.slots):
@@ -235,7 +238,8 @@ def write_tiles(storage: Storage, request: WriteRequest, progress: Progress | No
     compress = request.compress
     if compress == "auto":
         compress = compress_choice.CHOICE.should_code(storage.url, parallel, *_sample(files, chunk_bytes))
-    stats = CodingStats()
+    # Only writes for compress="auto" time their chunks: nothing is added to the others' path.
+    stats = CodingStats() if request.compress == "auto" or request.measure else None
     t0 = time.perf_counter()
     try:
 
@@ -268,7 +272,8 @@ def write_tiles(storage: Storage, request: WriteRequest, progress: Progress | No
         except Exception as e:
             logger.warning("could not remove the files of a failed write under %s: %s", storage.url, e)
         raise
-    _measure(storage.url, written, stats, time.perf_counter() - t0, min(threads, len(files)))
+    if stats is not None:
+        _measure(storage.url, written, stats, time.perf_counter() - t0, min(threads, len(files)))
     return written
 
 
