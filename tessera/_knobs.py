@@ -64,9 +64,10 @@ def direct_io() -> bool:
 
 def recache() -> str:
     """Whether committed local files written around the page cache are read back into it
-    (``TESSERA_RECACHE``: ``0`` off (default: it slows the training steps that run beside it),
-    ``auto`` on local filesystems within half of ``MemAvailable``, ``1`` always)."""
-    raw = os.environ.get("TESSERA_RECACHE", "0").strip().lower()
+    (``TESSERA_RECACHE``: ``auto`` (default) on local filesystems within half of
+    ``MemAvailable``, ``0`` off (a job that never reads its checkpoints back on the same nodes
+    saves the steps' slowdown beside it), ``1`` always)."""
+    raw = os.environ.get("TESSERA_RECACHE", "auto").strip().lower()
     if raw in ("", "0", "false", "no", "off"):
         return "off"
     if raw in ("1", "true", "yes", "on", "always"):

@@ -76,6 +76,13 @@ def test_a_committed_save_is_read_back_into_the_page_cache(tmp_path: Path, monke
     tessera.load(str(tmp_path / "on"), out)
     assert all(torch.equal(out[k], v) for k, v in state().items())
 
+    monkeypatch.delenv("TESSERA_RECACHE")  # the default: on, where the filesystem is local
+    tessera.save(str(tmp_path / "default"), state())
+    settle()
+    files = data_files(tmp_path / "default")
+    if recache.filesystem_type(str(tmp_path)) in recache.LOCAL_FILESYSTEMS:  # not read over a network
+        assert all(resident_fraction(f) == 1.0 for f in files)
+
 
 def test_a_file_gone_before_it_is_read_back_stops_nothing_else(tmp_path: Path) -> None:
     real = tmp_path / "real.bin"
@@ -133,9 +140,10 @@ def test_when_it_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(recache, "available_bytes", lambda: 16 * gib)
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     monkeypatch.delenv("TESSERA_RECACHE", raising=False)
-    assert not recache.wanted(str(tmp_path), 1)  # off by default: it slows the steps beside it
+    assert recache.wanted(str(tmp_path), 8 * gib)  # on by default ("auto"): half of what is available
+    assert not recache.wanted(str(tmp_path), 8 * gib + 1)
     monkeypatch.setenv("TESSERA_RECACHE", "auto")
-    assert recache.wanted(str(tmp_path), 8 * gib)  # half of what is available
+    assert recache.wanted(str(tmp_path), 8 * gib)
     assert not recache.wanted(str(tmp_path), 8 * gib + 1)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")  # the node's eight ranks each re-cache theirs
     assert recache.wanted(str(tmp_path), 1 * gib)

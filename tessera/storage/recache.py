@@ -10,15 +10,18 @@ copied to user space (about 0.02 CPU-seconds per 512 MB on the 2-core VM of
 ``docs/benchmarks.md``, against 0.3-0.6 s for a ``pread`` into a buffer and up to 1.5 s for the
 buffered write itself).
 
-It is **off by default** (``TESSERA_RECACHE=auto`` turns it on): on the 2-core VM of
-``docs/benchmarks.md`` the training steps that ran beside it took twice as long (16.2 ms against
-7.8 ms), which costs a training loop more than the first load after a save gains, unless that
-load is part of the job (an evaluation on the same nodes right after each save). With ``auto``
-it runs only for files on a local filesystem (a network filesystem would move the bytes over
-the network again) and only while this node's share fits in half of the memory the kernel
-reports available (``MemAvailable``: the cache must not push out what the job itself needs).
-The node's share is this rank's bytes times ``LOCAL_WORLD_SIZE`` (set by torchrun; 1 when
-unset). ``TESSERA_RECACHE=1`` skips both checks.
+It is **on by default** (``TESSERA_RECACHE=auto``; ``0`` turns it off). Reading the files back
+is not free for a loop that runs beside it: on the 2-core VM of ``docs/benchmarks.md`` it cost
+0.0-0.3 s of training time per save of 0.5 GB per rank, counted until the last byte was cached
+(the kernel's work for the I/O is not charged to this thread). That is less than what a
+buffered write costs the same loop (0.8-1.0 s more than ``O_DIRECT``), and it is what makes the
+first load after a save a warm one (2.8x DCP's at 0.5 GB per rank, where it was 0.8x). A job
+that never reads its checkpoints back on the same nodes can set ``TESSERA_RECACHE=0``. It runs
+only for files on a local filesystem (a network filesystem would move the bytes over the
+network again) and only while this node's share fits in half of the memory the kernel reports
+available (``MemAvailable``: the cache must not push out what the job itself needs). The
+node's share is this rank's bytes times ``LOCAL_WORLD_SIZE`` (set by torchrun; 1 when unset).
+``TESSERA_RECACHE=1`` skips both checks.
 
 What it never does: delay or fail a save. It starts after the commit, gives way as soon as this
 process writes data files again (:func:`yield_to_writes`: a new save's writes must not share the
