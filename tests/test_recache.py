@@ -164,3 +164,38 @@ def test_when_it_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 def test_filesystem_type_reads_the_mount_table() -> None:
     assert recache.filesystem_type("/proc/self") == "proc"
     assert recache.filesystem_type("/") is not None
+
+
+def test_a_newer_save_takes_the_older_ones_place_in_the_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The cache holds one save's files per directory: not every save's until the kernel reclaims."""
+    monkeypatch.setenv("TESSERA_RECACHE", "1")
+    tessera.save(str(tmp_path / "step1"), state())
+    settle()
+    first = data_files(tmp_path / "step1")
+    if min(resident_fraction(f) for f in first) < 1.0:
+        pytest.skip("this filesystem's files were not re-cached")
+    tessera.save(str(tmp_path / "step2"), state())
+    settle()
+    assert all(resident_fraction(f) == 1.0 for f in data_files(tmp_path / "step2"))
+    assert all(resident_fraction(f) < 0.5 for f in first)
+
+
+def test_files_a_newer_checkpoint_still_reads_stay_cached(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TESSERA_RECACHE", "1")
+    old, new = tmp_path / "old.bin", tmp_path / "new.bin"
+    for f in (old, new):
+        f.write_bytes(os.urandom(2 << 20))
+        evict(f)
+    root = str(tmp_path / "step")  # a checkpoint in tmp_path; old.bin and new.bin stand for its files
+    recache.offer(root, [str(old)])
+    settle()
+    recache.offer(root, [str(new)], supersedes=False)  # a dedup step: it reads old.bin's tiles too
+    settle()
+    assert resident_fraction(old) == 1.0 and resident_fraction(new) == 1.0
+    evicted = recache.stats()["evicted"]
+    recache.offer(root, [str(old)])  # a plain save: what was offered before makes way
+    settle()
+    assert recache.stats()["evicted"] == evicted  # new.bin was offered without superseding: kept
+    recache.offer(root, [str(new)])
+    settle()
+    assert resident_fraction(old) < 0.5 and resident_fraction(new) == 1.0

@@ -162,9 +162,11 @@ class ReadsBounded(Protocol):
 class Recaches(Protocol):
     """A backend whose writes bypass a cache that a first read after the save would want filled."""
 
-    def recache(self, paths: Iterable[str]) -> None:
+    def recache(self, paths: Iterable[str], *, supersedes: bool = True) -> None:
         """Start filling the cache with ``paths`` (written by this rank, committed) in the
-        background; return at once. Never raises for a file that is gone."""
+        background; return at once. With ``supersedes``, what an earlier call filled it with
+        is no longer wanted there (False: the new checkpoint still reads those files).
+        Never raises for a file that is gone."""
         ...
 
 

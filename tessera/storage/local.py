@@ -95,12 +95,12 @@ class FileStorage(LocalFiles):
                 self._unlink_quietly(target)
                 raise StorageError(f"replacing {full} failed: {e}") from e
 
-    def recache(self, paths: Iterable[str]) -> None:
+    def recache(self, paths: Iterable[str], *, supersedes: bool = True) -> None:
         """:class:`~tessera.storage.capabilities.Recaches`: bring files of a committed save back into
         the page cache in the background (:mod:`.recache`), where ``O_DIRECT`` writes left them out."""
         if not (self.durable and _knobs.direct_io()):
             return  # buffered writes: the page cache has them already
-        recache.offer(self.root, [self._abs(p) for p in paths])
+        recache.offer(self.root, [self._abs(p) for p in paths], supersedes=supersedes)
 
     def sync_dirs(self, paths: Iterable[str]) -> None:
         """Make the directory entries of ``paths`` durable: one fsync per distinct directory.

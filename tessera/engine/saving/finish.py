@@ -216,7 +216,7 @@ def _recache(save: PreparedSave, written: list[WrittenFile], rank: int) -> None:
     if not written or not isinstance(store, Recaches):
         return
     try:
-        store.recache([w.path for w in written])
+        store.recache([w.path for w in written], supersedes=save.dedup is None)  # dedup reads older files
     except Exception as e:  # a bad TESSERA_RECACHE included: said, not swallowed
         logger.warning("rank %d: not re-caching the files of %s: %s", rank, save.path, e)
 
