@@ -12,11 +12,12 @@ buffered write itself).
 
 It is **on by default** (``TESSERA_RECACHE=auto``; ``0`` turns it off). Reading the files back
 is not free for a loop that runs beside it: on the 2-core VM of ``docs/benchmarks.md`` it cost
-0.0-0.3 s of training time per save of 0.5 GB per rank, counted until the last byte was cached
-(the kernel's work for the I/O is not charged to this thread). That is less than what a
-buffered write costs the same loop (0.8-1.0 s more than ``O_DIRECT``), and it is what makes the
-first load after a save a warm one (2.8x DCP's at 0.5 GB per rank, where it was 0.8x). A job
-that never reads its checkpoints back on the same nodes can set ``TESSERA_RECACHE=0``. It runs
+0.02-0.47 s of training time per save of 0.5 GB per rank and 1.2-1.4 s at 2 GB, counted until
+the last byte was cached (the kernel's work of filling the cache; this thread is charged 0.04 s
+of CPU per 2 GB). That is a fraction of what DCP's async save costs the same loop, and it is
+what makes the first load after a save a warm one (2.5-2.8x DCP's at 0.5 GB per rank, where it
+was 0.8x). A job that never reads its checkpoints back on the same nodes can set
+``TESSERA_RECACHE=0``. It runs
 only for files on a local filesystem (a network filesystem would move the bytes over the
 network again) and only while this node's share fits in half of the memory the kernel reports
 available (``MemAvailable``: the cache must not push out what the job itself needs). The
