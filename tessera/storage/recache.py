@@ -17,12 +17,11 @@ the last byte was cached (the kernel's work of filling the cache; this thread is
 of CPU per 2 GB). That is a fraction of what DCP's async save costs the same loop, and it is
 what makes the first load after a save a warm one (2.5-2.8x DCP's at 0.5 GB per rank, where it
 was 0.8x). A job that never reads its checkpoints back on the same nodes can set
-``TESSERA_RECACHE=0``. It runs
-only for files on a local filesystem (a network filesystem would move the bytes over the
-network again) and only while this node's share fits in half of the memory the kernel reports
-available (``MemAvailable``: the cache must not push out what the job itself needs). The
-node's share is this rank's bytes times ``LOCAL_WORLD_SIZE`` (set by torchrun; 1 when unset).
-``TESSERA_RECACHE=1`` skips both checks.
+``TESSERA_RECACHE=0``. It runs only for files on a local filesystem (a network filesystem would
+move the bytes over the network again) and only while this node's share fits in half of the
+memory the kernel reports available (``MemAvailable``: the cache must not push out what the job
+itself needs). The node's share is this rank's bytes times ``LOCAL_WORLD_SIZE`` (set by torchrun;
+1 when unset). ``TESSERA_RECACHE=1`` skips both checks.
 
 What it never does: delay or fail a save. It starts after the commit, gives way as soon as this
 process writes data files again (:func:`yield_to_writes`: a new save's writes must not share the
@@ -125,10 +124,10 @@ def offer(root: str, paths: Sequence[str], *, supersedes: bool = True) -> None:
 
     With ``supersedes`` the files offered before for a checkpoint in the same folder as ``root``
     are dropped from the page cache first, re-cached or not: the cache then holds one save's files
-    per folder of checkpoints (the newest step of a job), not every save's
-    until the kernel must reclaim them (which a training loop beside it pays for: on the 2-core
-    VM of ``docs/benchmarks.md``, 1.8 s per save of 2 GB per rank). A save whose checkpoint reads
-    earlier saves' files (dedup) passes False.
+    per folder of checkpoints (the newest step of a job), not every save's until the kernel
+    reclaims them. (It bounds what the saves put in the cache; it did not measurably lower the
+    re-cache's cost to a loop beside it: 1.2 s per 2 GB-per-rank save after, 1.4-1.8 s before.)
+    A save whose checkpoint reads earlier saves' files (dedup) passes False.
     """
     if _knobs.recache() == "off" or not paths:
         return
