@@ -42,9 +42,10 @@ def io_threads() -> int:
     return max(1, _int("TESSERA_IO_THREADS", 4))
 
 
-def chunk_bytes() -> int:
-    """Checksum granularity in bytes (``TESSERA_CHUNK_BYTES``, default 4 MiB)."""
-    return max(4096, _int("TESSERA_CHUNK_BYTES", 4 << 20))
+def chunk_bytes(compressed: bool = False) -> int:
+    """Checksum granularity in bytes (``TESSERA_CHUNK_BYTES``; default 4 MiB, 256 KiB for a save
+    that may compress: a compressed chunk is also the unit a resharded read decodes)."""
+    return max(4096, _int("TESSERA_CHUNK_BYTES", (256 << 10) if compressed else (4 << 20)))
 
 
 def compress() -> bool | str:

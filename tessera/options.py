@@ -106,8 +106,11 @@ class SaveOptions:
 
     io_threads: int = field(default_factory=_knobs.io_threads)
     """Threads per rank writing data files."""
-    chunk_bytes: int = field(default_factory=_knobs.chunk_bytes)
-    """Checksum granularity: a load reads and verifies whole chunks of this size."""
+    chunk_bytes: int = 0
+    """Checksum granularity: a load reads and verifies whole chunks of this size, and decodes whole
+    chunks of a compressed tile. 0 (the default) means 4 MiB, or 256 KiB where ``compress`` is
+    on or ``"auto"`` (a resharded read then decodes at most 2 x 256 KiB more than each box it
+    needs, at the codec's full speed; docs/compression.md); knob ``TESSERA_CHUNK_BYTES``."""
     plan: PlanOptions = field(default_factory=PlanOptions)
     """Planner knobs (replica splitting, files per rank)."""
     layout: dict[str, Any] = field(default_factory=dict)
@@ -155,6 +158,8 @@ class SaveOptions:
             raise ValueError(f"SaveOptions.compress must be True, False or 'auto', got {self.compress!r}")
         if self.io_threads < 1:
             raise ValueError(f"SaveOptions.io_threads must be >= 1, got {self.io_threads}")
+        if self.chunk_bytes == 0:
+            object.__setattr__(self, "chunk_bytes", _knobs.chunk_bytes(compressed=self.compress is not False))
         if self.chunk_bytes < 4096:
             raise ValueError(f"SaveOptions.chunk_bytes must be >= 4096, got {self.chunk_bytes}")
 

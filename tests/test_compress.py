@@ -133,6 +133,37 @@ def test_env_knob_turns_compression_on(monkeypatch: pytest.MonkeyPatch, tmp_path
     assert SaveOptions().compress is False
 
 
+def test_compressed_saves_default_to_small_chunks_and_an_explicit_size_stays(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.delenv("TESSERA_CHUNK_BYTES", raising=False)
+    monkeypatch.delenv("TESSERA_COMPRESS", raising=False)
+    assert SaveOptions().chunk_bytes == 4 << 20
+    assert SaveOptions(compress=True).chunk_bytes == SaveOptions(compress="auto").chunk_bytes == 256 << 10
+    assert SaveOptions(compress=True, chunk_bytes=1 << 20).chunk_bytes == 1 << 20
+    # the manager's compress= reaches a chunk size left at its default, not one the user chose
+    with tessera.CheckpointManager(str(tmp_path / "m"), compress=True) as mgr:
+        assert mgr.save_options.chunk_bytes == 256 << 10
+    explicit = SaveOptions(chunk_bytes=1 << 20)
+    with tessera.CheckpointManager(str(tmp_path / "n"), compress=True, save_options=explicit) as mgr:
+        assert mgr.save_options.chunk_bytes == 1 << 20
+    monkeypatch.setenv("TESSERA_CHUNK_BYTES", str(64 << 10))
+    assert SaveOptions(compress=True).chunk_bytes == SaveOptions().chunk_bytes == 64 << 10
+    monkeypatch.delenv("TESSERA_CHUNK_BYTES")
+    # by default, a third of a 12 MiB tensor decodes at most two 256 KiB chunks more than it needs
+    w = (torch.randn(3072, 1024) * 0.02).to(torch.float32)
+    tessera.save(str(tmp_path / "c"), {"w": w}, options=SaveOptions(compress=True))
+    assert _manifest(tmp_path / "c")["checksum"]["chunk_bytes"] == 256 << 10
+    part = torch.zeros(1024, 1024)
+    res = tessera.load(str(tmp_path / "c"), {"w": ShardedTensor(part, (3072, 1024), (1000, 0))}, options=NO_TIMINGS)
+    assert torch.equal(part, w[1000:2024])
+    assert part.numel() * 4 <= res.decoded_bytes <= part.numel() * 4 + 2 * (256 << 10)
+    # loaded whole, the tile is read and decoded in pieces by the reader's threads, each into its place
+    whole = torch.zeros_like(w)
+    res = tessera.load(str(tmp_path / "c"), {"w": whole}, options=NO_TIMINGS)
+    assert torch.equal(whole, w) and res.decoded_bytes == w.numel() * 4
+
+
 def test_a_partial_load_decodes_only_the_chunks_it_needs(tmp_path: Path) -> None:
     rows, cols = 256, 1024  # 1 MiB of float32: 64 chunks of 16 KiB
     w = (torch.randn(rows, cols) * 0.02).to(torch.float32)

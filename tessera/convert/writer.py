@@ -44,7 +44,7 @@ class CheckpointWriter:
         path: where to write (replaced atomically on :meth:`commit` if it exists).
         storage: a backend to use instead of choosing one from ``path``.
         file_bytes: a data file is written once this many bytes of blocks are pending.
-        chunk_bytes: checksum granularity (default: the ``TESSERA_CHUNK_BYTES`` knob).
+        chunk_bytes: checksum granularity (default: as ``SaveOptions.chunk_bytes``, by ``compress``).
         io_threads: threads writing data files.
         compress: store tiles compressed (``docs/compression.md``; default: the ``TESSERA_COMPRESS``
             knob, so ``TESSERA_COMPRESS=1 tessera convert ...`` writes compressed checkpoints).
@@ -73,9 +73,9 @@ class CheckpointWriter:
         self.path = path
         self.storage = storage_for(path, storage)
         self.file_bytes = file_bytes
-        self.chunk_bytes = chunk_bytes or default_chunk_bytes()
         self.io_threads = io_threads
         self.compress = default_compress() if compress is None else compress
+        self.chunk_bytes = chunk_bytes or default_chunk_bytes(compressed=self.compress is not False)
         self.save_id = uuid.uuid4().hex[:16]
         self._t0 = time.monotonic()
         self._write_s = 0.0

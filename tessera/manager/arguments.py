@@ -154,5 +154,8 @@ def with_budget(
     if max_staging_bytes is not None:
         options = dataclasses.replace(options or SaveOptions(), max_staging_bytes=max_staging_bytes)
     if compress is not None:
-        options = dataclasses.replace(options or SaveOptions(), compress=compress)
+        base = options or SaveOptions()
+        # a chunk size left at its default follows ``compress`` (SaveOptions.chunk_bytes)
+        follows = base.chunk_bytes == SaveOptions(compress=base.compress).chunk_bytes
+        options = dataclasses.replace(base, compress=compress, chunk_bytes=0 if follows else base.chunk_bytes)
     return options

@@ -62,6 +62,9 @@ class ReadRequest:
         return self.stop - self.start
 
 
+_CODED_READ_BYTES = 4 << 20
+"""Logical bytes per read of a compressed file: a few frames, decoded while other threads read."""
+
 _FEW_TILES = 16
 """Up to this many tiles, a tensor's tiles are tested against a box directly (no bisection)."""
 
@@ -310,6 +313,10 @@ def plan_reads(
     """
     index = _TileIndex(manifest)
     chunk = manifest.chunk_bytes
+    # A compressed file's range is read, then decoded, by one thread: reading it in pieces lets
+    # the pool's threads decode one piece while others read the next (docs/compression.md).
+    coded = {f.path for f in manifest.files if f.frames is not None}
+    coded_step = max(chunk, min(max_read_bytes, _CODED_READ_BYTES) // chunk * chunk)
     by_file: dict[str, list[ReadCopy]] = {}
     direct: list[ReadRequest] = []
     for t in targets:
@@ -345,10 +352,12 @@ def plan_reads(
                 and view.is_contiguous()
                 and tile.nbytes <= 4 * max_read_bytes
             ):
-                span = (tile.byte_offset, tile.byte_offset + tile.nbytes)
-                direct.append(
-                    ReadRequest(tile.file, *span, [ReadCopy(t.fqn, tile, rel, view, dtype, span)], direct=True)
-                )
+                step = coded_step if tile.file in coded else tile.nbytes
+                for a in range(0, max(tile.nbytes, 1), max(step, 1)):
+                    span = (tile.byte_offset + a, tile.byte_offset + min(tile.nbytes, a + step))
+                    direct.append(
+                        ReadRequest(tile.file, *span, [ReadCopy(t.fqn, tile, rel, view, dtype, span)], direct=True)
+                    )
                 continue
             for piece in split_box(rel, size, max_read_bytes, within=tile.lengths):
                 first, last = _byte_span(piece, tile.lengths, size)
@@ -362,8 +371,9 @@ def plan_reads(
     for file, copies in by_file.items():
         copies.sort(key=lambda c: c.span)
         cur: ReadRequest | None = None
+        most = coded_step if file in coded else max_read_bytes
         for c in copies:
-            if cur is not None and c.span[0] <= cur.stop and max(cur.stop, c.span[1]) - cur.start <= max_read_bytes:
+            if cur is not None and c.span[0] <= cur.stop and max(cur.stop, c.span[1]) - cur.start <= most:
                 cur.stop = max(cur.stop, c.span[1])
                 cur.copies.append(c)
             else:

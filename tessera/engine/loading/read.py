@@ -103,9 +103,10 @@ class Reader:
         return ReadStats(total, len(requests), time.monotonic() - t0)
 
     def _execute(self, req: ReadRequest) -> None:
-        if req.direct:
+        if req.direct:  # the whole tile, or a piece of it, straight into the target's bytes
             copy = req.copies[0]
-            dest = as_bytes(copy.target)
+            skip = req.start - copy.tile.byte_offset
+            dest = as_bytes(copy.target)[skip : skip + req.nbytes]
             self._read(req, dest.numpy().data)
             self._verify(req, dest, req.start)
             return
