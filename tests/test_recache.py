@@ -199,3 +199,52 @@ def test_files_a_newer_checkpoint_still_reads_stay_cached(tmp_path: Path, monkey
     recache.offer(root, [str(new)])
     settle()
     assert resident_fraction(old) < 0.5 and resident_fraction(new) == 1.0
+
+
+def test_a_load_of_the_checkpoint_being_read_back_takes_its_place(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    root = tmp_path / "ckpt"
+    (root / "data").mkdir(parents=True)
+    files = [root / "data" / f"{i}.bin" for i in range(2)]
+    for f in files:
+        f.write_bytes(os.urandom(2 << 20))
+        evict(f)
+    settle()
+    busy, release = threading.Event(), threading.Event()
+    read_through = recache._read_through
+
+    def held(path: str, generation: int) -> None:
+        if path.endswith("held"):
+            busy.set()
+            release.wait(10)
+            return
+        read_through(path, generation)
+
+    monkeypatch.setattr(recache, "_read_through", held)
+    yielded = recache.stats()["yielded"]
+    recache.schedule(["held"])
+    assert busy.wait(10)
+    recache.schedule([str(f) for f in files])  # the save's files, queued behind a busy thread ...
+    recache.yield_to_reads(str(root))  # ... when a load of that checkpoint starts reading it
+    release.set()
+    settle()
+    assert recache.stats()["yielded"] == yielded + 2
+    assert all(resident_fraction(f) < 0.5 for f in files)
+    read_through(str(files[0]), recache._generation)  # a read under way stops at its next step
+    assert resident_fraction(files[0]) < 0.5
+    recache.offer(str(root), [str(f) for f in files], supersedes=False)  # a new save there: wanted again
+    settle()
+    assert all(resident_fraction(f) == 1.0 for f in files)
+
+
+def test_loading_a_local_checkpoint_makes_its_reading_back_give_way(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TESSERA_RECACHE", "0")
+    path = tmp_path / "s"
+    tessera.save(str(path), state())
+    assert not recache._being_loaded(str(data_files(path)[0]))
+    tessera.load(str(path), {k: torch.zeros_like(v) for k, v in state().items()})
+    assert recache._being_loaded(str(data_files(path)[0]))
+    assert not recache._being_loaded(str(tmp_path / "other" / "data" / "x"))

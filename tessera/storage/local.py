@@ -42,6 +42,9 @@ class FileStorage(LocalFiles):
             against power loss or a kernel crash.
     """
 
+    _yielded = False
+    """Whether this storage's reads made the re-caching of its checkpoint give way yet."""
+
     def reopen(self, url: str) -> FileStorage:
         """:class:`~tessera.storage.base.Reopens`: a directory at ``url`` with the same durability."""
         return FileStorage(url, durable=self.durable)
@@ -289,8 +292,15 @@ class FileStorage(LocalFiles):
                 got += len(more)
         return got if got > limit else b"".join(parts)
 
+    def _loading(self) -> None:
+        """A data read: the re-caching of this checkpoint gives way to the load (:mod:`.recache`)."""
+        if not self._yielded:
+            self._yielded = True
+            recache.yield_to_reads(self.root)
+
     @typed_errors
     def read_into(self, path: str, offset: int, out: memoryview) -> None:
+        self._loading()
         full = self._abs(path)
         fd = self._fd(full)
         view = out.cast("B") if out.format != "B" else out
@@ -313,6 +323,7 @@ class FileStorage(LocalFiles):
         Raises:
             StorageError: if the file is shorter than the range.
         """
+        self._loading()
         full = self._abs(path)
         with self._maps_lock:
             m = self._maps.get(full)

@@ -25,7 +25,9 @@ itself needs). The node's share is this rank's bytes times ``LOCAL_WORLD_SIZE`` 
 
 What it never does: delay or fail a save. It starts after the commit, gives way as soon as this
 process writes data files again (:func:`yield_to_writes`: a new save's writes must not share the
-disk with reading the old one), stops at the first error (a file deleted by retention is no
+disk with reading the old one) or starts loading the checkpoint it is reading back
+(:func:`yield_to_reads`: the load reads what it needs itself, and a second stream from the same
+disk would only slow it), stops at the first error (a file deleted by retention is no
 reason to log more than a debug line), and holds no file open between files.
 """
 
@@ -61,7 +63,10 @@ _lock = threading.Lock()
 _pending = 0
 """Batches queued and not finished (under ``_lock``); :func:`drain` waits for none."""
 _done = threading.Condition(_lock)
-_stats = {"files": 0, "bytes": 0, "dropped": 0, "evicted": 0}
+_stats = {"files": 0, "bytes": 0, "dropped": 0, "evicted": 0, "yielded": 0}
+_loading: tuple[str, ...] = ()
+"""Roots (``os.sep``-terminated) of the checkpoints a load of this process reads: their files are
+not read back. Replaced whole (never mutated), so the thread reads it without the lock."""
 _previous: dict[str, tuple[str, ...]] = {}
 """Per folder of checkpoints (the parent of a checkpoint's root: a manager's root, the folder a
 job saves its steps in), the files of the last save offered: the next save's take their place."""
@@ -129,8 +134,11 @@ def offer(root: str, paths: Sequence[str], *, supersedes: bool = True) -> None:
     re-cache's cost to a loop beside it: 1.2 s per 2 GB-per-rank save after, 1.4-1.8 s before.)
     A save whose checkpoint reads earlier saves' files (dedup) passes False.
     """
+    global _loading
     if _knobs.recache() == "off" or not paths:
         return
+    with _lock:  # a new save at a root a load read: its files are wanted again
+        _loading = tuple(r for r in _loading if r != _prefix(root))
     drop: tuple[str, ...] = ()
     if supersedes:
         folder = os.path.dirname(os.path.normpath(root))
@@ -151,6 +159,23 @@ def yield_to_writes() -> None:
     _generation += 1
 
 
+def yield_to_reads(root: str) -> None:
+    """A load reads the checkpoint at ``root``: stop reading its files back, now and until a new
+    save there offers them again (called by the first data read of a local storage)."""
+    global _loading
+    with _lock:
+        if _prefix(root) not in _loading:
+            _loading = (*_loading, _prefix(root))
+
+
+def _prefix(root: str) -> str:
+    return os.path.join(os.path.abspath(root), "")
+
+
+def _being_loaded(path: str) -> bool:
+    return any(path.startswith(r) for r in _loading)
+
+
 def schedule(paths: Sequence[str], drop: Sequence[str] = ()) -> None:
     """Read ``paths`` (absolute) back into the page cache in the background thread, after
     dropping ``drop`` from it."""
@@ -166,7 +191,8 @@ def schedule(paths: Sequence[str], drop: Sequence[str] = ()) -> None:
 
 
 def stats() -> dict[str, int]:
-    """Files and bytes re-cached so far by this process, and work dropped for a newer write."""
+    """Files and bytes re-cached so far by this process, work dropped for a newer write, files
+    left to a load of their checkpoint (``yielded``), and files dropped from the cache."""
     return dict(_stats)
 
 
@@ -212,6 +238,9 @@ def _read_batch(generation: int, paths: tuple[str, ...]) -> None:
         if generation != _generation:
             _stats["dropped"] += 1
             return
+        if _being_loaded(path):
+            _stats["yielded"] += 1
+            continue
         try:
             _read_through(path, generation)
         except OSError as e:
@@ -227,7 +256,7 @@ def _read_through(path: str, generation: int) -> None:
         try:
             size = os.fstat(fd).st_size
             offset = 0
-            while offset < size and generation == _generation:
+            while offset < size and generation == _generation and not _being_loaded(path):
                 sent = os.sendfile(sink, fd, offset, min(STEP_BYTES, size - offset))
                 if sent <= 0:
                     break
