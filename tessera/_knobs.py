@@ -57,10 +57,15 @@ def compress() -> bool | str:
     return raw not in ("0", "false", "no", "off", "")
 
 
-def direct_io() -> bool:
-    """Whether durable local writes of data files bypass the page cache (``O_DIRECT``, where the
-    filesystem supports it; ``TESSERA_DIRECT_IO=0`` turns it off; default on)."""
-    return os.environ.get("TESSERA_DIRECT_IO", "1") not in ("0", "false", "no")
+def direct_io() -> str:
+    """How durable local writes of data files treat the page cache (``TESSERA_DIRECT_IO``):
+    ``auto`` (default) ``O_DIRECT`` or buffered per device, whichever its writes measured faster
+    (:mod:`tessera.storage.direct_choice`); ``1`` always ``O_DIRECT`` (where the filesystem
+    supports it); ``0`` always buffered."""
+    raw = os.environ.get("TESSERA_DIRECT_IO", "auto").strip().lower()
+    if raw in ("", "auto"):
+        return "auto"
+    return "off" if raw in ("0", "false", "no", "off") else "on"
 
 
 def recache() -> str:

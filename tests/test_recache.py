@@ -47,6 +47,12 @@ def data_files(root: Path) -> list[Path]:
     return [p for p in (root / "data").rglob("*") if p.is_file()]
 
 
+@pytest.fixture(autouse=True)
+def _direct_writes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Re-caching is for files written with O_DIRECT; auto may write a test's files buffered."""
+    monkeypatch.setenv("TESSERA_DIRECT_IO", "1")
+
+
 def settle() -> None:
     assert recache.drain(timeout=30)
 

@@ -51,6 +51,7 @@ def test_durable_writes_go_direct_and_read_back(tmp_path: Path, monkeypatch: pyt
         takes_direct = local._set_direct(probe, True)
     finally:
         os.close(probe)
+    monkeypatch.setenv("TESSERA_DIRECT_IO", "1")  # always (auto follows what this process measured)
     seen = _direct_calls(monkeypatch)
     data = os.urandom(size)
     store = FileStorage(str(tmp_path), durable=True)
@@ -84,6 +85,7 @@ def test_a_refused_direct_write_falls_back_to_buffered(tmp_path: Path, monkeypat
         return real_write(fd, data)
 
     monkeypatch.setattr(os, "write", write)
+    monkeypatch.setenv("TESSERA_DIRECT_IO", "1")
     data = os.urandom((2 << 20) + 777)
     FileStorage(str(tmp_path), durable=True).write_file("f.bin", _chunks(data, [100_000]))
     assert (tmp_path / "f.bin").read_bytes() == data
@@ -103,3 +105,55 @@ def test_tmpfs_writes_are_correct_whether_or_not_it_takes_direct_io(monkeypatch:
         data = os.urandom((1 << 20) + 4097)
         FileStorage(d, durable=True).write_file("f.bin", _chunks(data, [4096, 99]))
         assert Path(d, "f.bin").read_bytes() == data
+
+
+def test_auto_measures_both_modes_then_keeps_the_faster_and_looks_again() -> None:
+    from tessera.storage.direct_choice import EXPLORE_EVERY, MARGIN, MIN_SAMPLE_BYTES, DirectChoice
+
+    c, dev, mb = DirectChoice(), 7, 64 << 20
+    assert c.use_direct(dev)  # nothing measured: direct
+    c.record(dev, True, MIN_SAMPLE_BYTES - 1, 1.0)  # too small to say anything
+    assert c.use_direct(dev)
+    c.record(dev, True, mb, 0.16)  # 400 MiB/s direct
+    assert not c.use_direct(dev)  # buffered is measured next
+    c.record(dev, False, mb, 0.16 / (MARGIN * 0.9))  # faster, but not by the margin
+    assert c.use_direct(dev)
+    for _ in range(10):
+        c.record(dev, False, mb, 0.16 / 1.7)  # buffered 1.7x direct: a device that caps O_DIRECT
+    assert not c.use_direct(dev) and c.rates(dev)["buffered"] > MARGIN * c.rates(dev)["direct"]
+    for _ in range(EXPLORE_EVERY - 13):
+        c.record(dev, False, mb, 0.16 / 1.7)
+    assert not c.use_direct(dev)
+    c.record(dev, False, mb, 0.16 / 1.7)
+    assert c.use_direct(dev)  # after EXPLORE_EVERY measured writes, one file tries the other mode ...
+    assert not c.use_direct(dev)  # ... one only
+    assert c.use_direct(dev + 1)  # devices are measured apart
+
+
+def test_auto_writes_buffered_where_buffered_measured_faster_and_reads_none_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tessera.storage import direct_choice, recache
+
+    monkeypatch.setenv("TESSERA_DIRECT_IO", "auto")
+    monkeypatch.setenv("TESSERA_RECACHE", "1")
+    choice = direct_choice.DirectChoice()
+    monkeypatch.setattr(local, "DIRECT_CHOICE", choice)
+    dev = os.stat(tmp_path).st_dev
+    choice.record(dev, True, 64 << 20, 0.16)
+    choice.record(dev, False, 64 << 20, 0.05)
+
+    seen = _direct_calls(monkeypatch)
+    offered: list[list[str]] = []
+    monkeypatch.setattr(recache, "offer", lambda root, paths, supersedes=True: offered.append(list(paths)))
+    store = FileStorage(str(tmp_path), durable=True)
+    data = os.urandom(MIB := 1 << 20)
+    store.write_file("data/a.bin", [data])
+    assert seen == [] and (tmp_path / "data" / "a.bin").read_bytes() == data  # buffered
+    monkeypatch.setenv("TESSERA_DIRECT_IO", "1")
+    store.write_file("data/b.bin", [data[:MIB]])
+    store.recache(["data/a.bin", "data/b.bin"])
+    assert offered == [[str(tmp_path / "data" / "b.bin")]]  # a buffered file is in the page cache already
+    store.write_file("data/c.bin", [data])
+    store.recache(["data/c.bin"])
+    assert offered[-1] == [str(tmp_path / "data" / "c.bin")]

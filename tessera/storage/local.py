@@ -3,7 +3,8 @@
 Data files are created exclusively (``O_EXCL``: an existing file is never reopened, let
 alone truncated), written with large sequential ``os.write`` calls and fsync'ed; a failed
 write removes its partial file. Durable data-file writes bypass the page cache (``O_DIRECT``
-through a small aligned buffer, where the filesystem allows it; see :func:`_write_direct`). :meth:`FileStorage.sync_dirs` then makes their directory
+through a small aligned buffer, where the filesystem allows it; see :func:`_write_direct`) on
+devices where that measured faster (:mod:`.direct_choice`), and are buffered on the others. :meth:`FileStorage.sync_dirs` then makes their directory
 entries durable. The manifest is committed by writing a temporary file, fsync,
 ``os.replace`` and an fsync of the directory, so a crash leaves either the old or the new
 manifest. :meth:`FileStorage.replace_if` does the same under an exclusive ``flock`` of the
@@ -17,6 +18,7 @@ from __future__ import annotations
 import logging
 import mmap
 import os
+import time
 from collections.abc import Iterable
 
 from .. import _knobs
@@ -28,6 +30,7 @@ from ._local_files import LOCK_NAME as LOCK_NAME
 from ._local_files import LocalFiles, typed_errors
 from ._local_files import local_root as local_root
 from .base import Buffer, is_temp_name, temp_name
+from .direct_choice import CHOICE as DIRECT_CHOICE
 
 logger = logging.getLogger(__name__)
 
@@ -42,8 +45,10 @@ class FileStorage(LocalFiles):
             against power loss or a kernel crash.
     """
 
-    _yielded = False
-    """Whether this storage's reads made the re-caching of its checkpoint give way yet."""
+    def __init__(self, url: str, *, durable: bool = True) -> None:
+        super().__init__(url, durable=durable)
+        self._yielded = False  # whether this storage's reads made the re-caching of its checkpoint give way
+        self._cached: set[str] = set()  # data files written buffered, not yet offered for re-caching
 
     def reopen(self, url: str) -> FileStorage:
         """:class:`~tessera.storage.base.Reopens`: a directory at ``url`` with the same durability."""
@@ -63,6 +68,7 @@ class FileStorage(LocalFiles):
         """
         full = self._abs(path)
         recache.yield_to_writes()
+        t0 = time.monotonic()
         try:
             fd = self._create(full)
             target = full
@@ -74,15 +80,23 @@ class FileStorage(LocalFiles):
                 raise StorageError(f"cannot create {target}: {e}") from e
         except OSError as e:
             raise StorageError(f"cannot create {full}: {e}") from e
-        ok = False
+        ok = direct = False
         try:
-            if self.durable and _knobs.direct_io() and _set_direct(fd, True):
+            how = _knobs.direct_io() if self.durable else "off"
+            device = os.fstat(fd).st_dev
+            if how == "on" or (how == "auto" and DIRECT_CHOICE.use_direct(device)):
+                direct = _set_direct(fd, True)
+            if direct:
                 _write_direct(fd, chunks)
             else:
                 for chunk in chunks:
                     _write_all(fd, memoryview(chunk).cast("B"))
             if self.durable:
                 os.fsync(fd)
+            if how == "auto":
+                DIRECT_CHOICE.record(device, direct, os.fstat(fd).st_size, time.monotonic() - t0)
+            if not direct:
+                self._cached.add(full)  # buffered: in the page cache already, nothing to read back
             ok = True
         except OSError as e:
             raise StorageError(f"writing {full} failed: {e}") from e
@@ -101,9 +115,13 @@ class FileStorage(LocalFiles):
     def recache(self, paths: Iterable[str], *, supersedes: bool = True) -> None:
         """:class:`~tessera.storage.capabilities.Recaches`: bring files of a committed save back into
         the page cache in the background (:mod:`.recache`), where ``O_DIRECT`` writes left them out."""
-        if not (self.durable and _knobs.direct_io()):
+        if not self.durable:
             return  # buffered writes: the page cache has them already
-        recache.offer(self.root, [self._abs(p) for p in paths], supersedes=supersedes)
+        full = [self._abs(p) for p in paths]
+        direct = [p for p in full if p not in self._cached]
+        self._cached.difference_update(full)
+        if direct:
+            recache.offer(self.root, direct, supersedes=supersedes)
 
     def sync_dirs(self, paths: Iterable[str]) -> None:
         """Make the directory entries of ``paths`` durable: one fsync per distinct directory.

@@ -1,7 +1,8 @@
 """Bringing a just-committed checkpoint back into the page cache, off the training thread.
 
-Durable data files are written with ``O_DIRECT`` (:mod:`._direct_io`): the training loop does not
-pay the kernel's copy into the page cache and its writeback. The price was the *first load after a
+Durable data files are written with ``O_DIRECT`` (:mod:`._direct_io`) where the device measured
+that faster (:mod:`.direct_choice`): the training loop does not pay the kernel's copy into the
+page cache and its writeback. The price was the *first load after a
 save* (an evaluation job, a ``tessera verify``, a restart on the same nodes): nothing of the fresh
 checkpoint was cached, so it read the disk, where a buffered writer's first load (DCP's) finds its
 pages in memory. Here, once a save committed, a daemon thread reads the files this rank wrote back
