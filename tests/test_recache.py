@@ -101,16 +101,21 @@ def test_a_file_gone_before_it_is_read_back_stops_nothing_else(tmp_path: Path) -
     assert resident_fraction(real) == 1.0
 
 
-def test_work_queued_before_a_write_is_dropped(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    old, new = tmp_path / "old.bin", tmp_path / "new.bin"
-    for f in (old, new):
+def uncached(*files: Path) -> None:
+    """Write 2 MiB of noise to each of ``files``, none of it left in the page cache, the thread idle."""
+    for f in files:
         f.write_bytes(os.urandom(2 << 20))
         evict(f)
     settle()
+
+
+def hold_the_thread(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
+    """Keep the re-caching thread busy with an earlier save's file (scheduled as ``held``) until the
+    returned event is set: what is scheduled meanwhile waits in the queue."""
     busy, release = threading.Event(), threading.Event()
     read_through = recache._read_through
 
-    def held(path: str, generation: int) -> None:  # the thread is busy with an earlier save's file
+    def held(path: str, generation: int) -> None:
         if path == "held":
             busy.set()
             release.wait(10)
@@ -118,9 +123,17 @@ def test_work_queued_before_a_write_is_dropped(tmp_path: Path, monkeypatch: pyte
         read_through(path, generation)
 
     monkeypatch.setattr(recache, "_read_through", held)
-    dropped = recache.stats()["dropped"]
     recache.schedule(["held"])
     assert busy.wait(10)
+    return release
+
+
+def test_work_queued_before_a_write_is_dropped(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    old, new = tmp_path / "old.bin", tmp_path / "new.bin"
+    uncached(old, new)
+    read_through = recache._read_through
+    dropped = recache.stats()["dropped"]
+    release = hold_the_thread(monkeypatch)
     recache.schedule([str(old)])  # queued by a save ...
     recache.yield_to_writes()  # ... before the next save wrote (FileStorage.write_file, every write stage)
     recache.schedule([str(new)])  # queued after it: read
@@ -213,24 +226,10 @@ def test_a_load_of_the_checkpoint_being_read_back_takes_its_place(
     root = tmp_path / "ckpt"
     (root / "data").mkdir(parents=True)
     files = [root / "data" / f"{i}.bin" for i in range(2)]
-    for f in files:
-        f.write_bytes(os.urandom(2 << 20))
-        evict(f)
-    settle()
-    busy, release = threading.Event(), threading.Event()
+    uncached(*files)
     read_through = recache._read_through
-
-    def held(path: str, generation: int) -> None:
-        if path.endswith("held"):
-            busy.set()
-            release.wait(10)
-            return
-        read_through(path, generation)
-
-    monkeypatch.setattr(recache, "_read_through", held)
     yielded = recache.stats()["yielded"]
-    recache.schedule(["held"])
-    assert busy.wait(10)
+    release = hold_the_thread(monkeypatch)
     recache.schedule([str(f) for f in files])  # the save's files, queued behind a busy thread ...
     recache.yield_to_reads(str(root))  # ... when a load of that checkpoint starts reading it
     release.set()
