@@ -83,7 +83,7 @@ class FileStorage(LocalFiles):
         ok = direct = False
         try:
             how = _knobs.direct_io() if self.durable else "off"
-            device = os.fstat(fd).st_dev
+            device = os.fstat(fd).st_dev if how == "auto" else 0
             if how == "on" or (how == "auto" and DIRECT_CHOICE.use_direct(device)):
                 direct = _set_direct(fd, True)
             if direct:
@@ -95,7 +95,7 @@ class FileStorage(LocalFiles):
                 os.fsync(fd)
             if how == "auto":
                 DIRECT_CHOICE.record(device, direct, os.fstat(fd).st_size, time.monotonic() - t0)
-            if not direct:
+            if self.durable and not direct:
                 self._cached.add(full)  # buffered: in the page cache already, nothing to read back
             ok = True
         except OSError as e:
