@@ -43,8 +43,9 @@ def io_threads() -> int:
 
 
 def chunk_bytes(compressed: bool = False) -> int:
-    """Checksum granularity in bytes (``TESSERA_CHUNK_BYTES``; default 4 MiB, 256 KiB for a save
-    that may compress: a compressed chunk is also the unit a resharded read decodes)."""
+    """The largest checksum chunk in bytes (``TESSERA_CHUNK_BYTES``; default 4 MiB, 256 KiB for a
+    save that may compress: a compressed chunk is also the unit a resharded read decodes, and
+    such a save cuts small tiles finer still, :mod:`tessera.format.chunking`)."""
     return max(4096, _int("TESSERA_CHUNK_BYTES", (256 << 10) if compressed else (4 << 20)))
 
 

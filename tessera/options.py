@@ -109,8 +109,9 @@ class SaveOptions:
     chunk_bytes: int = 0
     """Checksum granularity: a load reads and verifies whole chunks of this size, and decodes whole
     chunks of a compressed tile. 0 (the default) means 4 MiB, or 256 KiB where ``compress`` is
-    on or ``"auto"`` (a resharded read then decodes at most 2 x 256 KiB more than each box it
-    needs, at the codec's full speed; docs/compression.md); knob ``TESSERA_CHUNK_BYTES``."""
+    on or ``"auto"``; knob ``TESSERA_CHUNK_BYTES``. A save that may compress cuts a tile smaller
+    than 32 of these chunks into 32 to 64 smaller ones (32 KiB at least), so that a resharded
+    read decodes a small fraction more than it needs of a small tile (docs/compression.md)."""
     plan: PlanOptions = field(default_factory=PlanOptions)
     """Planner knobs (replica splitting, files per rank)."""
     layout: dict[str, Any] = field(default_factory=dict)

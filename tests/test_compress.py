@@ -468,7 +468,9 @@ def test_a_version_2_index_whose_section_lists_frames_is_refused(tmp_path: Path)
     doc = _manifest(tmp_path / "c")
     sections = tmp_path / "c" / doc["sections"]["path"]
     original = sections.read_bytes()
-    (tmp_path / "c" / "manifest.json").write_text(json.dumps({**doc, "version": 2}))
+    # (a version 2 index cuts every tile in chunk_bytes chunks: the per-tile rule goes too)
+    uniform = {"algorithm": "xxh3_64", "chunk_bytes": doc["checksum"]["chunk_bytes"]}
+    (tmp_path / "c" / "manifest.json").write_text(json.dumps({**doc, "version": 2, "checksum": uniform}))
     with pytest.raises(ManifestError, match=r"section 0 .*\[path, rank, bytes\] \(version 2\)"):
         tessera.load(str(tmp_path / "c"), {"w": torch.zeros(ROWS, COLS)})
     (tmp_path / "c" / "manifest.json").write_text(json.dumps(doc))

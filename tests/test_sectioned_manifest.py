@@ -21,6 +21,7 @@ import torch
 import tessera
 from tessera.cli import EXIT_OK, main
 from tessera.errors import ManifestError
+from tessera.format.chunking import Chunking
 from tessera.format.manifest import (
     MANIFEST_NAME,
     SECTIONS_NAME,
@@ -551,7 +552,7 @@ def test_geometry_blocks_are_hostile_input(monkeypatch: pytest.MonkeyPatch) -> N
     offs = small.tensors["w"].table.offsets
     lens = small.tensors["w"].table.lengths
     backwards = build_index(
-        ("s", 2, 4096),
+        ("s", 2, Chunking(4096)),
         [("w", "float32", (8, 3))],
         np.zeros(2, np.int64),
         offs,

@@ -26,6 +26,7 @@ from .._knobs import compress as default_compress
 from ..engine import commit
 from ..engine.commit import Claim
 from ..engine.saving.write import write_files
+from ..format.chunking import Chunking
 from ..format.dtypes import as_bytes, dtype_name, itemsize
 from ..format.geometry import Box, check_box_coverage, flat_range_to_boxes
 from ..format.manifest import FileEntry, Manifest, TensorEntry, Tile
@@ -76,6 +77,7 @@ class CheckpointWriter:
         self.io_threads = io_threads
         self.compress = default_compress() if compress is None else compress
         self.chunk_bytes = chunk_bytes or default_chunk_bytes(compressed=self.compress is not False)
+        self.chunking = Chunking.for_save(self.chunk_bytes, self.compress)
         self.save_id = uuid.uuid4().hex[:16]
         self._t0 = time.monotonic()
         self._write_s = 0.0
@@ -205,7 +207,7 @@ class CheckpointWriter:
         by_key = {(f, b): d for f, b, d in self._pending}
         staged = [as_bytes(by_key[(s.fqn, s.box)]) for s in layout.slots]
         (written,) = write_files(
-            self.storage, [(name, layout, staged)], chunk_bytes=self.chunk_bytes, threads=1, compress=self.compress
+            self.storage, [(name, layout, staged)], chunking=self.chunking, threads=1, compress=self.compress
         )
         self._files.append(FileEntry(name, 0, written.nbytes, written.frames))
         for t in written.tiles:
@@ -259,6 +261,7 @@ class CheckpointWriter:
             save_id=self.save_id,
             world_size=1,
             chunk_bytes=self.chunk_bytes,
+            chunking=self.chunking,
             tensors=tensors,
             values=dict(self._values),
             files=tuple(self._files),

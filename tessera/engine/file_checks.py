@@ -205,14 +205,14 @@ def _check_header(
 
 def _segments(manifest: Manifest, groups: list[TileGroup]) -> Iterator[_Segment]:
     """Every checksum chunk of the file's tiles in file order, from arrays (bounded memory)."""
-    chunk = manifest.chunk_bytes
+    chunking = manifest.tile_chunking
     cols: list[tuple[np.ndarray, ...]] = []
     for g, (_, entry, idx) in enumerate(groups):
         t = entry.table
         counts = t.chunks[idx]
         tile = np.repeat(idx, counts)  # one row per chunk
         k = np.arange(len(tile), dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
-        cols.append((np.full(len(tile), g, dtype=np.int64), tile, k, t.byte_offset[tile] + k * chunk))
+        cols.append((np.full(len(tile), g, dtype=np.int64), tile, k, t.byte_offset[tile] + k * chunking.sizes(t.nbytes[tile])))
     if not cols:
         return
     group, tile, k, start = (np.concatenate(c) for c in zip(*cols))
@@ -225,6 +225,7 @@ def _segments(manifest: Manifest, groups: list[TileGroup]) -> Iterator[_Segment]
         if (g, i) != current:
             current, t_obj = (g, i), entry.tile(i)
         assert t_obj is not None
+        chunk = chunking.of(t_obj.nbytes)
         a = t_obj.byte_offset + kk * chunk
         yield _Segment(a, min(a + chunk, t_obj.byte_offset + t_obj.nbytes), t_obj.checksums[kk], fqn, t_obj, kk)
 

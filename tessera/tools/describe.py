@@ -258,6 +258,7 @@ def inspect_data(path: str) -> dict[str, Any]:
         "stored_bytes": sum(stored.values()),
         "files": len(m.files),
         "chunk_bytes": m.chunk_bytes,
+        "chunking": m.tile_chunking.to_json(),
         "tensors": [
             {
                 "name": n,

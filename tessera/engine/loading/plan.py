@@ -312,11 +312,12 @@ def plan_reads(
         ManifestError: if a lazily decoded manifest's table of a target's tensor is invalid.
     """
     index = _TileIndex(manifest)
-    chunk = manifest.chunk_bytes
+    chunking = manifest.tile_chunking
     # A compressed file's range is read, then decoded, by one thread: reading it in pieces lets
     # the pool's threads decode one piece while others read the next (docs/compression.md).
     coded = {f.path for f in manifest.files if f.frames is not None}
-    coded_step = max(chunk, min(max_read_bytes, _CODED_READ_BYTES) // chunk * chunk)
+    coded_limit = min(max_read_bytes, _CODED_READ_BYTES)
+    coded_step = max(chunking.chunk_bytes, coded_limit // chunking.chunk_bytes * chunking.chunk_bytes)
     by_file: dict[str, list[ReadCopy]] = {}
     direct: list[ReadRequest] = []
     for t in targets:
@@ -337,6 +338,7 @@ def plan_reads(
             _check_disjoint(t.fqn, t.box, hits, rank)
         for i, lo, hi in hits:
             tile = entry.tile(i)
+            chunk = chunking.of(tile.nbytes)
             inter = Box(lo, tuple(map(operator.sub, hi, lo)))
             tile_box = Box(tile.offsets, tile.lengths)
             if inter == t.box or not t.data.dim():  # the whole target (no view to cut: a few us each)
@@ -352,7 +354,8 @@ def plan_reads(
                 and view.is_contiguous()
                 and tile.nbytes <= 4 * max_read_bytes
             ):
-                step = coded_step if tile.file in coded else tile.nbytes
+                # in whole chunks of the tile (a multiple of its chunk size)
+                step = max(chunk, coded_limit // chunk * chunk) if tile.file in coded else tile.nbytes
                 for a in range(0, max(tile.nbytes, 1), max(step, 1)):
                     span = (tile.byte_offset + a, tile.byte_offset + min(tile.nbytes, a + step))
                     direct.append(

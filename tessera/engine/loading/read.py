@@ -189,11 +189,12 @@ class Reader:
         """Check every checksum chunk that lies wholly inside ``req`` (``data`` holds its bytes)."""
         if not self.verify:
             return
-        chunk = self.manifest.chunk_bytes
+        chunking = self.manifest.tile_chunking
         start = req.start
         seen: set[tuple[int, int]] = set()
         for c in req.copies:
             t = c.tile
+            chunk = chunking.of(t.nbytes)
             first = max(0, (req.start - t.byte_offset + chunk - 1) // chunk)
             for k in range(first, len(t.checksums)):
                 a = t.byte_offset + k * chunk

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 import xxhash
 
+from ...format.chunking import Chunking
 from ...format.codec import MAX_CHAIN, DeltaColumns, FrameTable, delta_lanes, encode_chunk, file_header, subtract
 from ...format.tilefile import FileLayout
 from ...storage.base import Storage
@@ -154,7 +155,7 @@ def write_coded(
     path: str,
     layout: FileLayout,
     staged: Sequence[torch.Tensor],
-    chunk_bytes: int,
+    chunking: Chunking,
     progress: Callable[[int], None] | None,
     pieces: Callable[[int], Iterator[memoryview]] | None,
     bases: Mapping[int, DeltaBase],
@@ -181,19 +182,21 @@ def write_coded(
     delta_cols: list[tuple[int, int, int, int]] = []  # per frame: parent + 1, offset, depth, lanes
 
     def tile_chunks(i: int) -> Iterator[memoryview]:
+        chunk_bytes = chunking.of(layout.slots[i].nbytes)
         if pieces is not None:
             return _whole_chunks(pieces(i), chunk_bytes)
         return _slices(staged[i].numpy().data if staged[i].numel() else memoryview(b""), chunk_bytes)
 
     def encode(i: int, k: int, c: memoryview | bytes) -> _Frame:
         """Chunk ``k`` of slot ``i`` as stored: whole (coded or raw) or as a difference from its base."""
-        size = layout.slots[i].dtype.itemsize
+        slot = layout.slots[i]
+        size = slot.dtype.itemsize
         t = time.perf_counter()
         frame = encode_chunk(c, size)
         stats.coded(len(c), time.perf_counter() - t)
         out = c if frame is None else frame
         base = bases.get(i)
-        diff = None if base is None else _delta_frame(base, k, c, chunk_bytes, size)
+        diff = None if base is None else _delta_frame(base, k, c, chunking.of(slot.nbytes), size)
         if base is not None and diff is not None and len(diff[0]) < len(out):
             return _Frame(i, xxhash.xxh3_64_intdigest(c), len(c), diff[0], base.ref, diff[1:])
         return _Frame(i, xxhash.xxh3_64_intdigest(c), len(c), out)

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from ...errors import CommitCheckError
+from ...format.chunking import Chunking
 from ...format.dtypes import dtype_from_name, dtype_name, itemsize
 from ...format.manifest import FileEntry, Manifest
 from ...format.names import SHARED_REF, is_shared_ref
@@ -60,14 +61,14 @@ def split_writes(
     layouts: Sequence[FileLayout],
     staged: Sequence[Sequence[torch.Tensor]],
     index: TileIndex | None,
-    chunk_bytes: int,
+    chunking: Chunking,
     tiles: Storage | None = None,
 ) -> SharedWrites:
     """Decide, tile by tile, what to write and what to reference (hashing the staged bytes).
 
     With ``tiles`` (the shared tile directory, for a compressed save), a changed tile whose
     stored version is in a compressed file gets that version as its delta base."""
-    if index is not None and index.chunk_bytes != chunk_bytes:
+    if index is not None and index.chunking != chunking:
         index = None  # checksums of another granularity cannot be compared
     if index is None:  # nothing to compare with: every file as planned (staged in full or through a window)
         return SharedWrites(tuple(file_write(f"{save_id}/{lay.name}", lay, v) for lay, v in zip(layouts, staged)), ())
@@ -81,7 +82,7 @@ def split_writes(
             if stored is None or stored.nbytes != slot.nbytes or stored.dtype != dtype_name(slot.dtype):
                 keep.append((slot, view, ()))
                 continue
-            same, sums = _compare(view, stored.checksums, chunk_bytes)
+            same, sums = _compare(view, stored.checksums, chunking.of(slot.nbytes))
             if same:
                 refs[stored.path].append((slot, stored))
             else:
@@ -167,7 +168,7 @@ def shared_reports(written: Iterable[WrittenFile]) -> tuple[FileReport, ...]:
 def next_index(
     save_id: str,
     url: str,
-    chunk_bytes: int,
+    chunking: Chunking,
     reports: Iterable[FileReport],
     dtypes: Mapping[str, str],
     dirs: frozenset[str],
@@ -180,7 +181,7 @@ def next_index(
             nbytes = math.prod(lens) * itemsize(dtype_from_name(dtype))
             tiles[(fqn, offs, lens)] = StoredTile(r.path, dtype, bo, nbytes, sums, r.nbytes, r.frames)
     files = {r.path: (r.nbytes, r.frames) for r in reports}
-    return TileIndex(url, save_id, chunk_bytes, tiles, dirs | {shared_dir(r.path) for r in reports}, files)
+    return TileIndex(url, save_id, chunking, tiles, dirs | {shared_dir(r.path) for r in reports}, files)
 
 
 # -- The steps of :mod:`.finish` under dedup (each a no-op without it) ---------------------------
@@ -223,14 +224,14 @@ def write_shared(
         threads = min(save.options.io_threads, os.cpu_count() or 1)
         compress = compress_choice.CHOICE.should_code(d.tiles.url, threads, None, 1)
     delta = d.tiles if compress else None
-    split = split_writes(save.save_id, save.plan.layouts, staged, index, save.options.chunk_bytes, delta)
+    split = split_writes(save.save_id, save.plan.layouts, staged, index, save.chunking, delta)
     if any(f.bases for f in split.files) or save.options.compress == "auto":
         # Delta bases are read through this process's storage; and compress="auto" was decided
         # from this process's measurements, which this write must feed (a writer process keeps its own).
         write = write_tiles
     request = WriteRequest(
         split.files,
-        save.options.chunk_bytes,
+        save.chunking,
         save.options.io_threads,
         compress,
         measure=save.options.compress == "auto",
@@ -340,4 +341,4 @@ def committed(save: PreparedSave, reports: Sequence[FileReport], outcome: Commit
     if d is None:
         return
     dtypes = {m.fqn: m.dtype for m in save.plan.rank_plan.metas}
-    d.committed(next_index(save.save_id, save.path, save.options.chunk_bytes, reports, dtypes, outcome.shared_dirs))
+    d.committed(next_index(save.save_id, save.path, save.chunking, reports, dtypes, outcome.shared_dirs))

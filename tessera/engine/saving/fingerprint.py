@@ -5,7 +5,7 @@ shows: a write through ``.data`` or a NumPy view (their own counter, or none), o
 kernel still running when the copy and its check end (on CPU the counter moves only when the
 kernel returns). So while the caller is still inside ``async_save`` (nothing of its thread can
 run), :class:`CallFingerprint` hashes the exact bytes each such tile will hold: the xxh3-64 of
-every ``chunk_bytes`` slice of its row-major bytes, the checksums the writer computes anyway from
+every checksum chunk of its row-major bytes, the checksums the writer computes anyway from
 the copy it writes (:func:`tessera.engine.saving.write.checksum_chunks`). After the writes,
 before the commit vote, :meth:`CallFingerprint.verify` compares the two: any byte changed after
 the call and before its copy fails the save on every rank, however sparse the write and however
@@ -24,6 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from ...errors import CheckpointError, StagingMutationError
+from ...format.chunking import Chunking
 from .handoff import FileReport
 from .window import split
 from .write import ChunkSums, checksum_chunks
@@ -54,13 +55,14 @@ def _strided_sums(t: torch.Tensor, chunk_bytes: int) -> tuple[int, ...]:
     return sums.done()
 
 
-_Task = tuple[int, int, memoryview | torch.Tensor]
-"""(source index, first chunk index, contiguous bytes from that chunk on, or a strided tensor)."""
+_Task = tuple[int, int, int, memoryview | torch.Tensor]
+"""(source index, first chunk index, the tile's chunk size, contiguous bytes from that chunk on, or
+a strided tensor)."""
 
 
-def _run(batch: list[_Task], chunk_bytes: int) -> list[tuple[int, int, tuple[int, ...]]]:
+def _run(batch: list[_Task]) -> list[tuple[int, int, tuple[int, ...]]]:
     out = []
-    for i, first, data in batch:
+    for i, first, chunk_bytes, data in batch:
         if isinstance(data, torch.Tensor):
             out.append((i, first, _strided_sums(data, chunk_bytes)))
         else:
@@ -73,7 +75,7 @@ def _batches(tasks: list[_Task], nbytes: int) -> Iterator[list[_Task]]:
     size = 0
     for task in tasks:
         batch.append(task)
-        data = task[2]
+        data = task[3]
         size += data.numel() * data.element_size() if isinstance(data, torch.Tensor) else len(data)
         if size >= nbytes:
             yield batch
@@ -93,7 +95,7 @@ class CallFingerprint:
         names: their FQNs (for the error).
         keys: their tiles (name, box offsets, box lengths), as the writer reports them.
         which: indices of the sources to fingerprint (CPU tensors copied after the call returns).
-        chunk_bytes: the save's checksum granularity.
+        chunking: how the save cuts each tile into checksum chunks.
         threads: threads that may hash at once (large states).
     """
 
@@ -103,7 +105,7 @@ class CallFingerprint:
         names: Sequence[str],
         keys: Sequence[TileKey],
         which: Sequence[int],
-        chunk_bytes: int,
+        chunking: Chunking,
         threads: int,
     ) -> None:
         t0 = time.monotonic()
@@ -113,18 +115,19 @@ class CallFingerprint:
             src = srcs[i]
             nbytes = src.numel() * src.element_size()
             total += nbytes
+            chunk_bytes = chunking.of(nbytes)
             if not src.is_contiguous():
-                tasks.append((i, 0, src))
+                tasks.append((i, 0, chunk_bytes, src))
                 continue
             data = _contiguous_bytes(src) if nbytes else memoryview(b"")
             per = max(1, _BATCH_BYTES // chunk_bytes) * chunk_bytes  # whole chunks per task
-            tasks.extend((i, j // chunk_bytes, data[j : j + per]) for j in range(0, nbytes, per))
+            tasks.extend((i, j // chunk_bytes, chunk_bytes, data[j : j + per]) for j in range(0, nbytes, per))
         parts: dict[int, dict[int, tuple[int, ...]]] = {i: {} for i in which}
         if threads > 1 and total >= _PARALLEL_BYTES and len(tasks) > 1:
             with ThreadPoolExecutor(min(threads, len(tasks)), thread_name_prefix="tessera-fingerprint") as pool:
-                done = [r for rs in pool.map(lambda b: _run(b, chunk_bytes), _batches(tasks, _BATCH_BYTES)) for r in rs]
+                done = [r for rs in pool.map(_run, _batches(tasks, _BATCH_BYTES)) for r in rs]
         else:
-            done = _run(tasks, chunk_bytes)
+            done = _run(tasks)
         for i, first, sums in done:
             parts[i][first] = sums
         self._sums: dict[TileKey, tuple[str, tuple[int, ...]]] = {

@@ -321,7 +321,7 @@ def _write(
         prefix = f"{DATA_DIR}/{save.save_id}"
         request = WriteRequest(
             files=tuple(file_write(f"{prefix}/{lay.name}", lay, st) for lay, st in zip(save.plan.layouts, staged)),
-            chunk_bytes=save.options.chunk_bytes,
+            chunking=save.chunking,
             threads=save.options.io_threads,
             compress=save.options.compress,
         )

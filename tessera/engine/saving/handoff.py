@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from ...format.chunking import Chunking
 from ...format.codec import FrameTable
 from ...format.rank_report import RankReportDoc, ReportTiles
 from ...format.tilefile import FileLayout
@@ -120,6 +121,11 @@ class PreparedSave:
     """An ``async_save`` (its caller may change the state: it cannot start over)."""
     replicas: ReplicaDigests | None = None
     """This rank's digests of its copies of plain tensors, taken at the call (:mod:`.replicas`)."""
+
+    @property
+    def chunking(self) -> Chunking:
+        """How this save cuts each tile into checksum chunks (per tile where it may compress)."""
+        return Chunking.for_save(self.options.chunk_bytes, self.options.compress)
 
 
 @dataclass(frozen=True)

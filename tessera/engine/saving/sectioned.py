@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ...format.chunking import Chunking
 from ...format.geometry import check_box_coverage
 from ...format.manifest import EncodedSections, FileEntry, build_index, manifest_tail
 from ...format.manifest.sections import rank_timings
@@ -112,7 +113,7 @@ def build_sectioned(
     tail = manifest_tail(manifest_without_tiles(world_size, metas, reports, save_id, opts))
     tail["timings"] = rank_timings(tail["timings"], set(ranks))[0]  # a section holds its rank's
     index = build_index(
-        (save_id, world_size, opts.chunk_bytes),
+        (save_id, world_size, Chunking.for_save(opts.chunk_bytes, opts.compress)),
         [(m.fqn, m.dtype, m.shape) for m in metas],
         tensor,
         offs,

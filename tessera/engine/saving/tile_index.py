@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
+from ...format.chunking import Chunking
 from ...format.codec import FrameTable
 from ...format.manifest import Manifest
 from ...format.names import SHARED_REF, is_shared_ref
@@ -49,14 +50,15 @@ class TileIndex:
         base_url: the checkpoint the base save committed (a step directory).
         base_save_id: the base save's id; a save references its tiles only if the base is
             still committed when the save pins (checked by rank 0).
-        chunk_bytes: the base's checksum granularity (a save with another cannot compare).
+        chunking: how the base cut its tiles into checksum chunks (a save cutting them otherwise
+            cannot compare).
         tiles: by place.
         dirs: every shared directory the base's manifest references (what a pin protects).
     """
 
     base_url: str
     base_save_id: str
-    chunk_bytes: int
+    chunking: Chunking
     tiles: Mapping[TileKey, StoredTile]
     dirs: frozenset[str]
     files: Mapping[str, tuple[int, FrameTable | None]] = field(default_factory=dict)
@@ -96,7 +98,7 @@ class TileIndex:
                 )
         dirs = frozenset(shared_dir(f.path) for f in manifest.files if is_shared_ref(f.path))
         files = {f.path: (f.nbytes, f.frames) for f in manifest.files}
-        return cls(url, manifest.save_id, manifest.chunk_bytes, tiles, dirs, files)
+        return cls(url, manifest.save_id, manifest.tile_chunking, tiles, dirs, files)
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ import torch
 import xxhash
 
 from ...errors import StorageError
+from ...format.chunking import Chunking
 from ...format.codec import FrameTable
 from ...format.geometry import Box
 from ...format.tilefile import FileLayout
@@ -51,8 +52,8 @@ class WriteRequest:
     """The write stage of one rank's save: every file it writes, and how."""
 
     files: tuple[FileWrite, ...]
-    chunk_bytes: int
-    """Checksum granularity."""
+    chunking: Chunking
+    """How each tile is cut into checksum chunks (and frames)."""
     threads: int
     """Files written in parallel."""
     compress: bool | str = False
@@ -136,7 +137,7 @@ def _write_one(
     path: str,
     layout: FileLayout,
     staged: Sequence[torch.Tensor],
-    chunk_bytes: int,
+    chunking: Chunking,
     progress: Progress | None = None,
     known_sums: Mapping[int, tuple[int, ...]] | None = None,
     pieces: Callable[[int], Iterator[memoryview]] | None = None,
@@ -154,7 +155,7 @@ def _write_one(
         assert pieces is not None
         yield layout.header
         for i, slot in enumerate(layout.slots):
-            sums = ChunkSums(chunk_bytes)
+            sums = ChunkSums(chunking.of(slot.nbytes))
             for part in pieces(i):
                 for c in sums.feed(part):
                     yield c
@@ -166,6 +167,7 @@ def _write_one(
         yield layout.header
         for i, (slot, data) in enumerate(zip(layout.slots, staged)):
             view = data.numpy().data if data.numel() else memoryview(b"")
+            chunk_bytes = chunking.of(slot.nbytes)
             sums = list(known.get(i, ()))
             done = len(sums) * chunk_bytes  # bytes whose checksums are known
             for j in range(0, min(done, len(view)), chunk_bytes):
@@ -183,7 +185,7 @@ def _write_one(
     table = None
     if compress:
         sums_of, table = write_coded(
-            storage, path, layout, staged, chunk_bytes, progress, pieces, bases or {}, coders, stats or CodingStats()
+            storage, path, layout, staged, chunking, progress, pieces, bases or {}, coders, stats or CodingStats()
         )
         tiles.extend(WrittenTile(t.fqn, t.box, t.byte_offset, t.nbytes, sums) for t, sums in zip(layout.slots, sums_of))
     else:
@@ -202,13 +204,13 @@ def write_files(
     storage: Storage,
     files: Sequence[tuple[str, FileLayout, Sequence[torch.Tensor]]],
     *,
-    chunk_bytes: int,
+    chunking: Chunking,
     threads: int,
     progress: Progress | None = None,
     compress: bool | str = False,
 ) -> list[WrittenFile]:
     """Write every ``(path, layout, staged tile bytes)``: :func:`write_tiles` for callers with tuples."""
-    request = WriteRequest(tuple(FileWrite(p, lay, st) for p, lay, st in files), chunk_bytes, threads, compress)
+    request = WriteRequest(tuple(FileWrite(p, lay, st) for p, lay, st in files), chunking, threads, compress)
     return write_tiles(storage, request, progress)
 
 
@@ -229,7 +231,7 @@ def write_tiles(storage: Storage, request: WriteRequest, progress: Progress | No
     Raises:
         StorageError: the first failure (the other files are still attempted to the end).
     """
-    files, chunk_bytes, threads = request.files, request.chunk_bytes, request.threads
+    files, chunking, threads = request.files, request.chunking, request.threads
     if not files:
         return []
     parallel = min(threads, os.cpu_count() or 1)  # the rank's files and coders share its cores
@@ -237,7 +239,7 @@ def write_tiles(storage: Storage, request: WriteRequest, progress: Progress | No
     coders = max(1, parallel // min(threads, len(files)))
     compress = request.compress
     if compress == "auto":
-        compress = compress_choice.CHOICE.should_code(storage.url, parallel, *_sample(files, chunk_bytes))
+        compress = compress_choice.CHOICE.should_code(storage.url, parallel, *_sample(files, chunking.chunk_bytes))
     # Only writes for compress="auto" time their chunks: nothing is added to the others' path.
     stats = CodingStats() if request.compress == "auto" or request.measure else None
     t0 = time.perf_counter()
@@ -249,7 +251,7 @@ def write_tiles(storage: Storage, request: WriteRequest, progress: Progress | No
                 f.path,
                 f.layout,
                 f.tiles,
-                chunk_bytes,
+                chunking,
                 progress,
                 f.known_sums,
                 f.pieces,

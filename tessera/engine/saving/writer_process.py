@@ -44,6 +44,7 @@ import torch
 
 from ... import _knobs
 from ...errors import CheckpointError, StorageError
+from ...format.chunking import Chunking
 from ...format.tilefile import FileLayout
 from ...storage.base import Storage
 from ...storage.local import FileStorage
@@ -161,7 +162,7 @@ class ProcessWriter:
         storage: FileStorage,
         files: Sequence[tuple[str, FileLayout, Sequence[torch.Tensor]]],
         *,
-        chunk_bytes: int,
+        chunking: Chunking,
         threads: int,
         compress: bool | str = False,
     ) -> list[WrittenFile]:
@@ -187,7 +188,7 @@ class ProcessWriter:
                     spans.append((off, n))
                 jobs.append((path, layout, spans))
             every_s = min(_PROGRESS_EVERY_S, _knobs.writer_timeout_s() / 4)
-            request = ("write", storage.url, storage.durable, jobs, chunk_bytes, threads, every_s, compress)
+            request = ("write", storage.url, storage.durable, jobs, chunking, threads, every_s, compress)
             try:
                 return self._call(channel, request, what)
             except StorageError:
@@ -254,7 +255,7 @@ def write_files_in_process(
     storage: Storage,
     files: Sequence[tuple[str, FileLayout, Sequence[torch.Tensor]]],
     *,
-    chunk_bytes: int,
+    chunking: Chunking,
     threads: int,
     compress: bool | str = False,
 ) -> list[WrittenFile]:
@@ -268,8 +269,8 @@ def write_files_in_process(
             or the writer process died.
     """
     if type(storage) is not FileStorage or not files:
-        return write_files(storage, files, chunk_bytes=chunk_bytes, threads=threads, compress=compress)
-    return _writer().write(storage, files, chunk_bytes=chunk_bytes, threads=threads, compress=compress)
+        return write_files(storage, files, chunking=chunking, threads=threads, compress=compress)
+    return _writer().write(storage, files, chunking=chunking, threads=threads, compress=compress)
 
 
 def shutdown() -> None:
@@ -344,14 +345,14 @@ def _serve(channel: Channel, parent_pid: int) -> None:
                     os.close(fd)
                 reply: Any = None
             elif kind == "write":
-                _, url, durable, jobs, chunk_bytes, threads, every_s[0], compress = request
+                _, url, durable, jobs, chunking, threads, every_s[0], compress = request
                 if arena is None:
                     raise CheckpointError("internal error: the writer process has no shared-memory arena")
                 store = FileStorage(url, durable=durable)
                 files = [(p, lay, [arena[o : o + n] for o, n in spans]) for p, lay, spans in jobs]
                 last[0] = time.monotonic()
                 reply = write_files(
-                    store, files, chunk_bytes=chunk_bytes, threads=threads, progress=progress, compress=compress
+                    store, files, chunking=chunking, threads=threads, progress=progress, compress=compress
                 )
             else:
                 raise CheckpointError(f"internal error: unknown writer request {kind!r}")
@@ -376,5 +377,5 @@ def write_tiles_in_process(storage: Storage, request: WriteRequest) -> list[Writ
     """:func:`tessera.engine.saving.write.write_tiles` (the write phase of a save), from this process's writer process."""
     files = [(f.path, f.layout, f.tiles) for f in request.files]
     return write_files_in_process(
-        storage, files, chunk_bytes=request.chunk_bytes, threads=request.threads, compress=request.compress
+        storage, files, chunking=request.chunking, threads=request.threads, compress=request.compress
     )

@@ -16,6 +16,7 @@ from typing import Any, NamedTuple
 import torch
 
 from ...errors import ManifestError
+from ..chunking import Chunking
 from ..codec import ColumnBudget, FrameTable
 from ..dtypes import dtype_from_name, itemsize
 from ..names import check_reference
@@ -97,19 +98,20 @@ class _Head(NamedTuple):
     version: int
     save_id: str
     world_size: int
-    chunk_bytes: int
+    chunking: Chunking
     files: tuple[FileEntry, ...]
 
 
 def _head(data: bytes) -> _Head:
     """The top level of a manifest: everything but tensors, values and the informational fields."""
-    doc, version, save_id, world_size, chunk_bytes = head_fields(data, VERSION)
-    return _Head(doc, version, save_id, world_size, chunk_bytes, _files(doc, version, chunk_bytes, len(data)))
+    doc, version, save_id, world_size, chunking = head_fields(data, VERSION)
+    files = _files(doc, version, chunking.chunk_bytes, len(data))
+    return _Head(doc, version, save_id, world_size, chunking, files)
 
 
-def head_fields(data: bytes, expected: int) -> tuple[dict, int, str, int, int]:
+def head_fields(data: bytes, expected: int) -> tuple[dict, int, str, int, Chunking]:
     """The top level of a manifest of format version ``expected``: the document, version, save id,
-    world size and checksum chunk size (no tensors, files or values)."""
+    world size and how tiles are cut into checksum chunks (no tensors, files or values)."""
     doc = strict_json(data, "the top level", "; the file is truncated or not a tessera manifest")
     if doc.get("format") != FORMAT:
         raise fail(f"format is {doc.get('format')!r:.40}, expected {FORMAT!r}")
@@ -135,7 +137,13 @@ def head_fields(data: bytes, expected: int) -> tuple[dict, int, str, int, int]:
     if checksum.get("algorithm") != CHECKSUM_ALGORITHM:
         raise fail(f"unknown checksum algorithm {checksum.get('algorithm')!r:.40}")
     chunk_bytes = as_int(checksum.get("chunk_bytes"), "checksum.chunk_bytes", 1)
-    return doc, version, save_id, world_size, chunk_bytes
+    try:
+        chunking = Chunking.from_json(checksum, chunk_bytes)
+    except ValueError as e:
+        raise fail(str(e)) from None
+    if chunking.tile_chunks and version not in (COMPRESSED_VERSION, SECTIONED_COMPRESSED_VERSION):
+        raise fail(f"checksum.tile_chunks is in a version {version} manifest; only versions 3 and 4 cut tiles per size")
+    return doc, version, save_id, world_size, chunking
 
 
 def _files(doc: dict, version: int, chunk_bytes: int, doc_bytes: int) -> tuple[FileEntry, ...]:
@@ -174,10 +182,10 @@ def _files(doc: dict, version: int, chunk_bytes: int, doc_bytes: int) -> tuple[F
 
 
 def _decode(data: bytes, source: str, lazy: bool) -> Manifest:
-    doc, version, save_id, world_size, chunk_bytes, files = _head(data)
+    doc, version, save_id, world_size, chunking, files = _head(data)
     tensors: dict[str, TensorEntry] = {}
     # Shared by every tensor: per-tensor copies would cost tensors x files.
-    ctx = Context(source, files, chunk_bytes, Budget(DECODE_RATIO * len(data) + DECODE_SLACK))
+    ctx = Context(source, files, chunking, Budget(DECODE_RATIO * len(data) + DECODE_SLACK))
     for name, raw_entry in as_dict(doc.get("tensors"), "tensors").items():
         tdoc = as_dict(raw_entry, f"tensor '{name}'")
         dtype, shape, size = tensor_header(name, tdoc)
@@ -186,7 +194,7 @@ def _decode(data: bytes, source: str, lazy: bool) -> Manifest:
             tensors[name] = TensorEntry(dtype, shape, loader=encoded, count=encoded.count)
         else:
             tensors[name] = TensorEntry(dtype, shape, table=encoded.decode())
-    return manifest_from(doc, version, save_id, world_size, chunk_bytes, files, tensors)
+    return manifest_from(doc, version, save_id, world_size, chunking, files, tensors)
 
 
 def tensor_header(name: str, tdoc: dict) -> tuple[str, tuple[int, ...], int]:
@@ -207,7 +215,7 @@ def manifest_from(
     version: int,
     save_id: str,
     world_size: int,
-    chunk_bytes: int,
+    chunking: Chunking,
     files: tuple[FileEntry, ...],
     tensors: dict[str, TensorEntry],
 ) -> Manifest:
@@ -233,7 +241,8 @@ def manifest_from(
     return Manifest(
         save_id=save_id,
         world_size=world_size,
-        chunk_bytes=chunk_bytes,
+        chunk_bytes=chunking.chunk_bytes,
+        chunking=chunking,
         tensors=tensors,
         values=values,
         per_rank=per_rank,

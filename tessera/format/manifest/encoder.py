@@ -35,10 +35,13 @@ def encode(m: Manifest) -> bytes:
     head = {
         "format": FORMAT,
         # The inline form, whichever form ``m`` was read from; version 3 where a file is compressed.
-        "version": COMPRESSED_VERSION if any(f.frames is not None for f in m.files) else VERSION,
+        # (or where tiles are cut into chunks per size: a reader of version 1 would miscount them)
+        "version": COMPRESSED_VERSION
+        if m.tile_chunking.tile_chunks or any(f.frames is not None for f in m.files)
+        else VERSION,
         "save_id": m.save_id,
         "world_size": m.world_size,
-        "checksum": {"algorithm": CHECKSUM_ALGORITHM, "chunk_bytes": m.chunk_bytes},
+        "checksum": {"algorithm": CHECKSUM_ALGORITHM, **m.tile_chunking.to_json()},
         "files": [
             {"path": f.path, "rank": f.rank, "bytes": f.nbytes}
             if f.frames is None

@@ -69,7 +69,8 @@ class Index:
     def __init__(self, source: str, head: tuple, doc: dict, tensors: dict, sizes: dict, table: tuple) -> None:
         self.source = source
         self._doc, self._head = doc, head
-        self.version, self.save_id, self.world_size, self.chunk_bytes = head[1], head[2], head[3], head[4]
+        self.version, self.save_id, self.world_size, self.chunking = head[1], head[2], head[3], head[4]
+        self.chunk_bytes = self.chunking.chunk_bytes
         self.tensors: dict[str, tuple[str, tuple[int, ...]]] = tensors
         self._sizes = sizes
         self.geometry: dict[str, Geometry] = {}
@@ -252,7 +253,7 @@ class Index:
         gather = np.arange(int(first[-1]), dtype=np.int64) - np.repeat(first[:-1], counts)
         gather += np.repeat(sum_starts[pos] if len(pos) else z, counts)
         all_sums = sums[gather]
-        ctx = Context(self.source, tuple(files), self.chunk_bytes, Budget(1 << 62))
+        ctx = Context(self.source, tuple(files), self.chunking, Budget(1 << 62))
         items = []
         at = 0
         for _, name, want, offs, lens, _ in wanted:

@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 
+from ..chunking import Chunking
 from ..codec import FrameTable
 
 FORMAT = "tessera"
@@ -60,7 +61,7 @@ class Tile:
         offsets, lengths: the box within the global tensor.
         byte_offset: where the box's row-major bytes start in ``file``.
         nbytes: how many bytes (``prod(lengths) * itemsize``).
-        checksums: xxh3-64 of each ``chunk_bytes`` chunk of those bytes, in order.
+        checksums: xxh3-64 of each chunk of those bytes (``Manifest.chunking``), in order.
     """
 
     file: str
@@ -279,6 +280,20 @@ class Manifest:
     metadata: dict[str, Any] = field(default_factory=dict)
     """Versions, creation time and user metadata."""
     version: int = VERSION
+    chunking: Chunking | None = None
+    """How each tile is cut into checksum chunks (None: every tile in ``chunk_bytes`` chunks)."""
+
+    def __post_init__(self) -> None:
+        if self.chunking is None:
+            object.__setattr__(self, "chunking", Chunking(self.chunk_bytes))
+        elif self.chunking.chunk_bytes != self.chunk_bytes:
+            raise ValueError(f"chunking {self.chunking} does not have chunk_bytes {self.chunk_bytes}")
+
+    @property
+    def tile_chunking(self) -> Chunking:
+        """:attr:`chunking`, never None (for type checkers)."""
+        assert self.chunking is not None
+        return self.chunking
 
     def keys(self) -> set[str]:
         return set(self.tensors) | set(self.values) | set(self.per_rank)

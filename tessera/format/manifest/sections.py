@@ -129,7 +129,7 @@ def build_index(
     a compressed file).
 
     Args:
-        head: ``(save_id, world_size, chunk_bytes)``.
+        head: ``(save_id, world_size, chunking)``.
         tensors: ``(name, dtype, shape)`` in index order.
         tile_tensor: every tile's tensor position, ascending (the rows of each tensor in order).
         offsets, lengths: ``(tiles, ndim)`` boxes (padded beyond a tensor's dimensions).
@@ -141,7 +141,7 @@ def build_index(
         name_lists: the distinct lists of tensor positions the sections number their tensors in.
         tail: values, per-rank values, layout, timings, metadata (:func:`manifest_tail`).
     """
-    save_id, world_size, chunk_bytes = head
+    save_id, world_size, chunking = head
     n = len(tile_tensor)
     at = np.arange(n, dtype=np.int64)
     # Each tile's k: its place among the tiles of its tensor in its section (runs of rows).
@@ -167,10 +167,11 @@ def build_index(
     digests = np.fromiter((xxhash.xxh3_64_intdigest(s) for s in sections), dtype=np.uint64, count=len(sections))
     doc_head = {
         "format": FORMAT,
-        "version": SECTIONED_COMPRESSED_VERSION if compressed else SECTIONED_VERSION,
+        # (or where tiles are cut into chunks per size: a reader of version 2 would miscount them)
+        "version": SECTIONED_COMPRESSED_VERSION if compressed or chunking.tile_chunks else SECTIONED_VERSION,
         "save_id": save_id,
         "world_size": world_size,
-        "checksum": {"algorithm": CHECKSUM_ALGORITHM, "chunk_bytes": chunk_bytes},
+        "checksum": {"algorithm": CHECKSUM_ALGORITHM, **chunking.to_json()},
     }
     table = [
         _dumps(doc_head)[:-1],
@@ -269,7 +270,7 @@ def encode_sectioned(m: Manifest) -> tuple[bytes, bytes]:
             )
         )
     index = build_index(
-        (m.save_id, m.world_size, m.chunk_bytes),
+        (m.save_id, m.world_size, m.tile_chunking),
         [(name, e.dtype, e.shape) for name, e in m.tensors.items()],
         tile_tensor,
         offs,

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from ...errors import ManifestError
+from ..chunking import Chunking
 from .schema import MAX_MANIFEST_BYTES, FileEntry, TileTable
 
 
@@ -80,15 +81,15 @@ class Budget:
 class Context:
     """What every tensor of one manifest shares while its tiles are decoded."""
 
-    __slots__ = ("budget", "chunk_bytes", "file_sizes", "files", "lock", "paths", "source")
+    __slots__ = ("budget", "chunking", "file_sizes", "files", "lock", "paths", "source")
 
-    def __init__(self, source: str, files: tuple[FileEntry, ...], chunk_bytes: int, budget: Budget) -> None:
+    def __init__(self, source: str, files: tuple[FileEntry, ...], chunking: Chunking, budget: Budget) -> None:
         self.source = source
         self.files = files
         self.paths = tuple(f.path for f in files)
         # Tiles lie inside a file's logical bytes (a compressed file's: what its frames decode to).
         self.file_sizes = np.array([f.logical_bytes for f in files], dtype=np.int64)
-        self.chunk_bytes = chunk_bytes
+        self.chunking = chunking
         self.budget = budget
         self.lock = threading.Lock()  # one decode at a time: the budget is charged once per table
 
@@ -211,14 +212,14 @@ def check_columns(
     if len(misaligned):
         i = int(misaligned[0])
         raise fail(f"{what}: tile byte offset {int(byte_offsets[i])} is not a multiple of the item size {size}")
-    chunk = ctx.chunk_bytes
-    if int(nbytes.max()) <= chunk:  # the common case at scale: one checksum per tile
+    chunking = ctx.chunking
+    if int(nbytes.max()) <= chunking.whole_below:  # the common case at scale: one checksum per tile
         ok = int(counts.min()) == 1 == int(counts.max()) and len(sums) == n
     else:
-        expected = -(-nbytes // chunk)
+        expected = chunking.counts(nbytes)
         ok = np.array_equal(counts, expected) and len(sums) == int(expected.sum())
     if not ok:
-        expected = -(-nbytes // chunk)
+        expected = chunking.counts(nbytes)
         raise fail(f"{what}: expected {expected.tolist()[:5]} chunk checksums per tile, found {counts.tolist()[:5]}")
     return TileTable(ctx.paths, fidx, offs, lens, byte_offsets, nbytes, counts, sums)
 
@@ -234,7 +235,7 @@ def check_many(ctx: Context, items: Sequence[tuple[str, tuple[int, ...], int, An
             by_nd.setdefault(len(shape), []).append(i)
         else:
             out[i] = check_columns(ctx, items[i][0], shape, items[i][2], cols)
-    chunk = ctx.chunk_bytes
+    chunking = ctx.chunking
     for nd, ks in by_nd.items():
         n = np.array([len(items[k][3][0]) for k in ks], dtype=np.int64)
         fidx, offs, lens, bo, counts, sums = (np.concatenate([items[k][3][c] for k in ks]) for c in range(6))
@@ -250,10 +251,10 @@ def check_many(ctx: Context, items: Sequence[tuple[str, tuple[int, ...], int, An
                 nbytes *= lens[:, d]
         if (bo + nbytes > ctx.file_sizes[fidx]).any() or (bo & (size - 1)).any() or (size & (size - 1)).any():
             return None
-        if int(nbytes.max()) <= chunk:
+        if int(nbytes.max()) <= chunking.whole_below:
             if int(counts.min()) != 1 or int(counts.max()) != 1 or len(sums) != len(fidx):
                 return None
-        elif not np.array_equal(counts, -(-nbytes // chunk)) or len(sums) != int(counts.sum()):
+        elif not np.array_equal(counts, chunking.counts(nbytes)) or len(sums) != int(counts.sum()):
             return None
         at = np.concatenate([[0], np.cumsum(n)]).tolist()
         sum_at = np.concatenate([[0], np.cumsum(counts)])[at].tolist()
