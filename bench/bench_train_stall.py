@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import shutil
 import statistics
@@ -357,7 +358,14 @@ class TesseraArm(Arm):
         return handle
 
     def load(self, path: str, target: dict[str, Any]) -> None:
-        tessera.load(path, target, strict=False)  # a few tensors at a time (verify)
+        # a few tensors at a time (verify): the keys it leaves out are not news worth a warning
+        log = logging.getLogger("tessera")
+        level = log.level
+        log.setLevel(logging.ERROR)
+        try:
+            tessera.load(path, target, strict=False)
+        finally:
+            log.setLevel(level)
 
 
 class DcpArm(Arm):
@@ -443,6 +451,7 @@ def make_arm(arm: str, model: Model, opts: list[torch.optim.Optimizer], rank_byt
 
 def worker(rank: int, cfg: Config, arm_name: str, flags: Any, peaks: Any) -> None:
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")  # DCP's writer process connects to rank 0
+    os.environ["LOCAL_WORLD_SIZE"] = str(cfg.ranks)  # every rank on this machine, as torchrun says it
     if arm_name == "tessera-uncached":
         os.environ["TESSERA_RECACHE"] = "0"  # what reading the committed files back costs the loop
     torch.set_num_threads(1)
