@@ -43,7 +43,9 @@ def test_the_rule_is_one_function_of_the_tile_length() -> None:
     for chunking in (Chunking(256 << 10, TILE_CHUNKS, MIN_CHUNK_BYTES), Chunking(100_000, 7, 4096), Chunking(1 << 22)):
         sizes = chunking.sizes(np.array(lengths, dtype=np.int64))
         assert sizes.tolist() == [chunking.of(n) for n in lengths]
-        assert all(chunking.min_chunk_bytes <= c <= chunking.chunk_bytes for c in sizes.tolist() if chunking.tile_chunks)
+        assert all(
+            chunking.min_chunk_bytes <= c <= chunking.chunk_bytes for c in sizes.tolist() if chunking.tile_chunks
+        )
         counts = chunking.counts(np.array(lengths, dtype=np.int64)).tolist()
         assert counts == [-(-n // chunking.of(n)) for n in lengths]
     per_tile = Chunking.for_save(256 << 10, True)
@@ -66,9 +68,14 @@ def test_a_compressed_save_cuts_small_tiles_finer_and_a_resharded_load_decodes_l
     tessera.save(str(tmp_path / "c"), model, options=SaveOptions(compress=True))
     doc = _manifest(tmp_path / "c")
     assert doc["version"] == 3
-    assert doc["checksum"] == {"algorithm": "xxh3_64", "chunk_bytes": 256 << 10, "tile_chunks": 32, "min_chunk_bytes": 32 << 10}
+    assert doc["checksum"] == {
+        "algorithm": "xxh3_64",
+        "chunk_bytes": 256 << 10,
+        "tile_chunks": 32,
+        "min_chunk_bytes": 32 << 10,
+    }
     manifest = tessera.read_manifest(str(tmp_path / "c"))
-    for name, t in model.items():
+    for name in model:
         (tile,) = manifest.tensors[name].tiles
         assert len(tile.checksums) == -(-tile.nbytes // manifest.tile_chunking.of(tile.nbytes)) >= 8
     # three ranks each load a third of every tensor's rows (2 -> 3 ranks, as a resharded job)

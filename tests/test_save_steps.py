@@ -115,7 +115,9 @@ def _write_tensor(store: FileStorage, claim: commit.Claim, t: torch.Tensor) -> M
     box = Box((0,) * t.dim(), tuple(t.shape))
     layout = layout_file("0-0.safetensors", [("w", box, t.dtype)])
     path = f"{claim.data_prefix}/0-0.safetensors"
-    (written,) = write_tiles(store, WriteRequest((FileWrite(path, layout, [as_bytes(t)]),), chunking=Chunking(64), threads=1))
+    (written,) = write_tiles(
+        store, WriteRequest((FileWrite(path, layout, [as_bytes(t)]),), chunking=Chunking(64), threads=1)
+    )
     tiles = tuple(Tile(path, w.box.offsets, w.box.lengths, w.byte_offset, w.nbytes, w.checksums) for w in written.tiles)
     return Manifest(
         save_id=claim.save_id,

@@ -212,7 +212,9 @@ def _segments(manifest: Manifest, groups: list[TileGroup]) -> Iterator[_Segment]
         counts = t.chunks[idx]
         tile = np.repeat(idx, counts)  # one row per chunk
         k = np.arange(len(tile), dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
-        cols.append((np.full(len(tile), g, dtype=np.int64), tile, k, t.byte_offset[tile] + k * chunking.sizes(t.nbytes[tile])))
+        cols.append(
+            (np.full(len(tile), g, dtype=np.int64), tile, k, t.byte_offset[tile] + k * chunking.sizes(t.nbytes[tile]))
+        )
     if not cols:
         return
     group, tile, k, start = (np.concatenate(c) for c in zip(*cols))

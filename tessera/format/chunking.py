@@ -15,9 +15,12 @@ size from the manifest's ``checksum`` object (``docs/format.md``) and the tile a
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from ..options import SaveOptions
 
 TILE_CHUNKS = 32
 """A compressed save's target number of chunks in a tile smaller than ``TILE_CHUNKS`` chunks of
@@ -50,6 +53,11 @@ class Chunking:
         if compress is False:
             return cls(chunk_bytes)
         return cls(chunk_bytes, TILE_CHUNKS, min(MIN_CHUNK_BYTES, chunk_bytes))
+
+    @classmethod
+    def for_options(cls, opts: SaveOptions) -> Chunking:
+        """The chunking a save with these options cuts its tiles by."""
+        return cls.for_save(opts.chunk_bytes, opts.compress)
 
     @property
     def whole_below(self) -> int:

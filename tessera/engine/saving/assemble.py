@@ -10,8 +10,8 @@ import numpy as np
 import torch
 
 from ...errors import CheckpointError
-from ...format.dtypes import dtype_from_name, itemsize
 from ...format.chunking import Chunking
+from ...format.dtypes import dtype_from_name, itemsize
 from ...format.geometry import check_box_coverage
 from ...format.manifest import FileEntry, Manifest, PerRankEntry, TensorEntry, TileTable
 from ...format.rank_report import RankReportDoc
@@ -89,7 +89,7 @@ def manifest_without_tiles(
         save_id=save_id,
         world_size=world_size,
         chunk_bytes=opts.chunk_bytes,
-        chunking=Chunking.for_save(opts.chunk_bytes, opts.compress),
+        chunking=Chunking.for_options(opts),
         tensors={},
         values=values,
         per_rank={k: PerRankEntry(policies[k], tuple(v)) for k, v in per_rank.items()},

@@ -125,7 +125,7 @@ class PreparedSave:
     @property
     def chunking(self) -> Chunking:
         """How this save cuts each tile into checksum chunks (per tile where it may compress)."""
-        return Chunking.for_save(self.options.chunk_bytes, self.options.compress)
+        return Chunking.for_options(self.options)
 
 
 @dataclass(frozen=True)

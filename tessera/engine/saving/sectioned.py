@@ -113,7 +113,7 @@ def build_sectioned(
     tail = manifest_tail(manifest_without_tiles(world_size, metas, reports, save_id, opts))
     tail["timings"] = rank_timings(tail["timings"], set(ranks))[0]  # a section holds its rank's
     index = build_index(
-        (save_id, world_size, Chunking.for_save(opts.chunk_bytes, opts.compress)),
+        (save_id, world_size, Chunking.for_options(opts)),
         [(m.fqn, m.dtype, m.shape) for m in metas],
         tensor,
         offs,

@@ -13,7 +13,6 @@ from functools import partial
 import torch
 
 from ...errors import PlanMismatchError
-from ...format.chunking import Chunking
 from ...options import SaveOptions, StagingCheck, StagingMode
 from ...results import PendingSave, SaveResult
 from .. import dist, inflight
@@ -196,9 +195,7 @@ def _checks(
     if fingerprint and opts.check_staging is StagingCheck.FULL:
         cpu = [i for i, t in enumerate(srcs.tensors) if i not in skip and t.device.type == "cpu"]
         if cpu:
-            taken = CallFingerprint(
-                srcs.tensors, srcs.names, srcs.keys, cpu, Chunking.for_save(opts.chunk_bytes, opts.compress), opts.io_threads
-            )
+            taken = CallFingerprint(srcs.tensors, srcs.names, srcs.keys, cpu, save.chunking, opts.io_threads)
             skip = skip | set(cpu)
     return MutationCheck(srcs.tensors, srcs.names, skip), taken
 

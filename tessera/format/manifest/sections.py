@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 import xxhash
 
+from ..chunking import Chunking
 from ..codec import FrameTable
 from ..names import DATA_DIR
 from .blocks import encode_blocks
@@ -111,7 +112,7 @@ def rank_timings(timings: dict[str, Any], ranks: set[int]) -> tuple[dict[str, An
 
 
 def build_index(
-    head: tuple[str, int, int],
+    head: tuple[str, int, Chunking],
     tensors: Sequence[tuple[str, str, tuple[int, ...]]],
     tile_tensor: np.ndarray,
     offsets: np.ndarray,
