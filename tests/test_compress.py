@@ -682,3 +682,19 @@ def test_a_copy_of_a_compressed_delta_coded_step_is_self_contained(tmp_path: Pat
     shutil.rmtree(tmp_path / "run")  # the copy needs nothing of the root
     _load_into_zeros(str(tmp_path / "copy"), state)
     assert tessera.verify(str(tmp_path / "copy")).ok
+
+
+def test_chunks_coded_in_groups_come_back_in_order_and_whole() -> None:
+    """Coding threads take runs of chunks (``GROUP_BYTES``), and the frames still come out in the
+    file's order, one per chunk, a chunk larger than a group in a group of its own."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tessera.engine.saving import coded_files
+
+    sizes = [100, 300, 50, 700, 10, 10, 10, 2000, 5]
+    todo = [(k % 3, k, bytes(n)) for k, n in enumerate(sizes)]
+    groups = list(coded_files._groups(iter(todo), 400))
+    assert [[len(c) for _, _, c in g] for g in groups] == [[100, 300], [50], [700], [10, 10, 10], [2000], [5]]
+    with ThreadPoolExecutor(2) as pool:
+        got = list(coded_files._in_order(lambda i, k, c: (i, k, len(c)), iter(todo), pool, 3, 400))  # type: ignore[arg-type, return-value]
+    assert got == [(i, k, len(c)) for i, k, c in todo]

@@ -124,27 +124,54 @@ class _Frame:
     """A delta frame's parent offset, depth and lanes."""
 
 
+GROUP_BYTES = 1 << 20
+"""Logical bytes of consecutive chunks one coding thread codes per task: a task costs the pool
+tens of microseconds, what coding a 32 KiB chunk takes (``docs/compression.md``, "Chunk size")."""
+
+_Chunk = tuple[int, int, "memoryview | bytes"]
+
+
+def _groups(todo: Iterator[_Chunk], group_bytes: int) -> Iterator[list[_Chunk]]:
+    """``todo`` in runs of consecutive chunks of up to ``group_bytes`` (at least one chunk each)."""
+    group: list[_Chunk] = []
+    size = 0
+    for chunk in todo:
+        if group and size + len(chunk[2]) > group_bytes:
+            yield group
+            group, size = [], 0
+        group.append(chunk)
+        size += len(chunk[2])
+    if group:
+        yield group
+
+
 def _in_order(
     fn: Callable[[int, int, memoryview | bytes], _Frame],
-    todo: Iterator[tuple[int, int, memoryview | bytes]],
+    todo: Iterator[_Chunk],
     coders: ThreadPoolExecutor | None,
     ahead: int,
+    group_bytes: int,
 ) -> Iterator[_Frame]:
-    """``fn`` over ``todo``, in order; with ``coders``, up to ``ahead`` chunks (and their frames)
-    ahead of the one yielded, so that coding runs on several cores while the backend writes. The
-    chunks must stay valid while in flight (views of tiles staged whole)."""
+    """``fn`` over ``todo``, in order; with ``coders``, in groups of chunks of up to ``group_bytes``,
+    up to ``ahead`` groups (and their frames) ahead of the one yielded, so that coding runs on
+    several cores while the backend writes. The chunks must stay valid while in flight (views of
+    tiles staged whole)."""
     if coders is None:
         for args in todo:
             yield fn(*args)
         return
-    pending: collections.deque[Future[_Frame]] = collections.deque()
+
+    def code(group: list[_Chunk]) -> list[_Frame]:
+        return [fn(*args) for args in group]
+
+    pending: collections.deque[Future[list[_Frame]]] = collections.deque()
     try:
-        for i, k, c in todo:
-            pending.append(coders.submit(fn, i, k, c))
+        for group in _groups(todo, group_bytes):
+            pending.append(coders.submit(code, group))
             if len(pending) >= ahead:
-                yield pending.popleft().result()
+                yield from pending.popleft().result()
         while pending:
-            yield pending.popleft().result()
+            yield from pending.popleft().result()
     finally:
         for f in pending:
             f.cancel()
@@ -205,7 +232,7 @@ def write_coded(
         yield header
         sums: list[list[int]] = [[] for _ in layout.slots]
         todo = ((i, k, c) for i in range(len(layout.slots)) for k, c in enumerate(tile_chunks(i)))
-        for f in _in_order(encode, todo, pool, coders + 1):
+        for f in _in_order(encode, todo, pool, coders + 1, GROUP_BYTES):
             sums[f.slot].append(f.checksum)
             if f.parent is None:
                 delta_cols.append((0, 0, 0, 0))
