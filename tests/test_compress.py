@@ -696,5 +696,48 @@ def test_chunks_coded_in_groups_come_back_in_order_and_whole() -> None:
     groups = list(coded_files._groups(iter(todo), 400))
     assert [[len(c) for _, _, c in g] for g in groups] == [[100, 300], [50], [700], [10, 10, 10], [2000], [5]]
     with ThreadPoolExecutor(2) as pool:
-        got = list(coded_files._in_order(lambda i, k, c: (i, k, len(c)), iter(todo), pool, 3, 400))  # type: ignore[arg-type, return-value]
+        got = list(coded_files._in_order(lambda g: [(i, k, len(c)) for i, k, c in g], iter(todo), pool, 3, 400))
     assert got == [(i, k, len(c)) for i, k, c in todo]
+    assert list(coded_files._in_order(lambda g: [len(g)], iter(todo), None, 3, 400)) == [1] * len(todo)
+
+
+def test_delta_frames_read_in_runs_and_a_parent_out_of_place_or_depth_is_refused(tmp_path: Path) -> None:
+    """A range of many delta frames adds its parents with one read per run, bit-exact at any cut
+    (runs split by a partial first or last frame); a parent column that points at bytes that are
+    not one frame one hop nearer a whole one is refused, not added."""
+    import dataclasses
+
+    from tessera.engine.frames import read_logical
+    from tessera.format.codec import FrameError
+    from tessera.storage import storage_for
+
+    states = _training_like(3, torch.Generator().manual_seed(9))
+    root = tmp_path / "run"
+    with CheckpointManager(str(root), dedup=True, compress=True, save_options=_opts(), load_options=NO_TIMINGS) as mgr:
+        for s, st in states.items():
+            mgr.save(s, st)
+    manifest = tessera.read_manifest(str(root / "step-00000003"))
+    tables = {f.path: f.frames for f in manifest.files}
+    child = next(f for f in manifest.files if f.frames is not None and f.frames.delta is not None)
+    table = child.frames
+    assert table is not None and table.delta is not None and int((table.delta.depth > 0).sum()) >= 4
+    tiles = storage_for(str(root / ".tessera-tiles"))
+
+    def locate(ref: str) -> str:
+        return ref.removeprefix("@tiles/")
+
+    def read(t: object, lo: int, hi: int) -> bytes:
+        out = bytearray(hi - lo)
+        read_logical(tiles, child.path, t, lo, memoryview(out), tables={**tables, child.path: t}, locate=locate)  # type: ignore[arg-type]
+        return bytes(out)
+
+    lo, hi = table.logical_start, table.logical_end
+    whole = read(table, lo, hi)
+    for a, b in [(lo + 3, hi - 5), (lo + CHUNK // 2, lo + 3 * CHUNK + 7), (hi - CHUNK - 1, hi)]:
+        assert read(table, a, b) == whole[a - lo : b - lo]
+    shifted = dataclasses.replace(table.delta, offset=np.where(table.delta.depth > 0, table.delta.offset + 4, 0))
+    with pytest.raises(FrameError, match="hops from a whole one"):
+        read(dataclasses.replace(table, delta=shifted), lo, hi)
+    deeper = dataclasses.replace(table.delta, depth=np.where(table.delta.depth > 0, table.delta.depth + 1, 0))
+    with pytest.raises(FrameError, match="hops from a whole one"):
+        read(dataclasses.replace(table, delta=deeper), lo, hi)

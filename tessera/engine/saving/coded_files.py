@@ -146,28 +146,25 @@ def _groups(todo: Iterator[_Chunk], group_bytes: int) -> Iterator[list[_Chunk]]:
 
 
 def _in_order(
-    fn: Callable[[int, int, memoryview | bytes], _Frame],
+    fn: Callable[[list[_Chunk]], list[_Frame]],
     todo: Iterator[_Chunk],
     coders: ThreadPoolExecutor | None,
     ahead: int,
     group_bytes: int,
 ) -> Iterator[_Frame]:
-    """``fn`` over ``todo``, in order; with ``coders``, in groups of chunks of up to ``group_bytes``,
-    up to ``ahead`` groups (and their frames) ahead of the one yielded, so that coding runs on
-    several cores while the backend writes. The chunks must stay valid while in flight (views of
-    tiles staged whole)."""
+    """``fn`` over ``todo`` in groups of chunks of up to ``group_bytes``, in order; with
+    ``coders``, up to ``ahead`` groups (and their frames) ahead of the one yielded, so that coding
+    runs on several cores while the backend writes. The chunks must stay valid while in flight
+    (views of tiles staged whole); without ``coders`` each chunk is coded alone, as it comes (a
+    memory budget's pieces are valid only until the next is asked for)."""
     if coders is None:
-        for args in todo:
-            yield fn(*args)
+        for chunk in todo:
+            yield from fn([chunk])
         return
-
-    def code(group: list[_Chunk]) -> list[_Frame]:
-        return [fn(*args) for args in group]
-
     pending: collections.deque[Future[list[_Frame]]] = collections.deque()
     try:
         for group in _groups(todo, group_bytes):
-            pending.append(coders.submit(code, group))
+            pending.append(coders.submit(fn, group))
             if len(pending) >= ahead:
                 yield from pending.popleft().result()
         while pending:
@@ -214,25 +211,29 @@ def write_coded(
             return _whole_chunks(pieces(i), chunk_bytes)
         return _slices(staged[i].numpy().data if staged[i].numel() else memoryview(b""), chunk_bytes)
 
-    def encode(i: int, k: int, c: memoryview | bytes) -> _Frame:
+    def encode(i: int, k: int, c: memoryview | bytes, parent: _Parent | None) -> _Frame:
         """Chunk ``k`` of slot ``i`` as stored: whole (coded or raw) or as a difference from its base."""
-        slot = layout.slots[i]
-        size = slot.dtype.itemsize
+        size = layout.slots[i].dtype.itemsize
         t = time.perf_counter()
         frame = encode_chunk(c, size)
         stats.coded(len(c), time.perf_counter() - t)
         out = c if frame is None else frame
-        base = bases.get(i)
-        diff = None if base is None else _delta_frame(base, k, c, chunking.of(slot.nbytes), size)
-        if base is not None and diff is not None and len(diff[0]) < len(out):
-            return _Frame(i, xxhash.xxh3_64_intdigest(c), len(c), diff[0], base.ref, diff[1:])
+        if parent is not None:
+            diff = encode_chunk(subtract(c, parent.data, parent.lanes), parent.lanes.itemsize)
+            if diff is not None and len(diff) < len(out):
+                delta = (parent.at, parent.depth, parent.lanes.itemsize)
+                return _Frame(i, xxhash.xxh3_64_intdigest(c), len(c), diff, bases[i].ref, delta)
         return _Frame(i, xxhash.xxh3_64_intdigest(c), len(c), out)
+
+    def encode_group(group: list[_Chunk]) -> list[_Frame]:
+        found = _parents(group, bases, lambda i: chunking.of(layout.slots[i].nbytes), layout)
+        return [encode(i, k, c, found.get((i, k))) for i, k, c in group]
 
     def frames() -> Iterator[memoryview | bytes]:
         yield header
         sums: list[list[int]] = [[] for _ in layout.slots]
         todo = ((i, k, c) for i in range(len(layout.slots)) for k, c in enumerate(tile_chunks(i)))
-        for f in _in_order(encode, todo, pool, coders + 1, GROUP_BYTES):
+        for f in _in_order(encode_group, todo, pool, coders + 1, GROUP_BYTES):
             sums[f.slot].append(f.checksum)
             if f.parent is None:
                 delta_cols.append((0, 0, 0, 0))
@@ -260,20 +261,47 @@ def write_coded(
     return sums_of, FrameTable(len(header), first, *lengths, delta)
 
 
-def _delta_frame(
-    base: DeltaBase, k: int, chunk: memoryview | bytes, chunk_bytes: int, itemsize: int
-) -> tuple[bytes, int, int, int] | None:
-    """Chunk ``k``'s frame as a difference from the base's chunk ``k``: (frame, parent offset, depth,
-    lanes), or None where it cannot be one (the base's chunk is cut otherwise, or its chain is full)."""
-    at = base.byte_offset + k * chunk_bytes
-    lanes = delta_lanes(itemsize, len(chunk))
-    pf = base.table.frames(at, at + len(chunk))
-    if lanes is None or len(pf) != 1 or base.table.logical_span(pf[0]) != (at, at + len(chunk)):
-        return None
-    depth = 1 + (int(base.table.delta.depth[pf[0]]) if base.table.delta is not None else 0)
-    if depth > MAX_CHAIN:
-        return None
-    parent = bytearray(len(chunk))
-    base.read(at, memoryview(parent))
-    frame = encode_chunk(subtract(chunk, parent, lanes), lanes.itemsize)
-    return None if frame is None else (frame, at, depth, lanes.itemsize)
+@dataclass(frozen=True)
+class _Parent:
+    """The base's chunk a chunk may be stored as a difference from."""
+
+    data: memoryview
+    at: int
+    """Its logical offset in the base's file."""
+    depth: int
+    """The difference's depth (the base chunk's, plus one)."""
+    lanes: np.dtype
+
+
+def _parents(
+    group: list[_Chunk], bases: Mapping[int, DeltaBase], chunk_bytes: Callable[[int], int], layout: FileLayout
+) -> dict[tuple[int, int], _Parent]:
+    """The base chunks of the chunks of ``group`` that may be differences, by (slot, chunk):
+    read in one call per run of consecutive chunks of a slot, not one per chunk (a base at the
+    end of a chain of ``d`` hops costs ``d`` reads of each range it is read in)."""
+    want: list[tuple[int, int, int, int, np.dtype, int]] = []  # slot, chunk, parent offset, length, lanes, depth
+    for i, k, c in group:
+        base = bases.get(i)
+        if base is None:
+            continue
+        at = base.byte_offset + k * chunk_bytes(i)
+        lanes = delta_lanes(layout.slots[i].dtype.itemsize, len(c))
+        pf = base.table.frames(at, at + len(c))
+        if lanes is None or len(pf) != 1 or base.table.logical_span(pf[0]) != (at, at + len(c)):
+            continue  # the base's chunk is cut otherwise
+        depth = 1 + (int(base.table.delta.depth[pf[0]]) if base.table.delta is not None else 0)
+        if depth <= MAX_CHAIN:
+            want.append((i, k, at, len(c), lanes, depth))
+    found: dict[tuple[int, int], _Parent] = {}
+    j = 0
+    while j < len(want):
+        n = j + 1  # a run: one slot, consecutive chunks whose base chunks are contiguous
+        while n < len(want) and want[n][0] == want[j][0] and want[n][2] == want[n - 1][2] + want[n - 1][3]:
+            n += 1
+        i, at0 = want[j][0], want[j][2]
+        data = np.empty(want[n - 1][2] + want[n - 1][3] - at0, dtype=np.uint8).data
+        bases[i].read(at0, data)
+        for _, k, at, length, lanes, depth in want[j:n]:
+            found[(i, k)] = _Parent(data[at - at0 : at - at0 + length], at, depth, lanes)
+        j = n
+    return found
