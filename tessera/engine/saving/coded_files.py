@@ -214,15 +214,19 @@ def write_coded(
     def encode(i: int, k: int, c: memoryview | bytes, parent: _Parent | None) -> _Frame:
         """Chunk ``k`` of slot ``i`` as stored: whole (coded or raw) or as a difference from its base."""
         size = layout.slots[i].dtype.itemsize
+        diff = None
+        if parent is not None:
+            diff = encode_chunk(subtract(c, parent.data, parent.lanes), parent.lanes.itemsize)
+            if diff is not None and parent.depth > 1:
+                # the base chunk is itself a difference (one was smaller the save before): take
+                # this one without coding the chunk whole as well
+                return _Frame(i, xxhash.xxh3_64_intdigest(c), len(c), diff, bases[i].ref, parent.delta)
         t = time.perf_counter()
         frame = encode_chunk(c, size)
         stats.coded(len(c), time.perf_counter() - t)
         out = c if frame is None else frame
-        if parent is not None:
-            diff = encode_chunk(subtract(c, parent.data, parent.lanes), parent.lanes.itemsize)
-            if diff is not None and len(diff) < len(out):
-                delta = (parent.at, parent.depth, parent.lanes.itemsize)
-                return _Frame(i, xxhash.xxh3_64_intdigest(c), len(c), diff, bases[i].ref, delta)
+        if parent is not None and diff is not None and len(diff) < len(out):
+            return _Frame(i, xxhash.xxh3_64_intdigest(c), len(c), diff, bases[i].ref, parent.delta)
         return _Frame(i, xxhash.xxh3_64_intdigest(c), len(c), out)
 
     def encode_group(group: list[_Chunk]) -> list[_Frame]:
@@ -271,6 +275,11 @@ class _Parent:
     depth: int
     """The difference's depth (the base chunk's, plus one)."""
     lanes: np.dtype
+
+    @property
+    def delta(self) -> tuple[int, int, int]:
+        """The delta columns of a frame that is a difference from it: offset, depth, lanes."""
+        return self.at, self.depth, self.lanes.itemsize
 
 
 def _parents(
