@@ -6,6 +6,8 @@ same state (``ModelState``, ``OptimizerState`` and the bf16 copy) is saved by ea
 
 * ``tessera``: ``tessera.save``, uncompressed;
 * ``tessera compress``: ``SaveOptions(compress=True)``;
+* ``tessera auto``: ``SaveOptions(compress="auto")`` (codes where the storage measured slower
+  than the codec, ``docs/compression.md``);
 * ``tessera delta``: ``CheckpointManager(dedup=True, compress=True)`` (each step stored as
   compressed delta tiles against the step before where smaller; bytes are what the step adds);
 * ``dcp+zstd``: ``dcp.save`` of the same state (``get_state_dict``) with ``_extensions=[ZStandard()]``.
@@ -95,6 +97,7 @@ def train_and_save(rank: int, store: str, args: argparse.Namespace) -> None:
         arms = {
             "tessera": lambda p: tessera.save(p, state),
             "tessera compress": lambda p: tessera.save(p, state, options=tessera.SaveOptions(compress=True)),
+            "tessera auto": lambda p: tessera.save(p, state, options=tessera.SaveOptions(compress="auto")),
             "dcp+zstd": lambda p: dcp.save(
                 {**dict(zip(("model", "optim"), get_state_dict(model, opt))), "bf16": bf16},
                 storage_writer=dcp.FileSystemWriter(p, _extensions=[ZStandard()]),
@@ -121,7 +124,7 @@ def train_and_save(rank: int, store: str, args: argparse.Namespace) -> None:
     fresh = torch.nn.parallel.DistributedDataParallel(_model(args.layers, args.dim))
     fopt = torch.optim.AdamW(fresh.parameters(), lr=3e-4)
     loads = {}
-    for name in ("tessera", "tessera compress"):
+    for name in ("tessera", "tessera compress", "tessera auto"):
         target = {
             "model": tessera.ModelState(fresh),
             "optim": tessera.OptimizerState(fresh, fopt),
