@@ -163,3 +163,27 @@ def test_a_version_1_manifest_with_a_chunk_rule_is_refused(tmp_path: Path) -> No
     (tmp_path / "p" / "manifest.json").write_text(json.dumps(doc))
     with pytest.raises(ManifestError, match="only versions 3 and 4"):
         tessera.read_manifest(str(tmp_path / "p"))
+
+
+@pytest.mark.parametrize("chunk", [1000, 32 << 10, 4 << 20])
+def test_plain_writes_hand_on_pieces_of_whole_chunks_with_every_chunks_checksum(chunk: int) -> None:
+    """Small chunks are handed to the backend in pieces of about a MiB (one per chunk cost a few
+    microseconds each); the checksums stay one per chunk, streamed or staged whole."""
+    import xxhash
+
+    from tessera.engine.saving.write import WRITE_PIECE_BYTES, ChunkSums, checksum_pieces
+
+    data = memoryview(np.random.default_rng(0).integers(0, 256, 3 * WRITE_PIECE_BYTES + 12345, dtype=np.uint8))
+    want = [xxhash.xxh3_64_intdigest(data[i : i + chunk]) for i in range(0, len(data), chunk)]
+    pieces = list(checksum_pieces(data, chunk))
+    assert b"".join(bytes(p) for p, _ in pieces) == bytes(data)
+    assert [h for _, hs in pieces for h in hs] == want
+    assert all(len(p) % chunk == 0 and len(p) >= min(chunk, WRITE_PIECE_BYTES) for p, _ in pieces[:-1])
+    sums = ChunkSums(chunk)
+    streamed, bound = [], 0
+    unit = max(chunk, WRITE_PIECE_BYTES)  # every part but a feed's last is at least this long
+    for a, b in [(0, 7), (7, 5 * chunk + 3), (5 * chunk + 3, len(data))]:
+        streamed += [bytes(p) for p in sums.feed(data[a:b])]
+        bound += (b - a) // unit + 2
+    assert b"".join(streamed) == bytes(data) and sums.done() == tuple(want)
+    assert len(streamed) <= bound

@@ -87,11 +87,27 @@ class WrittenFile:
     """For a compressed file: where its logical chunks are stored (``nbytes`` is the stored size)."""
 
 
+WRITE_PIECE_BYTES = 1 << 20
+"""The least a plain write hands the backend at a time where chunks are smaller (a tile cut in
+32 KiB chunks by a save that may compress): one piece per chunk cost a few microseconds each,
+1-2% of such a save (``docs/compression.md``, "Chunk size")."""
+
+
 def checksum_chunks(data: memoryview, chunk_bytes: int) -> Iterator[tuple[memoryview, int]]:
     """``(chunk, xxh3_64)`` for each ``chunk_bytes`` slice of ``data``."""
     for i in range(0, len(data), chunk_bytes):
         c = data[i : i + chunk_bytes]
         yield c, xxhash.xxh3_64_intdigest(c)
+
+
+def checksum_pieces(data: memoryview, chunk_bytes: int) -> Iterator[tuple[memoryview, list[int]]]:
+    """``(piece, xxh3_64 of each of its chunks)``: ``data`` in pieces of whole ``chunk_bytes``
+    chunks (the last may be shorter), each at least :data:`WRITE_PIECE_BYTES` where chunks are
+    smaller. Each piece is hashed just before it is handed on, as a chunk of the plain size is."""
+    per = max(1, WRITE_PIECE_BYTES // chunk_bytes) * chunk_bytes
+    for i in range(0, len(data), per):
+        piece = data[i : i + per]
+        yield piece, [h for _, h in checksum_chunks(piece, chunk_bytes)]
 
 
 class ChunkSums:
@@ -105,19 +121,22 @@ class ChunkSums:
         self._sums: list[int] = []
 
     def feed(self, data: memoryview) -> Iterator[memoryview]:
-        """Hash ``data``, yielding it in parts that end at chunk boundaries (lazily: iterate it)."""
-        pos = 0
+        """Hash ``data``, yielding it in parts that end at chunk boundaries, of at least
+        :data:`WRITE_PIECE_BYTES` where chunks are smaller (lazily: each part is hashed when
+        asked for)."""
+        pos = start = 0
         while pos < len(data):
             n = min(self._chunk - self._filled, len(data) - pos)
-            part = data[pos : pos + n]
-            self._h.update(part)
+            self._h.update(data[pos : pos + n])
             self._filled += n
             pos += n
             if self._filled == self._chunk:
                 self._sums.append(self._h.intdigest())
                 self._h.reset()
                 self._filled = 0
-            yield part
+            if pos - start >= WRITE_PIECE_BYTES or pos == len(data):
+                yield data[start:pos]
+                start = pos
 
     def done(self) -> tuple[int, ...]:
         """The checksums of every chunk fed, the last partial one included."""
@@ -170,13 +189,14 @@ def _write_one(
             chunk_bytes = chunking.of(slot.nbytes)
             sums = list(known.get(i, ()))
             done = len(sums) * chunk_bytes  # bytes whose checksums are known
-            for j in range(0, min(done, len(view)), chunk_bytes):
-                c = view[j : j + chunk_bytes]
+            per = max(1, WRITE_PIECE_BYTES // chunk_bytes) * chunk_bytes
+            for j in range(0, min(done, len(view)), per):
+                c = view[j : min(j + per, done)]
                 yield c
                 if progress is not None:
                     progress(len(c))
-            for c, h in checksum_chunks(view[done:], chunk_bytes):
-                sums.append(h)
+            for c, hs in checksum_pieces(view[done:], chunk_bytes):
+                sums.extend(hs)
                 yield c
                 if progress is not None:  # the backend asked for the next chunk: it took this one
                     progress(len(c))
