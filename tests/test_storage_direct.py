@@ -11,6 +11,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -84,10 +85,21 @@ def test_a_refused_direct_write_falls_back_to_buffered(tmp_path: Path, monkeypat
             raise OSError(errno.EINVAL, "Invalid argument (injected)")
         return real_write(fd, data)
 
+    from tessera.storage import direct_choice, recache
+
     monkeypatch.setattr(os, "write", write)
-    monkeypatch.setenv("TESSERA_DIRECT_IO", "1")
+    monkeypatch.setenv("TESSERA_DIRECT_IO", "auto")
+    monkeypatch.setenv("TESSERA_RECACHE", "1")
+    choice = direct_choice.DirectChoice()
+    monkeypatch.setattr(local, "DIRECT_CHOICE", choice)
+    monkeypatch.setattr(choice, "use_direct", lambda device: True)
+    recorded: list[bool] = []
+    monkeypatch.setattr(choice, "record", lambda device, direct, nbytes, seconds: recorded.append(direct))
+    offered: list[list[str]] = []
+    monkeypatch.setattr(recache, "offer", lambda root, paths, supersedes=True: offered.append(list(paths)))
     data = os.urandom((2 << 20) + 777)
-    FileStorage(str(tmp_path), durable=True).write_file("f.bin", _chunks(data, [100_000]))
+    store = FileStorage(str(tmp_path), durable=True)
+    store.write_file("f.bin", _chunks(data, [100_000]))
     assert (tmp_path / "f.bin").read_bytes() == data
     probe = os.open(tmp_path / "f.bin", os.O_RDONLY)
     try:
@@ -95,6 +107,10 @@ def test_a_refused_direct_write_falls_back_to_buffered(tmp_path: Path, monkeypat
     finally:
         os.close(probe)
     assert len(refused) == (1 if takes_direct else 0)  # one refusal, then buffered
+    # the file went through the page cache: timed as a buffered write, never re-cached
+    assert recorded == [False]
+    store.recache(["f.bin"])
+    assert offered == []
 
 
 @pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs /dev/shm (tmpfs)")
@@ -157,3 +173,32 @@ def test_auto_writes_buffered_where_buffered_measured_faster_and_reads_none_back
     store.write_file("data/c.bin", [data])
     store.recache(["data/c.bin"])
     assert offered[-1] == [str(tmp_path / "data" / "c.bin")]
+
+
+def test_auto_times_the_device_not_the_waits_for_the_next_bytes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A file whose producer is slow (a staging copy, a coder) is timed without those waits:
+    otherwise whichever mode it used would look slower than the device is."""
+    import time
+
+    from tessera.storage import direct_choice
+
+    monkeypatch.setenv("TESSERA_DIRECT_IO", "auto")
+    choice = direct_choice.DirectChoice()
+    monkeypatch.setattr(local, "DIRECT_CHOICE", choice)
+    recorded: list[float] = []
+    monkeypatch.setattr(choice, "record", lambda device, direct, nbytes, seconds: recorded.append(seconds))
+    data = os.urandom(direct_choice.MIN_SAMPLE_BYTES)
+
+    def slow() -> Iterator[bytes]:
+        for i in range(0, len(data), 1 << 20):
+            time.sleep(0.05)
+            yield data[i : i + (1 << 20)]
+
+    t0 = time.monotonic()
+    FileStorage(str(tmp_path), durable=True).write_file("f.bin", slow())
+    elapsed = time.monotonic() - t0
+    assert (tmp_path / "f.bin").read_bytes() == data
+    (seconds,) = recorded
+    assert 0 < seconds <= elapsed - 0.35  # eight waits of 0.05 s are not the device's

@@ -41,8 +41,9 @@ def _set_direct(fd: int, on: bool) -> bool:
     return True
 
 
-def _write_direct(fd: int, chunks: Iterable[Buffer]) -> None:
-    """Write ``chunks`` to ``fd`` (opened with ``O_DIRECT``) through a 1 MiB page-aligned buffer.
+def _write_direct(fd: int, chunks: Iterable[Buffer]) -> bool:
+    """Write ``chunks`` to ``fd`` (opened with ``O_DIRECT``) through a 1 MiB page-aligned buffer;
+    False where part of the file had to be written buffered after all (see below).
 
     Buffered writes of checkpoint-sized files cost the kernel a copy into the page cache and the
     writeback after it: on the 2-core VM of docs/benchmarks.md, 0.15-1.5 s of system CPU and
@@ -91,9 +92,11 @@ def _write_direct(fd: int, chunks: Iterable[Buffer]) -> None:
         whole = fill // _BLOCK * _BLOCK
         if whole:
             flush(whole)
+        stayed = direct  # the last, partial block is buffered by design, not by a refusal
         if fill > whole:
             buffered()
             _write_all(fd, buf[whole:fill])
+        return stayed
     finally:
         try:
             buf.release()

@@ -9,7 +9,9 @@ writeback, and on most days of this project's VM it was also the faster durable 
 change from hour to hour, so it is measured, per device, from the writes tessera makes anyway:
 
 * every durable data file of at least :data:`MIN_SAMPLE_BYTES` is timed from its creation to
-  the end of its fsync, and its bytes per second feed a moving average for its mode;
+  the end of its fsync, less the time the write waited for its next bytes (an async save's
+  staging copy, a coder: a slow producer would make the mode its file used look slow), and its
+  bytes per second feed a moving average for its mode;
 * the first files a process writes to a device go direct; once one was measured, the next are
   written buffered until one of those was measured; after that, buffered only where it measured
   :data:`MARGIN` times faster than direct (direct's spared CPU is worth that much), and one file

@@ -29,7 +29,7 @@ from ._direct_io import _set_direct, _write_all, _write_direct
 from ._local_files import LOCK_NAME as LOCK_NAME
 from ._local_files import LocalFiles, typed_errors
 from ._local_files import local_root as local_root
-from .base import Buffer, is_temp_name, temp_name
+from .base import Buffer, is_temp_name, temp_name, timed_chunks
 from .direct_choice import CHOICE as DIRECT_CHOICE
 
 logger = logging.getLogger(__name__)
@@ -84,17 +84,29 @@ class FileStorage(LocalFiles):
         try:
             how = _knobs.direct_io() if self.durable else "off"
             device = os.fstat(fd).st_dev if how == "auto" else 0
+            waited = 0.0
+
+            def wait(seconds: float) -> None:
+                nonlocal waited
+                waited += seconds
+
+            if how == "auto":
+                chunks = timed_chunks(chunks, wait)
             if how == "on" or (how == "auto" and DIRECT_CHOICE.use_direct(device)):
                 direct = _set_direct(fd, True)
             if direct:
-                _write_direct(fd, chunks)
+                # a file the filesystem refused direct writes for part way is in the page cache
+                # (and timed) as a buffered one
+                direct = _write_direct(fd, chunks)
             else:
                 for chunk in chunks:
                     _write_all(fd, memoryview(chunk).cast("B"))
             if self.durable:
                 os.fsync(fd)
             if how == "auto":
-                DIRECT_CHOICE.record(device, direct, os.fstat(fd).st_size, time.monotonic() - t0)
+                # the device's time only: not the waits for the producer's next bytes (a staging
+                # copy, a coder), which would make whichever mode this file used look slower
+                DIRECT_CHOICE.record(device, direct, os.fstat(fd).st_size, time.monotonic() - t0 - waited)
             if self.durable and not direct:
                 self._cached.add(full)  # buffered: in the page cache already, nothing to read back
             ok = True

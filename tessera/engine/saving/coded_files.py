@@ -19,7 +19,7 @@ import xxhash
 from ...format.chunking import Chunking
 from ...format.codec import MAX_CHAIN, DeltaColumns, FrameTable, delta_lanes, encode_chunk, file_header, subtract
 from ...format.tilefile import FileLayout
-from ...storage.base import Storage
+from ...storage.base import Storage, timed_chunks
 
 
 @dataclass(frozen=True)
@@ -55,25 +55,6 @@ class CodingStats:
     def waited(self, seconds: float) -> None:
         with self._lock:
             self.waited_s += seconds
-
-
-def timed_chunks(chunks: Iterator[memoryview | bytes], stats: CodingStats) -> Iterator[memoryview | bytes]:
-    """``chunks`` as the backend takes them, the time spent making each counted as waited, so
-    that what is left of a write's time is the storage's own (``compress="auto"`` measures it)."""
-    try:
-        while True:
-            t = time.perf_counter()
-            try:
-                chunk = next(chunks)
-            except StopIteration:
-                return
-            finally:
-                stats.waited(time.perf_counter() - t)
-            yield chunk
-    finally:
-        close = getattr(chunks, "close", None)
-        if close is not None:
-            close()  # a backend that stopped early: the producer's own clean-up runs now
 
 
 def _whole_chunks(parts: Iterator[memoryview], chunk_bytes: int) -> Iterator[memoryview]:
@@ -252,7 +233,7 @@ def write_coded(
 
     pool = ThreadPoolExecutor(coders, thread_name_prefix="tessera-code") if coders > 1 and pieces is None else None
     try:
-        storage.write_file(path, timed_chunks(frames(), stats))
+        storage.write_file(path, timed_chunks(frames(), stats.waited))
     finally:
         if pool is not None:
             pool.shutdown(cancel_futures=True)

@@ -21,10 +21,10 @@ from ...format.chunking import Chunking
 from ...format.codec import FrameTable
 from ...format.geometry import Box
 from ...format.tilefile import FileLayout
-from ...storage.base import Storage
+from ...storage.base import Storage, timed_chunks
 from ...storage.capabilities import SyncsDirs
 from . import compress_choice
-from .coded_files import CodingStats, DeltaBase, timed_chunks, write_coded
+from .coded_files import CodingStats, DeltaBase, write_coded
 
 logger = logging.getLogger(__name__)
 
@@ -210,7 +210,7 @@ def _write_one(
         tiles.extend(WrittenTile(t.fqn, t.box, t.byte_offset, t.nbytes, sums) for t, sums in zip(layout.slots, sums_of))
     else:
         stream = chunks() if pieces is None else streamed()
-        storage.write_file(path, stream if stats is None else timed_chunks(stream, stats))
+        storage.write_file(path, stream if stats is None else timed_chunks(stream, stats.waited))
     if progress is not None:
         progress(0)
     if len(tiles) != len(layout.slots):
