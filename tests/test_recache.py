@@ -253,3 +253,30 @@ def test_loading_a_local_checkpoint_makes_its_reading_back_give_way(
     tessera.load(str(path), {k: torch.zeros_like(v) for k, v in state().items()})
     assert recache._being_loaded(str(data_files(path)[0]))
     assert not recache._being_loaded(str(tmp_path / "other" / "data" / "x"))
+
+
+def test_a_save_at_the_edge_of_the_memory_rule_is_recached_in_part(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where a rank's files do not all fit in its part of half of MemAvailable, the first ones
+    that fit are re-cached (a first load finds them), not none."""
+    mib = 1 << 20
+    files = []
+    for i, n in enumerate([3, 3, 3]):
+        f = tmp_path / f"f{i}.bin"
+        f.write_bytes(b"x" * (n * mib))
+        files.append(str(f))
+    monkeypatch.setattr(recache, "filesystem_type", lambda root: "ext4")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.delenv("TESSERA_RECACHE", raising=False)
+    scheduled: list[tuple[str, ...]] = []
+    monkeypatch.setattr(recache, "schedule", lambda paths, drop=(): scheduled.append(tuple(paths)))
+    monkeypatch.setattr(recache, "available_bytes", lambda: 28 * mib)  # half: 14 MiB, 7 per rank
+    recache.offer(str(tmp_path), files, supersedes=False)
+    assert scheduled[-1] == tuple(files[:2])
+    monkeypatch.setattr(recache, "available_bytes", lambda: 40 * mib)  # 10 MiB per rank: all three
+    recache.offer(str(tmp_path), files, supersedes=False)
+    assert scheduled[-1] == tuple(files)
+    monkeypatch.setattr(recache, "available_bytes", lambda: 8 * mib)  # 2 MiB per rank: none fits
+    recache.offer(str(tmp_path), files, supersedes=False)
+    assert scheduled[-1] == ()

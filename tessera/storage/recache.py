@@ -19,10 +19,13 @@ of CPU per 2 GB). That is a fraction of what DCP's async save costs the same loo
 what makes the first load after a save a warm one (2.5-2.8x DCP's at 0.5 GB per rank, where it
 was 0.8x). A job that never reads its checkpoints back on the same nodes can set
 ``TESSERA_RECACHE=0``. It runs only for files on a local filesystem (a network filesystem would
-move the bytes over the network again) and only while this node's share fits in half of the
-memory the kernel reports available (``MemAvailable``: the cache must not push out what the job
-itself needs). The node's share is this rank's bytes times ``LOCAL_WORLD_SIZE`` (set by torchrun;
-1 when unset). ``TESSERA_RECACHE=1`` skips both checks.
+move the bytes over the network again) and only for as many of this rank's files as fit in its
+part of half of the memory the kernel reports available (``MemAvailable``: the cache must not push
+out what the job itself needs), the half shared by the node's ``LOCAL_WORLD_SIZE`` ranks (set by
+torchrun; 1 when unset). A save whose files do not all fit gets the first of them re-cached, not
+none: a first load then finds part of its bytes cached where it found none (at 4 GB per rank
+beside 8 GB of state on the 24 GB VM, the share sits at that edge). ``TESSERA_RECACHE=1`` skips
+both checks.
 
 What it never does: delay or fail a save. It starts after the commit, gives way as soon as this
 process writes data files again (:func:`yield_to_writes`: a new save's writes must not share the
@@ -37,6 +40,7 @@ from __future__ import annotations
 import logging
 import os
 import queue
+import sys
 import threading
 from collections.abc import Sequence
 
@@ -112,17 +116,39 @@ def _ranks_on_node() -> int:
         return 1
 
 
-def wanted(root: str, nbytes: int) -> bool:
-    """Whether ``nbytes`` written under ``root`` by this rank should be brought back into the cache."""
+def allowance(root: str) -> int:
+    """How many bytes this rank may bring back into the cache of what it wrote under ``root``:
+    its part (one of ``LOCAL_WORLD_SIZE``) of :data:`MEMORY_SHARE` of ``MemAvailable``."""
     how = _knobs.recache()
-    if how == "off" or nbytes <= 0:
-        return False
+    if how == "off":
+        return 0
     if how == "always":
-        return True
+        return sys.maxsize
     if filesystem_type(root) not in LOCAL_FILESYSTEMS:
-        return False
+        return 0
     free = available_bytes()
-    return free is not None and nbytes * _ranks_on_node() <= MEMORY_SHARE * free
+    return 0 if free is None else int(MEMORY_SHARE * free) // _ranks_on_node()
+
+
+def wanted(root: str, nbytes: int) -> bool:
+    """Whether all of ``nbytes`` written under ``root`` by this rank may be brought back into the cache."""
+    return 0 < nbytes <= allowance(root)
+
+
+def _within(paths: Sequence[str], allowed: int) -> tuple[str, ...]:
+    """The first of ``paths`` that fit in ``allowed`` bytes together: at the edge of the rule a
+    save's files are re-cached in part (a first load then reads the rest), not left out whole."""
+    out: list[str] = []
+    for p in paths:
+        try:
+            n = os.path.getsize(p)
+        except OSError:
+            continue  # removed meanwhile (retention, another save's cleanup): nothing to keep
+        if n > allowed:
+            break
+        out.append(p)
+        allowed -= n
+    return tuple(out)
 
 
 def offer(root: str, paths: Sequence[str], *, supersedes: bool = True) -> None:
@@ -147,11 +173,7 @@ def offer(root: str, paths: Sequence[str], *, supersedes: bool = True) -> None:
             before, _previous[folder] = _previous.get(folder, ()), tuple(paths)
         keep = set(paths)
         drop = tuple(p for p in before if p not in keep)
-    try:
-        nbytes = sum(os.path.getsize(p) for p in paths)
-    except OSError:
-        nbytes = 0  # removed meanwhile (retention, another save's cleanup): nothing to keep
-    schedule(paths if wanted(root, nbytes) else (), drop)
+    schedule(_within(paths, allowance(root)), drop)
 
 
 def yield_to_writes() -> None:
