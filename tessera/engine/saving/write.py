@@ -93,6 +93,11 @@ WRITE_PIECE_BYTES = 1 << 20
 1-2% of such a save (``docs/compression.md``, "Chunk size")."""
 
 
+def _piece_bytes(chunk_bytes: int) -> int:
+    """The whole chunks a plain write hands the backend at once: at least :data:`WRITE_PIECE_BYTES`."""
+    return max(1, WRITE_PIECE_BYTES // chunk_bytes) * chunk_bytes
+
+
 def checksum_chunks(data: memoryview, chunk_bytes: int) -> Iterator[tuple[memoryview, int]]:
     """``(chunk, xxh3_64)`` for each ``chunk_bytes`` slice of ``data``."""
     for i in range(0, len(data), chunk_bytes):
@@ -104,7 +109,7 @@ def checksum_pieces(data: memoryview, chunk_bytes: int) -> Iterator[tuple[memory
     """``(piece, xxh3_64 of each of its chunks)``: ``data`` in pieces of whole ``chunk_bytes``
     chunks (the last may be shorter), each at least :data:`WRITE_PIECE_BYTES` where chunks are
     smaller. Each piece is hashed just before it is handed on, as a chunk of the plain size is."""
-    per = max(1, WRITE_PIECE_BYTES // chunk_bytes) * chunk_bytes
+    per = _piece_bytes(chunk_bytes)
     for i in range(0, len(data), per):
         piece = data[i : i + per]
         yield piece, [h for _, h in checksum_chunks(piece, chunk_bytes)]
@@ -189,7 +194,7 @@ def _write_one(
             chunk_bytes = chunking.of(slot.nbytes)
             sums = list(known.get(i, ()))
             done = len(sums) * chunk_bytes  # bytes whose checksums are known
-            per = max(1, WRITE_PIECE_BYTES // chunk_bytes) * chunk_bytes
+            per = _piece_bytes(chunk_bytes)
             for j in range(0, min(done, len(view)), per):
                 c = view[j : min(j + per, done)]
                 yield c
