@@ -235,13 +235,13 @@ def _windowed(
 
 
 def _copied_event(timer: PhaseTimer) -> tuple[threading.Event, Callable[[], None]]:
-    """The event a background copy sets once the state may change, and the callback that sets
-    it (and marks the ``copy`` phase)."""
+    """The event a background copy sets once the state may change, and the callback that
+    marks the ``copy`` phase and sets it (marked first: a call waiting for the event reads it)."""
     event = threading.Event()
 
     def copied() -> None:
-        event.set()
         timer.mark("copy")
+        event.set()
 
     return event, copied
 
