@@ -76,6 +76,45 @@ def test_the_decision_is_codec_against_storage_and_plain_until_the_storage_is_kn
     assert c.rates("s3://b/x")[0] == pytest.approx(1 << 40, rel=1e-3)
 
 
+def test_where_the_model_says_code_the_realized_writes_decide_and_the_loser_is_retried() -> None:
+    c = CompressChoice()
+    sample = memoryview((torch.randn(MB) * 0.02).numpy().tobytes())
+    url = "s3://b/x"
+    c.record_storage(url, 64 * MB, 1.0)  # slower than the codec: the model says code
+    assert c.should_code(url, 2, sample, 4) is True  # coded writes not tried here yet
+    c.record_write(url, 64 * MB, 1.0, coded=False)
+    c.record_write(url, 64 * MB, 2.0, coded=True)  # coding realized half the plain rate
+    assert c.realized("s3://b/other") == (64 * MB, 32 * MB)
+    picks = [c.should_code(url, 2, sample, 4) for _ in range(2 * compress_choice.PROBE_EVERY)]
+    assert picks.count(True) == 2 and picks[compress_choice.PROBE_EVERY - 1] is True  # the loser, retried
+    for _ in range(20):
+        c.record_write(url, 64 * MB, 0.25, coded=True)  # the storage slowed: coding now realizes more
+    picks = [c.should_code(url, 2, sample, 4) for _ in range(compress_choice.PROBE_EVERY)]
+    assert picks.count(False) == 1
+    for _ in range(20):
+        c.record_storage(url, 1 << 40, 1.0)  # storage faster than the codec: plain, whatever was realized
+    assert not any(c.should_code(url, 2, sample, 4) for _ in range(2 * compress_choice.PROBE_EVERY))
+    c.record_write(url, 1000, 1e-9, coded=True)  # under 1 MiB: latency, not measured
+    assert c.realized(url)[1] == pytest.approx(256 * MB, rel=1e-3)
+
+
+def test_a_coded_save_that_realized_less_than_plain_is_not_repeated(tmp_path: Path, choice: CompressChoice) -> None:
+    state = _state()
+    opts = SaveOptions(compress="auto")
+    tessera.save(str(tmp_path / "first"), state, options=opts)  # plain: measures the disk
+    _slow(choice, str(tmp_path))
+    tessera.save(str(tmp_path / "tried"), state, options=opts)
+    assert _coded(tmp_path / "tried") == [True]
+    plain, coded = choice.realized(str(tmp_path))
+    assert plain is not None and coded is not None  # both kinds of write were timed by the saves
+    for _ in range(20):
+        choice.record_write(str(tmp_path), 64 * MB, 1.0, coded=True)  # coding realized far less here
+        choice.record_write(str(tmp_path), 64 * MB, 0.01, coded=False)
+    tessera.save(str(tmp_path / "after"), state, options=opts)
+    assert _coded(tmp_path / "after") == [False]
+    _loads_bit_exact(tmp_path / "after", state)
+
+
 def test_save_options_take_auto_and_refuse_other_values(monkeypatch: pytest.MonkeyPatch) -> None:
     assert SaveOptions(compress="auto").compress == "auto"
     monkeypatch.setenv("TESSERA_COMPRESS", "auto")

@@ -300,7 +300,7 @@ def write_tiles(storage: Storage, request: WriteRequest, progress: Progress | No
             logger.warning("could not remove the files of a failed write under %s: %s", storage.url, e)
         raise
     if stats is not None:
-        _measure(storage.url, written, stats, time.perf_counter() - t0, min(threads, len(files)))
+        _measure(storage.url, written, stats, time.perf_counter() - t0, min(threads, len(files)), bool(compress))
     return written
 
 
@@ -315,10 +315,14 @@ def _sample(files: Sequence[FileWrite], chunk_bytes: int) -> tuple[memoryview | 
     return None, 1
 
 
-def _measure(url: str, written: Sequence[WrittenFile], stats: CodingStats, seconds: float, lanes: int) -> None:
+def _measure(
+    url: str, written: Sequence[WrittenFile], stats: CodingStats, seconds: float, lanes: int, coded: bool
+) -> None:
     """Feed ``compress="auto"`` what this write stage showed of the storage and the codec."""
     if stats.coding_s > 0:
         compress_choice.CHOICE.record_codec(stats.logical, stats.coding_s)
+    logical = sum(t.nbytes for w in written for t in w.tiles)
+    compress_choice.CHOICE.record_write(url, logical, seconds, coded)  # what the save paid, waits included
     # The backend's own time: the stage's, less what the files' writers (``lanes`` at once)
     # waited for their next bytes.
     seconds -= stats.waited_s / max(1, lanes)
