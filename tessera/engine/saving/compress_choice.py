@@ -150,17 +150,17 @@ class CompressChoice:
 
     def record_write(self, url: str, logical: int, seconds: float, coded: bool) -> None:
         """A write stage (coded or plain) moved ``logical`` bytes of tiles to ``url`` in ``seconds``."""
-        if logical >= _MIN_BYTES and seconds > 0:
-            key = (place(url), coded)
+        self._record(self._realized, (place(url), coded), logical, seconds)
+
+    def _record(self, table: dict, key: object, nbytes: int, seconds: float) -> None:
+        """Mix a rate into ``table[key]``; writes under :data:`_MIN_BYTES` are latency, not measured."""
+        if nbytes >= _MIN_BYTES and seconds > 0:
             with self._lock:
-                self._realized[key] = _mix(self._realized.get(key), logical / seconds)
+                table[key] = _mix(table.get(key), nbytes / seconds)
 
     def record_storage(self, url: str, nbytes: int, seconds: float) -> None:
         """A write stage moved ``nbytes`` to ``url`` in ``seconds`` of the backend's time."""
-        if nbytes >= _MIN_BYTES and seconds > 0:
-            key = place(url)
-            with self._lock:
-                self._storage[key] = _mix(self._storage.get(key), nbytes / seconds)
+        self._record(self._storage, place(url), nbytes, seconds)
 
     def record_codec(self, nbytes: int, seconds: float) -> float | None:
         """Threads coded ``nbytes`` in ``seconds`` of their time in all; the codec's rate now."""
